@@ -1,0 +1,54 @@
+"""fp8_lightning: FP8 mixed-precision training for PyTorch Lightning, on NVIDIA GPUs and emulated on a CPU.
+
+The core (formats, recipes, scaling, quantize, gemm, linear, convert, autocast) is plain PyTorch and never imports
+Lightning; the Lightning adapters live in ``fp8_lightning.lightning``.
+"""
+
+from fp8_lightning.autocast import fp8_autocast, is_fp8_enabled
+from fp8_lightning.convert import (
+    ConversionReport,
+    convert_to_fp8,
+    fp8_modules,
+    fp8_state_dict,
+    load_fp8_state_dict,
+    sync_scales,
+)
+from fp8_lightning.formats import Format, fp8_max
+from fp8_lightning.gemm import fp8_gemm_support, fp8_mm
+from fp8_lightning.linear import FP8Linear
+from fp8_lightning.quantize import (
+    Quantized,
+    dequantize_mxfp8,
+    dequantize_tensorwise,
+    quantize_mxfp8,
+    quantize_tensorwise,
+)
+from fp8_lightning.recipes import DelayedScaling, MXFP8BlockScaling, Recipe, TensorwiseScaling, recipe_from
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConversionReport",
+    "DelayedScaling",
+    "FP8Linear",
+    "Format",
+    "MXFP8BlockScaling",
+    "Quantized",
+    "Recipe",
+    "TensorwiseScaling",
+    "convert_to_fp8",
+    "dequantize_mxfp8",
+    "dequantize_tensorwise",
+    "fp8_autocast",
+    "fp8_gemm_support",
+    "fp8_max",
+    "fp8_mm",
+    "fp8_modules",
+    "fp8_state_dict",
+    "is_fp8_enabled",
+    "load_fp8_state_dict",
+    "quantize_mxfp8",
+    "quantize_tensorwise",
+    "recipe_from",
+    "sync_scales",
+]

@@ -1,0 +1,57 @@
+"""``fp8_autocast``: the switch that makes converted layers compute in FP8, usable without Lightning.
+
+Like TransformerEngine's context, converted layers (see :func:`~fp8_lightning.convert.convert_to_fp8`) run
+their GEMMs in FP8 inside the context and in ordinary high precision outside it; the choice is made at forward
+time, so the backward of an FP8 forward is FP8 too, wherever ``loss.backward()`` is called::
+
+    convert_to_fp8(model)
+    with fp8_autocast(recipe=DelayedScaling(margin=1)):
+        loss = model(x).sum()
+    loss.backward()
+    optimizer.step()
+
+``recipe=None`` lets each layer use the recipe it was converted with; a recipe given here overrides it for the
+layers called inside (each layer keeps separate scaling state per recipe). Contexts nest; the state is
+per-thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Iterator
+
+from fp8_lightning.recipes import Recipe, RecipeLike, recipe_from
+
+
+@dataclasses.dataclass(frozen=True)
+class AutocastState:
+    enabled: bool = False
+    recipe: Recipe | None = None
+
+
+_local = threading.local()
+
+
+def autocast_state() -> AutocastState:
+    """The innermost active ``fp8_autocast`` setting (disabled when none is active)."""
+    return getattr(_local, "state", AutocastState())
+
+
+def is_fp8_enabled() -> bool:
+    return autocast_state().enabled
+
+
+@contextlib.contextmanager
+def fp8_autocast(enabled: bool = True, recipe: RecipeLike = None) -> Iterator[AutocastState]:
+    """Run converted layers in FP8 (``enabled=True``) or in high precision (``enabled=False``)."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"fp8_autocast(enabled={enabled!r}): expected True or False.")
+    new = AutocastState(enabled, recipe_from(recipe) if recipe is not None else None)
+    previous = autocast_state()
+    _local.state = new
+    try:
+        yield new
+    finally:
+        _local.state = previous

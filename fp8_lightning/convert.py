@@ -1,0 +1,128 @@
+"""Model-level operations: convert ``nn.Linear`` layers to FP8 in place, and save/sync their scaling state.
+
+``convert_to_fp8(model)`` walks the model and turns every eligible ``nn.Linear`` into an
+:class:`~fp8_lightning.linear.FP8Linear` *in place* (the same module object, the same parameters), so
+optimizers, DDP wrappers and other references created before the conversion stay valid, and the model's
+``state_dict`` is unchanged. It returns a :class:`ConversionReport` that names every converted layer and every
+skipped one with its reason. Calling it again is harmless (it reports the same layers, with an updated recipe).
+
+The scaling state (histories, scales, fallback decisions) lives outside the ``state_dict``;
+:func:`fp8_state_dict` / :func:`load_fp8_state_dict` carry it in checkpoints, and :func:`sync_scales` runs the
+once-per-step amax reduction and scale update for the whole model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterator
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from fp8_lightning.linear import FP8Linear, shape_unsupported_reason
+from fp8_lightning.recipes import RecipeLike, recipe_from
+from fp8_lightning.scaling import OperandScaling, update_scales
+
+ModuleFilter = Callable[[nn.Module, str], bool]
+
+
+@dataclasses.dataclass
+class ConversionReport:
+    """What :func:`convert_to_fp8` did: converted layer names, and skipped ones with the reason."""
+
+    converted: list[str] = dataclasses.field(default_factory=list)
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"FP8 conversion: {len(self.converted)} layer(s) converted, {len(self.skipped)} skipped"]
+        lines += [f"  skipped {name}: {reason}" for name, reason in self.skipped.items()]
+        return "\n".join(lines)
+
+
+def convert_to_fp8(
+    module: nn.Module,
+    recipe: RecipeLike = None,
+    module_filter_fn: ModuleFilter | None = None,
+    emulate: bool = False,
+) -> ConversionReport:
+    """Swap eligible ``nn.Linear`` layers of ``module`` (the module itself included) to FP8, in place.
+
+    Args:
+        recipe: the scaling recipe (object, name or dict); ``DelayedScaling()`` by default.
+        module_filter_fn: ``fn(module, fully_qualified_name) -> bool``; layers for which it returns False stay
+            in high precision.
+        emulate: allow FP8 numerics emulated in float32 on CUDA devices without FP8 tensor cores.
+    """
+    recipe = recipe_from(recipe)
+    report = ConversionReport()
+    for name, child in module.named_modules():
+        if not isinstance(child, nn.Linear):
+            continue
+        reason = _skip_reason(child, name, recipe, module_filter_fn)
+        if reason is not None:
+            report.skipped[name or "<root>"] = reason
+            continue
+        FP8Linear.from_linear(child, recipe, emulate)
+        report.converted.append(name or "<root>")
+    return report
+
+
+def _skip_reason(layer: nn.Linear, name: str, recipe, module_filter_fn: ModuleFilter | None) -> str | None:
+    if module_filter_fn is not None and not module_filter_fn(layer, name):
+        return "excluded by module_filter_fn"
+    if type(layer) not in (nn.Linear, FP8Linear):
+        return f"{type(layer).__name__} is a subclass of nn.Linear with its own behaviour"
+    return shape_unsupported_reason(layer.in_features, layer.out_features, recipe)
+
+
+def fp8_modules(module: nn.Module) -> Iterator[tuple[str, FP8Linear]]:
+    """Converted layers with their names, in module order (the same order on every rank)."""
+    for name, child in module.named_modules():
+        if isinstance(child, FP8Linear):
+            yield name, child
+
+
+def operand_states(module: nn.Module) -> list[OperandScaling]:
+    """Every per-tensor scaling state of the model, in a deterministic order."""
+    states = []
+    for _, layer in fp8_modules(module):
+        for recipe in sorted(layer._fp8_scalings, key=repr):
+            states.extend(layer._fp8_scalings[recipe].operands.values())
+    return states
+
+
+def sync_scales(module: nn.Module, group: "dist.ProcessGroup | None" = None) -> int:
+    """Once per optimizer step: reduce amaxes across ranks in one collective and advance every delayed scale.
+
+    Returns the number of collectives issued (0 or 1).
+    """
+    return update_scales(operand_states(module), group)
+
+
+def fp8_state_dict(module: nn.Module) -> dict:
+    """The scaling state of every converted layer, keyed by layer name (goes into checkpoints)."""
+    out = {}
+    for name, layer in fp8_modules(module):
+        out[name] = {
+            "disabled_reason": layer.fp8_disabled_reason,
+            "scalings": [s.state_dict() for _, s in sorted(layer._fp8_scalings.items(), key=lambda kv: repr(kv[0]))],
+        }
+    return out
+
+
+def load_fp8_state_dict(module: nn.Module, state: dict, strict: bool = True) -> None:
+    """Restore what :func:`fp8_state_dict` saved. ``strict`` refuses missing or unexpected layers."""
+    layers = dict(fp8_modules(module))
+    if strict and set(layers) != set(state):
+        missing, unexpected = sorted(set(layers) - set(state)), sorted(set(state) - set(layers))
+        raise KeyError(
+            f"FP8 scaling state does not match the model: missing {missing}, unexpected {unexpected}. "
+            "Convert the same layers as the run that saved it, or load with strict=False."
+        )
+    for name, saved in state.items():
+        layer = layers.get(name)
+        if layer is None:
+            continue
+        layer.fp8_disabled_reason = saved["disabled_reason"]
+        for entry in saved["scalings"]:
+            layer.fp8_scaling(recipe_from(entry["recipe"])).load_state_dict(entry)

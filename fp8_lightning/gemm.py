@@ -1,0 +1,127 @@
+"""The one place that picks how an FP8 GEMM is computed.
+
+Every GEMM of :class:`~fp8_lightning.linear.FP8Linear` is written ``out = a @ b.T`` with both operands holding
+the reduction dimension K last (an "NT" GEMM). That is exactly the layout ``torch._scaled_mm`` wants: ``a``
+row-major and ``b.T`` column-major, with no transposes in here.
+
+Backends, chosen per call:
+
+* ``scaled_mm``: ``torch._scaled_mm`` with per-tensor scales. Runs on CPU (oneDNN) and on CUDA sm89+.
+  CUDA needs K and N divisible by 16; operands are zero-padded when they are not (zeros add nothing to a sum).
+* ``emulate``: dequantize both operands to float32 and matmul (float32 accumulation). Used for MX block
+  scales where no native block-scaled GEMM exists (CPU; CUDA below sm100 until a Triton kernel is available),
+  and on request (``FP8_LIGHTNING_GEMM=emulate`` or ``emulate=True``) on GPUs without FP8 tensor cores.
+
+Device checks return ``(ok, reason)`` so that the same reason feeds errors and test skips.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from fp8_lightning.quantize import Quantized
+
+GEMM_ENV = "FP8_LIGHTNING_GEMM"
+EMULATE_ENV = "FP8_LIGHTNING_EMULATE"
+BACKENDS = ("auto", "scaled_mm", "emulate")
+LAYOUT_MULTIPLE = 16
+
+# A block-scaled GEMM for MX operands on CUDA (set by fp8_lightning.kernels when Triton is usable).
+_mx_gemm_impl: Callable[[Quantized, Quantized, torch.dtype], torch.Tensor] | None = None
+
+
+def register_mx_gemm(fn: Callable[[Quantized, Quantized, torch.dtype], torch.Tensor] | None) -> None:
+    """Install (or remove, with None) the accelerated MX GEMM used on CUDA."""
+    global _mx_gemm_impl
+    _mx_gemm_impl = fn
+
+
+def emulation_requested() -> bool:
+    return os.environ.get(EMULATE_ENV, "0").lower() in ("1", "true", "yes")
+
+
+def requested_backend() -> str:
+    backend = os.environ.get(GEMM_ENV, "auto").lower()
+    if backend not in BACKENDS:
+        raise ValueError(f"{GEMM_ENV}={backend!r} is invalid; allowed: {', '.join(BACKENDS)}.")
+    return backend
+
+
+def fp8_gemm_support(device: torch.device | str) -> tuple[bool, str]:
+    """Whether ``torch._scaled_mm`` can run per-tensor FP8 GEMMs on ``device``, and why not."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return True, "CPU: torch._scaled_mm runs on oneDNN"
+    if device.type != "cuda":
+        return False, f"device type '{device.type}' has no FP8 GEMM; use CPU or an NVIDIA GPU with sm89+"
+    if not torch.cuda.is_available():
+        return False, "CUDA is not available"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return False, (
+            f"CUDA device '{torch.cuda.get_device_name(device)}' has compute capability {major}.{minor}; FP8 GEMMs "
+            f"need 8.9+ (Ada, Hopper, Blackwell)"
+        )
+    return True, f"compute capability {major}.{minor}"
+
+
+def check_device(device: torch.device | str, emulate: bool = False) -> None:
+    """Raise a clear error when ``device`` cannot run FP8 GEMMs and emulation was not requested."""
+    ok, reason = fp8_gemm_support(device)
+    if not ok and not (emulate or emulation_requested()):
+        raise RuntimeError(
+            f"FP8 training cannot run here: {reason}. Pass emulate=True (or set {EMULATE_ENV}=1) to emulate FP8 "
+            "numerics in float32 on this device, or train in bf16/fp32."
+        )
+
+
+def pad_dim(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    """Zero-pad dimension ``dim`` up to a multiple of ``multiple`` (works for float8 via a uint8 view)."""
+    size = t.shape[dim]
+    extra = (-size) % multiple
+    if extra == 0:
+        return t
+    dim = dim % t.dim()
+    pad = [0, 0] * (t.dim() - 1 - dim) + [0, extra]
+    if t.dtype.itemsize == 1 and t.is_floating_point():
+        return F.pad(t.view(torch.uint8), pad).view(t.dtype)  # 0x00 is +0.0 in every float8 format
+    return F.pad(t, pad)
+
+
+def _scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+    n = b.data.shape[0]
+    a_data = pad_dim(a.data, -1, LAYOUT_MULTIPLE)
+    b_data = pad_dim(pad_dim(b.data, -1, LAYOUT_MULTIPLE), 0, LAYOUT_MULTIPLE)
+    mm_dtype = out_dtype if out_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    out = torch._scaled_mm(
+        a_data,
+        b_data.t(),
+        scale_a=a.scale.reciprocal(),
+        scale_b=b.scale.reciprocal(),
+        out_dtype=mm_dtype,
+    )
+    return out[:, :n].to(out_dtype)
+
+
+def _emulated(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+    return (a.dequantize(torch.float32) @ b.dequantize(torch.float32).t()).to(out_dtype)
+
+
+def fp8_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, emulate: bool = False) -> torch.Tensor:
+    """``a @ b.T`` for FP8 operands with K last: ``a`` is (M, K), ``b`` is (N, K); returns (M, N)."""
+    if a.data.shape[-1] != b.data.shape[-1]:
+        raise ValueError(f"fp8_mm: K differs: a is {tuple(a.data.shape)}, b is {tuple(b.data.shape)}.")
+    if a.kind != b.kind:
+        raise ValueError(f"fp8_mm: cannot mix scaling kinds {a.kind!r} and {b.kind!r}.")
+    backend = "emulate" if emulate else requested_backend()
+    if a.kind == "mx":
+        if backend != "emulate" and a.data.is_cuda and _mx_gemm_impl is not None:
+            return _mx_gemm_impl(a, b, out_dtype)
+        return _emulated(a, b, out_dtype)
+    if backend == "emulate" or (backend == "auto" and not fp8_gemm_support(a.data.device)[0]):
+        return _emulated(a, b, out_dtype)
+    return _scaled_mm(a, b, out_dtype)

@@ -1,0 +1,247 @@
+"""FP8Linear: an ``nn.Linear`` whose three GEMMs run on FP8 operands.
+
+With ``x`` of shape (M, K), ``W`` of shape (N, K) and the output gradient ``g`` of shape (M, N)::
+
+    fprop   y  = x @ W.T        x: E4M3, W: E4M3                      reduction over K
+    dgrad   dx = g @ W          g: E5M2 (HYBRID) or E4M3, W: E4M3     reduction over N
+    wgrad   dW = g.T @ x        g.T and x.T, both quantized along M   reduction over M
+
+Every GEMM is an "NT" GEMM ``a @ b.T`` with K last in both operands (see :mod:`fp8_lightning.gemm`).
+Per-tensor recipes transpose the FP8 bytes for dgrad/wgrad (a transpose does not change a per-tensor scale);
+MXFP8 quantizes the columnwise copies from the high-precision tensor, because block scales follow the
+reduction dimension.
+
+Only FP8 copies of ``x`` and ``W`` are saved for backward (about half the bytes of a bf16 layer). The bias, the
+output and everything outside the GEMMs stay in high precision (the autocast dtype, or the input dtype).
+Within one optimizer step the FP8 weight is cast once and reused across micro-batches: the cache is keyed on
+the parameter's version counter, which every in-place optimizer update bumps.
+
+A converted layer *is* the original module (its class is swapped in place), so its parameters, hooks and
+``state_dict`` keys, shapes and dtypes are exactly those of the ``nn.Linear`` it was. Scaling state is kept
+outside the ``state_dict`` and saved through :func:`fp8_lightning.convert.fp8_state_dict`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fp8_lightning.autocast import autocast_state
+from fp8_lightning.gemm import check_device, fp8_mm, pad_dim
+from fp8_lightning.quantize import Quantized, quantize_mx_operand
+from fp8_lightning.recipes import MXFP8BlockScaling, Recipe
+from fp8_lightning.scaling import OperandScaling
+
+Observer = Callable[[nn.Module, str, torch.Tensor, Quantized], None]
+
+
+def shape_unsupported_reason(in_features: int, out_features: int, recipe: Recipe) -> str | None:
+    """Why a (out, in) weight cannot run under ``recipe``, or None. K and N must be multiples of 16 (of the
+    block size for MXFP8) for the FP8 GEMM layouts."""
+    multiple = recipe.block_size if isinstance(recipe, MXFP8BlockScaling) else 16
+    bad = [f"{name}={v}" for name, v in (("in_features", in_features), ("out_features", out_features)) if v % multiple]
+    if bad:
+        return f"{', '.join(bad)} not divisible by {multiple} ({type(recipe).__name__})"
+    return None
+
+
+class LayerScaling:
+    """Everything one layer keeps for one recipe: operand scaling states and the per-step FP8 weight cache."""
+
+    def __init__(self, recipe: Recipe):
+        self.recipe = recipe
+        fmt = recipe.fp8_format
+        self.forward_dtype, self.backward_dtype = fmt.forward_dtype, fmt.backward_dtype
+        self.operands: dict[str, OperandScaling] = {}
+        if recipe.per_tensor:
+            self.operands = {
+                "input": OperandScaling(recipe, self.forward_dtype),
+                "weight": OperandScaling(recipe, self.forward_dtype),
+                "grad_output": OperandScaling(recipe, self.backward_dtype),
+            }
+        self._weight_key: tuple | None = None
+        self._weight_cache: tuple[Quantized, Quantized | None] | None = None
+        self.weight_casts = 0
+
+    @property
+    def dirty(self) -> bool:
+        return any(s.dirty for s in self.operands.values())
+
+    def update(self) -> None:
+        for s in self.operands.values():
+            s.update()
+
+    def step_boundary_passed(self, weight: torch.Tensor) -> bool:
+        """True when the weight changed in place (an optimizer step) since the cached cast."""
+        return self._weight_key is not None and self._weight_key[:2] != (weight._version, weight.data_ptr())
+
+    # -- casts ------------------------------------------------------------------------------------------------
+
+    def cast(self, role: str, x: torch.Tensor, record: bool) -> Quantized:
+        """Rowwise FP8 copy of a 2-D operand (K last)."""
+        if self.recipe.per_tensor:
+            return self.operands[role].quantize(x, record)
+        dtype = self.backward_dtype if role == "grad_output" else self.forward_dtype
+        return quantize_mx_operand(x, self.recipe.block_size, self.recipe.scale_rounding, dtype)
+
+    def cast_columnwise(self, role: str, x: torch.Tensor) -> Quantized:
+        """MX copy of ``x.T`` quantized along x's first dimension (zero-padded to whole blocks)."""
+        dtype = self.backward_dtype if role == "grad_output" else self.forward_dtype
+        xt = pad_dim(x.t(), -1, self.recipe.block_size)
+        return quantize_mx_operand(xt, self.recipe.block_size, self.recipe.scale_rounding, dtype)
+
+    def weight_operands(self, weight: torch.Tensor, record: bool) -> tuple[Quantized, Quantized | None]:
+        """(rowwise W, columnwise W for MX) cast once per weight version and scale generation."""
+        w_state = self.operands.get("weight")
+        key = (weight._version, weight.data_ptr(), w_state.generation if w_state else 0, weight.device)
+        if self._weight_cache is None or key != self._weight_key:
+            w = weight.detach()
+            row = self.cast("weight", w, record)
+            col = None if self.recipe.per_tensor else self.cast_columnwise("weight", w)
+            self._weight_cache, self._weight_key = (row, col), key
+            self.weight_casts += 1
+        return self._weight_cache
+
+    # -- persistence ------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"recipe": self.recipe.to_dict(), "operands": {k: s.state_dict() for k, s in self.operands.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        for role, s in self.operands.items():
+            s.load_state_dict(state["operands"][role])
+        self._weight_cache = self._weight_key = None
+
+
+class _FP8LinearFunction(torch.autograd.Function):
+    """y = x @ W.T on FP8 operands; the three GEMMs are marked by banners below."""
+
+    @staticmethod
+    def forward(ctx, x2d, weight, layer, scaling: LayerScaling, record: bool, emulate: bool, out_dtype):
+        # ------------------------------------------------ fprop ------------------------------------------------
+        xq = scaling.cast("input", x2d, record)
+        wq, w_col = scaling.weight_operands(weight, record)
+        _observe(layer, "input", x2d, xq)
+        _observe(layer, "weight", weight, wq)
+        y = fp8_mm(xq, wq, out_dtype, emulate)
+        # Save FP8 copies only: rowwise for per-tensor recipes (transposed in backward), columnwise for MX.
+        x_saved = xq if scaling.recipe.per_tensor else scaling.cast_columnwise("input", x2d)
+        w_saved = wq if scaling.recipe.per_tensor else w_col
+        ctx.save_for_backward(x_saved.data, x_saved.scale, w_saved.data, w_saved.scale)
+        ctx.meta = (layer, scaling, emulate, x2d.dtype, weight.dtype, x2d.shape[0])
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x_data, x_scale, w_data, w_scale = ctx.saved_tensors
+        layer, scaling, emulate, x_dtype, w_dtype, m = ctx.meta
+        kind = "tensor" if scaling.recipe.per_tensor else "mx"
+        x_saved, w_saved = Quantized(x_data, x_scale, kind), Quantized(w_data, w_scale, kind)
+        g = grad_y.contiguous()
+        gq = scaling.cast("grad_output", g, record=True)
+        _observe(layer, "grad_output", g, gq)
+        grad_x = grad_w = None
+        # ------------------------------------------------ dgrad ------------------------------------------------
+        if ctx.needs_input_grad[0]:
+            w_t = w_saved.t() if kind == "tensor" else w_saved  # (K, N)
+            grad_x = fp8_mm(gq, w_t, x_dtype, emulate)
+        # ------------------------------------------------ wgrad ------------------------------------------------
+        if ctx.needs_input_grad[1]:
+            if kind == "tensor":
+                grad_w = fp8_mm(gq.t(), x_saved.t(), w_dtype, emulate)  # (N, M) @ (K, M).T
+            else:
+                grad_w = fp8_mm(scaling.cast_columnwise("grad_output", g), x_saved, w_dtype, emulate)
+        return grad_x, grad_w, None, None, None, None, None
+
+
+def _observe(layer: nn.Module, role: str, x: torch.Tensor, q: Quantized) -> None:
+    observer = getattr(layer, "fp8_observer", None)
+    if observer is not None:
+        observer(layer, role, x, q)
+
+
+class FP8Linear(nn.Linear):
+    """``nn.Linear`` with FP8 GEMMs inside :func:`~fp8_lightning.autocast.fp8_autocast`.
+
+    Build it by converting an existing layer (:meth:`from_linear` or
+    :func:`~fp8_lightning.convert.convert_to_fp8`), which keeps the very same module and parameters.
+    """
+
+    fp8_recipe: Recipe
+    fp8_emulate: bool
+    fp8_observer: Observer | None
+    fp8_disabled_reason: str | None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: Recipe, emulate: bool = False) -> "FP8Linear":
+        """Turn ``linear`` into an FP8Linear in place (same object, same parameters) and return it."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"FP8Linear.from_linear expects an nn.Linear; got {type(linear).__name__}.")
+        if type(linear) is not nn.Linear and not isinstance(linear, FP8Linear):
+            raise TypeError(
+                f"{type(linear).__name__} subclasses nn.Linear; converting it would drop its own forward. "
+                "Exclude it with a module filter."
+            )
+        linear.__class__ = cls
+        linear.fp8_recipe = recipe
+        linear.fp8_emulate = emulate
+        linear.fp8_observer = getattr(linear, "fp8_observer", None)
+        linear.fp8_disabled_reason = getattr(linear, "fp8_disabled_reason", None)
+        linear._fp8_scalings = getattr(linear, "_fp8_scalings", {})
+        linear._fp8_warned = getattr(linear, "_fp8_warned", set())
+        return linear
+
+    def to_linear(self) -> nn.Linear:
+        """Undo the conversion in place: the module becomes a plain ``nn.Linear`` again."""
+        for attr in ("fp8_recipe", "fp8_emulate", "fp8_observer", "fp8_disabled_reason", "_fp8_scalings", "_fp8_warned"):
+            self.__dict__.pop(attr, None)
+        self.__class__ = nn.Linear
+        return self
+
+    def fp8_scaling(self, recipe: Recipe | None = None) -> LayerScaling:
+        """The layer's scaling state for ``recipe`` (its own recipe by default), created on first use."""
+        recipe = recipe or self.fp8_recipe
+        if recipe not in self._fp8_scalings:
+            self._fp8_scalings[recipe] = LayerScaling(recipe)
+        return self._fp8_scalings[recipe]
+
+    @property
+    def fp8_weight_casts(self) -> int:
+        """How many times the weight was cast to FP8 (once per optimizer step when training)."""
+        return sum(s.weight_casts for s in self._fp8_scalings.values())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = autocast_state()
+        recipe = state.recipe or self.fp8_recipe
+        if not state.enabled or self.fp8_disabled_reason is not None or self._runtime_fallback(x, recipe):
+            return F.linear(x, self.weight, self.bias)
+        check_device(x.device, self.fp8_emulate)
+        device_type = x.device.type
+        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        scaling = self.fp8_scaling(recipe)
+        if self.training and scaling.dirty and scaling.step_boundary_passed(self.weight):
+            scaling.update()  # no one called update_scales() after the optimizer step: advance locally
+        with torch.autocast(device_type, enabled=False):
+            x2d = x.reshape(-1, x.shape[-1])
+            y = _FP8LinearFunction.apply(x2d, self.weight, self, scaling, self.training, self.fp8_emulate, out_dtype)
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _runtime_fallback(self, x: torch.Tensor, recipe: Recipe) -> bool:
+        if not x.is_floating_point():
+            raise TypeError(
+                f"FP8Linear got an input of dtype {x.dtype}; FP8 GEMMs need floating-point input. "
+                "Convert the input with .float() (or embed integer ids with nn.Embedding first)."
+            )
+        reason = shape_unsupported_reason(self.in_features, self.out_features, recipe)
+        if reason is not None and reason not in self._fp8_warned:
+            self._fp8_warned.add(reason)
+            warnings.warn(f"FP8Linear({self.in_features}, {self.out_features}) runs in high precision: {reason}.")
+        return reason is not None
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={type(self.fp8_recipe).__name__}"

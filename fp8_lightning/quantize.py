@@ -1,0 +1,224 @@
+"""Quantize and dequantize: the reference implementations, and the ground truth for ``kernels/``.
+
+Per-tensor (delayed and tensorwise scaling), following TransformerEngine's convention::
+
+    scale = fp8_max / amax                  (a multiplier: larger scale, finer resolution)
+    data  = saturate(x * scale)             (clamp to +-fp8_max *before* the cast, then round to nearest even)
+    x    ~= data * (1 / scale)
+
+MXFP8 (OCP Microscaling), blocks of ``block_size`` consecutive elements along the last dimension::
+
+    scale_block = 2**shared_exp             (stored as E8M0: the biased exponent byte)
+    data        = saturate(x / scale_block)
+    x          ~= data * scale_block
+
+Saturation is explicit because casts disagree on overflow: the CPU cast saturates E4M3 but turns large E5M2
+values into inf, and the Triton interpreter produces NaN. Every function computes in float32 (float64 inputs
+stay float64) so that the result does not depend on the input dtype's rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from fp8_lightning.formats import Format, fp8_dtype, fp8_emax, fp8_max
+
+E8M0_DTYPE = torch.float8_e8m0fnu
+E8M0_BIAS = 127
+E8M0_MIN_EXP, E8M0_MAX_EXP = -127, 127  # exponent byte 255 is NaN
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def to_fp8_saturated(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Clamp to the finite range of ``dtype`` and cast (round to nearest even). NaN stays NaN."""
+    limit = fp8_max(dtype)
+    return x.clamp(-limit, limit).to(dtype)
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """Max of |x| as a float32 scalar tensor (0 for an empty tensor). NaN in x gives NaN."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return x.detach().abs().amax().float()
+
+
+def round_scale_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
+    """Largest power of two <= scale (exact, via frexp); keeps x*scale within range after rounding down."""
+    mantissa, exponent = torch.frexp(scale)
+    return torch.ldexp(torch.ones_like(mantissa), exponent - 1)
+
+
+def tensorwise_scale(
+    amax_value: torch.Tensor, dtype: torch.dtype, eps: float = 1e-12, power_of_2: bool = False
+) -> torch.Tensor:
+    """Current scaling: ``fp8_max / max(amax, eps)``, capped at float32 max (float32 scalar)."""
+    scale = fp8_max(dtype) / torch.clamp(amax_value.float(), min=eps)
+    scale = torch.clamp(scale, max=torch.finfo(torch.float32).max)
+    return round_scale_to_power_of_2(scale) if power_of_2 else scale
+
+
+def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``saturate(x * scale)`` in the float8 ``dtype``."""
+    return to_fp8_saturated(_wide(x) * scale, dtype)
+
+
+def dequantize_with_scale(
+    data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``data * (1 / scale)`` in ``out_dtype`` (the inverse of :func:`quantize_with_scale`)."""
+    return (data.float() * scale.float().reciprocal()).to(out_dtype)
+
+
+def quantize_tensorwise(
+    x: torch.Tensor, fp8_format: "Format | str | torch.dtype" = Format.E4M3, eps: float = 1e-12
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor current scaling. Returns ``(data, scale)`` with ``data = saturate(x * scale)``.
+
+    ``fp8_format`` is a float8 dtype or a :class:`Format` (HYBRID means its forward dtype, E4M3).
+    """
+    _check_floating(x, "quantize_tensorwise")
+    dtype = fp8_dtype(fp8_format)
+    scale = tensorwise_scale(amax(x), dtype, eps)
+    return quantize_with_scale(x, scale, dtype), scale
+
+
+def dequantize_tensorwise(
+    data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_tensorwise`."""
+    return dequantize_with_scale(data, scale, out_dtype)
+
+
+# --------------------------------------------------------------------------------------------------------
+# MXFP8
+# --------------------------------------------------------------------------------------------------------
+
+
+def floor_log2(x: torch.Tensor) -> torch.Tensor:
+    """Exact ``floor(log2(x))`` for positive finite float32 x, as int32 (frexp: x = m * 2**e, m in [0.5, 1))."""
+    _, exponent = torch.frexp(x.float())
+    return exponent - 1
+
+
+def mx_shared_exponent(block_amax: torch.Tensor, dtype: torch.dtype, scale_rounding: str) -> torch.Tensor:
+    """The E8M0 exponent of each block's scale (int32), clamped to [-127, 127].
+
+    ``floor``: ``floor(log2(amax)) - emax`` (OCP MX v1.0); values up to ``2**(emax+1)`` then saturate.
+    ``rceil``: the smallest ``e`` with ``amax / 2**e <= fp8_max`` (no value of the block saturates).
+    A block whose amax is 0 gets the smallest scale, 2**-127.
+    """
+    if scale_rounding not in ("floor", "rceil"):
+        raise ValueError(f"scale_rounding={scale_rounding!r} is invalid; allowed: rceil or floor.")
+    amax_f = block_amax.float()
+    positive = amax_f > 0
+    safe = torch.where(positive, amax_f, torch.ones_like(amax_f))
+    exp = floor_log2(safe) - fp8_emax(dtype)
+    if scale_rounding == "rceil":
+        # amax / 2**exp lies in [2**emax, 2**(emax+1)); step up one binade where it exceeds fp8_max.
+        exp = exp + (torch.ldexp(safe, -exp) > fp8_max(dtype)).to(exp.dtype)
+    exp = torch.where(positive, exp, torch.full_like(exp, E8M0_MIN_EXP))
+    return exp.clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)
+
+
+def exponent_to_e8m0(exp: torch.Tensor, nan_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Encode int exponents as E8M0 bytes (biased by 127); ``nan_mask`` marks blocks that hold NaN."""
+    biased = (exp + E8M0_BIAS).to(torch.uint8)
+    if nan_mask is not None:
+        biased = torch.where(nan_mask, torch.full_like(biased, 255), biased)
+    return biased.view(E8M0_DTYPE)
+
+
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """Decode E8M0 scales to float32 exactly (2**-127 included, byte 255 is NaN)."""
+    biased = scale.view(torch.uint8).to(torch.int32)
+    value = torch.ldexp(torch.ones(biased.shape, device=scale.device), biased - E8M0_BIAS)
+    return torch.where(biased == 255, torch.full_like(value, float("nan")), value)
+
+
+def quantize_mxfp8(
+    x: torch.Tensor,
+    *,
+    block_size: int = 32,
+    scale_rounding: str = "rceil",
+    fp8_format: "Format | str | torch.dtype" = Format.E4M3,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MX block quantization along the last dimension.
+
+    Returns ``(data, scale)``: ``data`` in the float8 dtype with ``x``'s shape, ``scale`` in
+    ``torch.float8_e8m0fnu`` with shape ``(..., K // block_size)``, such that ``x ~= data * scale`` per block.
+    """
+    _check_floating(x, "quantize_mxfp8")
+    dtype = fp8_dtype(fp8_format)
+    k = x.shape[-1] if x.dim() else 0
+    if x.dim() == 0 or k % block_size != 0:
+        raise ValueError(
+            f"quantize_mxfp8 needs the last dimension divisible by block_size={block_size}; got shape "
+            f"{tuple(x.shape)}. Pad the last dimension or pick a block size that divides it."
+        )
+    blocks = x.float().reshape(*x.shape[:-1], k // block_size, block_size)
+    block_amax = blocks.abs().amax(dim=-1)
+    exp = mx_shared_exponent(block_amax, dtype, scale_rounding)
+    data = to_fp8_saturated(torch.ldexp(blocks, -exp.unsqueeze(-1)), dtype).reshape(x.shape)
+    return data, exponent_to_e8m0(exp, nan_mask=torch.isnan(block_amax))
+
+
+def dequantize_mxfp8(
+    data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_mxfp8`: ``data * scale`` with each scale repeated over its block."""
+    k, n_blocks = data.shape[-1], scale.shape[-1]
+    if n_blocks == 0 or k % n_blocks != 0 or scale.shape[:-1] != data.shape[:-1]:
+        raise ValueError(
+            f"dequantize_mxfp8: scale shape {tuple(scale.shape)} does not match data shape {tuple(data.shape)}."
+        )
+    block_size = k // n_blocks
+    blocks = data.float().reshape(*data.shape[:-1], n_blocks, block_size)
+    return (blocks * e8m0_to_float(scale).unsqueeze(-1)).reshape(data.shape).to(out_dtype)
+
+
+# --------------------------------------------------------------------------------------------------------
+# A quantized operand, as the GEMMs consume it
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Quantized:
+    """An FP8 GEMM operand whose *last* dimension is the reduction dimension K.
+
+    ``scale`` is the per-tensor multiplier (``kind="tensor"``, data = x * scale) or the E8M0 block scales
+    (``kind="mx"``, x = data * scale).
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    kind: str = "tensor"
+
+    def dequantize(self, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.kind == "mx":
+            return dequantize_mxfp8(self.data, self.scale, out_dtype)
+        return dequantize_with_scale(self.data, self.scale, out_dtype)
+
+    def t(self) -> "Quantized":
+        """Transposed copy of a per-tensor operand (same scale). MX operands must be re-quantized instead."""
+        if self.kind == "mx":
+            raise ValueError("An MX operand cannot be transposed: quantize the high-precision tensor along K.")
+        return Quantized(self.data.t().contiguous(), self.scale, self.kind)
+
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()
+
+
+def quantize_mx_operand(x: torch.Tensor, block_size: int, scale_rounding: str, dtype: torch.dtype) -> Quantized:
+    data, scale = quantize_mxfp8(x, block_size=block_size, scale_rounding=scale_rounding, fp8_format=dtype)
+    return Quantized(data, scale, "mx")
+
+
+def _check_floating(x: torch.Tensor, what: str) -> None:
+    if not torch.is_tensor(x) or not x.is_floating_point():
+        got = f"a tensor of dtype {x.dtype}" if torch.is_tensor(x) else type(x).__name__
+        raise TypeError(f"{what} expects a floating-point tensor; got {got}. Cast it with .float() first.")

@@ -1,0 +1,207 @@
+"""Scaling state: the mutable half of a recipe (amax history, scale), its update rule and cross-rank sync.
+
+One :class:`OperandScaling` exists per FP8 GEMM operand of a layer (input, weight, output gradient) and per-tensor
+recipe. The math is in small pure functions, following TransformerEngine's delayed scaling:
+
+    amax  = max(history)  or  history[0]          (amax_compute_algo "max" / "most_recent"; [0] is newest)
+    scale = (fp8_max / amax) / 2**margin
+    scale = float32 max           where scale is inf
+    scale = previous scale        where amax is 0, inf or NaN
+
+Rules that make it robust in training:
+
+* The first use of a delayed-scaled tensor scales it just in time from its own amax instead of starting from 1.
+* A non-finite amax (NaN/inf in activations or gradients) never enters the history: the previous scale is
+  kept and the event is counted in ``nonfinite_count``.
+* Within one optimizer step (gradient accumulation) the pending amax is the max over micro-batches and the
+  history advances once per step, in :func:`update_scales`, which also agrees the pending amaxes of all
+  data-parallel ranks in *one* coalesced all-reduce, so every rank ends the step with identical scales.
+
+All state is kept in tensors (no host synchronisation on the hot path).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from fp8_lightning.formats import fp8_max
+from fp8_lightning.quantize import Quantized, amax, quantize_with_scale, round_scale_to_power_of_2, tensorwise_scale
+from fp8_lightning.recipes import DelayedScaling, Recipe, TensorwiseScaling
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+# --------------------------------------------------------------------------------------------------------
+# Pure functions
+# --------------------------------------------------------------------------------------------------------
+
+
+def history_amax(amax_history: torch.Tensor, algo: str) -> torch.Tensor:
+    """The amax a delayed scale is computed from: the window's max, or its newest entry (index 0)."""
+    if algo == "max":
+        return amax_history.amax()
+    if algo == "most_recent":
+        return amax_history[0]
+    raise ValueError(f"amax_compute_algo={algo!r} is invalid; allowed: max or most_recent.")
+
+
+def delayed_scale(
+    amax_history: torch.Tensor,
+    prev_scale: torch.Tensor,
+    max_value: float,
+    margin: int = 0,
+    algo: str = "max",
+    power_of_2: bool = False,
+) -> torch.Tensor:
+    """``(fp8_max / amax) / 2**margin``; inf becomes float32 max; amax 0/inf/NaN keeps ``prev_scale``."""
+    a = history_amax(amax_history, algo).float()
+    scale = (max_value / a) / (2.0**margin)
+    scale = torch.where(torch.isinf(scale), torch.full_like(scale, FLOAT32_MAX), scale)
+    if power_of_2:
+        scale = round_scale_to_power_of_2(scale)
+    usable = torch.isfinite(a) & (a > 0)
+    return torch.where(usable, scale, prev_scale.float())
+
+
+def roll_history(amax_history: torch.Tensor, new_amax: torch.Tensor) -> torch.Tensor:
+    """Push ``new_amax`` to the front (index 0 is newest) and drop the oldest entry."""
+    return torch.cat([new_amax.reshape(1).to(amax_history.dtype), amax_history[:-1]])
+
+
+# --------------------------------------------------------------------------------------------------------
+# Per-operand state
+# --------------------------------------------------------------------------------------------------------
+
+
+class OperandScaling:
+    """Scale and amax bookkeeping of one GEMM operand under a per-tensor recipe (delayed or tensorwise)."""
+
+    def __init__(self, recipe: Recipe, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        if not recipe.per_tensor:
+            raise ValueError(f"OperandScaling is for per-tensor recipes; got {type(recipe).__name__}.")
+        self.recipe = recipe
+        self.dtype = dtype
+        self.delayed = isinstance(recipe, DelayedScaling)
+        length = recipe.amax_history_len if self.delayed else 1
+        self.scale = torch.ones((), dtype=torch.float32, device=device)
+        self.amax_history = torch.zeros(length, dtype=torch.float32, device=device)
+        self.pending_amax = torch.zeros((), dtype=torch.float32, device=device)
+        self.observed = torch.zeros((), dtype=torch.float32, device=device)  # 1.0 once seen this step
+        self.last_amax = torch.zeros((), dtype=torch.float32, device=device)
+        self.nonfinite_count = torch.zeros((), dtype=torch.int64, device=device)
+        self.initialized = False
+        self.dirty = False  # host-side mirror of ``observed``: amaxes wait for update()
+        self.casts = 0
+        self.generation = 0  # bumped by every update(): cached casts made before it are stale
+
+    # -- the hot path ---------------------------------------------------------------------------------------
+
+    def quantize(self, x: torch.Tensor, record: bool = True) -> Quantized:
+        """Cast ``x`` with this operand's scale; returns an FP8 operand.
+
+        ``record=False`` (evaluation) leaves the delayed amax history alone.
+        """
+        self._to(x.device)
+        x_amax = amax(x)
+        finite = torch.isfinite(x_amax)
+        clean_amax = torch.where(finite, x_amax, torch.zeros_like(x_amax))
+        self.nonfinite_count += (~finite).to(torch.int64)
+        self.last_amax = x_amax
+        if self.delayed and self.initialized:
+            scale = self.scale
+        else:  # tensorwise, or the first (just-in-time) use of a delayed-scaled tensor
+            scale = self._current_scale(clean_amax)
+            self.scale = scale
+            self.initialized = True
+        if self.delayed and record:
+            self.pending_amax = torch.maximum(self.pending_amax, clean_amax)
+            self.observed = torch.ones_like(self.observed)
+            self.dirty = True
+        self.casts += 1
+        return Quantized(quantize_with_scale(x, scale, self.dtype), scale, "tensor")
+
+    def _current_scale(self, clean_amax: torch.Tensor) -> torch.Tensor:
+        r = self.recipe
+        if self.delayed:
+            return delayed_scale(
+                clean_amax.reshape(1), self.scale, fp8_max(self.dtype), r.margin, "max", r.power_of_2_scales
+            )
+        assert isinstance(r, TensorwiseScaling)
+        fresh = tensorwise_scale(clean_amax, self.dtype, r.eps, r.power_of_2_scales)
+        return torch.where(clean_amax > 0, fresh, self.scale)
+
+    # -- once per optimizer step ----------------------------------------------------------------------------
+
+    def update(self) -> None:
+        """Advance the history with the step's (already reduced) pending amax and recompute the scale."""
+        if not self.delayed:
+            return
+        seen = self.observed > 0
+        rolled = roll_history(self.amax_history, self.pending_amax)
+        self.amax_history = torch.where(seen, rolled, self.amax_history)
+        r = self.recipe
+        new_scale = delayed_scale(
+            self.amax_history, self.scale, fp8_max(self.dtype), r.margin, r.amax_compute_algo, r.power_of_2_scales
+        )
+        self.scale = torch.where(seen, new_scale, self.scale)
+        self.pending_amax = torch.zeros_like(self.pending_amax)
+        self.observed = torch.zeros_like(self.observed)
+        self.dirty = False
+        self.generation += 1
+
+    # -- persistence ----------------------------------------------------------------------------------------
+
+    _TENSORS = ("scale", "amax_history", "pending_amax", "observed", "last_amax", "nonfinite_count")
+
+    def state_dict(self) -> dict:
+        out = {name: getattr(self, name).detach().cpu().clone() for name in self._TENSORS}
+        out["initialized"] = self.initialized
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        device = self.scale.device
+        for name in self._TENSORS:
+            value = state[name]
+            if value.shape != getattr(self, name).shape:
+                raise ValueError(
+                    f"Scaling state '{name}' has shape {tuple(value.shape)} in the checkpoint but "
+                    f"{tuple(getattr(self, name).shape)} here: was the recipe (amax_history_len) changed?"
+                )
+            setattr(self, name, value.to(device=device, dtype=getattr(self, name).dtype).clone())
+        self.initialized = bool(state["initialized"])
+        self.dirty = bool(self.observed.item() > 0)
+
+    def _to(self, device: torch.device) -> None:
+        if self.scale.device != device:
+            for name in self._TENSORS:
+                setattr(self, name, getattr(self, name).to(device))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Once per step, for all operands of a model
+# --------------------------------------------------------------------------------------------------------
+
+
+def update_scales(states: Iterable[OperandScaling], group: "dist.ProcessGroup | None" = None) -> int:
+    """Reduce the step's pending amaxes across ranks (MAX, one all-reduce) and advance every delayed state.
+
+    ``states`` must be listed in the same order on every rank (iterate the model's modules). Returns the number
+    of collectives issued (0 or 1), which tests use to check the coalescing.
+    """
+    delayed = [s for s in states if s.delayed]
+    if not delayed:
+        return 0
+    collectives = 0
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    if world > 1 and any(s.recipe.reduce_amax for s in delayed):
+        packed = torch.stack([torch.stack([s.pending_amax, s.observed]) for s in delayed])
+        dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+        collectives = 1
+        for s, row in zip(delayed, packed):
+            s.pending_amax, s.observed = row[0].clone(), row[1].clone()
+    for s in delayed:
+        s.update()
+    return collectives
