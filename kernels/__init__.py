@@ -1,0 +1,220 @@
+"""Triton kernels for the FP8 hot paths (``fp8_lightning.kernels``), each with a pure-torch twin in the core.
+
+=========================  ==============================================  ========================================
+kernel                     what it does                                    pure-torch twin
+=========================  ==============================================  ========================================
+``amax``                   max |x|, one read                               ``quantize.amax``
+``tensorwise_cast``        current scaling: amax pass + cast pass          ``quantize.quantize_tensorwise``
+``cast``                   delayed scaling: cast with a given scale and    ``quantize.quantize_with_scale``
+                           record the amax, one read, one write            + ``quantize.amax``
+``cast_transpose``         the same, also writing the transposed copy      ``...`` + ``.t().contiguous()``
+``mx_quantize``            MXFP8 rowwise and/or columnwise from one read   ``quantize.quantize_mxfp8``
+``mx_gemm``                block-scaled FP8 GEMM for MX operands (sm89/90)  ``gemm`` emulation (dequantize + matmul)
+=========================  ==============================================  ========================================
+
+How the library uses them: the core (``quantize.py``, ``scaling.py``, ``gemm.py``) asks
+:func:`~fp8_lightning.kernels.availability.kernels_for` for CUDA tensors only; it gets this package when Triton
+is importable, the GPU has FP8 conversions (sm89+) and ``FP8_LIGHTNING_DISABLE_TRITON`` is not set, and falls
+back to its pure-torch code otherwise. CPU tensors never reach the kernels from the core.
+
+Calling a kernel here directly is an explicit request: it raises a clear error when it cannot run (no Triton,
+no suitable GPU) instead of falling back silently. Under ``TRITON_INTERPRET=1`` (set before ``triton`` is
+imported) the kernels run on CPU tensors, which is how they are tested without a GPU.
+
+Importing this package never imports Triton; the kernels are compiled on first use. Every kernel is also a
+``torch.library`` custom op (``torch.ops.fp8_lightning.*``, see :mod:`~fp8_lightning.kernels.ops`) with a fake
+implementation, so ``torch.compile`` traces through calls to them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8_lightning.formats import fp8_dtype
+from fp8_lightning.kernels.availability import (
+    DISABLE_ENV,
+    device_status,
+    disabled_by_env,
+    kernels_for,
+    require_triton,
+    triton_status,
+)
+from fp8_lightning.quantize import E8M0_DTYPE, Quantized
+
+SUPPORTED_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MX_BLOCK_SIZES = (16, 32, 64, 128)
+MX_GEMM_BLOCK_SIZES = (32, 64, 128)
+GEMM_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+__all__ = [
+    "DISABLE_ENV",
+    "amax",
+    "cast",
+    "cast_transpose",
+    "device_status",
+    "disabled_by_env",
+    "install_mx_gemm",
+    "kernels_for",
+    "mx_gemm",
+    "mx_gemm_supported",
+    "mx_quantize",
+    "supports_input",
+    "tensorwise_cast",
+    "triton_status",
+]
+
+
+def _ops():
+    from fp8_lightning.kernels import ops  # registers torch.ops.fp8_lightning.* on first use
+
+    return torch.ops.fp8_lightning
+
+
+def supports_input(x: torch.Tensor) -> bool:
+    """Whether the cast kernels take ``x``'s dtype (float32, bfloat16, float16)."""
+    return x.dtype in SUPPORTED_INPUT_DTYPES
+
+
+def _check_input(x: torch.Tensor, what: str) -> None:
+    require_triton(what, x.device)
+    if not torch.is_tensor(x) or not supports_input(x):
+        got = x.dtype if torch.is_tensor(x) else type(x).__name__
+        raise TypeError(
+            f"fp8_lightning.kernels.{what} takes float32, bfloat16 or float16 tensors; got {got}. Cast the input, "
+            "or use the pure-torch twin in fp8_lightning.quantize (it also takes float64)."
+        )
+
+
+def _check_scale(scale: torch.Tensor, x: torch.Tensor, what: str) -> None:
+    if scale.numel() != 1 or scale.device != x.device:
+        raise ValueError(
+            f"fp8_lightning.kernels.{what} needs a one-element scale on {x.device}; got shape {tuple(scale.shape)} "
+            f"on {scale.device}."
+        )
+
+
+# --------------------------------------------------------------------------------------------------------
+# Per-tensor casts
+# --------------------------------------------------------------------------------------------------------
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a float32 scalar (NaN when x holds NaN), in one read."""
+    _check_input(x, "amax")
+    return _ops().amax(x)
+
+
+def cast(
+    x: torch.Tensor, scale: torch.Tensor, fp8_format="E4M3", record_amax: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(saturate(x * scale), max |x|)`` with one read and one write (delayed scaling)."""
+    _check_input(x, "cast")
+    _check_scale(scale, x, "cast")
+    return _ops().cast(x, scale, fp8_dtype(fp8_format), record_amax)
+
+
+def cast_transpose(
+    x: torch.Tensor, scale: torch.Tensor, fp8_format="E4M3", record_amax: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For 2-D ``x`` (M, K): ``(data (M, K), data.T contiguous (K, M), max |x|)`` with one read."""
+    _check_input(x, "cast_transpose")
+    _check_scale(scale, x, "cast_transpose")
+    if x.dim() != 2:
+        raise ValueError(
+            f"fp8_lightning.kernels.cast_transpose needs a 2-D tensor; got shape {tuple(x.shape)}. "
+            "Reshape to (-1, K) first."
+        )
+    return _ops().cast_transpose(x, scale, fp8_dtype(fp8_format), record_amax)
+
+
+def tensorwise_cast(
+    x: torch.Tensor, fp8_format="E4M3", eps: float = 1e-12, power_of_2: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Current scaling in two passes: ``(data, scale)`` exactly as ``quantize.quantize_tensorwise``."""
+    _check_input(x, "tensorwise_cast")
+    data, scale, _ = _ops().tensorwise_cast(x, fp8_dtype(fp8_format), float(eps), power_of_2)
+    return data, scale
+
+
+# --------------------------------------------------------------------------------------------------------
+# MXFP8
+# --------------------------------------------------------------------------------------------------------
+
+
+def mx_quantize(
+    x: torch.Tensor,
+    block_size: int = 32,
+    scale_rounding: str = "rceil",
+    fp8_format="E4M3",
+    rowwise: bool = True,
+    columnwise: bool = False,
+) -> tuple[Quantized | None, Quantized | None]:
+    """MXFP8 copies of a 2-D ``x`` (R, C) from one read: ``(rowwise, columnwise)`` operands.
+
+    ``rowwise``: blocks along C, data (R, C_pad). ``columnwise``: blocks along R, data (C, R_pad) = the operand
+    of ``x.T``. ``X_pad`` is X rounded up to a whole number of blocks (zero padding, as ``gemm.pad_dim``).
+    Each equals ``quantize_mx_operand`` of the (padded) tensor. Outputs not requested are None.
+    """
+    _check_input(x, "mx_quantize")
+    if x.dim() != 2:
+        raise ValueError(
+            f"fp8_lightning.kernels.mx_quantize needs a 2-D tensor; got shape {tuple(x.shape)}. Reshape to "
+            "(-1, K) first."
+        )
+    if block_size not in MX_BLOCK_SIZES:
+        raise ValueError(f"block_size={block_size} is not supported; allowed: {MX_BLOCK_SIZES}.")
+    if scale_rounding not in ("rceil", "floor"):
+        raise ValueError(f"scale_rounding={scale_rounding!r} is invalid; allowed: rceil or floor.")
+    row, row_s, col, col_s = _ops().mx_quantize(
+        x, block_size, scale_rounding, fp8_dtype(fp8_format), rowwise, columnwise
+    )
+    rows = Quantized(row, row_s.view(E8M0_DTYPE), "mx") if rowwise else None
+    cols = Quantized(col, col_s.view(E8M0_DTYPE), "mx") if columnwise else None
+    return rows, cols
+
+
+def mx_gemm_supported(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether :func:`mx_gemm` takes these operands, and why not."""
+    if a.kind != "mx" or b.kind != "mx":
+        return False, f"operands must be MX-quantized; got kinds {a.kind!r} and {b.kind!r}"
+    if a.data.dim() != 2 or b.data.dim() != 2 or a.data.shape[1] != b.data.shape[1]:
+        return False, f"needs (M, K) and (N, K) operands; got {tuple(a.data.shape)} and {tuple(b.data.shape)}"
+    k, blocks = a.data.shape[1], a.scale.shape[-1]
+    if blocks == 0 or k % blocks or b.scale.shape != (b.data.shape[0], blocks) or a.scale.shape[0] != a.data.shape[0]:
+        return False, f"scales {tuple(a.scale.shape)}, {tuple(b.scale.shape)} do not match data {tuple(a.data.shape)}"
+    if k // blocks not in MX_GEMM_BLOCK_SIZES:
+        return False, f"block size {k // blocks} is not supported; allowed: {MX_GEMM_BLOCK_SIZES}"
+    if out_dtype not in GEMM_OUT_DTYPES:
+        return False, f"out_dtype {out_dtype} is not supported; allowed: {GEMM_OUT_DTYPES}"
+    return True, "supported"
+
+
+def mx_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``a @ b.T`` for MX operands with K last (a: (M, K), b: (N, K)) on the block-scaled Triton kernel."""
+    require_triton("mx_gemm", a.data.device)
+    ok, reason = mx_gemm_supported(a, b, out_dtype)
+    if not ok:
+        raise ValueError(f"fp8_lightning.kernels.mx_gemm: {reason}. Use fp8_lightning.fp8_mm (it emulates).")
+    return _ops().mx_gemm(
+        a.data, a.scale.view(torch.uint8), b.data, b.scale.view(torch.uint8), out_dtype
+    )
+
+
+def _core_mx_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+    """What ``fp8_lightning.gemm`` calls for MX operands on CUDA: the kernel when it applies, else emulation."""
+    if kernels_for(a.data) is not None and mx_gemm_supported(a, b, out_dtype)[0]:
+        return mx_gemm(a, b, out_dtype)
+    return (a.dequantize(torch.float32) @ b.dequantize(torch.float32).t()).to(out_dtype)
+
+
+def install_mx_gemm() -> bool:
+    """Register the MX GEMM kernel with ``fp8_lightning.gemm`` when Triton is importable; returns whether it was.
+
+    The registered function re-checks the device and ``FP8_LIGHTNING_DISABLE_TRITON`` on every call.
+    """
+    from fp8_lightning.gemm import register_mx_gemm
+
+    if not triton_status()[0]:
+        return False
+    register_mx_gemm(_core_mx_gemm)
+    return True

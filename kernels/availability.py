@@ -1,0 +1,114 @@
+"""Can the Triton kernels run here, and should the core use them? (Imports no Triton.)
+
+Three questions, answered without importing Triton at module import time, so that ``fp8_lightning`` imports and
+runs on machines without it:
+
+* :func:`triton_status` -- is Triton importable at all (any device; under ``TRITON_INTERPRET=1`` the kernels
+  run on CPU tensors, which is how they are tested without a GPU)?
+* :func:`device_status` -- can the kernels run on a given device: CUDA with FP8 conversions (sm89+), or any
+  device when the Triton interpreter is on?
+* :func:`kernels_for` -- should the *core* use the kernels for this tensor? Only for CUDA tensors, only when
+  the device supports them, and never when ``FP8_LIGHTNING_DISABLE_TRITON=1`` asks for the pure-torch path.
+  The core never sends CPU tensors here, so CPU behaviour is untouched.
+
+Every check returns ``(ok, reason)``; the same reason feeds errors (:func:`require_triton`) and test skips.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import torch
+
+DISABLE_ENV = "FP8_LIGHTNING_DISABLE_TRITON"
+INTERPRET_ENV = "TRITON_INTERPRET"
+EXPLICIT_ROUNDING_ENV = "FP8_LIGHTNING_TRITON_EXPLICIT_ROUNDING"
+MIN_CAPABILITY = (8, 9)  # hardware FP8 conversions (Ada, Hopper, Blackwell)
+
+
+def _truthy(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def disabled_by_env() -> bool:
+    """True when ``FP8_LIGHTNING_DISABLE_TRITON`` forces the pure-torch path (read on every call)."""
+    return _truthy(DISABLE_ENV)
+
+
+def interpreting() -> bool:
+    """True when Triton's CPU interpreter is on (``TRITON_INTERPRET=1``)."""
+    return _truthy(INTERPRET_ENV)
+
+
+def explicit_rounding() -> bool:
+    """Whether the cast kernels round to the FP8 grid in float32 before converting (read at each launch).
+
+    On by default only under the interpreter, whose float8 conversion is not round-to-nearest-even (ties round
+    up, a rounding carry into an odd exponent loses the carry, subnormals flush); after explicit rounding it
+    only converts exact values, which it does correctly. GPUs convert with hardware round-to-nearest-even, so
+    the extra arithmetic is skipped there unless ``FP8_LIGHTNING_TRITON_EXPLICIT_ROUNDING=1`` asks for it (the
+    GPU check verifies both settings bit for bit).
+    """
+    return interpreting() or _truthy(EXPLICIT_ROUNDING_ENV)
+
+
+@functools.lru_cache(maxsize=1)
+def triton_status() -> tuple[bool, str]:
+    """Whether ``import triton`` works, and the version or the import error."""
+    try:
+        triton = importlib.import_module("triton")
+    except Exception as err:  # ImportError, or a broken install raising something else
+        return False, f"Triton is not importable ({type(err).__name__}: {err})"
+    return True, f"Triton {getattr(triton, '__version__', '?')}"
+
+
+def device_status(device: torch.device | str) -> tuple[bool, str]:
+    """Whether the kernels can run on ``device`` (ignores the disabling environment variable)."""
+    ok, reason = triton_status()
+    if not ok:
+        return False, reason
+    device = torch.device(device)
+    if interpreting():
+        return True, f"{reason}, interpreter ({INTERPRET_ENV}=1) on {device.type}"
+    if device.type != "cuda":
+        return False, (
+            f"the Triton kernels run on CUDA devices; got a {device.type} tensor (set {INTERPRET_ENV}=1 before "
+            "importing triton to run them in the interpreter, for testing)"
+        )
+    if not torch.cuda.is_available():
+        return False, "CUDA is not available"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_CAPABILITY:
+        return False, (
+            f"CUDA device '{torch.cuda.get_device_name(device)}' has compute capability "
+            f"{capability[0]}.{capability[1]}; the FP8 kernels need {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}+"
+        )
+    return True, f"{reason} on compute capability {capability[0]}.{capability[1]}"
+
+
+def kernels_for(x: torch.Tensor):
+    """The ``fp8_lightning.kernels`` package when the core should use it for ``x``, else None.
+
+    Only CUDA tensors qualify (the interpreter is for testing the kernels directly, never for the core).
+    """
+    if not x.is_cuda or disabled_by_env() or not _cuda_usable(x.device.index):
+        return None
+    return importlib.import_module("fp8_lightning.kernels")
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_usable(index: int | None) -> bool:
+    return device_status(torch.device("cuda", index) if index is not None else torch.device("cuda"))[0]
+
+
+def require_triton(what: str, device: torch.device | str) -> None:
+    """Raise a clear error when the kernel ``what`` was requested but cannot run on ``device``."""
+    ok, reason = device_status(device)
+    if not ok:
+        raise RuntimeError(
+            f"fp8_lightning.kernels.{what} cannot run: {reason}. Install Triton (pip install triton, Linux) and use "
+            "an NVIDIA GPU with compute capability 8.9+, or call the pure-PyTorch twin in fp8_lightning.quantize / "
+            "fp8_lightning.gemm, which the library uses automatically when the kernels are unavailable."
+        )

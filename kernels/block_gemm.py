@@ -1,0 +1,150 @@
+"""Block-scaled FP8 GEMM for MXFP8 operands, for GPUs without a native MX GEMM (sm89 Ada, sm90 Hopper).
+
+``out = a @ b.T`` with ``a`` (M, K) and ``b`` (N, K), both FP8 with K last, and E8M0 scales ``a_scale``
+(M, K / bs) and ``b_scale`` (N, K / bs): one scale per ``bs`` consecutive elements of K (bs = 32 in MXFP8).
+The twin is ``fp8_lightning.gemm``'s emulation: dequantize both operands to float32, then matmul.
+
+Why this shape of kernel: the tensor cores of sm89/sm90 multiply FP8 tiles but know nothing of per-block
+scales, so every K step is exactly one scale block (``BLOCK_K = bs``). Each step's FP8 product is accumulated
+in float32 by the tensor cores, then folded into the running float32 accumulator with the outer product of the
+two blocks' scales:
+
+    acc += dot(a[:, k:k+bs], b[:, k:k+bs].T) * (2**ea[:, None] * 2**eb[None, :])
+
+Scales are powers of two, so the fold is one exact multiply (barring float32 under/overflow of the product)
+and one add per output element and block. The result equals the twin up to float32 summation order.
+
+Tiles: (BLOCK_M, BLOCK_N) outputs per program, programs ordered in groups of ``GROUP_M`` rows of tiles so that
+neighbouring programs share operand tiles in L2. The tile configurations tried by the autotuner are kept in one
+named function, :func:`mx_gemm_configs`. Rows of ``a``/``b`` beyond M/N are wrapped (``% M``) instead of
+masked, so the inner loop has no masks; only the store is masked.
+
+Supported: any M, N >= 1; K a multiple of the block size; block sizes 32, 64, 128 (``tl.dot`` needs a K step
+of at least 32 for FP8 on Hopper); E4M3 and E5M2 in either operand (HYBRID's E5M2 x E4M3 backward GEMMs);
+output float32, bfloat16 or float16. Anything else falls back to the emulation (see ``fp8_lightning.kernels``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_BLOCK_SIZES = (32, 64, 128)
+SUPPORTED_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# A small fixed tile for the Triton interpreter (CPU), where autotuning has nothing to measure.
+INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "GROUP_M": 2}
+
+
+def mx_gemm_configs() -> list[triton.Config]:
+    """The tile configurations the autotuner chooses from (keyed on M, N, K and the block size)."""
+    shapes = [
+        # BLOCK_M, BLOCK_N, num_warps, num_stages
+        (128, 256, 8, 3),
+        (256, 128, 8, 3),
+        (128, 128, 8, 4),
+        (128, 128, 4, 4),
+        (128, 64, 4, 4),
+        (64, 128, 4, 4),
+        (64, 64, 4, 5),
+    ]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8}, num_warps=warps, num_stages=stages)
+        for bm, bn, warps, stages in shapes
+    ]
+
+
+@triton.jit
+def _e8m0_to_float(byte):
+    """E8M0 byte -> float32 power of two; byte 0 is 2**-127 (a subnormal), byte 255 is NaN."""
+    b = byte.to(tl.int32)
+    bits = tl.where(b == 0, 0x00400000, tl.where(b == 255, 0x7FC00000, b << 23))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mx_gemm_kernel(
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, M, N, K,
+    stride_am, stride_ak, stride_asm, stride_ask,
+    stride_bn, stride_bk, stride_bsn, stride_bsk,
+    stride_cm, stride_cn,
+    BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # Grouped program order: GROUP_M rows of tiles are swept before moving to the next columns.
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    group_size = GROUP_M * grid_n
+    first_m = (pid // group_size) * GROUP_M
+    rows_in_group = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_size) % rows_in_group
+    pid_n = (pid % group_size) // rows_in_group
+
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak
+    b_ptrs = b_ptr + rn[:, None].to(tl.int64) * stride_bn + rk[None, :] * stride_bk
+    a_scale_ptrs = a_scale_ptr + rm.to(tl.int64) * stride_asm
+    b_scale_ptrs = b_scale_ptr + rn.to(tl.int64) * stride_bsn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        a = tl.load(a_ptrs)
+        b = tl.load(b_ptrs)
+        sa = _e8m0_to_float(tl.load(a_scale_ptrs + kb * stride_ask))
+        sb = _e8m0_to_float(tl.load(b_scale_ptrs + kb * stride_bsk))
+        partial = tl.dot(a, tl.trans(b))
+        acc += partial * (sa[:, None] * sb[None, :])
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    cm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask = (cm[:, None] < M) & (cn[None, :] < N)
+    tl.store(c_ptr + cm[:, None] * stride_cm + cn[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+_mx_gemm_autotuned = triton.autotune(configs=mx_gemm_configs(), key=["M", "N", "K", "BLOCK_K"])(_mx_gemm_kernel)
+
+
+def mx_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """``a @ b.T`` for validated MX operands (scales as uint8). ``config`` pins a tile (else autotuned;
+    under the interpreter a small fixed tile)."""
+    from fp8_lightning.kernels.availability import interpreting
+
+    m, k = a.shape
+    n = b.shape[0]
+    block_size = k // a_scale.shape[1]
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    args = (
+        a, a_scale, b, b_scale, out, m, n, k,
+        a.stride(0), a.stride(1), a_scale.stride(0), a_scale.stride(1),
+        b.stride(0), b.stride(1), b_scale.stride(0), b_scale.stride(1),
+        out.stride(0), out.stride(1),
+    )
+    if config is None and interpreting():
+        config = INTERPRETER_CONFIG
+    if config is None:
+
+        def grid(meta):
+            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+        _mx_gemm_autotuned[grid](*args, BLOCK_K=block_size)
+    else:
+        tiles = triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
+        launch = {key: value for key, value in config.items() if key in ("num_warps", "num_stages")}
+        meta = {key: value for key, value in config.items() if key not in launch}
+        _mx_gemm_kernel[(tiles,)](*args, BLOCK_K=block_size, **meta, **launch)
+    return out

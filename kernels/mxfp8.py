@@ -1,0 +1,140 @@
+"""MXFP8 quantization in Triton: rowwise and columnwise copies from one read of the high-precision tensor.
+
+The pure-torch twin is :func:`fp8_lightning.quantize.quantize_mxfp8` (and ``mx_shared_exponent`` for the
+exponent rules). A program loads one (BLOCK_R, BLOCK_C) tile of the 2-D source ``x`` (R, C), and from the same
+registers writes
+
+* the **rowwise** copy: blocks of ``BLOCK_SIZE`` consecutive elements along C, data (R, C_pad) and E8M0 scales
+  (R, C_pad / BLOCK_SIZE): the operand whose reduction dimension is C;
+* the **columnwise** copy: blocks along R, stored transposed as data (C, R_pad) and scales (C, R_pad / BLOCK_SIZE):
+  the operand whose reduction dimension is R (the wgrad GEMM's), quantized from the high-precision values, as
+  MX requires (re-quantizing the rowwise FP8 copy would compound two roundings).
+
+``X_pad`` is X rounded up to a whole number of blocks: missing elements are zeros, exactly what
+``pad_dim`` + ``quantize_mxfp8`` produce. ``x`` may have any strides (a transposed view is read as it lies).
+
+The shared exponent is computed on the float32 bit pattern of the block amax, reproducing the twin's
+``frexp``-based rule exactly:
+
+    floor(log2(amax)) = exponent field - 127      (normal amax; +inf counts as 2**-1, as torch.frexp says)
+    floor:  e = floor(log2(amax)) - emax
+    rceil:  e + 1 where the mantissa exceeds 1.75 (amax / 2**e > fp8_max = 1.75 * 2**emax), and for +inf
+    e = clamp(e, -127, 127); amax 0, subnormal or NaN -> -127; NaN blocks get the E8M0 NaN byte 255
+
+Elements are multiplied by ``2**-e`` (an exact float32 power of two built from its bits), saturated (NaN kept)
+and rounded to nearest even, as ``torch.ldexp`` + ``to_fp8_saturated`` do.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fp8_lightning.formats import fp8_emax
+from fp8_lightning.kernels.per_tensor import _abs_bits, _to_fp8_values, format_constants
+
+@triton.jit
+def _mx_tile(
+    x, ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_SIZE: tl.constexpr, EMAX: tl.constexpr, RCEIL: tl.constexpr,
+    FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
+    EXPLICIT_ROUNDING: tl.constexpr,
+):
+    """Quantize a (ROWS, COLS) float32 tile in blocks along COLS.
+
+    Returns the saturated, scaled values (ROWS, COLS) in float32 (exact in the target format after rounding)
+    and the E8M0 bytes (ROWS, COLS // BLOCK_SIZE) as int32.
+    """
+    N_BLOCKS: tl.constexpr = COLS // BLOCK_SIZE
+    blocks = tl.reshape(x, (ROWS, N_BLOCKS, BLOCK_SIZE))
+    amax_bits = tl.max(_abs_bits(blocks), axis=2)
+    is_nan = amax_bits > 0x7F800000
+    is_inf = amax_bits == 0x7F800000
+    floor_log2 = tl.where(is_inf, -1, ((amax_bits >> 23) & 0xFF) - 127)
+    e = floor_log2 - EMAX
+    if RCEIL:
+        e += (((amax_bits & 0x7FFFFF) > 0x600000) | is_inf).to(tl.int32)
+    e = tl.minimum(tl.maximum(e, -127), 127)
+    e = tl.where(is_nan, -127, e)
+    multiplier = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2**-e, e in [-127, 119]: a normal float
+    y = _to_fp8_values(
+        blocks * multiplier[:, :, None], FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, EXPLICIT_ROUNDING
+    )
+    return tl.reshape(y, (ROWS, COLS)), tl.where(is_nan, 255, e + 127)
+
+
+@triton.jit
+def _mx_quantize_kernel(
+    x_ptr, row_ptr, row_scale_ptr, col_ptr, col_scale_ptr,
+    R, C, R_PAD, C_PAD, stride_r, stride_c,
+    BLOCK_SIZE: tl.constexpr, EMAX: tl.constexpr, RCEIL: tl.constexpr,
+    FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
+    EXPLICIT_ROUNDING: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rr = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    rc = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    in_bounds = (rr[:, None] < R) & (rc[None, :] < C)
+    x = tl.load(x_ptr + rr[:, None] * stride_r + rc[None, :] * stride_c, mask=in_bounds, other=0.0)
+    x = x.to(tl.float32)
+    if ROWWISE:
+        y, byte = _mx_tile(
+            x, BLOCK_R, BLOCK_C, BLOCK_SIZE, EMAX, RCEIL, FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, EXPLICIT_ROUNDING
+        )
+        mask = (rr[:, None] < R) & (rc[None, :] < C_PAD)
+        tl.store(row_ptr + rr[:, None] * C_PAD + rc[None, :], y.to(row_ptr.dtype.element_ty), mask=mask)
+        sc = (pid_c * (BLOCK_C // BLOCK_SIZE) + tl.arange(0, BLOCK_C // BLOCK_SIZE)).to(tl.int64)
+        n_sc = C_PAD // BLOCK_SIZE
+        s_mask = (rr[:, None] < R) & (sc[None, :] < n_sc)
+        tl.store(row_scale_ptr + rr[:, None] * n_sc + sc[None, :], byte.to(tl.uint8), mask=s_mask)
+    if COLWISE:
+        yt, byte_t = _mx_tile(
+            tl.trans(x), BLOCK_C, BLOCK_R, BLOCK_SIZE, EMAX, RCEIL, FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP,
+            EXPLICIT_ROUNDING,
+        )
+        mask_t = (rc[:, None] < C) & (rr[None, :] < R_PAD)
+        tl.store(col_ptr + rc[:, None] * R_PAD + rr[None, :], yt.to(col_ptr.dtype.element_ty), mask=mask_t)
+        sr = (pid_r * (BLOCK_R // BLOCK_SIZE) + tl.arange(0, BLOCK_R // BLOCK_SIZE)).to(tl.int64)
+        n_sr = R_PAD // BLOCK_SIZE
+        s_mask_t = (rc[:, None] < C) & (sr[None, :] < n_sr)
+        tl.store(col_scale_ptr + rc[:, None] * n_sr + sr[None, :], byte_t.to(tl.uint8), mask=s_mask_t)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def tile_size(block_size: int) -> int:
+    """Tile edge: a whole number of blocks in both directions, at least 64."""
+    return max(64, block_size)
+
+
+def mx_quantize(
+    x: torch.Tensor, block_size: int, scale_rounding: str, dtype: torch.dtype, rowwise: bool, colwise: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize the 2-D ``x`` (R, C) with one read.
+
+    Returns ``(row_data (R, C_pad), row_scale (R, C_pad/bs), col_data (C, R_pad), col_scale (C, R_pad/bs))``;
+    scales are uint8 E8M0 bytes; an output that was not requested is an empty tensor.
+    """
+    r, c = x.shape
+    r_pad, c_pad = _round_up(r, block_size), _round_up(c, block_size)
+    dev = x.device
+    empty8 = torch.empty(0, dtype=dtype, device=dev)
+    empty_u8 = torch.empty(0, dtype=torch.uint8, device=dev)
+    row = torch.empty((r, c_pad), dtype=dtype, device=dev) if rowwise else empty8
+    row_scale = torch.empty((r, c_pad // block_size), dtype=torch.uint8, device=dev) if rowwise else empty_u8
+    col = torch.empty((c, r_pad), dtype=dtype, device=dev) if colwise else empty8
+    col_scale = torch.empty((c, r_pad // block_size), dtype=torch.uint8, device=dev) if colwise else empty_u8
+    if x.numel() and (rowwise or colwise):
+        tile = tile_size(block_size)
+        grid = (triton.cdiv(r, tile), triton.cdiv(c, tile))
+        _mx_quantize_kernel[grid](
+            x, row if rowwise else col, row_scale if rowwise else col_scale,
+            col if colwise else row, col_scale if colwise else row_scale,
+            r, c, r_pad, c_pad, x.stride(0), x.stride(1),
+            BLOCK_SIZE=block_size, EMAX=fp8_emax(dtype), RCEIL=scale_rounding == "rceil", **format_constants(dtype),
+            ROWWISE=rowwise, COLWISE=colwise, BLOCK_R=tile, BLOCK_C=tile,
+        )
+    return row, row_scale, col, col_scale

@@ -1,0 +1,130 @@
+"""The kernels as ``torch.library`` custom ops, so that ``torch.compile`` can trace code that calls them.
+
+Each op has a real implementation (the Triton launcher, imported on first call, so registering the ops needs no
+Triton) and a fake implementation that only describes output shapes and dtypes (what Dynamo/AOTAutograd see
+while tracing). Ops are functional: they allocate their outputs and mutate nothing. The ops take and return
+plain tensors (E8M0 scales as ``uint8``); :mod:`fp8_lightning.kernels` wraps them in the library's types.
+
+    torch.ops.fp8_lightning.amax(x)                                     -> amax
+    torch.ops.fp8_lightning.cast(x, scale, dtype, record_amax)          -> (data, amax)
+    torch.ops.fp8_lightning.cast_transpose(x, scale, dtype, record_amax) -> (data, data_t, amax)
+    torch.ops.fp8_lightning.tensorwise_cast(x, dtype, eps, power_of_2)  -> (data, scale, amax)
+    torch.ops.fp8_lightning.mx_quantize(x, block_size, scale_rounding, dtype, rowwise, colwise)
+                                                                        -> (row, row_scale, col, col_scale)
+    torch.ops.fp8_lightning.mx_gemm(a, a_scale, b, b_scale, out_dtype)  -> out
+
+``amax`` outputs are float32 scalars; when ``record_amax`` is False the ``amax`` output is 0.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.library import custom_op
+
+NAMESPACE = "fp8_lightning"
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _scalar(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((), dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Per-tensor casts
+# --------------------------------------------------------------------------------------------------------
+
+
+@custom_op(f"{NAMESPACE}::amax", mutates_args=())
+def amax(x: torch.Tensor) -> torch.Tensor:
+    from fp8_lightning.kernels import per_tensor as impl
+
+    return impl.amax(x)
+
+
+@amax.register_fake
+def _(x):
+    return _scalar(x)
+
+
+@custom_op(f"{NAMESPACE}::cast", mutates_args=())
+def cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, record_amax: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    from fp8_lightning.kernels import per_tensor as impl
+
+    return impl.cast(x, scale, dtype, record_amax)
+
+
+@cast.register_fake
+def _(x, scale, dtype, record_amax):
+    return torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format), _scalar(x)
+
+
+@custom_op(f"{NAMESPACE}::cast_transpose", mutates_args=())
+def cast_transpose(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, record_amax: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from fp8_lightning.kernels import per_tensor as impl
+
+    return impl.cast_transpose(x, scale, dtype, record_amax)
+
+
+@cast_transpose.register_fake
+def _(x, scale, dtype, record_amax):
+    m, k = x.shape
+    return x.new_empty((m, k), dtype=dtype), x.new_empty((k, m), dtype=dtype), _scalar(x)
+
+
+@custom_op(f"{NAMESPACE}::tensorwise_cast", mutates_args=())
+def tensorwise_cast(
+    x: torch.Tensor, dtype: torch.dtype, eps: float, power_of_2: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from fp8_lightning.kernels import per_tensor as impl
+
+    return impl.tensorwise_cast(x, dtype, eps, power_of_2)
+
+
+@tensorwise_cast.register_fake
+def _(x, dtype, eps, power_of_2):
+    return torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format), _scalar(x), _scalar(x)
+
+
+# --------------------------------------------------------------------------------------------------------
+# MXFP8
+# --------------------------------------------------------------------------------------------------------
+
+
+@custom_op(f"{NAMESPACE}::mx_quantize", mutates_args=())
+def mx_quantize(
+    x: torch.Tensor, block_size: int, scale_rounding: str, dtype: torch.dtype, rowwise: bool, colwise: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from fp8_lightning.kernels import mxfp8 as impl
+
+    return impl.mx_quantize(x, block_size, scale_rounding, dtype, rowwise, colwise)
+
+
+@mx_quantize.register_fake
+def _(x, block_size, scale_rounding, dtype, rowwise, colwise):
+    r, c = x.shape
+    r_pad, c_pad = _round_up(r, block_size), _round_up(c, block_size)
+    u8 = torch.uint8
+    row = x.new_empty((r, c_pad), dtype=dtype) if rowwise else x.new_empty(0, dtype=dtype)
+    row_scale = x.new_empty((r, c_pad // block_size), dtype=u8) if rowwise else x.new_empty(0, dtype=u8)
+    col = x.new_empty((c, r_pad), dtype=dtype) if colwise else x.new_empty(0, dtype=dtype)
+    col_scale = x.new_empty((c, r_pad // block_size), dtype=u8) if colwise else x.new_empty(0, dtype=u8)
+    return row, row_scale, col, col_scale
+
+
+@custom_op(f"{NAMESPACE}::mx_gemm", mutates_args=())
+def mx_gemm(
+    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    from fp8_lightning.kernels import block_gemm as impl
+
+    return impl.mx_gemm(a, a_scale, b, b_scale, out_dtype)
+
+
+@mx_gemm.register_fake
+def _(a, a_scale, b, b_scale, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)

@@ -1,0 +1,251 @@
+"""Per-tensor FP8 casts in Triton: amax, tensorwise (current) scaling, delayed scaling with amax recording.
+
+The pure-torch twins live in :mod:`fp8_lightning.quantize` (``amax``, ``tensorwise_scale``,
+``quantize_with_scale``); these kernels compute the same bits with fewer passes over the tensor:
+
+* **tensorwise** needs the amax of the whole tensor before the first element can be cast, so it is two passes
+  (the minimum): :func:`amax` (one read), then :func:`tensorwise_cast`'s cast kernel, which derives the scale
+  from the amax itself (no host round trip, no extra launches) and writes it out once.
+* **delayed** scaling already knows its scale, so :func:`cast` reads once and writes once, and records the
+  input's amax in the same pass (for the next step's history). :func:`cast_transpose` also writes the
+  transposed FP8 copy (the wgrad/dgrad operand) from the same registers: one read, two writes.
+
+Why the numbers are bit-identical to the twins:
+
+* The amax is reduced on the *bit patterns* of ``|x|`` as int32: for non-negative floats the integer order is
+  the float order, and every NaN pattern is larger than +inf, so an integer max propagates NaN exactly like
+  ``torch.amax``. One ``atomic_max`` per program combines the programs (max is order-independent).
+* ``x * scale`` is one float32 multiply in both; saturation is an explicit clamp that keeps NaN (the float8
+  conversion must never see an out-of-range value); the conversion rounds to nearest even.
+* The tensorwise scale follows ``tensorwise_scale`` operation by operation: ``fp8_max / clamp(amax, eps)`` is
+  evaluated by torch as ``reciprocal(clamp(amax, eps)) * fp8_max`` (two correctly rounded float32 operations),
+  then capped at float32 max, then optionally rounded down to a power of two (``frexp``: NaN becomes 0.5).
+
+Inputs: float32, bfloat16 or float16, any shape (flattened; a non-contiguous input is copied first), and 2-D
+(any strides) for :func:`cast_transpose`. Outputs are contiguous.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from fp8_lightning.formats import fp8_max, fp8_min_normal
+from fp8_lightning.kernels.availability import explicit_rounding
+
+SUPPORTED_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FLOAT32_MAX = torch.finfo(torch.float32).max
+ABS_MASK = 0x7FFFFFFF
+MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
+BLOCK = 4096
+TILE = 64
+
+
+# --------------------------------------------------------------------------------------------------------
+# Device helpers
+# --------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _abs_bits(x):
+    """|x| as float32 bits in an int32: integer order == float order, NaN above +inf."""
+    return x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _saturate(y, FP8_MAX: tl.constexpr):
+    """Clamp to +-FP8_MAX, keeping NaN (min/max alone would drop it)."""
+    clamped = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    return tl.where(y != y, y, clamped)
+
+
+@triton.jit
+def _round_to_grid(y, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
+    """Round float32 ``y`` (|y| <= fp8 max) to the nearest FP8 value, ties to even, staying in float32.
+
+    Adding and subtracting ``1.5 * 2**(k + 23)`` rounds to a multiple of ``2**k`` in float32's own
+    round-to-nearest-even; ``k`` is the FP8 spacing at |y| (fixed below the smallest normal). The sign is put
+    back so that values rounding to zero keep it (-0.0, like the cast).
+    """
+    bits = y.to(tl.int32, bitcast=True)
+    exp = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_NORMAL_EXP)
+    magic = (((exp - MANTISSA_BITS + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    rounded = (y + magic) - magic
+    return (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_fp8_values(y, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
+                   EXPLICIT_ROUNDING: tl.constexpr):
+    """Saturate, and optionally pre-round, so the float8 conversion that follows is exact (see module doc)."""
+    y = _saturate(y, FP8_MAX)
+    if EXPLICIT_ROUNDING:
+        y = _round_to_grid(y, MANTISSA_BITS, MIN_NORMAL_EXP)
+    return y
+
+
+@triton.jit
+def _tensorwise_scale(amax, eps, FP8_MAX: tl.constexpr, POWER_OF_2: tl.constexpr):
+    """Bit-for-bit ``fp8_lightning.quantize.tensorwise_scale`` (see the module docstring)."""
+    clamped = tl.where(amax < eps, eps, amax)  # clamp(min=eps); NaN stays NaN
+    scale = tl.math.div_rn(1.0, clamped) * FP8_MAX
+    scale = tl.where(scale > 3.4028234663852886e38, 3.4028234663852886e38, scale)
+    if POWER_OF_2:
+        bits = scale.to(tl.int32, bitcast=True) & -8388608  # keep sign and exponent: 2**floor(log2(scale))
+        scale = tl.where(scale != scale, 0.5, bits.to(tl.float32, bitcast=True))
+    return scale
+
+
+# --------------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _amax_kernel(x_ptr, amax_bits_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    tl.atomic_max(amax_bits_ptr, tl.max(_abs_bits(x), axis=0))
+
+
+@triton.jit
+def _cast_kernel(
+    x_ptr, scale_ptr, out_ptr, amax_bits_ptr, n,
+    FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
+    EXPLICIT_ROUNDING: tl.constexpr, RECORD_AMAX: tl.constexpr, BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    scale = tl.load(scale_ptr)
+    y = _to_fp8_values(x.to(tl.float32) * scale, FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, EXPLICIT_ROUNDING)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    if RECORD_AMAX:
+        tl.atomic_max(amax_bits_ptr, tl.max(_abs_bits(x), axis=0))
+
+
+@triton.jit
+def _tensorwise_cast_kernel(
+    x_ptr, amax_bits_ptr, out_ptr, scale_out_ptr, n, eps,
+    FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
+    EXPLICIT_ROUNDING: tl.constexpr, POWER_OF_2: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    amax = tl.load(amax_bits_ptr).to(tl.float32, bitcast=True)
+    scale = _tensorwise_scale(amax, eps, FP8_MAX, POWER_OF_2)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    y = _to_fp8_values(x.to(tl.float32) * scale, FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, EXPLICIT_ROUNDING)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    if pid == 0:
+        tl.store(scale_out_ptr, scale)
+
+
+@triton.jit
+def _cast_transpose_kernel(
+    x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_bits_ptr, M, K, stride_xm, stride_xk,
+    FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
+    EXPLICIT_ROUNDING: tl.constexpr, RECORD_AMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rk = (tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=mask, other=0.0)
+    scale = tl.load(scale_ptr)
+    y = _to_fp8_values(x.to(tl.float32) * scale, FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, EXPLICIT_ROUNDING)
+    q = y.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rm[:, None] * K + rk[None, :], q, mask=mask)
+    tl.store(out_t_ptr + rk[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
+    if RECORD_AMAX:
+        tl.atomic_max(amax_bits_ptr, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Launchers (inputs already validated by fp8_lightning.kernels.ops)
+# --------------------------------------------------------------------------------------------------------
+
+
+def format_constants(dtype: torch.dtype) -> dict:
+    """The constexprs that describe a float8 format to the kernels, and the rounding mode to use."""
+    return {
+        "FP8_MAX": fp8_max(dtype),
+        "MANTISSA_BITS": MANTISSA_BITS[dtype],
+        "MIN_NORMAL_EXP": int(math.log2(fp8_min_normal(dtype))),
+        "EXPLICIT_ROUNDING": explicit_rounding(),
+    }
+
+
+def _amax_buffer(device: torch.device) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def _bits_to_amax(bits: torch.Tensor) -> torch.Tensor:
+    return bits.view(torch.float32).reshape(())
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(-1)
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a float32 scalar; one read of ``x``."""
+    bits = _amax_buffer(x.device)
+    n = x.numel()
+    if n:
+        _amax_kernel[(triton.cdiv(n, BLOCK),)](_flat(x), bits, n, BLOCK=BLOCK)
+    return _bits_to_amax(bits)
+
+
+def cast(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, record_amax: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``saturate(x * scale)`` in ``dtype`` and (when ``record_amax``) max |x|, from one read of ``x``."""
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    bits = _amax_buffer(x.device)
+    n = x.numel()
+    if n:
+        _cast_kernel[(triton.cdiv(n, BLOCK),)](
+            _flat(x), scale.reshape(1).float(), out.view(-1), bits, n,
+            **format_constants(dtype), RECORD_AMAX=record_amax, BLOCK=BLOCK,
+        )
+    return out, _bits_to_amax(bits)
+
+
+def tensorwise_cast(
+    x: torch.Tensor, dtype: torch.dtype, eps: float, power_of_2: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Current scaling in two passes: ``(data, scale, amax)`` as ``quantize.tensorwise_scale`` defines them."""
+    flat = _flat(x)
+    n = x.numel()
+    bits = _amax_buffer(x.device)
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    scale = torch.empty(1, dtype=torch.float32, device=x.device)
+    grid = (max(1, triton.cdiv(n, BLOCK)),)  # one program even when empty: it writes the scale
+    if n:
+        _amax_kernel[grid](flat, bits, n, BLOCK=BLOCK)
+    _tensorwise_cast_kernel[grid](
+        flat, bits, out.view(-1), scale, n, eps,
+        **format_constants(dtype), POWER_OF_2=power_of_2, BLOCK=BLOCK,
+    )
+    return out, scale.reshape(()), _bits_to_amax(bits)
+
+
+def cast_transpose(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, record_amax: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For a 2-D ``x`` (M, K): ``(data (M, K), data_t (K, M), amax)`` from one read of ``x``."""
+    m, k = x.shape
+    out = torch.empty((m, k), dtype=dtype, device=x.device)
+    out_t = torch.empty((k, m), dtype=dtype, device=x.device)
+    bits = _amax_buffer(x.device)
+    if x.numel():
+        grid = (triton.cdiv(m, TILE), triton.cdiv(k, TILE))
+        _cast_transpose_kernel[grid](
+            x, scale.reshape(1).float(), out, out_t, bits, m, k, x.stride(0), x.stride(1),
+            **format_constants(dtype), RECORD_AMAX=record_amax, BLOCK_M=TILE, BLOCK_K=TILE,
+        )
+    return out, out_t, _bits_to_amax(bits)
