@@ -1,28 +1,310 @@
-"""Entry point of ``make train``: a short real FP8 training run (replaced by the Hydra app ``fp8-train``)."""
+"""``fp8-train`` (also ``python -m fp8_lightning.train``): the Hydra front door of the project.
 
+One command trains a GPT under any precision and prints what happened::
+
+    fp8-train                                           # tiny GPT, stdlib bytes, fp8-hybrid, CPU
+    fp8-train precision=fp8_mxfp8 model.n_layer=4 trainer.max_steps=50
+    fp8-train precision=fp8_hybrid precision.recipe.amax_history_len=32 precision.recipe.margin=1
+    fp8-train experiment=gpt_small_gpu precision=fp8_tensorwise
+    fp8-train -m precision=fp32,bf16_mixed,fp8_hybrid    # a sweep (or: fp8-compare)
+
+Design:
+
+* Configs live in ``conf/`` (one group per concern). A checkout uses its ``conf/`` folder, so edits show up
+  at once; an installed wheel uses the same files packaged as ``fp8_lightning.conf``.
+* The precision group decides between Lightning's own flag (``precision.lightning``: ``32-true``,
+  ``bf16-mixed``) and the FP8 plugin (``precision.plugin``, built from the recipe fields in
+  ``precision.recipe``). Nothing FP8-specific exists in the model or the data modules.
+* Bad configuration fails before any work starts, with the offending key, what is allowed and how to fix it,
+  and exit status 2 (:class:`ConfigError`); unknown group options and keys are rejected by Hydra itself.
+* The closing summary (validation loss and perplexity, tokens/s, peak memory, converted and skipped layers,
+  checkpoint path) is printed and written to ``summary.json`` in the run folder, which ``fp8-compare`` reads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import resource
+import time
+
+import hydra
+import lightning.pytorch as pl
 import torch
-import torch.nn as nn
+from omegaconf import DictConfig, OmegaConf
 
-from fp8_lightning import DelayedScaling, convert_to_fp8, fp8_autocast
+from fp8_lightning.recipes import recipe_from
+
+CHECKOUT_CONF = Path(__file__).resolve().parent.parent / "conf"
+CONFIG_NAME = "train"
+GPU_ACCELERATORS = ("gpu", "cuda")
 
 
-def main() -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 64))
-    teacher = nn.Sequential(nn.Linear(64, 64), nn.Tanh())
-    print(convert_to_fp8(model, DelayedScaling()))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for step in range(200):
-        x = torch.randn(128, 64)
-        with torch.no_grad():
-            target = teacher(x)
-        with fp8_autocast():
-            loss = nn.functional.mse_loss(model(x), target)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step % 50 == 0 or step == 199:
-            print(f"step {step:4d}  loss {loss.item():.5f}")
+def config_path() -> str:
+    """The checkout's ``conf/`` when present (live edits), else the configs packaged in the wheel."""
+    if (CHECKOUT_CONF / f"{CONFIG_NAME}.yaml").is_file():
+        return str(CHECKOUT_CONF)
+    return "pkg://fp8_lightning.conf"
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the key, what is allowed and the fix."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Fail-fast checks (run before anything is built)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def check_config(cfg: DictConfig) -> None:
+    check_recipe(cfg)
+    check_precision_choice(cfg)
+    check_accelerator(cfg)
+
+
+def check_recipe(cfg: DictConfig) -> None:
+    recipe = cfg.precision.get("recipe")
+    if recipe is None:
+        return
+    try:
+        recipe_from(OmegaConf.to_container(recipe, resolve=True))
+    except (ValueError, TypeError) as err:
+        raise ConfigError(
+            f"precision.recipe is invalid for precision={cfg.precision.get('name')}: {err} "
+            f"Override a field like precision.recipe.<field>=<value>; current recipe: "
+            f"{OmegaConf.to_container(recipe, resolve=True)}."
+        ) from err
+
+
+def check_precision_choice(cfg: DictConfig) -> None:
+    flag, plugin = cfg.precision.get("lightning"), cfg.precision.get("plugin")
+    if (flag is None) == (plugin is None):
+        raise ConfigError(
+            f"precision={cfg.precision.get('name')} sets precision.lightning={flag!r} and precision.plugin="
+            f"{'<config>' if plugin is not None else None}; exactly one of them must be set (a Lightning flag such "
+            "as 32-true/bf16-mixed, or the FP8 plugin)."
+        )
+
+
+def check_accelerator(cfg: DictConfig) -> None:
+    accelerator = str(cfg.trainer.get("accelerator", "auto")).lower()
+    if accelerator in GPU_ACCELERATORS and not torch.cuda.is_available():
+        raise ConfigError(
+            f"trainer.accelerator={accelerator} but this machine has no usable CUDA GPU "
+            f"(torch {torch.__version__}, torch.cuda.is_available() is False). Use trainer=cpu (or trainer=ddp), "
+            "or run on a machine with an NVIDIA GPU and a CUDA build of torch."
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Measuring the run
+# ----------------------------------------------------------------------------------------------------------
+
+
+class RunMonitor(pl.Callback):
+    """Training throughput and loss curves for the summary, measured the same way for every precision.
+
+    Tokens/s counts the tokens of every training batch on every rank, divided by the time from batch start to
+    batch end (forward, backward, optimizer step; data loading and validation excluded), skipping the first
+    ``warmup_steps`` steps (allocations, first-use scaling, lazy initialisation).
+    """
+
+    def __init__(self, log_every_n_steps: int = 10, warmup_steps: int = 3):
+        self.log_every_n_steps, self.warmup_steps = max(1, log_every_n_steps), warmup_steps
+        self.train_curve: list[tuple[int, float]] = []
+        self.val_curve: list[tuple[int, float]] = []
+        self.last_val_step = -1
+        self.tokens, self.seconds, self._start = 0, 0.0, 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+        step = trainer.global_step
+        if step > self.warmup_steps:
+            self.seconds += time.perf_counter() - self._start
+            self.tokens += batch[0].numel() * trainer.world_size
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        if loss is not None and (step % self.log_every_n_steps == 0 or step == 1):
+            self.train_curve.append((step, float(loss)))
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking or "val/loss" not in trainer.callback_metrics:
+            return
+        self.last_val_step = trainer.global_step
+        self.val_curve.append((trainer.global_step, float(trainer.callback_metrics["val/loss"])))
+
+    def tokens_per_second(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 else None
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """Peak CUDA memory allocated by tensors on a GPU; the peak resident set of this process on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Building the run from the config
+# ----------------------------------------------------------------------------------------------------------
+
+
+def instantiate(node: Any, key: str, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate`` that reports a failure as a :class:`ConfigError` naming ``key``."""
+    try:
+        return hydra.utils.instantiate(node, **kwargs)
+    except Exception as err:  # noqa: BLE001 - re-raised with the config key that caused it
+        cause = err.__cause__ or err
+        raise ConfigError(f"{key} could not be built: {type(cause).__name__}: {cause}") from err
+
+
+def has_target(node: Any) -> bool:
+    return isinstance(node, DictConfig) and "_target_" in node
+
+
+def build_precision(cfg: DictConfig) -> tuple[str | None, list]:
+    """``(Trainer precision flag, plugins)`` from the precision group."""
+    plugin_cfg = cfg.precision.get("plugin")
+    if plugin_cfg is None:
+        return str(cfg.precision.lightning), []
+    dtype = plugin_cfg.get("dtype")
+    overrides = {"dtype": getattr(torch, str(dtype))} if isinstance(dtype, str) else {}
+    return None, [instantiate(plugin_cfg, "precision.plugin", **overrides)]
+
+
+def build_strategy(cfg: DictConfig) -> Any:
+    node = cfg.get("strategy")
+    if node is None:
+        return "auto"
+    if isinstance(node, str):
+        return node
+    return instantiate(node, "strategy") if has_target(node) else str(node.get("name", "auto"))
+
+
+def build_group_items(cfg: DictConfig, group: str, skip: tuple[str, ...] = ()) -> list:
+    node = cfg.get(group) or {}
+    return [instantiate(v, f"{group}.{k}") for k, v in node.items() if has_target(v) and k not in skip]
+
+
+def build(cfg: DictConfig) -> dict[str, Any]:
+    """Instantiate data, model, precision, strategy, callbacks, loggers and the trainer (in that order)."""
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    datamodule = instantiate(cfg.data, "data")
+    optimizer = instantiate(cfg.optimizer, "optimizer") if has_target(cfg.get("optimizer")) else None
+    scheduler = instantiate(cfg.scheduler, "scheduler") if has_target(cfg.get("scheduler")) else None
+    model = instantiate(cfg.model, "model", optimizer=optimizer, scheduler=scheduler)
+    precision, plugins = build_precision(cfg)
+    is_fp8 = bool(plugins)
+    callbacks = build_group_items(cfg, "callbacks", skip=() if is_fp8 else ("fp8_stats",))
+    monitor = RunMonitor(log_every_n_steps=int(cfg.trainer.get("log_every_n_steps") or 10))
+    loggers = build_group_items(cfg, "logger")
+    trainer_kwargs: dict[str, Any] = dict(
+        callbacks=callbacks + [monitor], logger=loggers or False, plugins=plugins, strategy=build_strategy(cfg)
+    )
+    if precision is not None:
+        trainer_kwargs["precision"] = precision
+    trainer = instantiate(cfg.trainer, "trainer", **trainer_kwargs)
+    return dict(trainer=trainer, model=model, datamodule=datamodule, monitor=monitor, plugins=plugins)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Running and summarising
+# ----------------------------------------------------------------------------------------------------------
+
+
+def conversion_summary(model: torch.nn.Module, plugins: list) -> dict[str, Any]:
+    report = next((p.conversion_report for p in plugins if getattr(p, "conversion_report", None)), None)
+    if report is not None:
+        return {"converted": list(report.converted), "skipped": dict(report.skipped)}
+    from fp8_lightning.convert import fp8_modules
+
+    return {"converted": [name for name, _ in fp8_modules(model)], "skipped": {}}
+
+
+def checkpoint_path(trainer) -> str | None:
+    ckpt = trainer.checkpoint_callback
+    if ckpt is None:
+        return None
+    return ckpt.best_model_path or ckpt.last_model_path or None
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Train (and finally validate) as configured; return the summary dict."""
+    check_config(cfg)
+    parts = build(cfg)
+    trainer, model, datamodule, monitor = parts["trainer"], parts["model"], parts["datamodule"], parts["monitor"]
+    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    if cfg.get("validate_at_end") and monitor.last_val_step != trainer.global_step:
+        trainer.validate(model, datamodule=datamodule, verbose=False)
+    val_loss = _metric(trainer, "val/loss")
+    summary = {
+        "precision": cfg.precision.get("name"),
+        "recipe": OmegaConf.to_container(cfg.precision.recipe, resolve=True) if cfg.precision.get("recipe") else None,
+        "steps": trainer.global_step,
+        "val_loss": val_loss,
+        "val_ppl": _metric(trainer, "val/ppl") or (math.exp(val_loss) if val_loss is not None else None),
+        "tokens_per_s": monitor.tokens_per_second(),
+        "peak_memory_mib": peak_memory_mib(model.device),
+        "peak_memory_kind": "cuda_max_allocated" if model.device.type == "cuda" else "process_peak_rss",
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "layers": conversion_summary(model, parts["plugins"]),
+        "checkpoint": checkpoint_path(trainer),
+        "train_loss_curve": monitor.train_curve,
+        "val_loss_curve": monitor.val_curve,
+        "data": getattr(datamodule, "stats", {}),
+        "output_dir": str(cfg.paths.output_dir),
+    }
+    if trainer.is_global_zero:
+        print(format_summary(summary))
+        if cfg.get("summary_file"):
+            Path(cfg.summary_file).parent.mkdir(parents=True, exist_ok=True)
+            Path(cfg.summary_file).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _metric(trainer, key: str) -> float | None:
+    value = trainer.callback_metrics.get(key)
+    return None if value is None else float(value)
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    def num(x, fmt):
+        return "n/a" if x is None else format(x, fmt)
+
+    layers = s["layers"]
+    lines = [
+        "",
+        f"==== fp8-train summary ({s['precision']}, {s['steps']} steps) ====",
+        f"validation loss   {num(s['val_loss'], '.4f')}   perplexity {num(s['val_ppl'], '.3f')}",
+        f"throughput        {num(s['tokens_per_s'], ',.0f')} tokens/s (training steps)",
+        f"peak memory       {num(s['peak_memory_mib'], ',.0f')} MiB ({s['peak_memory_kind']})",
+        f"FP8 layers        {len(layers['converted'])} converted, {len(layers['skipped'])} skipped",
+    ]
+    if layers["converted"]:
+        lines.append("  converted: " + ", ".join(layers["converted"]))
+    lines += [f"  skipped {name}: {reason}" for name, reason in layers["skipped"].items()]
+    lines += [f"checkpoint        {s['checkpoint'] or 'none (no ModelCheckpoint callback)'}",
+              f"outputs           {s['output_dir']}", ""]
+    return "\n".join(lines)
+
+
+@hydra.main(version_base="1.3", config_path=config_path(), config_name=CONFIG_NAME)
+def main(cfg: DictConfig) -> float | None:
+    """Hydra entry point; returns the final validation loss (for sweepers)."""
+    try:
+        return run(cfg)["val_loss"]
+    except ConfigError as err:
+        print(f"fp8-train: configuration error: {err}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
