@@ -16,6 +16,7 @@ from fp8_lightning.convert import (
 from fp8_lightning.formats import Format, fp8_max
 from fp8_lightning.gemm import fp8_gemm_support, fp8_mm
 from fp8_lightning.linear import FP8Linear
+from fp8_lightning.optim import FP8Optimizer
 from fp8_lightning.quantize import (
     Quantized,
     dequantize_mxfp8,
@@ -31,6 +32,7 @@ __all__ = [
     "ConversionReport",
     "DelayedScaling",
     "FP8Linear",
+    "FP8Optimizer",
     "Format",
     "MXFP8BlockScaling",
     "Quantized",

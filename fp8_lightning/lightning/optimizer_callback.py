@@ -1,0 +1,59 @@
+"""``FP8OptimizerStates``: give any LightningModule FP8 optimizer states without touching the module.
+
+The module's ``configure_optimizers`` keeps returning ``torch.optim.AdamW(...)``. Adding the callback to the
+trainer (``Trainer(callbacks=[FP8OptimizerStates(preset="default")])``, or ``callbacks=fp8_optimizer`` in Hydra)
+wraps every supported optimizer the strategy built in an :class:`~fp8_lightning.optim.FP8Optimizer`.
+
+When: ``on_fit_start``. In Lightning 2.6 the trainer builds the optimizers in ``strategy.setup`` (after DDP or
+FSDP2 has wrapped or sharded the model, so sharded parameters are already DTensors), then calls
+``on_fit_start``, and only then restores optimizer states from a checkpoint: wrapping there means a resumed run
+loads the FP8 states saved by the wrapper, exactly.
+
+Learning-rate schedulers built in ``configure_optimizers`` hold the inner optimizer; they keep working because the
+wrapper shares its ``param_groups``. Unsupported optimizers are left alone with a warning (or refused with
+``strict=True``), so adding the callback never breaks a run that it cannot help.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from fp8_lightning.optim import FP8Optimizer, config_from
+
+
+class FP8OptimizerStates(Callback):
+    """Wrap the trainer's optimizers in :class:`FP8Optimizer` at fit start.
+
+    Args:
+        preset: ``"default"``, ``"max_savings"`` or ``"fp32"`` (see ``fp8_lightning.optim.config``).
+        strict: refuse (``TypeError``) instead of warning when an optimizer cannot be wrapped.
+        **options: overrides of the preset (``block_size``, ``master_weights``, ``exp_avg_sq``, ...).
+    """
+
+    def __init__(self, preset: str = "default", strict: bool = False, **options: Any) -> None:
+        self.config = config_from(preset, **options)  # fail at construction on a bad option, not mid-fit
+        self.strict = strict
+
+    @override
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        trainer.strategy.optimizers = [self._wrap(opt) for opt in trainer.strategy.optimizers]
+
+    def _wrap(self, optimizer: Any) -> Any:
+        if isinstance(optimizer, FP8Optimizer):
+            return optimizer
+        try:
+            return FP8Optimizer(optimizer, self.config)
+        except (TypeError, ValueError) as error:
+            if self.strict:
+                raise
+            rank_zero_warn(f"FP8OptimizerStates left {type(optimizer).__name__} in full precision: {error}")
+            return optimizer
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"config": self.config.to_dict()}

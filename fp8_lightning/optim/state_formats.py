@@ -1,0 +1,189 @@
+"""Storage formats for optimizer states: how one state tensor is kept between steps.
+
+An optimizer state (Adam's first moment ``m``, second moment ``v``, SGD's momentum buffer) is read once and
+written once per step, so it can live in a narrow format as long as each step decodes it to float32, updates it
+in float32 and encodes it again. A :class:`StateFormat` names that narrow format:
+
+``float32`` / ``bfloat16`` / ``float16`` with ``block_size=0``
+    a plain cast (no scale).
+``float8_e4m3fn`` / ``float8_e5m2`` / ``float16`` with ``block_size=B``
+    the state is flattened and cut into blocks of ``B`` consecutive elements; each block gets one float32
+    multiplier ``scale = dtype_max / amax(block)`` and ``data = saturate(x * scale)``; decoding computes
+    ``data / scale``. Per-block scales keep the relative error bounded by the format's mantissa (E4M3: 2**-4)
+    for every element whose magnitude is within the format's dynamic range of its block maximum, which is what a
+    per-tensor scale cannot promise for states whose magnitudes span many binades across a tensor.
+    The last block is zero-padded; the scale of an all-zero block is 1.
+
+``transform="sqrt"`` (for the second moment only, which is never negative)
+    stores ``sqrt(v)`` and decodes by squaring. Why: E4M3 covers about 2**17.8 between its largest value and its
+    smallest subnormal, while ``v = EMA(g**2)`` spans *twice* the binades of the gradient it comes from; the
+    square root halves that span so the same 8 bits cover a gradient range of 2**17.8 instead of 2**8.9. It is
+    also the quantity Adam divides by, so the stored error is the error of the update's denominator.
+    (COAT's "dynamic range expansion" is the general form ``|x|**k``; k=1/2 is its simplest member and exact to
+    invert.)
+
+Everything here is a pure function of tensors; the optimizer keeps the results as plain tensors in its state so
+that ``state_dict`` saves them unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+_ALIASES = {
+    "fp32": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "e4m3": "float8_e4m3fn",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "e5m2": "float8_e5m2",
+    "fp8_e5m2": "float8_e5m2",
+}
+_TRANSFORMS = ("none", "sqrt")
+_FP8 = ("float8_e4m3fn", "float8_e5m2")
+
+
+def canonical_dtype_name(name: "str | torch.dtype") -> str:
+    """``"e4m3"``/``"fp16"``/``torch.float16``... to the canonical name used in :class:`StateFormat`."""
+    if isinstance(name, torch.dtype):
+        name = str(name).removeprefix("torch.")
+    key = _ALIASES.get(str(name).lower(), str(name).lower())
+    if key not in _DTYPES:
+        raise ValueError(
+            f"Unknown optimizer state dtype {name!r}; allowed: {sorted(_DTYPES)} (or aliases {sorted(_ALIASES)})."
+        )
+    return key
+
+
+@dataclasses.dataclass(frozen=True)
+class StateFormat:
+    """How one optimizer state is stored: dtype, block size of the scales (0 = unscaled), value transform."""
+
+    dtype: str = "float32"
+    block_size: int = 0
+    transform: str = "none"
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", canonical_dtype_name(self.dtype))
+        if self.transform not in _TRANSFORMS:
+            raise ValueError(f"transform={self.transform!r} is invalid; allowed: {_TRANSFORMS}.")
+        if self.block_size < 0:
+            raise ValueError(f"block_size={self.block_size} must be >= 0 (0 means one cast without a scale).")
+        if self.dtype in _FP8 and self.block_size == 0:
+            raise ValueError(
+                f"An FP8 state ({self.dtype}) needs per-block scales: set block_size (e.g. 128); got block_size=0."
+            )
+        if self.dtype == "float32" and (self.block_size or self.transform != "none"):
+            raise ValueError("A float32 state is stored as is: use block_size=0 and transform='none'.")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def scaled(self) -> bool:
+        return self.block_size > 0
+
+    @property
+    def is_full_precision(self) -> bool:
+        return self.dtype == "float32"
+
+    def bytes_per_element(self) -> float:
+        """Storage per state element, scales included (ignoring the padding of the last block)."""
+        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
+        return itemsize + (4.0 / self.block_size if self.scaled else 0.0)
+
+    @classmethod
+    def parse(cls, value: "StateFormat | str | dict") -> "StateFormat":
+        """``StateFormat``, a dict of its fields, or a string ``"e4m3"``, ``"e4m3:128"``, ``"e4m3:128:sqrt"``."""
+        if isinstance(value, StateFormat):
+            return value
+        if isinstance(value, dict):
+            return cls(**value)
+        if isinstance(value, str):
+            parts = value.split(":")
+            dtype = parts[0]
+            block = int(parts[1]) if len(parts) > 1 else (128 if canonical_dtype_name(dtype) in _FP8 else 0)
+            transform = parts[2] if len(parts) > 2 else "none"
+            return cls(dtype, block, transform)
+        raise TypeError(f"Cannot make a StateFormat from {type(value).__name__}: give a StateFormat, dict or str.")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Pure encode / decode
+# ------------------------------------------------------------------------------------------------------------
+
+
+def dtype_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
+
+
+def padded_numel(numel: int, block_size: int) -> int:
+    return math.ceil(numel / block_size) * block_size if block_size else numel
+
+
+def block_scales(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per-row multiplier ``dtype_max / amax(row)`` (float32); 1 where a row is all zeros; NaN rows give NaN."""
+    block_amax = blocks.abs().amax(dim=-1)
+    scale = dtype_max(dtype) / block_amax
+    scale = torch.where(block_amax > 0, scale, torch.ones_like(scale))
+    return torch.clamp(scale, max=torch.finfo(torch.float32).max)
+
+
+def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Clamp to ``dtype``'s finite range, then cast (round to nearest even). NaN stays NaN."""
+    limit = dtype_max(dtype)
+    return x.clamp(-limit, limit).to(dtype)
+
+
+def encode(x: torch.Tensor, fmt: StateFormat) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Encode a state tensor. Returns ``(data, scale)``; ``scale`` is None for unscaled formats.
+
+    Scaled formats return ``data`` flat with ``padded_numel`` elements and ``scale`` with one float32 per block.
+    """
+    x32 = x.detach().float()
+    if fmt.transform == "sqrt":
+        x32 = x32.clamp(min=0).sqrt()
+    if not fmt.scaled:
+        return saturating_cast(x32, fmt.torch_dtype) if fmt.dtype != "float32" else x32.clone(), None
+    flat = x32.reshape(-1)
+    pad = padded_numel(flat.numel(), fmt.block_size) - flat.numel()
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    blocks = flat.view(-1, fmt.block_size)
+    scale = block_scales(blocks, fmt.torch_dtype)
+    data = saturating_cast(blocks * scale.unsqueeze(-1), fmt.torch_dtype).reshape(-1)
+    return data, scale
+
+
+def decode(data: torch.Tensor, scale: torch.Tensor | None, fmt: StateFormat, shape: torch.Size) -> torch.Tensor:
+    """Inverse of :func:`encode`: a float32 tensor of ``shape``."""
+    numel = math.prod(shape)
+    if fmt.scaled:
+        if scale is None:
+            raise ValueError(f"A state stored as {fmt} needs its block scales; got none.")
+        x = (data.float().view(-1, fmt.block_size) / scale.unsqueeze(-1)).reshape(-1)[:numel].reshape(shape)
+    else:
+        x = data.float().reshape(shape)
+    if fmt.transform == "sqrt":
+        x = x * x
+    return x
+
+
+def storage_nbytes(data: torch.Tensor, scale: torch.Tensor | None) -> int:
+    nbytes = data.numel() * data.element_size()
+    return nbytes + (scale.numel() * scale.element_size() if scale is not None else 0)

@@ -1,0 +1,146 @@
+"""State quantizers and master-weight bit tricks against independent float64 references."""
+
+import math
+
+import pytest
+import torch
+
+from fp8_lightning.optim import master_weights as mw
+from fp8_lightning.optim.config import config_from
+from fp8_lightning.optim.state_formats import StateFormat, decode, encode
+
+
+def fp8_grid(dtype: torch.dtype) -> torch.Tensor:
+    """Every finite non-negative value of a float8 dtype, in float64, sorted (built from the bit patterns)."""
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).double()
+    values = values[torch.isfinite(values) & (values >= 0)]
+    return torch.unique(values)
+
+
+def nearest_on_grid(x: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """Round float64 ``x`` to the nearest signed grid value (saturating at the grid's maximum)."""
+    mag = x.abs().clamp(max=grid[-1].item())
+    idx = torch.searchsorted(grid, mag).clamp(1, len(grid) - 1)
+    lo, hi = grid[idx - 1], grid[idx]
+    pick = torch.where((mag - lo) <= (hi - mag), lo, hi)
+    return torch.sign(x) * pick
+
+
+def reference_block_quantize(x: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
+    """float64 reference: per-block scale = max/amax, round to the nearest representable value, unscale."""
+    flat = x.double().reshape(-1)
+    pad = (-flat.numel()) % block
+    blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, block)
+    amax = blocks.abs().amax(dim=1, keepdim=True)
+    fmax = float(torch.finfo(dtype).max)
+    scale = torch.where(amax > 0, fmax / amax, torch.ones_like(amax))
+    return (nearest_on_grid(blocks * scale, fp8_grid(dtype)) / scale).reshape(-1)[: x.numel()].reshape(x.shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("block", [32, 128])
+def test_fp8_block_state_matches_float64_reference(dtype, block):
+    # magnitudes spanning many binades, lengths that leave a partial last block
+    x = torch.randn(37, 53) * torch.exp(torch.randn(37, 53) * 3)
+    fmt = StateFormat(dtype, block)
+    data, scale = encode(x, fmt)
+    assert data.dtype == dtype and data.numel() == math.ceil(x.numel() / block) * block
+    assert scale.shape == (math.ceil(x.numel() / block),) and scale.dtype == torch.float32
+    got = decode(data, scale, fmt, x.shape).double()
+    ref = reference_block_quantize(x, block, dtype)
+    # scales are float32 in the code, float64 in the reference: agree to float32 rounding
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=0)
+
+
+def test_e4m3_relative_error_bound_within_block_range():
+    x = torch.rand(4096) + 0.5  # one binade: every element is a normal E4M3 number after scaling
+    fmt = StateFormat("e4m3", 128)
+    got = decode(*encode(x, fmt), fmt, x.shape).double()
+    rel = ((got - x.double()).abs() / x.double()).max().item()
+    assert 0 < rel <= 2.0**-4  # E4M3 has 3 mantissa bits: half an ulp is at most 2**-4 relative
+
+
+def test_zero_and_padded_blocks_decode_to_zero():
+    x = torch.zeros(300)
+    x[:5] = torch.tensor([1.0, -2.0, 3.0, 0.5, -0.25])
+    fmt = StateFormat("e4m3", 128)
+    data, scale = encode(x, fmt)
+    assert scale[1].item() == 1.0 and scale[2].item() == 1.0  # all-zero blocks
+    got = decode(data, scale, fmt, x.shape)
+    assert torch.equal(got[5:], torch.zeros(295)) and got.shape == x.shape
+    torch.testing.assert_close(got[:5], x[:5], rtol=2.0**-4, atol=0)
+
+
+def test_sqrt_transform_keeps_twice_the_binades():
+    # a second moment v = g**2 for gradients spanning 2**-12 .. 2**0: v spans 2**-24 .. 2**0
+    g = torch.logspace(-12, 0, 128, base=2.0)
+    v = g * g
+    plain, sqrt = StateFormat("e4m3", 128), StateFormat("e4m3", 128, "sqrt")
+    v_plain = decode(*encode(v, plain), plain, v.shape)
+    v_sqrt = decode(*encode(v, sqrt), sqrt, v.shape)
+    # E4M3 covers about 2**17.8: plain storage flushes v below ~2**-18 to zero, sqrt storage keeps every entry
+    assert (v_plain == 0).sum() > 20
+    assert (v_sqrt > 0).all()
+    rel = ((v_sqrt.double() - v.double()).abs() / v.double()).max().item()
+    assert rel <= 2 * 2.0**-4 + 2.0**-8  # (1 + 2**-4)**2 - 1
+
+
+def test_fp16_block_scaling_keeps_tiny_second_moments():
+    v = torch.full((256,), 1e-12)
+    v[0] = 1e-9
+    fmt = StateFormat("fp16", 128)
+    got = decode(*encode(v, fmt), fmt, v.shape)
+    assert (v.half() == 0).all()  # unscaled FP16 would lose every one of them
+    torch.testing.assert_close(got, v, rtol=2.0**-11, atol=0)
+
+
+def test_state_format_parsing_and_refusals():
+    assert StateFormat.parse("e4m3") == StateFormat("float8_e4m3fn", 128)
+    assert StateFormat.parse("e4m3:64:sqrt") == StateFormat("float8_e4m3fn", 64, "sqrt")
+    with pytest.raises(ValueError, match="needs per-block scales"):
+        StateFormat("e4m3", 0)
+    with pytest.raises(ValueError, match="allowed"):
+        StateFormat("int4")
+    with pytest.raises(ValueError, match="square root"):
+        config_from("default", exp_avg="e4m3:128:sqrt")
+    with pytest.raises(TypeError, match="allowed"):
+        config_from("default", moment_dtype="e4m3")
+    with pytest.raises(ValueError, match="max_savings"):
+        config_from("tiny")
+    assert config_from("max_savings", block_size=32).exp_avg_sq.block_size == 32
+
+
+def test_bf16_remainder_is_exact_and_rounds_to_nearest():
+    x = torch.randn(10_000) * torch.exp(torch.randn(10_000) * 4)
+    high, low = mw.split_fp32(x)
+    assert high.dtype == torch.bfloat16 and low.dtype == torch.int16
+    assert torch.equal(mw.join_fp32(high, low), x)  # exact reconstruction, bit for bit
+    # the bf16 part is a nearest bf16 value: within half a bf16 ulp (2**-8 relative to its binade), in float64
+    h = high.double()
+    ulp = torch.ldexp(torch.ones_like(h), torch.frexp(h)[1] - 8)
+    assert ((x.double() - h).abs() <= ulp / 2).all()
+
+
+def test_fp16_scaled_master_scale_is_power_of_two_in_range():
+    x = torch.randn(1000) * 1e-3
+    scale = mw.fp16_master_scale(x)
+    assert math.log2(scale.item()).is_integer()
+    assert 2.0**13 <= (x.abs().max() * scale).item() <= 2.0**14
+
+
+def test_remainder_master_keeps_updates_below_a_bf16_ulp():
+    """1000 updates of 1e-5 on a weight of 0.5 (bf16 ulp there: 2**-8): the remainder keeps every one."""
+    param = torch.full((64,), 0.5, dtype=torch.bfloat16)
+    state = mw.init_master(param, "bf16_remainder")
+    plain = param.clone()
+    fp32 = torch.full((64,), 0.5)
+    for _ in range(1000):
+        fp32.add_(1e-5)
+        master = mw.load_master(param, state, "bf16_remainder")
+        master.add_(1e-5)
+        mw.store_master(param, state, "bf16_remainder", master)
+        plain.add_(torch.full_like(plain, 1e-5))  # rounding into bf16 every step
+    exact = mw.load_master(param, state, "bf16_remainder")
+    assert torch.equal(exact, fp32)  # the same as a float32 master, bit for bit
+    assert abs(exact[0].item() - (0.5 + 1000 * 1e-5)) < 1e-4  # and near the float64 sum
+    assert torch.equal(plain, torch.full_like(plain, 0.5))  # every update lost without a master
