@@ -207,7 +207,11 @@ class FP8Optimizer(torch.optim.Optimizer):
     def _try_fused(self, local, grad, state, formats, kind, group, step) -> bool:
         if not (self.config.use_triton and local.is_cuda):
             return False
-        from fp8_lightning.kernels.fp8_adam import fused_adam_supported, fused_adam_step
+        from fp8_lightning.kernels.availability import kernels_for
+
+        if kernels_for(local) is None:  # no Triton, no FP8-capable GPU, or FP8_LIGHTNING_DISABLE_TRITON=1
+            return False
+        from fp8_lightning.kernels.fp8_adam import fused_adam_step, fused_adam_supported
 
         if not fused_adam_supported(local, formats["exp_avg"], formats["exp_avg_sq"], kind)[0]:
             return False
