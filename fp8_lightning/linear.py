@@ -96,6 +96,9 @@ class LayerScaling:
 
     def weight_operands(self, weight: torch.Tensor, record: bool) -> tuple[Quantized, Quantized | None]:
         """(rowwise W, columnwise W for MX) cast once per weight version and scale generation."""
+        provided = getattr(weight, "fp8_weight_operands", None)  # already FP8 (e.g. gathered in FP8 by FSDP2)
+        if provided is not None:
+            return provided(self, record)
         w_state = self.operands.get("weight")
         key = (weight._version, weight.data_ptr(), w_state.generation if w_state else 0, weight.device)
         if self._weight_cache is None or key != self._weight_key:

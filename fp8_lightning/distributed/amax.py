@@ -1,0 +1,83 @@
+"""One coalesced all-reduce per optimizer step for the whole-weight amaxes of FP8-gathered weights.
+
+A per-tensor (tensorwise or delayed) FP8 weight has one scale, and every rank must quantize its shard with the
+same one, computed from the amax of the *whole* weight. Reducing each weight's amax separately would add one
+collective per layer; instead :class:`WeightAmaxSync` (one per model) computes the local amax of every
+per-tensor weight shard, packs them into one vector and runs a single MAX all-reduce over the shard group.
+
+It does this lazily, the first time any weight is gathered after a weight changed. "Changed" is read from the
+version counters of the sharded parameters (the DTensors the optimizer updates; the wrapped local tensors below
+them do not see in-place ops), which every in-place optimizer update and checkpoint load bumps; so it is once per
+optimizer step, never per micro-batch or for the backward re-gather. Every rank gathers the same weights in the
+same order, so every rank reaches the reduction at the same point. A NaN amax is sent as +inf so that MAX
+propagates it (the scale logic then keeps the previous scale).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fp8_lightning.quantize import amax
+
+
+def local_shard(weight: torch.Tensor) -> torch.Tensor:
+    """The rank-local tensor of a parameter (the DTensor's local shard, or the tensor itself)."""
+    from torch.distributed.tensor import DTensor
+
+    return weight._local_tensor if isinstance(weight, DTensor) else weight
+
+
+class WeightAmaxSync:
+    """Agrees the amax of every per-tensor FP8-gathered weight of ``root`` in one all-reduce per weight update."""
+
+    def __init__(self, root: nn.Module):
+        self._root = weakref.ref(root)
+        self._layers: list[nn.Module] | None = None
+        self._params: list[torch.Tensor] = []  # the sharded parameters: their version counters see updates
+        self._shards: list[torch.Tensor] = []
+        self._key: tuple | None = None
+        self._amax: dict[int, torch.Tensor] = {}
+        self.reductions = 0  # collectives issued (tests and benchmarks read it)
+
+    def bind(self) -> None:
+        """Find the per-tensor FP8-gathered weights of the model, in module order (identical on every rank)."""
+        from fp8_lightning.distributed.weight import FP8ShardedWeight
+        from fp8_lightning.linear import FP8Linear
+
+        root = self._root()
+        if root is None:
+            raise RuntimeError("WeightAmaxSync: the model it was created for no longer exists.")
+        layers, params, shards = [], [], []
+        for name, module in root.named_modules():
+            if not isinstance(module, FP8Linear) or not module.fp8_recipe.per_tensor:
+                continue
+            shard = local_shard(module.weight)
+            if isinstance(shard, FP8ShardedWeight):
+                layers.append(module)
+                params.append(module.weight)
+                shards.append(shard)
+            elif type(shard).__name__ == "FP8GatheredWeight":
+                raise RuntimeError(
+                    f"WeightAmaxSync.bind: layer '{name}' is unsharded right now; bind between steps "
+                    "(it binds itself at the first all-gather)."
+                )
+        self._layers, self._params, self._shards, self._key = layers, params, shards, None
+
+    def global_amax(self, layer: nn.Module, group: "dist.ProcessGroup | None") -> torch.Tensor:
+        """The amax of ``layer``'s whole weight, agreed by all ranks of ``group`` (float32 scalar)."""
+        if self._layers is None or not any(layer is m for m in self._layers):
+            self.bind()
+        key = tuple(p._version for p in self._params)
+        if key != self._key:
+            local = torch.stack([amax(s._hp) for s in self._shards])
+            local = torch.nan_to_num(local, nan=float("inf"))
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+                self.reductions += 1
+            self._amax = {id(m): local[i] for i, m in enumerate(self._layers)}
+            self._key = key
+        return self._amax[id(layer)]

@@ -1,0 +1,196 @@
+"""Preparing an FP8 model for FSDP2: FP8 all-gather weights, a default sharding policy, activation checkpointing.
+
+Order matters, because FSDP2 reads a parameter's type when ``fully_shard`` runs::
+
+    convert_to_fp8(model, recipe)             # nn.Linear -> FP8Linear (in place)
+    enable_fp8_all_gather(model, world_size)  # FP8Linear weights -> FP8ShardedWeight (still unsharded)
+    shard_model(model, mesh=...)              # activation checkpointing (optional), then fully_shard per block
+
+Usable without Lightning; :class:`~fp8_lightning.lightning.fsdp.FP8FSDPStrategy` runs the same three steps.
+
+The default policy shards every child of every ``nn.ModuleList`` (the transformer-block convention), or the
+modules whose class name is listed in ``block_classes``, and finally the root, which takes whatever parameters
+are left (embeddings, final norm, head). A block is the unit of all-gather and of activation checkpointing.
+
+Activation checkpointing recomputes a block's forward during backward, outside the ``fp8_autocast`` context the
+forward ran in; :func:`fp8_checkpoint_context` re-enters the same FP8 setting for the recomputation, so the
+recomputed GEMMs are the FP8 GEMMs of the forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Iterable, Sequence
+
+import torch.nn as nn
+
+from fp8_lightning.autocast import autocast_state, fp8_autocast
+from fp8_lightning.convert import fp8_modules
+from fp8_lightning.distributed.amax import WeightAmaxSync
+from fp8_lightning.distributed.weight import FP8ShardedWeight, fp8_all_gather_unsupported_reason
+
+AMAX_SYNC_ATTR = "_fp8_amax_sync"
+
+
+@dataclasses.dataclass
+class AllGatherReport:
+    """Which FP8 layers gather their weight in FP8, and why the others gather in high precision."""
+
+    fp8: list[str] = dataclasses.field(default_factory=list)
+    high_precision: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"FP8 all-gather: {len(self.fp8)} weight(s) in FP8, {len(self.high_precision)} in high precision"]
+        lines += [f"  {name}: {reason}" for name, reason in self.high_precision.items()]
+        return "\n".join(lines)
+
+
+def enable_fp8_all_gather(model: nn.Module, world_size: int) -> AllGatherReport:
+    """Make the weight of every FP8Linear of ``model`` gather in FP8 under FSDP2. Call before ``fully_shard``.
+
+    Idempotent. ``world_size`` is the size of the shard group (shards must be even).
+    """
+    from torch.distributed.tensor import DTensor
+
+    sync = getattr(model, AMAX_SYNC_ATTR, None)
+    if sync is None:
+        sync = WeightAmaxSync(model)
+        object.__setattr__(model, AMAX_SYNC_ATTR, sync)
+    report = AllGatherReport()
+    for name, layer in fp8_modules(model):
+        weight = layer.weight
+        local = weight._local_tensor if isinstance(weight, DTensor) else weight
+        if isinstance(local, FP8ShardedWeight):
+            report.fp8.append(name)
+            continue
+        if isinstance(weight, DTensor):
+            report.high_precision[name] = "sharded before FP8 all-gather was enabled (convert before sharding)"
+            continue
+        reason = fp8_all_gather_unsupported_reason(weight.shape, world_size, layer.fp8_recipe)
+        if reason is not None:
+            report.high_precision[name] = reason
+            continue
+        wrapped = FP8ShardedWeight(weight.detach(), sync)
+        layer.weight = nn.Parameter(wrapped, requires_grad=weight.requires_grad)
+        report.fp8.append(name)
+    sync._layers = None  # re-bind at the next gather
+    return report
+
+
+def disable_fp8_all_gather(model: nn.Module, only_unsharded: bool = True) -> list[str]:
+    """Turn FP8-gather weights that were never sharded back into plain parameters; returns their names."""
+    restored = []
+    for name, layer in fp8_modules(model):
+        weight = layer.weight
+        if isinstance(weight, FP8ShardedWeight):
+            layer.weight = nn.Parameter(weight._hp.detach(), requires_grad=weight.requires_grad)
+            restored.append(name)
+    return restored
+
+
+def is_sharded(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def default_shard_targets(model: nn.Module, block_classes: Iterable[str] | None = None) -> list[nn.Module]:
+    """The blocks to shard one by one: modules of the named classes, else every child of every ModuleList."""
+    names = set(block_classes or ())
+    if names:
+        targets = [m for m in model.modules() if type(m).__name__ in names]
+    else:
+        targets = [child for m in model.modules() if isinstance(m, nn.ModuleList) for child in m]
+    return [m for m in targets if any(True for _ in m.parameters())]
+
+
+def fp8_checkpoint_context():
+    """``context_fn`` for activation checkpointing: recompute under the FP8 setting of the forward."""
+    state = autocast_state()
+    return contextlib.nullcontext(), fp8_autocast(enabled=state.enabled, recipe=state.recipe)
+
+
+def apply_activation_checkpointing(blocks: Sequence[nn.Module]) -> None:
+    """Checkpoint each block (composable API: module names and state_dict keys are unchanged)."""
+    from torch.distributed._composable import checkpoint
+
+    for block in blocks:
+        checkpoint(block, context_fn=fp8_checkpoint_context)
+
+
+def shard_model(
+    model: nn.Module,
+    mesh=None,
+    mp_policy=None,
+    reshard_after_forward: bool = True,
+    block_classes: Iterable[str] | None = None,
+    activation_checkpointing: bool = False,
+    roots: Sequence[nn.Module] | None = None,
+) -> list[nn.Module]:
+    """``fully_shard`` each block (see :func:`default_shard_targets`), then each module of ``roots``
+    (``[model]`` by default). Returns the blocks."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    blocks = default_shard_targets(model, block_classes)
+    if block_classes and not blocks:
+        raise ValueError(
+            f"block_classes={sorted(block_classes)} matched no module with parameters; classes present: "
+            f"{sorted({type(m).__name__ for m in model.modules()})}."
+        )
+    if activation_checkpointing:
+        apply_activation_checkpointing(blocks)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    for root in roots if roots is not None else [model]:
+        fully_shard(root, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    refresh_high_precision_gathers(model)
+    return blocks
+
+
+def _forget_weight_cast(layer: nn.Module, args) -> None:
+    for scaling in layer._fp8_scalings.values():
+        scaling._weight_cache = scaling._weight_key = None
+
+
+def refresh_high_precision_gathers(model: nn.Module) -> list[str]:
+    """Make FP8 layers whose weight FSDP2 gathers in high precision re-cast it at every forward.
+
+    FSDP2 refills the same unsharded buffer at each gather and preserves its version counter, so the layer's
+    per-step FP8 weight cache (keyed on version and address) cannot see that a new step's weight arrived.
+    Returns the names of the layers this applies to (idempotent).
+    """
+    from torch.distributed.tensor import DTensor
+
+    names = []
+    for name, layer in fp8_modules(model):
+        weight = layer.weight
+        if not isinstance(weight, DTensor) or isinstance(weight._local_tensor, FP8ShardedWeight):
+            continue
+        names.append(name)
+        if not getattr(layer, "_fp8_refresh_hook", False):
+            layer.register_forward_pre_hook(_forget_weight_cast)
+            layer._fp8_refresh_hook = True
+    return names
+
+
+def weight_amax_reductions(model: nn.Module) -> int:
+    """How many amax all-reduces the model's FP8 all-gather issued so far."""
+    sync = getattr(model, AMAX_SYNC_ATTR, None)
+    return 0 if sync is None else sync.reductions
+
+
+__all__ = [
+    "AllGatherReport",
+    "apply_activation_checkpointing",
+    "default_shard_targets",
+    "disable_fp8_all_gather",
+    "enable_fp8_all_gather",
+    "fp8_checkpoint_context",
+    "is_sharded",
+    "refresh_high_precision_gathers",
+    "shard_model",
+    "weight_amax_reductions",
+]
+

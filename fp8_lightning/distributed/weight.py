@@ -1,0 +1,287 @@
+"""FP8 parameter all-gather for FSDP2: two tensor subclasses and the FSDP2 extension hooks between them.
+
+Sharded training gathers every weight before its layer runs (and again for backward). Gathering the weight in
+FP8 moves 1 byte per element instead of 2 (bf16) or 4 (fp32). The mechanism is FSDP2's all-gather extension:
+when a sharded parameter's local tensor defines ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``, FSDP2 sends
+what the first returns and hands the gathered buffers to the second::
+
+    rank r:  FP8ShardedWeight (high-precision shard, N/world x K)
+               fsdp_pre_all_gather  -> quantize the shard -> uint8 bytes (+ uint8 E8M0 block scales for MX)
+    FSDP2:   one all-gather of the bytes of every parameter of the group
+    all:       fsdp_post_all_gather -> FP8GatheredWeight (N x K, FP8 data + scale), the unsharded parameter
+    FP8Linear: LayerScaling.weight_operands() sees ``fp8_weight_operands`` and uses the FP8 data as is
+
+Scales, per recipe:
+
+* tensorwise / delayed: ONE scale for the whole weight, identical on every rank. It needs the amax of the
+  whole weight, which :class:`~fp8_lightning.distributed.amax.WeightAmaxSync` agrees for *all* weights of the
+  model in one coalesced MAX all-reduce the first time a weight is gathered after the weights changed (i.e. once
+  per optimizer step). Tensorwise uses ``fp8_max / amax``; delayed uses the layer's delayed weight scale (just in
+  time from that amax on first use) and records the agreed amax in the layer's history, so the result is the
+  same as the layer computing on the whole weight in one process. The scale travels as all-gather metadata,
+  not through the collective.
+* MXFP8: blocks of 32 run along K (the last dimension); FSDP2 shards rows (dim 0), so every block lies in one
+  shard and each rank quantizes its rows locally. The E8M0 block scales travel with the data (1/32 byte per
+  element). dgrad needs W quantized along N (columnwise). That copy is derived from the *gathered* FP8 weight
+  (dequantized exactly, then quantized along N), not from the high-precision weight, which no rank holds in
+  full: gathering a second columnwise copy would double the traffic back to bf16 levels. The price is a second
+  rounding of W in dgrad only; the measured effect on the loss is in ``tests/distributed``.
+
+Rules FSDP2 imposes and how they are met: gloo cannot all-gather float8 dtypes, so FP8 data and E8M0 scales
+travel as ``uint8`` views (free on NCCL too); the buffers are allocated once at the first gather, so a weight
+always gathers in the same layout (its layer's recipe at wrap time); later gathers refill the same storage
+(``out=``), so FP8 copies saved for backward stay valid; the gathered data is a view of FSDP2's buffer, never a
+copy. A shard must be even (``N % world == 0``): :func:`fp8_all_gather_unsupported_reason` says so otherwise.
+
+Outside FP8 compute (e.g. a high-precision evaluation) a gathered weight behaves as its dequantized value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from fp8_lightning.formats import fp8_dtype
+from fp8_lightning.quantize import E8M0_DTYPE, Quantized, quantize_mx_operand, quantize_with_scale
+from fp8_lightning.recipes import MXFP8BlockScaling, Recipe
+from fp8_lightning.scaling import OperandScaling
+
+aten = torch.ops.aten
+
+# Ops through which the sharded weight stays a sharded weight (FSDP2 builds shards, pads and copies with them).
+_KEEP_SHARDED = {
+    aten.detach.default,
+    aten.alias.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.as_strided.default,
+    aten.slice.Tensor,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.chunk.default,
+    aten.narrow.default,
+    aten.clone.default,
+    aten.empty_like.default,
+    aten.new_zeros.default,
+    aten.new_empty.default,
+    aten.zeros_like.default,
+    aten.copy_.default,
+    aten._pin_memory.default,
+}
+
+# Ops through which a gathered weight stays FP8 (FSDP2 re-views it into the unsharded parameter).
+_KEEP_GATHERED = {aten.detach.default, aten.alias.default, aten.view.default, aten.as_strided.default}
+
+
+def fp8_all_gather_unsupported_reason(shape: torch.Size | tuple, world_size: int, recipe: Recipe) -> str | None:
+    """Why a weight of ``shape`` cannot be gathered in FP8 over ``world_size`` ranks (None when it can)."""
+    if len(shape) != 2:
+        return f"weight has {len(shape)} dimensions; FP8 all-gather handles 2-D Linear weights"
+    rows, cols = shape
+    if rows % world_size:
+        return f"out_features={rows} is not divisible by the shard world size {world_size} (uneven shards)"
+    if isinstance(recipe, MXFP8BlockScaling) and cols % recipe.block_size:
+        return f"in_features={cols} is not divisible by the MX block size {recipe.block_size}"
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------
+# Scale bookkeeping for the agreed whole-weight amax (small pure-ish helpers on OperandScaling)
+# --------------------------------------------------------------------------------------------------------
+
+
+def agreed_weight_scale(state: OperandScaling, global_amax: torch.Tensor) -> torch.Tensor:
+    """The per-tensor weight scale for this gather: the delayed scale, or (tensorwise and a delayed first use)
+    the just-in-time scale of the whole weight's amax. Mirrors ``OperandScaling.quantize`` on the full weight."""
+    state._to(global_amax.device)
+    if state.delayed and state.initialized:
+        return state.scale
+    clean = torch.where(torch.isfinite(global_amax), global_amax, torch.zeros_like(global_amax))
+    state.scale = state._current_scale(clean)
+    state.initialized = True
+    return state.scale
+
+
+def record_weight_amax(state: OperandScaling, global_amax: torch.Tensor, record: bool) -> None:
+    """Book a use of the weight with its agreed amax, as ``OperandScaling.quantize`` books a local cast."""
+    finite = torch.isfinite(global_amax)
+    state.nonfinite_count += (~finite).to(torch.int64)
+    state.last_amax = global_amax
+    if state.delayed and record:
+        clean = torch.where(finite, global_amax, torch.zeros_like(global_amax))
+        state.pending_amax = torch.maximum(state.pending_amax, clean)
+        state.observed = torch.ones_like(state.observed)
+        state.dirty = True
+    state.casts += 1
+
+
+# --------------------------------------------------------------------------------------------------------
+# The sharded high-precision weight
+# --------------------------------------------------------------------------------------------------------
+
+
+class FP8ShardedWeight(torch.Tensor):
+    """A high-precision weight (or its FSDP2 shard) that all-gathers in FP8. Behaves as the tensor it wraps.
+
+    ``amax_sync`` is the model's :class:`~fp8_lightning.distributed.amax.WeightAmaxSync`.
+    """
+
+    _hp: torch.Tensor
+    _amax_sync: Any
+
+    @staticmethod
+    def __new__(cls, hp: torch.Tensor, amax_sync: Any):
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            hp.size(),
+            strides=hp.stride(),
+            storage_offset=hp.storage_offset(),
+            dtype=hp.dtype,
+            layout=hp.layout,
+            device=hp.device,
+            requires_grad=hp.requires_grad,
+        )
+
+    def __init__(self, hp: torch.Tensor, amax_sync: Any):
+        self._hp = hp
+        self._amax_sync = amax_sync
+
+    def __repr__(self) -> str:
+        return f"FP8ShardedWeight({self._hp!r})"
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        sync = next(a._amax_sync for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
+        plain_args, plain_kwargs = pytree.tree_map_only(cls, lambda t: t._hp, (args, kwargs))
+        out = func(*plain_args, **plain_kwargs)
+        if func not in _KEEP_SHARDED:
+            return out
+        if func._schema.is_mutable:  # in place (copy_): the wrapper itself is the result
+            return args[0]
+        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, sync), out)
+
+    def __tensor_flatten__(self):
+        return ["_hp"], self._amax_sync
+
+    @staticmethod
+    def __tensor_unflatten__(inner, amax_sync, outer_size, outer_stride):
+        return FP8ShardedWeight(inner["_hp"], amax_sync)
+
+    # -- FSDP2 extension ------------------------------------------------------------------------------------
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """Quantize this rank's shard; return (all-gather inputs as uint8, metadata for post-all-gather)."""
+        recipe = module.fp8_recipe
+        shard = self._hp
+        if recipe.per_tensor:
+            state = module.fp8_scaling(recipe).operands["weight"]
+            global_amax = self._amax_sync.global_amax(module, mesh.get_group())
+            scale = agreed_weight_scale(state, global_amax)
+            data = quantize_with_scale(shard, scale, fp8_dtype(recipe.fp8_format))
+            return (data.view(torch.uint8),), (recipe, scale, global_amax)
+        q = quantize_mx_operand(shard, recipe.block_size, recipe.scale_rounding, fp8_dtype(recipe.fp8_format))
+        return (q.data.view(torch.uint8), q.scale.view(torch.uint8)), (recipe, None, None)
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        """Wrap the gathered bytes (no copy) as the unsharded FP8 weight; refresh ``out`` on later gathers."""
+        recipe, scale, global_amax = metadata
+        dtype = fp8_dtype(recipe.fp8_format)
+        if recipe.per_tensor:
+            (data,) = outputs
+            q = Quantized(data.view(dtype), scale, "tensor")
+        else:
+            data, block_scales = outputs
+            q = Quantized(data.view(dtype), block_scales.view(E8M0_DTYPE), "mx")
+        if out is not None:
+            if not isinstance(out, FP8GatheredWeight):
+                raise TypeError(f"fsdp_post_all_gather(out=...) expects an FP8GatheredWeight; got {type(out).__name__}.")
+            if out._q.data.untyped_storage().data_ptr() != q.data.untyped_storage().data_ptr():
+                raise RuntimeError("FP8 all-gather: FSDP2 refilled a different buffer than the one the weight views.")
+            out._q = Quantized(out._q.data, q.scale, q.kind)
+            out._amax = global_amax
+            return None
+        gathered = FP8GatheredWeight(q, recipe, global_amax, param_dtype)
+        return gathered, tuple(outputs)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The gathered FP8 weight (the unsharded parameter during forward/backward)
+# --------------------------------------------------------------------------------------------------------
+
+
+class FP8GatheredWeight(torch.Tensor):
+    """The unsharded weight as FP8 data + scale(s), with the shape and (high-precision) dtype of the weight.
+
+    :class:`~fp8_lightning.linear.FP8Linear` consumes it through :meth:`fp8_weight_operands`; any other op
+    sees the dequantized weight.
+    """
+
+    _q: Quantized
+    _recipe: Recipe
+    _amax: torch.Tensor | None
+
+    @staticmethod
+    def __new__(cls, q: Quantized, recipe: Recipe, amax: torch.Tensor | None, dtype: torch.dtype):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, q.data.size(), strides=q.data.stride(), dtype=dtype, device=q.data.device, requires_grad=False
+        )
+
+    def __init__(self, q: Quantized, recipe: Recipe, amax: torch.Tensor | None, dtype: torch.dtype):
+        self._q, self._recipe, self._amax = q, recipe, amax
+
+    def __repr__(self) -> str:
+        return f"FP8GatheredWeight(shape={tuple(self.shape)}, kind={self._q.kind}, dtype={self.dtype})"
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _KEEP_GATHERED and isinstance(args[0], cls):
+            w = args[0]
+            data = func(w._q.data, *args[1:], **kwargs)
+            if data.shape != w._q.data.shape:
+                raise NotImplementedError(f"{func} would reshape an FP8-gathered weight; dequantize it first.")
+            return cls(Quantized(data, w._q.scale, w._q.kind), w._recipe, w._amax, w.dtype)
+        plain_args, plain_kwargs = pytree.tree_map_only(cls, lambda t: t.dequantize(), (args, kwargs))
+        return func(*plain_args, **plain_kwargs)
+
+    def __tensor_flatten__(self):
+        return ["_data", "_scale"], (self._q.kind, self._recipe, self._amax, self.dtype)
+
+    @property
+    def _data(self) -> torch.Tensor:
+        return self._q.data
+
+    @property
+    def _scale(self) -> torch.Tensor:
+        return self._q.scale
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        kind, recipe, amax, dtype = meta
+        return FP8GatheredWeight(Quantized(inner["_data"], inner["_scale"], kind), recipe, amax, dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight's value as gathered (FP8-rounded), in the weight's dtype."""
+        return self._q.dequantize(self.dtype)
+
+    def fp8_weight_operands(self, scaling, record: bool) -> tuple[Quantized, Quantized | None]:
+        """(rowwise W, columnwise W for MX) for ``scaling`` (a LayerScaling) without quantizing W again.
+
+        Under another recipe (an ``fp8_autocast(recipe=...)`` override) the gathered value is cast afresh.
+        """
+        recipe = scaling.recipe
+        if recipe != self._recipe:
+            w = self._q.dequantize(torch.float32)
+            return scaling.cast("weight", w, record), (None if recipe.per_tensor else scaling.cast_columnwise("weight", w))
+        if recipe.per_tensor:
+            record_weight_amax(scaling.operands["weight"], self._amax, record)
+            return self._q, None
+        # dgrad's columnwise copy, quantized along N from the exactly dequantized gathered weight
+        return self._q, scaling.cast_columnwise("weight", self._q.dequantize(torch.float32))

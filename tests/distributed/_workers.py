@@ -1,0 +1,155 @@
+"""Models, data and process bodies shared by the 2-process FSDP2 tests (importable by spawned children)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fp8_lightning import convert_to_fp8, fp8_autocast, recipe_from, sync_scales
+
+WIDTH, HIDDEN, OUT = 64, 128, 32
+RECIPES = ("tensorwise", "delayed", "mxfp8")
+
+
+class Block(nn.Module):
+    def __init__(self, bias: bool = True):
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH, elementwise_affine=bias)
+        self.up = nn.Linear(WIDTH, HIDDEN, bias=bias)
+        self.down = nn.Linear(HIDDEN, WIDTH, bias=bias)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, depth: int = 2, bias: bool = True):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(bias) for _ in range(depth)])
+        self.head = nn.Linear(WIDTH, OUT, bias=bias)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def batches(steps: int, rows: int = 64, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(rows, WIDTH, generator=g), torch.randn(rows, OUT, generator=g)) for _ in range(steps)]
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_gloo(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+class AllGatherCounter:
+    """Counts the bytes this rank contributes to all-gathers, at the torch.distributed API FSDP2 calls."""
+
+    NAMES = ("all_gather_into_tensor", "all_gather_single", "_all_gather_base")
+
+    def __init__(self):
+        self.bytes = 0
+        self.calls = 0
+        self._saved = {}
+
+    def __enter__(self):
+        for name in self.NAMES:
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            self._saved[name] = original
+
+            def counting(output, input, *args, _original=original, **kwargs):
+                self.bytes += input.numel() * input.element_size()
+                self.calls += 1
+                return _original(output, input, *args, **kwargs)
+
+            setattr(dist, name, counting)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+
+def train_plain(model: nn.Module, data, rank: int, world: int, lr: float = 0.1) -> list[float]:
+    """SGD steps on this rank's slice of each global batch; returns the global mean loss per step."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for x, y in data:
+        if world > 1:
+            x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        with fp8_autocast():
+            loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sync_scales(model)
+        value = loss.detach().clone()
+        if world > 1 and dist.is_initialized():
+            dist.all_reduce(value)
+            value /= world
+        losses.append(value.item())
+    return losses
+
+
+def fsdp_run(recipe, rank: int, world: int, data, fp8_all_gather: bool, param_dtype=None, bias=True) -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from fp8_lightning.distributed import enable_fp8_all_gather, shard_model, weight_amax_reductions
+
+    torch.manual_seed(0)
+    model = Net(bias=bias)
+    convert_to_fp8(model, recipe_from(recipe))
+    report = enable_fp8_all_gather(model, world) if fp8_all_gather else None
+    shard_model(model, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype))
+    with AllGatherCounter() as counter:
+        losses = train_plain(model, data, rank, world)
+    return {
+        "losses": losses,
+        "allgather_bytes": counter.bytes,
+        "allgather_calls": counter.calls,
+        "amax_reductions": weight_amax_reductions(model),
+        "fp8_weights": len(report.fp8) if report else 0,
+    }
+
+
+def single_run(recipe, data) -> list[float]:
+    torch.manual_seed(0)
+    model = Net()
+    convert_to_fp8(model, recipe_from(recipe))
+    return train_plain(model, data, 0, 1)
+
+
+def parity_worker(rank: int, world: int, port: int, steps: int, out: dict) -> None:
+    init_gloo(rank, world, port)
+    data = batches(steps)
+    results = {}
+    for recipe in RECIPES:
+        results[recipe] = {
+            "single": single_run(recipe, data),
+            "fp8": fsdp_run(recipe, rank, world, data, True),
+            "hp": fsdp_run(recipe, rank, world, data, False),
+        }
+    results["bytes"] = {
+        "fp32": fsdp_run("tensorwise", rank, world, data[:1], False, bias=False)["allgather_bytes"],
+        "bf16": fsdp_run("tensorwise", rank, world, data[:1], False, torch.bfloat16, bias=False)["allgather_bytes"],
+        **{r: fsdp_run(r, rank, world, data[:1], True, bias=False)["allgather_bytes"] for r in RECIPES},
+    }
+    if rank == 0:
+        out.update(results)
+    dist.destroy_process_group()
