@@ -1,0 +1,97 @@
+"""Every option of every config group composes and instantiates on a CPU (or fails fast where it needs a GPU)."""
+
+import importlib.util
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from fp8_lightning.lightning.strings import PRECISION_RECIPES
+from fp8_lightning.recipes import recipe_from
+from fp8_lightning.train import ConfigError, build, build_precision, check_config
+from tests.hydra.helpers import CONF, group_options
+
+GROUPS = ("precision", "model", "data", "optimizer", "scheduler", "strategy", "trainer", "callbacks", "logger",
+          "experiment")
+CASES = [(group, option) for group in GROUPS for option in group_options(group)]
+HAS_TENSORBOARD = any(importlib.util.find_spec(m) for m in ("tensorboard", "tensorboardX"))
+
+
+def needs_gpu(cfg) -> bool:
+    return str(cfg.trainer.accelerator) in ("gpu", "cuda")
+
+
+def test_every_group_has_options():
+    for group in GROUPS:
+        assert group_options(group), f"conf/{group}/ has no options"
+    assert (CONF / "train.yaml").is_file() and (CONF / "__init__.py").is_file()
+
+
+@pytest.mark.parametrize(("group", "option"), CASES, ids=[f"{g}={o}" for g, o in CASES])
+def test_compose_and_instantiate(compose_train, group, option):
+    if group == "logger" and option == "tensorboard" and not HAS_TENSORBOARD:
+        pytest.skip("needs tensorboard or tensorboardX (pip install fp8-lightning[tensorboard])")
+    cfg = compose_train(f"{group}={option}")
+    OmegaConf.resolve(cfg)  # every interpolation resolves
+    if needs_gpu(cfg) and not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no usable CUDA GPU"):
+            check_config(cfg)
+        return
+    check_config(cfg)
+    parts = build(cfg)
+    assert isinstance(parts["trainer"], pl.Trainer)
+    assert isinstance(parts["model"], pl.LightningModule)
+    assert isinstance(parts["datamodule"], pl.LightningDataModule)
+    if parts["model"].optimizer_factory is not None:  # the optimizer partial builds a real optimizer
+        parts["model"].trainer = parts["trainer"]
+        configured = parts["model"].configure_optimizers()
+        optimizer = configured["optimizer"] if isinstance(configured, dict) else configured
+        assert isinstance(optimizer, torch.optim.Optimizer)
+
+
+@pytest.mark.parametrize("option", [o for o in group_options("precision") if o.startswith("fp8_")])
+def test_fp8_precision_configs_match_the_precision_strings(compose_train, option):
+    """precision=fp8_x with default fields is the same recipe as Trainer(precision="fp8-x")."""
+    cfg = compose_train(f"precision={option}")
+    flag, plugins = build_precision(cfg)
+    assert flag is None and len(plugins) == 1
+    assert plugins[0].recipe == PRECISION_RECIPES[option.replace("_", "-")]
+
+
+@pytest.mark.parametrize(("option", "flag"), [("fp32", "32-true"), ("bf16_mixed", "bf16-mixed")])
+def test_lightning_precisions_pass_the_flag(compose_train, option, flag):
+    assert build_precision(compose_train(f"precision={option}")) == (flag, [])
+
+
+def test_recipe_field_overrides_reach_the_plugin(compose_train):
+    cfg = compose_train("precision=fp8_hybrid", "precision.recipe.amax_history_len=32", "precision.recipe.margin=1",
+                        "precision.recipe.amax_compute_algo=most_recent")
+    _, (plugin,) = build_precision(cfg)
+    expected = recipe_from({"name": "delayed", "fp8_format": "HYBRID", "amax_history_len": 32, "margin": 1,
+                            "amax_compute_algo": "most_recent"})
+    assert plugin.recipe == expected
+
+
+def test_mxfp8_fields_override(compose_train):
+    cfg = compose_train("precision=fp8_mxfp8", "precision.recipe.scale_rounding=floor",
+                        "precision.recipe.fp8_format=HYBRID")
+    _, (plugin,) = build_precision(cfg)
+    assert (plugin.recipe.scale_rounding, plugin.recipe.fp8_format.value) == ("floor", "HYBRID")
+
+
+def test_model_overrides_and_data_block_size_follow(compose_train):
+    cfg = compose_train("model.n_layer=3", "data.block_size=96", "data=synthetic")
+    parts = build(cfg)
+    assert len(parts["model"].blocks) == 3
+    assert parts["model"].hparams.block_size == 96 == parts["datamodule"].hparams.block_size
+
+
+def test_trainer_ddp_selects_ddp_strategy(compose_train):
+    trainer = build(compose_train("trainer=ddp"))["trainer"]
+    assert type(trainer.strategy).__name__ == "DDPStrategy" and trainer.num_devices == 2
+
+
+def test_scheduler_total_steps_follows_max_steps(compose_train):
+    cfg = compose_train("trainer.max_steps=77")
+    assert cfg.scheduler.total_steps == 77
