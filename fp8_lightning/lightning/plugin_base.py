@@ -1,0 +1,245 @@
+"""What the Trainer and the Fabric FP8 precision plugins share: conversion, the forward context, the per-step
+work around the optimizer step, and the checkpointed state.
+
+The plugin classes themselves (:mod:`.precision`, :mod:`.fabric`) only wire these methods into Lightning's
+hooks. Everything numerical is in the core:
+
+* ``convert_module`` converts ``nn.Linear`` layers *in place* with :func:`~fp8_lightning.convert.convert_to_fp8`
+  (Lightning's DDP strategy ignores the returned module; an FSDP2 strategy calls this before sharding). It is
+  idempotent: layers converted earlier, by the user or by a previous call, keep their recipe.
+* ``forward_context`` enters :func:`~fp8_lightning.autocast.fp8_autocast` plus, for the non-FP8 parts, torch
+  autocast in ``dtype`` (bf16 on CUDA by default; float32, i.e. no autocast, on CPU).
+* Before the optimizer step (gradients complete, weights untouched) the optional divergence guard reads the
+  step's FP8 statistics and moves troubled layers to high precision; a step whose FP8 operands held NaN/inf
+  has its gradients dropped. After the step :func:`~fp8_lightning.convert.sync_scales` runs once: one coalesced
+  MAX all-reduce of all pending amaxes across ranks, then every delayed scale advances. With gradient
+  accumulation Lightning calls the optimizer step once per ``accumulate_grad_batches`` micro-batches, so the
+  histories advance once per optimizer step and the FP8 weights (cached on the weight's version) are cast once.
+* ``state_dict`` holds the scaling state of every converted layer (histories, scales, fallback decisions) and
+  the guard's counters; Lightning saves it in checkpoints under the plugin's class name. The model's own
+  ``state_dict`` is untouched, so checkpoints interchange with plain-precision runs both ways.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Callable, ContextManager
+
+import torch
+import torch.nn as nn
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+from fp8_lightning.autocast import fp8_autocast
+from fp8_lightning.convert import (
+    ConversionReport,
+    convert_to_fp8,
+    fp8_modules,
+    fp8_state_dict,
+    load_fp8_state_dict,
+    sync_scales,
+)
+from fp8_lightning.guard import DivergenceGuard, GuardEvent, GuardState
+from fp8_lightning.lightning.strings import precision_for_recipe
+from fp8_lightning.recipes import RecipeLike, recipe_from
+from fp8_lightning.stats import attach_collector
+
+ModuleFilter = Callable[[nn.Module, str], bool]
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "16": torch.float16,
+}  # fmt: skip
+
+
+def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """``None`` (device default), a torch dtype, or its name (``"bf16"``, ``"float32"``, ...)."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str) and dtype.strip().lower().removeprefix("torch.") in _DTYPES:
+        return _DTYPES[dtype.strip().lower().removeprefix("torch.")]
+    if dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return dtype
+    raise ValueError(
+        f"dtype={dtype!r} is invalid for the non-FP8 parts; allowed: None (bf16 autocast on CUDA, float32 on "
+        "CPU), torch.float32, torch.bfloat16, torch.float16 or their names."
+    )
+
+
+def autocast_contexts(dtype: torch.dtype | None) -> list[ContextManager]:
+    """torch autocast contexts for the high-precision parts. Autocast for a device type only affects ops on that
+    device, so enabling CUDA's on a machine with a GPU leaves a CPU run in float32."""
+    cuda = torch.cuda.is_available()
+    if dtype is None:
+        return [torch.autocast("cuda", dtype=torch.bfloat16)] if cuda else []
+    if dtype == torch.float32:
+        return []
+    contexts = [torch.autocast("cpu", dtype=dtype)]
+    return contexts + ([torch.autocast("cuda", dtype=dtype)] if cuda else [])
+
+
+class FP8PrecisionMixin:
+    """FP8 behaviour shared by :class:`~fp8_lightning.lightning.precision.FP8Precision` and
+    :class:`~fp8_lightning.lightning.fabric.FP8FabricPrecision` (see the module docstring)."""
+
+    precision: str = "fp8"
+
+    def _fp8_setup(
+        self,
+        recipe: RecipeLike = None,
+        module_filter_fn: ModuleFilter | None = None,
+        dtype: torch.dtype | str | None = None,
+        replace_layers: bool = True,
+        emulate: bool = False,
+        divergence_guard: DivergenceGuard | bool | dict | None = None,
+    ) -> None:
+        self.recipe = recipe_from(recipe)
+        self.module_filter_fn = module_filter_fn
+        self.dtype = parse_dtype(dtype)
+        self.replace_layers = bool(replace_layers)
+        self.emulate = bool(emulate)
+        self.divergence_guard = DivergenceGuard.from_arg(divergence_guard)
+        self.guard_state = GuardState(self.divergence_guard) if self.divergence_guard else None
+        self.precision = precision_for_recipe(self.recipe)
+        self.conversion_report: ConversionReport | None = None
+        self.amax_reduction_group = None  # None: the default (world) group; a strategy may narrow it
+        self.optimizer_steps = 0
+        self.skipped_steps = 0
+        self._modules: list[weakref.ReferenceType] = []
+        self._pending_state: dict | None = None
+
+    # -- conversion -----------------------------------------------------------------------------------------
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Convert ``module``'s eligible ``nn.Linear`` layers to FP8 in place (idempotent) and return it."""
+        before = {name for name, _ in fp8_modules(module)}
+        if self.replace_layers:
+            user_filter = self.module_filter_fn
+
+            def keep(layer: nn.Module, name: str) -> bool:
+                return name not in before and (user_filter is None or user_filter(layer, name))
+
+            report = convert_to_fp8(module, self.recipe, keep, self.emulate)
+            report.skipped = {k: v for k, v in report.skipped.items() if k not in before}
+        else:
+            report = ConversionReport()
+        report.converted = [name or "<root>" for name, _ in fp8_modules(module)]
+        self.conversion_report = report
+        self._warn_skipped(report)
+        self._track(module)
+        if self.divergence_guard is not None:
+            attach_collector(module).always = True
+        if self._pending_state is not None:
+            self._load_into_modules(self._pending_state)
+        return module
+
+    def _warn_skipped(self, report: ConversionReport) -> None:
+        unexpected = {k: v for k, v in report.skipped.items() if v != "excluded by module_filter_fn"}
+        if unexpected:
+            listing = "; ".join(f"{name} ({reason})" for name, reason in unexpected.items())
+            rank_zero_warn(
+                f"FP8 conversion kept {len(unexpected)} linear layer(s) in high precision: {listing}. "
+                "Pad them to the required multiple or exclude them with module_filter_fn to silence this."
+            )
+
+    def _track(self, module: nn.Module) -> None:
+        if all(ref() is not module for ref in self._modules):
+            self._modules.append(weakref.ref(module))
+
+    def fp8_tracked_modules(self) -> list[nn.Module]:
+        """The modules this plugin converted (still alive), in conversion order."""
+        return [m for m in (ref() for ref in self._modules) if m is not None]
+
+    # -- forward --------------------------------------------------------------------------------------------
+
+    def forward_context(self) -> ContextManager:
+        stack = contextlib.ExitStack()
+        for ctx in autocast_contexts(self.dtype):
+            stack.enter_context(ctx)
+        stack.enter_context(fp8_autocast(enabled=True))
+        return stack
+
+    # -- around the optimizer step ----------------------------------------------------------------------------
+
+    def fp8_before_optimizer_step(self, optimizer: Any) -> list[GuardEvent]:
+        """Run the divergence guard on the finished step (gradients ready, weights not yet updated)."""
+        if self.guard_state is None:
+            return []
+        events, nonfinite = [], False
+        for module in self.fp8_tracked_modules():
+            stats = attach_collector(module).finish_step(self.amax_reduction_group, reduce=True)
+            nonfinite = nonfinite or any(s.nonfinite for s in stats.values())
+            new = self.guard_state.step(self.optimizer_steps, stats)
+            layers = dict(fp8_modules(module))
+            for event in new:
+                if event.layer in layers:
+                    layers[event.layer].fp8_disabled_reason = event.reason
+                rank_zero_warn(f"FP8 divergence guard: layer {event.layer!r} falls back to high precision: {event.reason}.")
+            events += new
+        if nonfinite and self.divergence_guard.skip_nonfinite_step:
+            drop_gradients(optimizer)
+            self.skipped_steps += 1
+        return events
+
+    def fp8_after_optimizer_step(self) -> int:
+        """Once per optimizer step: reduce amaxes across ranks (one collective) and advance delayed scales."""
+        collectives = sum(sync_scales(m, self.amax_reduction_group) for m in self.fp8_tracked_modules())
+        self.optimizer_steps += 1
+        return collectives
+
+    # -- checkpoint state ---------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        modules = self.fp8_tracked_modules()
+        if not modules:
+            return dict(self._pending_state or {})
+        return {
+            "precision": self.precision,
+            "recipe": self.recipe.to_dict(),
+            "modules": [fp8_state_dict(m) for m in modules],
+            "optimizer_steps": self.optimizer_steps,
+            "skipped_steps": self.skipped_steps,
+            "guard": self.guard_state.state_dict() if self.guard_state is not None else None,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        self.optimizer_steps = int(state_dict.get("optimizer_steps", 0))
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        if self.guard_state is not None and state_dict.get("guard"):
+            self.guard_state.load_state_dict(state_dict["guard"])
+        if self.fp8_tracked_modules():
+            self._load_into_modules(state_dict)
+        else:  # loaded before the model was set up: applied by convert_module
+            self._pending_state = dict(state_dict)
+
+    def _load_into_modules(self, state: dict[str, Any]) -> None:
+        modules, saved = self.fp8_tracked_modules(), state.get("modules", [])
+        if len(saved) != len(modules):
+            raise ValueError(
+                f"The checkpoint holds FP8 scaling state for {len(saved)} module(s) but this plugin converted "
+                f"{len(modules)}; set up the same models in the same order as the run that saved it."
+            )
+        for module, module_state in zip(modules, saved):
+            load_fp8_state_dict(module, module_state)
+        self._pending_state = None
+
+    def fp8_summary(self) -> str:
+        """Conversion report and divergence-guard events, as text."""
+        parts = [str(self.conversion_report) if self.conversion_report else "FP8: no module converted yet"]
+        if self.guard_state is not None:
+            parts.append(self.guard_state.summary())
+        return "\n".join(parts)
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_modules"] = []  # weak references do not pickle (spawned processes convert their own copy)
+        return state
+
+
+def drop_gradients(optimizer: Any) -> None:
+    """Set every gradient the optimizer would use to None: torch optimizers then skip those parameters."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = None

@@ -1,0 +1,79 @@
+"""``FP8Precision``: the ``lightning.pytorch`` precision plugin that trains a LightningModule in FP8.
+
+    trainer = Trainer(precision="fp8-hybrid")                       # after `import fp8_lightning`
+    trainer = Trainer(plugins=[FP8Precision(recipe="tensorwise")])  # no registration needed (LightningCLI too)
+
+Each hook is a few lines; the shared behaviour is in :mod:`fp8_lightning.lightning.plugin_base` and the
+numerics in the core. The optimizer step is where the once-per-step work happens: the divergence guard runs
+right after the closure (forward and backward of the last micro-batch) and before the weights change, and the
+amax reduction and scale update run once after the step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from typing_extensions import override
+
+from fp8_lightning.guard import DivergenceGuard, GuardEvent
+from fp8_lightning.lightning.plugin_base import FP8PrecisionMixin, ModuleFilter
+from fp8_lightning.recipes import RecipeLike
+
+
+class FP8TrainerHooks(FP8PrecisionMixin):
+    """The Trainer-specific hooks, independent of which Lightning package provides the ``Precision`` base."""
+
+    def __init__(
+        self,
+        recipe: RecipeLike = None,
+        module_filter_fn: ModuleFilter | None = None,
+        dtype: torch.dtype | str | None = None,
+        replace_layers: bool = True,
+        emulate: bool = False,
+        divergence_guard: DivergenceGuard | bool | dict | None = None,
+    ) -> None:
+        super().__init__()
+        self._fp8_setup(recipe, module_filter_fn, dtype, replace_layers, emulate, divergence_guard)
+
+    @override
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        def closure_then_guard() -> Any:
+            result = closure()
+            log_guard_events(model, self.fp8_before_optimizer_step(optimizer))
+            return result
+
+        output = super().optimizer_step(optimizer, model, closure_then_guard, **kwargs)
+        self.fp8_after_optimizer_step()
+        return output
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(precision={self.precision!r}, recipe={self.recipe!r})"
+
+
+def log_guard_events(model: Any, events: list[GuardEvent]) -> None:
+    """Send fallback events to the Trainer's loggers (``fp8_guard/<layer>`` = 1 at the step it happened)."""
+    trainer = getattr(model, "_trainer", None)
+    if not events or trainer is None:
+        return
+    metrics = {f"fp8_guard/{e.layer}": 1.0 for e in events}
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.global_step)
+
+
+class FP8Precision(FP8TrainerHooks, Precision):
+    """Train the model's ``nn.Linear`` layers in FP8 (``lightning.pytorch`` precision plugin).
+
+    Args:
+        recipe: scaling recipe: a :class:`~fp8_lightning.recipes.Recipe`, a name (``"delayed"``,
+            ``"tensorwise"``, ``"mxfp8"``) or a dict with a ``name`` key (YAML); ``DelayedScaling()`` by default.
+        module_filter_fn: ``fn(module, name) -> bool``; layers for which it returns False stay high precision.
+        dtype: dtype of the non-FP8 parts: ``None`` gives bf16 autocast on CUDA and float32 on CPU.
+        replace_layers: convert ``nn.Linear`` layers (False: use the layers the model converted itself).
+        emulate: allow FP8 numerics emulated in float32 on CUDA devices without FP8 tensor cores.
+        divergence_guard: ``True``, a :class:`~fp8_lightning.guard.DivergenceGuard` or a dict of its fields to
+            let troubled layers fall back to high precision.
+
+    After the model is set up, ``conversion_report`` lists converted and skipped layers.
+    """

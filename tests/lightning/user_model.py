@@ -1,0 +1,127 @@
+"""A LightningModule written the way a user writes one (nn.Linear / nn.LayerNorm transformer, its own
+configure_optimizers), a small deterministic language-modelling task, and helpers that train it with the
+Trainer or with Fabric. Shared by the Lightning integration tests."""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+VOCAB, SEQ = 64, 32
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, ff: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, ff), nn.Linear(ff, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        x = x + self.proj(att)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class TinyTransformerLM(L.LightningModule):
+    def __init__(self, d: int = 64, layers: int = 2, heads: int = 4, ff: int = 128, lr: float = 3e-3):
+        super().__init__()
+        self.lr = lr
+        self.embed = nn.Embedding(VOCAB, d)
+        self.pos = nn.Parameter(torch.randn(SEQ, d) * 0.02)
+        self.blocks = nn.ModuleList(Block(d, heads, ff) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, VOCAB)
+        self.losses: list[float] = []
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def loss(self, batch) -> torch.Tensor:
+        (seq,) = batch
+        logits = self(seq[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, VOCAB).float(), seq[:, 1:].reshape(-1))
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.losses.append(loss.item())
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.loss(batch))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.0)
+
+
+def markov_tokens(n: int = 512, seed: int = 1234) -> torch.Tensor:
+    """Sequences from a fixed sparse Markov chain: learnable well below the uniform loss log(64)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(VOCAB, VOCAB, generator=g) * 3.0
+    probs = torch.softmax(logits, dim=-1)
+    seq = torch.empty(n, SEQ + 1, dtype=torch.long)
+    seq[:, 0] = torch.randint(0, VOCAB, (n,), generator=g)
+    for t in range(SEQ):
+        seq[:, t + 1] = torch.multinomial(probs[seq[:, t]], 1, generator=g).squeeze(1)
+    return seq
+
+
+def loader(n: int = 512, batch_size: int = 32) -> DataLoader:
+    return DataLoader(TensorDataset(markov_tokens(n)), batch_size=batch_size, shuffle=False)
+
+
+def trainer_kwargs(**overrides) -> dict:
+    kwargs = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                  num_sanity_val_steps=0)  # fmt: skip
+    kwargs.update(overrides)
+    return kwargs
+
+
+def fit_trainer(max_steps: int = 60, seed: int = 0, **trainer_overrides) -> TinyTransformerLM:
+    """Train a fresh model from ``seed`` with ``L.Trainer(**trainer_overrides)``; returns the model."""
+    L.seed_everything(seed, verbose=False)
+    model = TinyTransformerLM()
+    trainer = L.Trainer(max_steps=max_steps, **trainer_kwargs(**trainer_overrides))
+    trainer.fit(model, loader())
+    model.trainer_ref = trainer
+    return model
+
+
+def fit_fabric(max_steps: int = 60, seed: int = 0, **fabric_kwargs) -> tuple[TinyTransformerLM, list[float], L.Fabric]:
+    """The same training loop written with Fabric."""
+    L.seed_everything(seed, verbose=False)
+    fabric = L.Fabric(accelerator="cpu", devices=1, **fabric_kwargs)
+    model = TinyTransformerLM()
+    optimizer = model.configure_optimizers()
+    model, optimizer = fabric.setup(model, optimizer)
+    losses, data = [], fabric.setup_dataloaders(loader())
+    while len(losses) < max_steps:
+        for batch in data:
+            loss = model.loss(batch) if hasattr(model, "loss") else model.module.loss(batch)
+            optimizer.zero_grad()
+            fabric.backward(loss)
+            optimizer.step()
+            losses.append(loss.item())
+            if len(losses) == max_steps:
+                break
+    return model, losses, fabric
+
+
+def final_loss(losses: list[float], last: int = 5) -> float:
+    tail = losses[-last:]
+    assert all(math.isfinite(x) for x in tail), tail
+    return sum(tail) / len(tail)
