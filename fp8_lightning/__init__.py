@@ -25,14 +25,25 @@ from fp8_lightning.quantize import (
     quantize_tensorwise,
 )
 from fp8_lightning.recipes import DelayedScaling, MXFP8BlockScaling, Recipe, TensorwiseScaling, recipe_from
+from fp8_lightning.guard import DivergenceGuard
+from fp8_lightning.lightning import FP8FabricPrecision, FP8Precision, FP8StatsMonitor, register_precision_strings
+from fp8_lightning.lightning.fsdp import FP8FSDPStrategy, register_fsdp_strategy
+
+register_precision_strings()  # Trainer(precision="fp8-hybrid") and Fabric(precision="fp8-hybrid")
+register_fsdp_strategy()  # Trainer(strategy="fp8_fsdp")
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ConversionReport",
     "DelayedScaling",
+    "DivergenceGuard",
+    "FP8FSDPStrategy",
+    "FP8FabricPrecision",
     "FP8Linear",
     "FP8Optimizer",
+    "FP8Precision",
+    "FP8StatsMonitor",
     "Format",
     "MXFP8BlockScaling",
     "Quantized",
