@@ -9,8 +9,11 @@ Backends, chosen per call:
 * ``scaled_mm``: ``torch._scaled_mm`` with per-tensor scales. Runs on CPU (oneDNN) and on CUDA sm89+.
   CUDA needs K and N divisible by 16; operands are zero-padded when they are not (zeros add nothing to a sum).
 * ``emulate``: dequantize both operands to float32 and matmul (float32 accumulation). Used for MX block
-  scales where no native block-scaled GEMM exists (CPU; CUDA below sm100 until a Triton kernel is available),
-  and on request (``FP8_LIGHTNING_GEMM=emulate`` or ``emulate=True``) on GPUs without FP8 tensor cores.
+  scales where no block-scaled GEMM is registered (CPU; CUDA without Triton or with
+  ``FP8_LIGHTNING_DISABLE_TRITON=1``), and on request (``FP8_LIGHTNING_GEMM=emulate`` or ``emulate=True``) on
+  GPUs without FP8 tensor cores.
+* MX operands on CUDA go to the function registered with :func:`register_mx_gemm`; on first use the Triton
+  block-scaled GEMM of ``fp8_lightning.kernels`` registers itself there when Triton imports.
 
 Device checks return ``(ok, reason)`` so that the same reason feeds errors and test skips.
 """
@@ -34,10 +37,23 @@ LAYOUT_MULTIPLE = 16
 _mx_gemm_impl: Callable[[Quantized, Quantized, torch.dtype], torch.Tensor] | None = None
 
 
+_mx_gemm_probed = False
+
+
 def register_mx_gemm(fn: Callable[[Quantized, Quantized, torch.dtype], torch.Tensor] | None) -> None:
     """Install (or remove, with None) the accelerated MX GEMM used on CUDA."""
-    global _mx_gemm_impl
-    _mx_gemm_impl = fn
+    global _mx_gemm_impl, _mx_gemm_probed
+    _mx_gemm_impl, _mx_gemm_probed = fn, True
+
+
+def _registered_mx_gemm() -> Callable[[Quantized, Quantized, torch.dtype], torch.Tensor] | None:
+    """The registered MX GEMM; the first call lets the Triton kernel register itself (CUDA callers only)."""
+    if not _mx_gemm_probed:
+        from fp8_lightning.kernels import install_mx_gemm
+
+        if not install_mx_gemm():
+            register_mx_gemm(None)
+    return _mx_gemm_impl
 
 
 def emulation_requested() -> bool:
@@ -119,7 +135,7 @@ def fp8_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, emulate: bool = F
         raise ValueError(f"fp8_mm: cannot mix scaling kinds {a.kind!r} and {b.kind!r}.")
     backend = "emulate" if emulate else requested_backend()
     if a.kind == "mx":
-        if backend != "emulate" and a.data.is_cuda and _mx_gemm_impl is not None:
+        if backend != "emulate" and a.data.is_cuda and _registered_mx_gemm() is not None:
             return _mx_gemm_impl(a, b, out_dtype)
         return _emulated(a, b, out_dtype)
     if backend == "emulate" or (backend == "auto" and not fp8_gemm_support(a.data.device)[0]):

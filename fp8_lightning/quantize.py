@@ -15,6 +15,10 @@ MXFP8 (OCP Microscaling), blocks of ``block_size`` consecutive elements along th
 Saturation is explicit because casts disagree on overflow: the CPU cast saturates E4M3 but turns large E5M2
 values into inf, and the Triton interpreter produces NaN. Every function computes in float32 (float64 inputs
 stay float64) so that the result does not depend on the input dtype's rounding.
+
+On CUDA, ``amax``, ``quantize_with_scale``, ``quantize_tensorwise`` and ``quantize_mxfp8`` hand float32/bf16/fp16
+tensors to the Triton kernels of ``fp8_lightning.kernels`` (same bits, fewer passes) when Triton is usable and
+``FP8_LIGHTNING_DISABLE_TRITON`` is not set. CPU tensors always take the code below.
 """
 
 from __future__ import annotations
@@ -34,6 +38,16 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
+def cuda_kernels(x: torch.Tensor):
+    """``fp8_lightning.kernels`` for a CUDA tensor the Triton kernels take, else None (always None on CPU)."""
+    if not x.is_cuda:
+        return None
+    from fp8_lightning.kernels.availability import kernels_for
+
+    kernels = kernels_for(x)
+    return kernels if kernels is not None and kernels.supports_input(x) else None
+
+
 def to_fp8_saturated(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Clamp to the finite range of ``dtype`` and cast (round to nearest even). NaN stays NaN."""
     limit = fp8_max(dtype)
@@ -44,6 +58,9 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     """Max of |x| as a float32 scalar tensor (0 for an empty tensor). NaN in x gives NaN."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
+    kernels = cuda_kernels(x)
+    if kernels is not None:
+        return kernels.amax(x.detach())
     return x.detach().abs().amax().float()
 
 
@@ -64,6 +81,9 @@ def tensorwise_scale(
 
 def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``saturate(x * scale)`` in the float8 ``dtype``."""
+    kernels = cuda_kernels(x)
+    if kernels is not None and torch.is_tensor(scale) and scale.dtype == torch.float32 and scale.numel() == 1:
+        return kernels.cast(x.detach(), scale.to(x.device), dtype, record_amax=False)[0]
     return to_fp8_saturated(_wide(x) * scale, dtype)
 
 
@@ -83,6 +103,9 @@ def quantize_tensorwise(
     """
     _check_floating(x, "quantize_tensorwise")
     dtype = fp8_dtype(fp8_format)
+    kernels = cuda_kernels(x)
+    if kernels is not None:
+        return kernels.tensorwise_cast(x.detach(), dtype, eps)
     scale = tensorwise_scale(amax(x), dtype, eps)
     return quantize_with_scale(x, scale, dtype), scale
 
@@ -160,6 +183,10 @@ def quantize_mxfp8(
             f"quantize_mxfp8 needs the last dimension divisible by block_size={block_size}; got shape "
             f"{tuple(x.shape)}. Pad the last dimension or pick a block size that divides it."
         )
+    kernels = cuda_kernels(x)
+    if kernels is not None and block_size in kernels.MX_BLOCK_SIZES and x.numel() > 0:
+        rows, _ = kernels.mx_quantize(x.detach().reshape(-1, k), block_size, scale_rounding, dtype)
+        return rows.data.reshape(x.shape), rows.scale.reshape(*x.shape[:-1], k // block_size)
     blocks = x.float().reshape(*x.shape[:-1], k // block_size, block_size)
     block_amax = blocks.abs().amax(dim=-1)
     exp = mx_shared_exponent(block_amax, dtype, scale_rounding)

@@ -28,7 +28,14 @@ import torch
 import torch.distributed as dist
 
 from fp8_lightning.formats import fp8_max
-from fp8_lightning.quantize import Quantized, amax, quantize_with_scale, round_scale_to_power_of_2, tensorwise_scale
+from fp8_lightning.quantize import (
+    Quantized,
+    amax,
+    cuda_kernels,
+    quantize_with_scale,
+    round_scale_to_power_of_2,
+    tensorwise_scale,
+)
 from fp8_lightning.recipes import DelayedScaling, Recipe, TensorwiseScaling
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -64,6 +71,13 @@ def delayed_scale(
         scale = round_scale_to_power_of_2(scale)
     usable = torch.isfinite(a) & (a > 0)
     return torch.where(usable, scale, prev_scale.float())
+
+
+def _fused_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(data, amax)`` from one pass of the Triton cast kernel (CUDA only; a delayed scale is known before the
+    cast), or None where the kernels do not apply (CPU always)."""
+    kernels = cuda_kernels(x)
+    return None if kernels is None else kernels.cast(x.detach(), scale, dtype, record_amax=True)
 
 
 def roll_history(amax_history: torch.Tensor, new_amax: torch.Tensor) -> torch.Tensor:
@@ -105,7 +119,8 @@ class OperandScaling:
         ``record=False`` (evaluation) leaves the delayed amax history alone.
         """
         self._to(x.device)
-        x_amax = amax(x)
+        fused = _fused_cast(x, self.scale, self.dtype) if self.delayed and self.initialized else None
+        x_amax = amax(x) if fused is None else fused[1]
         finite = torch.isfinite(x_amax)
         clean_amax = torch.where(finite, x_amax, torch.zeros_like(x_amax))
         self.nonfinite_count += (~finite).to(torch.int64)
@@ -121,7 +136,8 @@ class OperandScaling:
             self.observed = torch.ones_like(self.observed)
             self.dirty = True
         self.casts += 1
-        return Quantized(quantize_with_scale(x, scale, self.dtype), scale, "tensor")
+        data = quantize_with_scale(x, scale, self.dtype) if fused is None else fused[0]
+        return Quantized(data, scale, "tensor")
 
     def _current_scale(self, clean_amax: torch.Tensor) -> torch.Tensor:
         r = self.recipe

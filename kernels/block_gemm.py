@@ -22,6 +22,10 @@ masked, so the inner loop has no masks; only the store is masked.
 Supported: any M, N >= 1; K a multiple of the block size; block sizes 32, 64, 128 (``tl.dot`` needs a K step
 of at least 32 for FP8 on Hopper); E4M3 and E5M2 in either operand (HYBRID's E5M2 x E4M3 backward GEMMs);
 output float32, bfloat16 or float16. Anything else falls back to the emulation (see ``fp8_lightning.kernels``).
+
+Only core builtins are used (``tl.full`` rather than ``tl.zeros``, integer division rather than ``tl.cdiv``), for
+the reason given in ``per_tensor``. Promoting every 32-element partial product to the float32 accumulator also
+sidesteps the limited accumulation precision of Hopper's FP8 tensor-core instructions over long K.
 """
 
 from __future__ import annotations
@@ -72,8 +76,8 @@ def _mx_gemm_kernel(
 ):
     # Grouped program order: GROUP_M rows of tiles are swept before moving to the next columns.
     pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
+    grid_m = (M + BLOCK_M - 1) // BLOCK_M
+    grid_n = (N + BLOCK_N - 1) // BLOCK_N
     group_size = GROUP_M * grid_n
     first_m = (pid // group_size) * GROUP_M
     rows_in_group = tl.minimum(grid_m - first_m, GROUP_M)
@@ -88,8 +92,8 @@ def _mx_gemm_kernel(
     a_scale_ptrs = a_scale_ptr + rm.to(tl.int64) * stride_asm
     b_scale_ptrs = b_scale_ptr + rn.to(tl.int64) * stride_bsn
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    for kb in range(0, K // BLOCK_K):
         a = tl.load(a_ptrs)
         b = tl.load(b_ptrs)
         sa = _e8m0_to_float(tl.load(a_scale_ptrs + kb * stride_ask))

@@ -32,12 +32,12 @@ import triton
 import triton.language as tl
 
 from fp8_lightning.formats import fp8_emax
-from fp8_lightning.kernels.per_tensor import _abs_bits, _to_fp8_values, format_constants
+from fp8_lightning.kernels.per_tensor import _abs_bits, _reduce_max, _to_fp8_values, format_constants
 
 @triton.jit
 def _mx_tile(
     x, ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_SIZE: tl.constexpr, EMAX: tl.constexpr, RCEIL: tl.constexpr,
-    FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
+    FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, NAN_BITS: tl.constexpr,
     EXPLICIT_ROUNDING: tl.constexpr,
 ):
     """Quantize a (ROWS, COLS) float32 tile in blocks along COLS.
@@ -47,7 +47,7 @@ def _mx_tile(
     """
     N_BLOCKS: tl.constexpr = COLS // BLOCK_SIZE
     blocks = tl.reshape(x, (ROWS, N_BLOCKS, BLOCK_SIZE))
-    amax_bits = tl.max(_abs_bits(blocks), axis=2)
+    amax_bits = _reduce_max(_abs_bits(blocks), 2)
     is_nan = amax_bits > 0x7F800000
     is_inf = amax_bits == 0x7F800000
     floor_log2 = tl.where(is_inf, -1, ((amax_bits >> 23) & 0xFF) - 127)
@@ -58,7 +58,7 @@ def _mx_tile(
     e = tl.where(is_nan, -127, e)
     multiplier = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2**-e, e in [-127, 119]: a normal float
     y = _to_fp8_values(
-        blocks * multiplier[:, :, None], FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, EXPLICIT_ROUNDING
+        blocks * multiplier[:, :, None], FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, NAN_BITS, EXPLICIT_ROUNDING
     )
     return tl.reshape(y, (ROWS, COLS)), tl.where(is_nan, 255, e + 127)
 
@@ -68,8 +68,9 @@ def _mx_quantize_kernel(
     x_ptr, row_ptr, row_scale_ptr, col_ptr, col_scale_ptr,
     R, C, R_PAD, C_PAD, stride_r, stride_c,
     BLOCK_SIZE: tl.constexpr, EMAX: tl.constexpr, RCEIL: tl.constexpr,
-    FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
-    EXPLICIT_ROUNDING: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, NAN_BITS: tl.constexpr,
+    EXPLICIT_ROUNDING: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -80,7 +81,8 @@ def _mx_quantize_kernel(
     x = x.to(tl.float32)
     if ROWWISE:
         y, byte = _mx_tile(
-            x, BLOCK_R, BLOCK_C, BLOCK_SIZE, EMAX, RCEIL, FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, EXPLICIT_ROUNDING
+            x, BLOCK_R, BLOCK_C, BLOCK_SIZE, EMAX, RCEIL, FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, NAN_BITS,
+            EXPLICIT_ROUNDING,
         )
         mask = (rr[:, None] < R) & (rc[None, :] < C_PAD)
         tl.store(row_ptr + rr[:, None] * C_PAD + rc[None, :], y.to(row_ptr.dtype.element_ty), mask=mask)
@@ -91,7 +93,7 @@ def _mx_quantize_kernel(
     if COLWISE:
         yt, byte_t = _mx_tile(
             tl.trans(x), BLOCK_C, BLOCK_R, BLOCK_SIZE, EMAX, RCEIL, FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP,
-            EXPLICIT_ROUNDING,
+            NAN_BITS, EXPLICIT_ROUNDING,
         )
         mask_t = (rc[:, None] < C) & (rr[None, :] < R_PAD)
         tl.store(col_ptr + rc[:, None] * R_PAD + rr[None, :], yt.to(col_ptr.dtype.element_ty), mask=mask_t)

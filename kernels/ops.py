@@ -50,7 +50,9 @@ def _(x):
 
 
 @custom_op(f"{NAMESPACE}::cast", mutates_args=())
-def cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, record_amax: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def cast(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, record_amax: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     from fp8_lightning.kernels import per_tensor as impl
 
     return impl.cast(x, scale, dtype, record_amax)

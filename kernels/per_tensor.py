@@ -21,6 +21,11 @@ Why the numbers are bit-identical to the twins:
   evaluated by torch as ``reciprocal(clamp(amax, eps)) * fp8_max`` (two correctly rounded float32 operations),
   then capped at float32 max, then optionally rounded down to a power of two (``frexp``: NaN becomes 0.5).
 
+Triton's standard library (``tl.max``, ``tl.zeros``, ``tl.cdiv``, ...) is itself made of ``@triton.jit``
+functions, compiled or interpreted depending on ``TRITON_INTERPRET`` *when triton is imported*. The kernels use
+only core builtins (``tl.reduce`` with ``tl.max``'s combine function, ``tl.full``, integer arithmetic), so they also
+run in the interpreter in a process that imported triton before turning it on (a test session does).
+
 Inputs: float32, bfloat16 or float16, any shape (flattened; a non-contiguous input is copied first), and 2-D
 (any strides) for :func:`cast_transpose`. Outputs are contiguous.
 """
@@ -40,6 +45,7 @@ SUPPORTED_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FLOAT32_MAX = torch.finfo(torch.float32).max
 ABS_MASK = 0x7FFFFFFF
 MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
+NAN_BITS = {torch.float8_e4m3fn: 0x7FF00000, torch.float8_e5m2: 0x7FC00000}  # float32 NaNs: S.1111.111 / S.11111.10
 BLOCK = 4096
 TILE = 64
 
@@ -47,6 +53,16 @@ TILE = 64
 # --------------------------------------------------------------------------------------------------------
 # Device helpers
 # --------------------------------------------------------------------------------------------------------
+
+
+# tl.max's own combine function: the interpreter recognises it and reduces with numpy in one call.
+_MAX_COMBINE = tl.standard._elementwise_max
+
+
+@triton.jit
+def _reduce_max(x, axis: tl.constexpr):
+    """``tl.max`` written as the ``tl.reduce`` it is (see "Triton's standard library" in the module doc)."""
+    return tl.reduce(x, axis, _MAX_COMBINE)
 
 
 @triton.jit
@@ -63,7 +79,7 @@ def _saturate(y, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
-def _round_to_grid(y, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
+def _round_to_grid(y, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, NAN_BITS: tl.constexpr):
     """Round float32 ``y`` (|y| <= fp8 max) to the nearest FP8 value, ties to even, staying in float32.
 
     Adding and subtracting ``1.5 * 2**(k + 23)`` rounds to a multiple of ``2**k`` in float32's own
@@ -74,16 +90,19 @@ def _round_to_grid(y, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr)
     exp = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_NORMAL_EXP)
     magic = (((exp - MANTISSA_BITS + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
     rounded = (y + magic) - magic
-    return (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+    rounded = (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+    # NaN becomes a float32 NaN whose leading mantissa bits are a NaN code of the format and whose next bit is
+    # clear, so that a conversion that only slices and rounds bits (the interpreter's) also yields NaN.
+    return tl.where(y != y, NAN_BITS, rounded.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _to_fp8_values(y, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
-                   EXPLICIT_ROUNDING: tl.constexpr):
+                   NAN_BITS: tl.constexpr, EXPLICIT_ROUNDING: tl.constexpr):
     """Saturate, and optionally pre-round, so the float8 conversion that follows is exact (see module doc)."""
     y = _saturate(y, FP8_MAX)
     if EXPLICIT_ROUNDING:
-        y = _round_to_grid(y, MANTISSA_BITS, MIN_NORMAL_EXP)
+        y = _round_to_grid(y, MANTISSA_BITS, MIN_NORMAL_EXP, NAN_BITS)
     return y
 
 
@@ -108,29 +127,29 @@ def _tensorwise_scale(amax, eps, FP8_MAX: tl.constexpr, POWER_OF_2: tl.constexpr
 def _amax_kernel(x_ptr, amax_bits_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-    tl.atomic_max(amax_bits_ptr, tl.max(_abs_bits(x), axis=0))
+    tl.atomic_max(amax_bits_ptr, _reduce_max(_abs_bits(x), 0))
 
 
 @triton.jit
 def _cast_kernel(
     x_ptr, scale_ptr, out_ptr, amax_bits_ptr, n,
-    FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
+    FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, NAN_BITS: tl.constexpr,
     EXPLICIT_ROUNDING: tl.constexpr, RECORD_AMAX: tl.constexpr, BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     scale = tl.load(scale_ptr)
-    y = _to_fp8_values(x.to(tl.float32) * scale, FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, EXPLICIT_ROUNDING)
+    y = _to_fp8_values(x.to(tl.float32) * scale, FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, NAN_BITS, EXPLICIT_ROUNDING)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
     if RECORD_AMAX:
-        tl.atomic_max(amax_bits_ptr, tl.max(_abs_bits(x), axis=0))
+        tl.atomic_max(amax_bits_ptr, _reduce_max(_abs_bits(x), 0))
 
 
 @triton.jit
 def _tensorwise_cast_kernel(
     x_ptr, amax_bits_ptr, out_ptr, scale_out_ptr, n, eps,
-    FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
+    FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, NAN_BITS: tl.constexpr,
     EXPLICIT_ROUNDING: tl.constexpr, POWER_OF_2: tl.constexpr, BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -139,7 +158,7 @@ def _tensorwise_cast_kernel(
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    y = _to_fp8_values(x.to(tl.float32) * scale, FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, EXPLICIT_ROUNDING)
+    y = _to_fp8_values(x.to(tl.float32) * scale, FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, NAN_BITS, EXPLICIT_ROUNDING)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
     if pid == 0:
         tl.store(scale_out_ptr, scale)
@@ -148,7 +167,7 @@ def _tensorwise_cast_kernel(
 @triton.jit
 def _cast_transpose_kernel(
     x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_bits_ptr, M, K, stride_xm, stride_xk,
-    FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
+    FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, NAN_BITS: tl.constexpr,
     EXPLICIT_ROUNDING: tl.constexpr, RECORD_AMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -156,12 +175,12 @@ def _cast_transpose_kernel(
     mask = (rm[:, None] < M) & (rk[None, :] < K)
     x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=mask, other=0.0)
     scale = tl.load(scale_ptr)
-    y = _to_fp8_values(x.to(tl.float32) * scale, FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, EXPLICIT_ROUNDING)
+    y = _to_fp8_values(x.to(tl.float32) * scale, FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, NAN_BITS, EXPLICIT_ROUNDING)
     q = y.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rm[:, None] * K + rk[None, :], q, mask=mask)
     tl.store(out_t_ptr + rk[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
     if RECORD_AMAX:
-        tl.atomic_max(amax_bits_ptr, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
+        tl.atomic_max(amax_bits_ptr, _reduce_max(_reduce_max(_abs_bits(x), 1), 0))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -175,6 +194,7 @@ def format_constants(dtype: torch.dtype) -> dict:
         "FP8_MAX": fp8_max(dtype),
         "MANTISSA_BITS": MANTISSA_BITS[dtype],
         "MIN_NORMAL_EXP": int(math.log2(fp8_min_normal(dtype))),
+        "NAN_BITS": NAN_BITS[dtype],
         "EXPLICIT_ROUNDING": explicit_rounding(),
     }
 
