@@ -151,6 +151,10 @@ class FP8ShardedWeight(torch.Tensor):
     def __repr__(self) -> str:
         return f"FP8ShardedWeight({self._hp!r})"
 
+    def __reduce_ex__(self, protocol):
+        """Pickles (torch.save, distributed checkpoints) as the plain high-precision tensor."""
+        return self._hp.detach().clone().__reduce_ex__(protocol)
+
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod

@@ -86,9 +86,9 @@ class AllGatherCounter:
             setattr(dist, name, original)
 
 
-def train_plain(model: nn.Module, data, rank: int, world: int, lr: float = 0.1) -> list[float]:
+def train_plain(model: nn.Module, data, rank: int, world: int, lr: float = 0.1, momentum: float = 0.0) -> list[float]:
     """SGD steps on this rank's slice of each global batch; returns the global mean loss per step."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     losses = []
     for x, y in data:
         if world > 1:
@@ -128,11 +128,11 @@ def fsdp_run(recipe, rank: int, world: int, data, fp8_all_gather: bool, param_dt
     }
 
 
-def single_run(recipe, data) -> list[float]:
+def single_run(recipe, data, momentum: float = 0.0) -> list[float]:
     torch.manual_seed(0)
     model = Net()
     convert_to_fp8(model, recipe_from(recipe))
-    return train_plain(model, data, 0, 1)
+    return train_plain(model, data, 0, 1, momentum=momentum)
 
 
 def parity_worker(rank: int, world: int, port: int, steps: int, out: dict) -> None:

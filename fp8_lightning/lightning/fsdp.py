@@ -1,0 +1,229 @@
+"""``FP8FSDPStrategy``: FSDP2 (``fully_shard``) through Lightning's ``ModelParallelStrategy``, with FP8 weights.
+
+    trainer = Trainer(strategy="fp8_fsdp", precision="fp8-hybrid", devices=8)
+    trainer = Trainer(strategy=FP8FSDPStrategy(block_classes=["Block"], reduce_dtype="bf16"),
+                      plugins=[FP8Precision(recipe="mxfp8")])
+
+What it adds to ``ModelParallelStrategy`` (all real work is in :mod:`fp8_lightning.distributed`):
+
+* **Conversion before sharding.** ``ModelParallelStrategy`` calls the precision plugin's ``convert_module``
+  after ``configure_model`` has sharded the model, too late for FP8 all-gather (FSDP2 reads a parameter's type
+  when ``fully_shard`` runs). This strategy converts with the FP8 precision plugin (idempotent, in place) and
+  makes the FP8 weights gather in FP8 *before* any ``fully_shard``: right before the user's ``configure_model``
+  and again right after it for layers it created.
+* **A default sharding policy.** A LightningModule without ``configure_model`` is sharded per block: every child
+  of every ``nn.ModuleList``, or the modules whose class names are in ``block_classes``, then each top-level
+  child that holds parameters. A user's ``configure_model`` that calls ``fully_shard`` itself is respected.
+* **FP8 precision by default.** With no FP8 precision plugin (``precision="32-true"`` / ``"bf16-mixed"``) the
+  strategy installs ``FP8Precision(recipe, dtype=...)``; ``bf16-true``/``16-true`` are refused (FP8 training
+  keeps float32 master weights).
+* **Options.** ``fp8_all_gather=False`` keeps the weight all-gather in high precision; ``param_dtype`` /
+  ``reduce_dtype`` set FSDP2's ``MixedPrecisionPolicy`` (the reduce-scatter precision of gradients);
+  ``activation_checkpointing=True`` checkpoints every block, recomputing under the forward's FP8 setting.
+* **Gradient accumulation** skips the reduce-scatter on all but the last micro-batch
+  (``set_requires_gradient_sync``), as DDP's ``no_sync`` does.
+* **Checkpoints** are ``ModelParallelStrategy``'s torch distributed checkpoints (a folder with one shard per
+  rank for model and optimizer state); the FP8 scaling state, identical on every rank, is the precision plugin's
+  ``state_dict`` and goes into the folder's metadata file.
+
+Launch: any Lightning launcher (``torchrun``, SLURM's ``srun``, or Lightning's own subprocess launcher).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Generator, Iterable, Literal
+
+import torch
+import torch.nn as nn
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from typing_extensions import override
+
+from fp8_lightning.distributed.sharding import (
+    AllGatherReport,
+    disable_fp8_all_gather,
+    enable_fp8_all_gather,
+    is_sharded,
+    refresh_high_precision_gathers,
+    shard_model,
+)
+from fp8_lightning.lightning.plugin_base import parse_dtype
+from fp8_lightning.recipes import RecipeLike, recipe_from
+
+
+class FP8FSDPStrategy(ModelParallelStrategy):
+    """FSDP2 with FP8 parameter all-gather for every recipe (see the module docstring).
+
+    Args:
+        recipe: recipe of the FP8 precision plugin the strategy installs when the Trainer has none (a Recipe,
+            name or dict). With an FP8 precision plugin, leave it None (the plugin's recipe is used).
+        fp8_all_gather: gather FP8 weights in FP8 (True) or in high precision (False, for comparison).
+        block_classes: class names of the modules to shard one by one (default: children of ModuleLists).
+        activation_checkpointing: checkpoint every block (recomputed in FP8 during backward).
+        param_dtype, reduce_dtype: FSDP2 ``MixedPrecisionPolicy``: dtype of high-precision all-gathers and of
+            the gradient reduce-scatter (None: the parameter dtype, float32).
+        reshard_after_forward: free gathered weights after forward (re-gathered for backward).
+        data_parallel_size: ranks that shard the model (``"auto"``: all of them).
+        tensor_parallel_size: kept at 1 by default (FSDP only); a user's ``configure_model`` may use more.
+        save_distributed_checkpoint: one checkpoint shard per rank (True) or a full checkpoint on rank 0.
+    """
+
+    strategy_name = "fp8_fsdp"
+
+    def __init__(
+        self,
+        recipe: RecipeLike = None,
+        fp8_all_gather: bool = True,
+        block_classes: Iterable[str] | str | None = None,
+        activation_checkpointing: bool = False,
+        param_dtype: torch.dtype | str | None = None,
+        reduce_dtype: torch.dtype | str | None = None,
+        reshard_after_forward: bool = True,
+        data_parallel_size: Literal["auto"] | int = "auto",
+        tensor_parallel_size: Literal["auto"] | int = 1,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(data_parallel_size, tensor_parallel_size, save_distributed_checkpoint, process_group_backend, timeout)
+        self.recipe = recipe_from(recipe) if recipe is not None else None
+        self.fp8_all_gather = bool(fp8_all_gather)
+        self.block_classes = [block_classes] if isinstance(block_classes, str) else list(block_classes or [])
+        self.activation_checkpointing = bool(activation_checkpointing)
+        self.param_dtype = parse_dtype(param_dtype)
+        self.reduce_dtype = parse_dtype(reduce_dtype)
+        self.reshard_after_forward = bool(reshard_after_forward)
+        self.all_gather_report: AllGatherReport | None = None
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description="FSDP2 with FP8 parameter all-gather")
+
+    # -- set-up -------------------------------------------------------------------------------------------------
+
+    @override
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto":
+            self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+        self._ensure_fp8_precision()
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        self._prepare_fp8(self.lightning_module)  # layers built before configure_model
+        with super().model_sharded_context():
+            yield
+        self._prepare_fp8(self.lightning_module)  # layers configure_model created
+        if not is_sharded(self.lightning_module):
+            self._shard_by_default_policy()
+        self._finish_sharding()
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        if is_overridden("configure_model", self.lightning_module):
+            return super().setup(trainer)
+        if not is_sharded(self.lightning_module):
+            self._prepare_fp8(self.lightning_module)
+            self._shard_by_default_policy()
+            self._finish_sharding()
+        # ModelParallelStrategy.setup insists on configure_model; the sharding above stands in for it.
+        self.lightning_module.configure_model = lambda: None
+        try:
+            super().setup(trainer)
+        finally:
+            del self.lightning_module.configure_model
+
+    def _ensure_fp8_precision(self) -> None:
+        plugin = self.precision_plugin
+        if hasattr(plugin, "convert_module") and hasattr(plugin, "recipe"):
+            if self.recipe is not None and self.recipe != plugin.recipe:
+                raise ValueError(
+                    f"FP8FSDPStrategy(recipe={self.recipe!r}) differs from the FP8 precision plugin's recipe "
+                    f"{plugin.recipe!r}; set the recipe in one place (the precision plugin)."
+                )
+            return
+        from fp8_lightning.lightning.precision import FP8Precision
+
+        if isinstance(plugin, MixedPrecision):
+            dtype = torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16
+        elif type(plugin) is Precision:
+            dtype = None
+        else:
+            raise ValueError(
+                f"FP8FSDPStrategy cannot train in FP8 with the precision plugin {type(plugin).__name__} "
+                f"(precision={getattr(plugin, 'precision', None)!r}); use precision='32-true', 'bf16-mixed' or an "
+                "FP8 precision ('fp8-hybrid', plugins=[FP8Precision(...)])."
+            )
+        self.precision_plugin = FP8Precision(recipe=self.recipe, dtype=dtype)
+        rank_zero_info(f"FP8FSDPStrategy: training with {self.precision_plugin!r}.")
+
+    def _prepare_fp8(self, module: nn.Module) -> None:
+        self.precision_plugin.convert_module(module)
+        if self.fp8_all_gather:
+            self.all_gather_report = enable_fp8_all_gather(module, self.device_mesh["data_parallel"].size())
+
+    def _mp_policy(self):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
+
+    def _shard_by_default_policy(self) -> None:
+        module = self.lightning_module
+        if any(True for _ in module.parameters(recurse=False)):
+            names = [n for n, _ in module.named_parameters(recurse=False)]
+            raise ValueError(
+                f"FP8FSDPStrategy's default policy shards submodules, but {type(module).__name__} holds parameters "
+                f"directly ({names}). Move them into a submodule or shard in configure_model()."
+            )
+        roots = [child for child in module.children() if any(True for _ in child.parameters())]
+        shard_model(
+            module,
+            mesh=self.device_mesh["data_parallel"],
+            mp_policy=self._mp_policy(),
+            reshard_after_forward=self.reshard_after_forward,
+            block_classes=self.block_classes or None,
+            activation_checkpointing=self.activation_checkpointing,
+            roots=roots,
+        )
+
+    def _finish_sharding(self) -> None:
+        module = self.lightning_module
+        left = disable_fp8_all_gather(module)  # wrapped, but configure_model did not shard them
+        if left:
+            rank_zero_warn(f"FP8FSDPStrategy: {len(left)} FP8 layer(s) were not sharded and stay replicated: {left}.")
+        refresh_high_precision_gathers(module)
+        if self.fp8_all_gather:
+            self.all_gather_report = enable_fp8_all_gather(module, self.device_mesh["data_parallel"].size())
+            if self.all_gather_report.high_precision:
+                rank_zero_info(str(self.all_gather_report))
+
+    # -- training -----------------------------------------------------------------------------------------------
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulate unsharded gradients locally on all but the last micro-batch (no reduce-scatter)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)] if self.model is not None else []
+        for m in modules:
+            m.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for m in modules:
+                m.set_requires_gradient_sync(True, recurse=False)
+
+
+def register_fsdp_strategy() -> None:
+    """Make ``Trainer(strategy="fp8_fsdp")`` work (idempotent)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if FP8FSDPStrategy.strategy_name not in StrategyRegistry:
+        FP8FSDPStrategy.register_strategies(StrategyRegistry)
