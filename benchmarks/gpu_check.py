@@ -1,0 +1,85 @@
+"""GPU check of the CUDA paths of the FP8 core against the CPU reference.
+
+Run on a machine with an NVIDIA GPU (sm89+ for per-tensor FP8 GEMMs): ``make gpu-check`` or
+``python benchmarks/gpu_check.py``. For each recipe it runs FP8Linear forward and backward on CUDA and on CPU
+with the same weights and inputs and compares: the quantized operands must be bit-identical (the casts are
+deterministic elementwise math), the GEMM results equal within float32 accumulation-order differences.
+It exits non-zero on a mismatch and refuses clearly where there is no suitable GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn as nn
+
+from fp8_lightning import DelayedScaling, FP8Linear, Format, MXFP8BlockScaling, TensorwiseScaling, fp8_autocast
+from fp8_lightning.gemm import fp8_gemm_support
+from fp8_lightning.quantize import quantize_mxfp8, quantize_tensorwise
+
+RECIPES = {
+    "tensorwise": TensorwiseScaling(),
+    "delayed": DelayedScaling(),
+    "delayed-e4m3": DelayedScaling(fp8_format=Format.E4M3),
+    "mxfp8": MXFP8BlockScaling(fp8_format=Format.HYBRID),
+}
+
+
+def check_casts() -> list[str]:
+    failures = []
+    x = torch.randn(512, 1024) * 7
+    for fmt in ("E4M3", "E5M2"):
+        cpu = quantize_tensorwise(x, fmt)
+        gpu = quantize_tensorwise(x.cuda(), fmt)
+        if not torch.equal(cpu[0].view(torch.uint8), gpu[0].cpu().view(torch.uint8)):
+            failures.append(f"tensorwise cast {fmt}: bytes differ")
+    for rounding in ("rceil", "floor"):
+        cpu = quantize_mxfp8(x, scale_rounding=rounding)
+        gpu = quantize_mxfp8(x.cuda(), scale_rounding=rounding)
+        for name, a, b in zip(("data", "scale"), cpu, gpu):
+            if not torch.equal(a.view(torch.uint8), b.cpu().view(torch.uint8)):
+                failures.append(f"mxfp8 {rounding} {name}: bytes differ")
+    return failures
+
+
+def check_linear(name, recipe) -> list[str]:
+    torch.manual_seed(0)
+    base = nn.Linear(1024, 512)
+    x, g = torch.randn(256, 1024), torch.randn(256, 512)
+    results = {}
+    for device in ("cpu", "cuda"):
+        layer = FP8Linear.from_linear(nn.Linear(1024, 512).to(device), recipe)
+        layer.load_state_dict(base.state_dict())
+        xi = x.to(device).requires_grad_()
+        with fp8_autocast():
+            y = layer(xi)
+        y.backward(g.to(device))
+        results[device] = [t.detach().double().cpu() for t in (y, xi.grad, layer.weight.grad)]
+    failures = []
+    for what, a, b in zip(("fprop", "dgrad", "wgrad"), results["cpu"], results["cuda"]):
+        err = ((a - b).abs().max() / a.abs().max()).item()
+        print(f"  {name:14s} {what}: max relative difference CPU vs CUDA {err:.2e}")
+        if err > 1e-5:
+            failures.append(f"{name} {what}: CPU and CUDA differ by {err:.2e}")
+    return failures
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("gpu_check: CUDA is not available on this machine; nothing to check (run it on an NVIDIA GPU).")
+        return 2
+    ok, reason = fp8_gemm_support("cuda")
+    print(f"device: {torch.cuda.get_device_name()} ({reason}); torch {torch.__version__}")
+    if not ok:
+        print(f"gpu_check: {reason}")
+        return 2
+    failures = check_casts()
+    for name, recipe in RECIPES.items():
+        failures += check_linear(name, recipe)
+    print("\n".join(["FAILED: " + f for f in failures]) if failures else "all CUDA paths match the CPU reference")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Recipes: defaults, validation messages, construction from names and YAML-style dicts."""
+
+import pytest
+
+from fp8_lightning import DelayedScaling, Format, MXFP8BlockScaling, TensorwiseScaling, recipe_from
+
+
+def test_defaults_follow_the_documented_semantics():
+    d = DelayedScaling()
+    assert (d.fp8_format, d.margin, d.amax_history_len, d.amax_compute_algo) == (Format.HYBRID, 0, 16, "max")
+    assert TensorwiseScaling().fp8_format is Format.HYBRID
+    mx = MXFP8BlockScaling()
+    assert (mx.block_size, mx.scale_rounding, mx.fp8_format) == (32, "rceil", Format.E4M3)
+
+
+@pytest.mark.parametrize(
+    "build, field, value",
+    [
+        (lambda: DelayedScaling(margin=-1), "margin", "-1"),
+        (lambda: DelayedScaling(amax_history_len=0), "amax_history_len", "0"),
+        (lambda: DelayedScaling(amax_compute_algo="mean"), "amax_compute_algo", "'mean'"),
+        (lambda: DelayedScaling(fp8_format="e3m4"), "fp8_format", "'e3m4'"),
+        (lambda: TensorwiseScaling(eps=0.0), "eps", "0.0"),
+        (lambda: MXFP8BlockScaling(block_size=24), "block_size", "24"),
+        (lambda: MXFP8BlockScaling(scale_rounding="nearest"), "scale_rounding", "'nearest'"),
+        (lambda: MXFP8BlockScaling(fp8_format="E5M2"), "fp8_format", "'E5M2'"),
+    ],
+)
+def test_invalid_values_name_the_field_the_value_and_what_is_allowed(build, field, value):
+    with pytest.raises(ValueError) as err:
+        build()
+    message = str(err.value)
+    assert f".{field}={value}" in message and "allowed" in message
+
+
+def test_recipes_are_frozen_and_hashable():
+    r = DelayedScaling(margin=2)
+    with pytest.raises(Exception):
+        r.margin = 3
+    assert len({r, DelayedScaling(margin=2), DelayedScaling()}) == 2
+
+
+def test_construction_from_names_and_dicts():
+    assert recipe_from(None) == DelayedScaling()
+    assert recipe_from("tensorwise") == TensorwiseScaling()
+    assert recipe_from("MX") == MXFP8BlockScaling()
+    yaml_like = {"name": "delayed", "fp8_format": "e4m3", "amax_history_len": 32, "amax_compute_algo": "most_recent"}
+    r = recipe_from(yaml_like)
+    assert r == DelayedScaling(fp8_format=Format.E4M3, amax_history_len=32, amax_compute_algo="most_recent")
+    for recipe in (r, TensorwiseScaling(power_of_2_scales=True), MXFP8BlockScaling(scale_rounding="floor")):
+        assert recipe_from(recipe.to_dict()) == recipe
+
+
+def test_bad_names_and_dicts_are_explained():
+    with pytest.raises(ValueError, match="unknown; allowed: delayed, mxfp8, tensorwise"):
+        recipe_from("blockwise")
+    with pytest.raises(ValueError, match="needs a 'name' key"):
+        recipe_from({"margin": 1})
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['history'\]"):
+        recipe_from({"name": "delayed", "history": 3})
+    with pytest.raises(TypeError, match="is not a recipe"):
+        recipe_from(3.5)

@@ -1,0 +1,112 @@
+"""Scale math and scaling state, with expected values derived from the formulas in DESIGN.md section 3."""
+
+import math
+
+import pytest
+import torch
+
+from fp8_lightning import DelayedScaling, TensorwiseScaling
+from fp8_lightning.scaling import FLOAT32_MAX, OperandScaling, delayed_scale, roll_history, update_scales
+
+E4M3 = torch.float8_e4m3fn
+
+
+def _scale(history, prev=1.0, margin=0, algo="max", p2=False):
+    return delayed_scale(torch.tensor(history), torch.tensor(prev), 448.0, margin, algo, p2).item()
+
+
+def test_delayed_scale_formula_max_and_most_recent():
+    assert _scale([2.0, 8.0, 4.0]) == pytest.approx(448.0 / 8.0)
+    assert _scale([2.0, 8.0, 4.0], algo="most_recent") == pytest.approx(448.0 / 2.0)
+
+
+def test_margin_divides_by_a_power_of_two():
+    assert _scale([7.0], margin=3) == pytest.approx(448.0 / 7.0 / 8.0)
+
+
+@pytest.mark.parametrize("bad", [0.0, math.inf, math.nan])
+def test_zero_inf_nan_amax_keep_the_previous_scale(bad):
+    assert _scale([bad], prev=3.25) == 3.25
+    assert _scale([bad, 1.0], prev=3.25, algo="most_recent") == 3.25
+
+
+def test_infinite_scale_becomes_float32_max():
+    tiny = float(torch.finfo(torch.float32).smallest_normal) * 2**-20  # 448 / tiny overflows float32
+    assert _scale([tiny]) == FLOAT32_MAX
+
+
+def test_power_of_two_scales_round_down():
+    assert _scale([3.0], p2=True) == 128.0  # 448/3 = 149.3 -> 128
+    assert _scale([3.5], p2=True) == 128.0  # 448/3.5 = 128 exactly
+
+
+def test_history_rolls_with_the_newest_first():
+    h = roll_history(torch.tensor([3.0, 2.0, 1.0]), torch.tensor(9.0))
+    assert h.tolist() == [9.0, 3.0, 2.0]
+
+
+def test_first_use_is_scaled_just_in_time_then_history_drives_the_scale():
+    state = OperandScaling(DelayedScaling(amax_history_len=3), E4M3)
+    q = state.quantize(torch.tensor([1.0, -4.0]))
+    assert state.scale.item() == pytest.approx(448 / 4)  # not 1.0: just-in-time on first use
+    assert q.data.float().abs().max().item() == 448.0
+    state.quantize(torch.tensor([2.0]))  # same step (micro-batch): pending is the max
+    assert state.scale.item() == pytest.approx(448 / 4)
+    state.update()
+    assert state.amax_history.tolist() == [4.0, 0.0, 0.0]
+    state.quantize(torch.tensor([16.0]))  # delayed: this cast still uses the old scale, and saturates
+    assert state.scale.item() == pytest.approx(448 / 4)
+    state.update()
+    assert state.amax_history.tolist() == [16.0, 4.0, 0.0]
+    assert state.scale.item() == pytest.approx(448 / 16)
+
+
+def test_non_finite_amax_is_counted_and_never_poisons_the_history():
+    state = OperandScaling(DelayedScaling(amax_history_len=2), E4M3)
+    state.quantize(torch.tensor([2.0]))
+    state.update()
+    state.quantize(torch.tensor([1.0, float("nan")]))
+    state.quantize(torch.tensor([float("inf")]))
+    state.update()
+    assert state.nonfinite_count.item() == 2
+    assert torch.isfinite(state.amax_history).all()
+    assert state.scale.item() == pytest.approx(448 / 2)
+
+
+def test_a_step_with_no_cast_leaves_history_and_scale_alone():
+    state = OperandScaling(DelayedScaling(amax_history_len=2), E4M3)
+    state.quantize(torch.tensor([2.0]))
+    state.update()
+    before = (state.amax_history.clone(), state.scale.clone())
+    state.update()
+    assert torch.equal(state.amax_history, before[0]) and torch.equal(state.scale, before[1])
+
+
+def test_tensorwise_scale_follows_each_tensor_and_keeps_the_last_good_one():
+    state = OperandScaling(TensorwiseScaling(), E4M3)
+    state.quantize(torch.tensor([0.5]))
+    assert state.scale.item() == pytest.approx(896.0)
+    state.quantize(torch.tensor([float("nan")]))
+    assert state.scale.item() == pytest.approx(896.0) and state.nonfinite_count.item() == 1
+    state.quantize(torch.zeros(3))
+    assert state.scale.item() == pytest.approx(896.0)
+
+
+def test_state_dict_round_trip_is_exact():
+    a = OperandScaling(DelayedScaling(amax_history_len=4), E4M3)
+    for v in (1.0, 3.0, 2.0):
+        a.quantize(torch.tensor([v]))
+        a.update()
+    b = OperandScaling(DelayedScaling(amax_history_len=4), E4M3)
+    b.load_state_dict(a.state_dict())
+    for name in OperandScaling._TENSORS:
+        assert torch.equal(getattr(a, name), getattr(b, name))
+    with pytest.raises(ValueError, match="amax_history_len"):
+        OperandScaling(DelayedScaling(amax_history_len=2), E4M3).load_state_dict(a.state_dict())
+
+
+def test_single_process_update_needs_no_collective():
+    states = [OperandScaling(DelayedScaling(), E4M3) for _ in range(3)]
+    for s in states:
+        s.quantize(torch.randn(4))
+    assert update_scales(states) == 0
