@@ -57,6 +57,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def known_precisions() -> list[str]:
+    """Precision options of the configs that ``fp8-train`` uses (the checkout's or the packaged ones)."""
+    from importlib import resources
+
+    from fp8_lightning.train import config_path
+
+    source = config_path()
+    folder = resources.files("fp8_lightning.conf") if source.startswith("pkg://") else Path(source)
+    return sorted(p.name[: -len(".yaml")] for p in (folder / "precision").iterdir() if p.name.endswith(".yaml"))
+
+
 def train_command(precision: str, run_dir: Path, experiment: str, overrides: Sequence[str]) -> list[str]:
     cmd = [sys.executable, "-m", "fp8_lightning.train", f"precision={precision}", f"hydra.run.dir={run_dir}"]
     if experiment and experiment != "none":
@@ -75,7 +86,7 @@ def run_one(precision: str, out: Path, experiment: str, overrides: Sequence[str]
     wall = time.perf_counter() - start
     summary_file = run_dir / "summary.json"
     if proc.returncode != 0 or not summary_file.is_file():
-        tail = (run_dir / "stdout.log").read_text().splitlines()[-15:]
+        tail = (run_dir / "stdout.log").read_text().splitlines()[-40:]
         raise RuntimeError(f"fp8-train failed for precision={precision} (exit {proc.returncode}); last lines of "
                            f"{run_dir / 'stdout.log'}:\n" + "\n".join(tail))
     summary = json.loads(summary_file.read_text())
@@ -194,6 +205,11 @@ def plot_curves(out: Path, results: list[dict[str, Any]]) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    unknown = sorted(set(args.precisions) - set(known_precisions()))
+    if unknown:
+        print(f"fp8-compare: unknown precision(s) {unknown}; available: {', '.join(known_precisions())}.",
+              file=sys.stderr)
+        return 2
     started = dt.datetime.now(dt.timezone.utc)
     out = args.out or Path("outputs") / "compare" / started.strftime("%Y-%m-%d_%H-%M-%S")
     out = out.resolve()
