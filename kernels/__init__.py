@@ -36,7 +36,6 @@ from fp8_lightning.kernels.availability import (
     device_status,
     disabled_by_env,
     kernels_for,
-    require_triton,
     triton_status,
 )
 from fp8_lightning.quantize import E8M0_DTYPE, Quantized
@@ -76,7 +75,7 @@ def supports_input(x: torch.Tensor) -> bool:
 
 
 def _check_input(x: torch.Tensor, what: str) -> None:
-    require_triton(what, x.device)
+    """Dtype checks here; whether Triton can run on the device is checked inside the ops (see ``ops``)."""
     if not torch.is_tensor(x) or not supports_input(x):
         got = x.dtype if torch.is_tensor(x) else type(x).__name__
         raise TypeError(
@@ -191,7 +190,6 @@ def mx_gemm_supported(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> tup
 
 def mx_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``a @ b.T`` for MX operands with K last (a: (M, K), b: (N, K)) on the block-scaled Triton kernel."""
-    require_triton("mx_gemm", a.data.device)
     ok, reason = mx_gemm_supported(a, b, out_dtype)
     if not ok:
         raise ValueError(f"fp8_lightning.kernels.mx_gemm: {reason}. Use fp8_lightning.fp8_mm (it emulates).")

@@ -18,10 +18,24 @@ plain tensors (E8M0 scales as ``uint8``); :mod:`fp8_lightning.kernels` wraps the
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 from torch.library import custom_op
 
+from fp8_lightning.kernels.availability import require_triton
+
 NAMESPACE = "fp8_lightning"
+
+
+def _implementation(module: str, x: torch.Tensor):
+    """The Triton launchers, after checking that they can run on ``x``'s device (clear error otherwise).
+
+    The check runs here, inside the op, because the op is opaque to ``torch.compile``: the traced graph holds
+    the op, and the check happens when the graph runs.
+    """
+    require_triton(f"{module} kernels", x.device)
+    return importlib.import_module(f"fp8_lightning.kernels.{module}")
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -39,7 +53,7 @@ def _scalar(x: torch.Tensor) -> torch.Tensor:
 
 @custom_op(f"{NAMESPACE}::amax", mutates_args=())
 def amax(x: torch.Tensor) -> torch.Tensor:
-    from fp8_lightning.kernels import per_tensor as impl
+    impl = _implementation("per_tensor", x)
 
     return impl.amax(x)
 
@@ -53,7 +67,7 @@ def _(x):
 def cast(
     x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, record_amax: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from fp8_lightning.kernels import per_tensor as impl
+    impl = _implementation("per_tensor", x)
 
     return impl.cast(x, scale, dtype, record_amax)
 
@@ -67,7 +81,7 @@ def _(x, scale, dtype, record_amax):
 def cast_transpose(
     x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, record_amax: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from fp8_lightning.kernels import per_tensor as impl
+    impl = _implementation("per_tensor", x)
 
     return impl.cast_transpose(x, scale, dtype, record_amax)
 
@@ -82,7 +96,7 @@ def _(x, scale, dtype, record_amax):
 def tensorwise_cast(
     x: torch.Tensor, dtype: torch.dtype, eps: float, power_of_2: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from fp8_lightning.kernels import per_tensor as impl
+    impl = _implementation("per_tensor", x)
 
     return impl.tensorwise_cast(x, dtype, eps, power_of_2)
 
@@ -101,7 +115,7 @@ def _(x, dtype, eps, power_of_2):
 def mx_quantize(
     x: torch.Tensor, block_size: int, scale_rounding: str, dtype: torch.dtype, rowwise: bool, colwise: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from fp8_lightning.kernels import mxfp8 as impl
+    impl = _implementation("mxfp8", x)
 
     return impl.mx_quantize(x, block_size, scale_rounding, dtype, rowwise, colwise)
 
@@ -122,7 +136,7 @@ def _(x, block_size, scale_rounding, dtype, rowwise, colwise):
 def mx_gemm(
     a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    from fp8_lightning.kernels import block_gemm as impl
+    impl = _implementation("block_gemm", a)
 
     return impl.mx_gemm(a, a_scale, b, b_scale, out_dtype)
 

@@ -1,0 +1,106 @@
+"""Block-scaled MX GEMM kernel against float64 math on the dequantized operands, in Triton's interpreter.
+
+A GEMM is not bit-exact with any other summation order, so the bound is the float32 accumulation error:
+``|out - ref| <= K * 2**-23 * (|A| @ |B|.T)`` (plus the output dtype's rounding). Every 32-wide block of the
+inputs has its own magnitude (2**-20 .. 2**20), so a scale applied to the wrong block, row or column is off by
+orders of magnitude, far outside the bound.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8_lightning import gemm, kernels
+from fp8_lightning.kernels.block_gemm import mx_gemm_configs
+from fp8_lightning.quantize import Quantized, quantize_mx_operand
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def mx_operand(
+    rows: int, k: int, dtype: torch.dtype, block_size: int = 32, seed: int = 0, spread: int = 20
+) -> Quantized:
+    g = torch.Generator().manual_seed(seed)
+    magnitude = torch.exp2(torch.randint(-spread, spread, (rows, k // block_size), generator=g).float())
+    x = torch.randn(rows, k, generator=g) * magnitude.repeat_interleave(block_size, dim=1)
+    return quantize_mx_operand(x, block_size, "rceil", dtype)
+
+
+def check(out: torch.Tensor, a: Quantized, b: Quantized, out_dtype: torch.dtype) -> None:
+    a64, b64 = a.dequantize().double(), b.dequantize().double()
+    ref = a64 @ b64.t()
+    k = a.data.shape[1]
+    bound = k * 2.0**-23 * (a64.abs() @ b64.abs().t())
+    if out_dtype != torch.float32:
+        bound = bound + ref.abs() * torch.finfo(out_dtype).eps
+    assert out.dtype == out_dtype and out.shape == ref.shape
+    err = (out.double() - ref).abs()
+    assert (err <= bound).all(), f"max error / bound = {(err / bound.clamp_min(1e-300)).max().item():.3g}"
+
+
+@pytest.mark.parametrize("a_fp8, b_fp8", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)])
+def test_ragged_shapes_and_mixed_formats(a_fp8, b_fp8):
+    a, b = mx_operand(33, 96, a_fp8, seed=1), mx_operand(47, 96, b_fp8, seed=2)
+    check(kernels.mx_gemm(a, b, torch.float32), a, b, torch.float32)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_output_and_64_blocks(out_dtype):
+    # Block magnitudes within 2**+-5, so that float16 does not overflow.
+    a = mx_operand(40, 128, E4M3, block_size=64, seed=3, spread=5)
+    b = mx_operand(24, 128, E4M3, block_size=64, seed=4, spread=5)
+    check(kernels.mx_gemm(a, b, out_dtype), a, b, out_dtype)
+
+
+def test_tile_configs_are_valid_and_grouped_order_covers_every_tile():
+    for config in mx_gemm_configs():
+        meta = config.kwargs
+        for key in ("BLOCK_M", "BLOCK_N"):
+            assert meta[key] >= 16 and meta[key] & (meta[key] - 1) == 0, config
+        assert meta["GROUP_M"] >= 1 and config.num_warps in (4, 8) and config.num_stages >= 2
+    from fp8_lightning.kernels.block_gemm import mx_gemm as launch
+
+    a, b = mx_operand(150, 64, E4M3, seed=5), mx_operand(70, 64, E5M2, seed=6)
+    # 5 x 3 tiles of 32 in groups of 2 rows, and 3 x 2 tiles of 64 in groups of 8: every output written once.
+    for config in ({"BLOCK_M": 32, "BLOCK_N": 32, "GROUP_M": 2}, {"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 8}):
+        out = launch(a.data, a.scale.view(torch.uint8), b.data, b.scale.view(torch.uint8), torch.float32, config)
+        check(out, a, b, torch.float32)
+
+
+def test_nan_scale_poisons_its_rows_only():
+    a, b = mx_operand(8, 64, E4M3), mx_operand(8, 64, E4M3, seed=1)
+    a.scale.view(torch.uint8)[3, 1] = 255
+    out = kernels.mx_gemm(a, b, torch.float32)
+    assert torch.isnan(out[3]).all() and not torch.isnan(out[torch.arange(8) != 3]).any()
+
+
+def test_unsupported_operands_are_refused_with_the_reason():
+    a, b = mx_operand(8, 64, E4M3, block_size=16), mx_operand(8, 64, E4M3, block_size=16)
+    with pytest.raises(ValueError, match="block size 16 is not supported"):
+        kernels.mx_gemm(a, b)
+    per_tensor = Quantized(a.data, torch.tensor(1.0), "tensor")
+    assert not kernels.mx_gemm_supported(per_tensor, per_tensor, torch.float32)[0]
+
+
+def test_core_entry_uses_the_kernel_when_usable_and_emulates_otherwise(monkeypatch):
+    a, b = mx_operand(16, 64, E4M3), mx_operand(24, 64, E5M2, seed=1)
+    emulated = (a.dequantize() @ b.dequantize().t()).to(torch.bfloat16)
+    # CPU tensors: the core never gets the kernels, so this is the emulation, bit for bit.
+    assert torch.equal(kernels._core_mx_gemm(a, b, torch.bfloat16), emulated)
+    calls = []
+    monkeypatch.setattr(kernels, "kernels_for", lambda t: kernels)
+    monkeypatch.setattr(kernels, "mx_gemm", lambda *args: calls.append(args) or emulated)
+    kernels._core_mx_gemm(a, b, torch.bfloat16)
+    assert len(calls) == 1
+    c16, d16 = mx_operand(16, 64, E4M3, block_size=16), mx_operand(8, 64, E4M3, block_size=16)
+    kernels._core_mx_gemm(c16, d16, torch.float32)  # block size 16: emulated even where the kernel runs
+    assert len(calls) == 1
+
+
+def test_install_registers_with_the_gemm_dispatcher(monkeypatch):
+    monkeypatch.setattr(gemm, "_mx_gemm_impl", None)
+    monkeypatch.setattr(gemm, "_mx_gemm_probed", False)
+    assert gemm._registered_mx_gemm() is kernels._core_mx_gemm
+    gemm.register_mx_gemm(None)  # an explicit removal sticks: no re-registration on the next call
+    assert gemm._registered_mx_gemm() is None

@@ -1,0 +1,193 @@
+"""How the core uses the kernels: CUDA only, same bits as its pure-torch code, off by environment variable,
+optional at import time, and clear errors on explicit requests that cannot run.
+
+The core's CUDA branch is exercised on CPU by pointing its dispatch hook (``cuda_kernels``) at the kernels,
+which then run in Triton's interpreter: the results must equal the untouched pure-torch path bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import fp8_lightning.quantize as quantize
+import fp8_lightning.scaling as scaling
+from fp8_lightning import FP8Linear, fp8_autocast, kernels
+from fp8_lightning.kernels import availability
+from fp8_lightning.recipes import DelayedScaling, MXFP8BlockScaling, TensorwiseScaling
+from fp8_lightning.scaling import OperandScaling
+from tests.kernels.references import assert_same_fp8
+
+REPO = Path(__file__).resolve().parents[2]
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Route the core's CUDA branch to the kernels for CPU tensors; count the kernel calls by name."""
+    calls: dict[str, int] = {}
+
+    def counted(name):
+        original = getattr(kernels, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    for name in ("amax", "cast", "tensorwise_cast", "mx_quantize"):
+        monkeypatch.setattr(kernels, name, counted(name))
+
+    def route(x):
+        return kernels if kernels.supports_input(x) else None
+
+    monkeypatch.setattr(quantize, "cuda_kernels", route)
+    monkeypatch.setattr(scaling, "cuda_kernels", route)
+    return calls
+
+
+def pure(fn, *args, **kwargs):
+    """Run ``fn`` with the dispatch hook restored to its real (CPU: never the kernels) behaviour."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(quantize, "cuda_kernels", lambda x: None)
+        mp.setattr(scaling, "cuda_kernels", lambda x: None)
+        return fn(*args, **kwargs)
+
+
+def test_quantize_functions_dispatch_and_keep_their_bits(kernel_calls):
+    x = torch.randn(64, 96) * 7
+    assert quantize.amax(x).item() == pure(quantize.amax, x).item()
+    scale = torch.tensor(11.0)
+    assert_same_fp8(quantize.quantize_with_scale(x, scale, E5M2), pure(quantize.quantize_with_scale, x, scale, E5M2))
+    data, s = quantize.quantize_tensorwise(x.bfloat16(), "E4M3")
+    ref_data, ref_s = pure(quantize.quantize_tensorwise, x.bfloat16(), "E4M3")
+    assert_same_fp8(data, ref_data)
+    assert s.item() == ref_s.item()
+    for source in (x.reshape(2, 32, 96), x.t()):  # leading dims, and a transposed view read in place
+        data, sc = quantize.quantize_mxfp8(source, scale_rounding="floor")
+        ref_data, ref_sc = pure(quantize.quantize_mxfp8, source, scale_rounding="floor")
+        assert_same_fp8(data, ref_data)
+        assert torch.equal(sc.view(torch.uint8), ref_sc.view(torch.uint8)) and sc.shape == ref_sc.shape
+    assert kernel_calls == {"amax": 1, "cast": 1, "tensorwise_cast": 1, "mx_quantize": 2}
+    # float64 stays on the pure-torch path (the kernels take float32/bf16/fp16).
+    quantize.amax(x.double())
+    assert kernel_calls["amax"] == 1
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4, margin=1), TensorwiseScaling()])
+def test_operand_scaling_uses_the_fused_cast_with_identical_state(kernel_calls, recipe):
+    fused, reference = OperandScaling(recipe, E4M3), OperandScaling(recipe, E4M3)
+    for step in range(3):
+        x = torch.randn(16, 64) * (10.0**step)
+        got, expected = fused.quantize(x), pure(reference.quantize, x)
+        assert_same_fp8(got.data, expected.data)
+        assert torch.equal(got.scale, expected.scale)
+        fused.update()
+        reference.update()
+    for name in OperandScaling._TENSORS:
+        assert torch.equal(getattr(fused, name), getattr(reference, name)), name
+    # Delayed scaling: the first cast scales just in time (amax pass + cast), later ones fuse cast and amax.
+    expected_fused = 2 if isinstance(recipe, DelayedScaling) else 0
+    assert kernel_calls.get("amax", 0) == 3 - expected_fused
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(), MXFP8BlockScaling()])
+def test_fp8_linear_training_step_is_unchanged_by_the_kernels(kernel_calls, recipe):
+    def step():
+        torch.manual_seed(0)
+        layer = FP8Linear.from_linear(torch.nn.Linear(64, 32), recipe)
+        x = torch.randn(40, 64, requires_grad=True)  # 40 rows: MX columnwise copies are padded to 64
+        with fp8_autocast():
+            layer(x).square().mean().backward()
+        return layer.weight.grad, x.grad
+
+    (gw, gx), (ref_gw, ref_gx) = step(), pure(step)
+    assert torch.equal(gw, ref_gw) and torch.equal(gx, ref_gx)
+    assert sum(kernel_calls.values()) >= 3
+
+
+def test_cpu_tensors_never_reach_the_kernels(monkeypatch):
+    assert os.environ.get("TRITON_INTERPRET") == "1"  # even with the kernels runnable on CPU
+    assert quantize.cuda_kernels(torch.randn(4)) is None
+    monkeypatch.setattr(kernels, "amax", lambda x: pytest.fail("the CPU path called a kernel"))
+    quantize.amax(torch.randn(8))
+
+
+def test_kernels_for_honours_device_and_disable_variable(monkeypatch):
+    fake_cuda = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    monkeypatch.setattr(availability, "_cuda_usable", lambda index: True)
+    monkeypatch.delenv(availability.DISABLE_ENV, raising=False)
+    assert availability.kernels_for(fake_cuda) is kernels
+    monkeypatch.setenv(availability.DISABLE_ENV, "1")
+    assert availability.kernels_for(fake_cuda) is None
+    monkeypatch.setenv(availability.DISABLE_ENV, "0")
+    monkeypatch.setattr(availability, "_cuda_usable", lambda index: False)
+    assert availability.kernels_for(fake_cuda) is None
+
+
+def test_explicit_request_that_cannot_run_names_the_reason(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(RuntimeError, match="run on CUDA devices; got a cpu tensor"):
+        kernels.amax(torch.randn(4))
+    ok, reason = availability.device_status("cpu")
+    assert not ok and "TRITON_INTERPRET" in reason
+
+
+def _run(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=full_env, capture_output=True, text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.slow
+def test_library_imports_and_runs_without_triton():
+    result = _run(
+        """
+        import sys
+
+        class NoTriton:
+            def find_spec(self, name, path=None, target=None):
+                if name == "triton" or name.startswith("triton."):
+                    raise ImportError("triton is not installed")
+
+        sys.meta_path.insert(0, NoTriton())
+        import torch
+        import fp8_lightning
+        from fp8_lightning import kernels
+        from fp8_lightning.quantize import quantize_mxfp8, quantize_tensorwise
+        quantize_tensorwise(torch.randn(8, 32))
+        quantize_mxfp8(torch.randn(8, 32))
+        assert not kernels.triton_status()[0] and "triton" not in sys.modules
+        try:
+            kernels.amax(torch.randn(4))
+        except RuntimeError as err:
+            print("ERROR:", err)
+        """
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ERROR: fp8_lightning.kernels.per_tensor kernels cannot run: Triton is not importable" in result.stdout
+
+
+@pytest.mark.slow
+def test_interpreter_setting_does_not_leak_to_other_tests(tmp_path):
+    """A kernel test followed by a test from another folder, in one session: the latter sees no TRITON_INTERPRET."""
+    probe = tmp_path / "test_probe.py"
+    probe.write_text("import os\n\ndef test_probe():\n    assert 'TRITON_INTERPRET' not in os.environ\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(REPO),
+         "tests/kernels/test_per_tensor.py::test_cast_without_amax_reports_zero", str(probe)],
+        cwd=REPO, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0 and "2 passed" in result.stdout, result.stdout[-3000:] + result.stderr[-2000:]

@@ -1,0 +1,61 @@
+"""The kernels as torch.library custom ops: fake implementations agree with the real ones, and torch.compile
+traces calls to them without graph breaks (the real kernels run in the interpreter underneath)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.library import opcheck
+
+from fp8_lightning import kernels
+from fp8_lightning.kernels import ops  # noqa: F401  (registers torch.ops.fp8_lightning.*)
+from fp8_lightning.quantize import quantize_mx_operand
+from tests.kernels.references import assert_same_fp8
+
+OPS = torch.ops.fp8_lightning
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+# Schema, fake tensor and dispatch checks; the autograd checks do not apply to ops without gradients.
+CHECKS = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
+
+
+def _cases():
+    x = torch.randn(40, 64)
+    a = quantize_mx_operand(torch.randn(16, 64), 32, "rceil", E4M3)
+    b = quantize_mx_operand(torch.randn(24, 64), 32, "rceil", E5M2)
+    return [
+        (OPS.amax, (x,)),
+        (OPS.cast, (x, torch.tensor(3.0), E4M3, True)),
+        (OPS.cast_transpose, (x, torch.tensor(3.0), E5M2, True)),
+        (OPS.tensorwise_cast, (x.bfloat16(), E4M3, 1e-12, False)),
+        (OPS.mx_quantize, (x[:, :40], 32, "floor", E4M3, True, True)),  # ragged: padded outputs
+        (OPS.mx_quantize, (x, 32, "rceil", E5M2, False, True)),
+        (OPS.mx_gemm, (a.data, a.scale.view(torch.uint8), b.data, b.scale.view(torch.uint8), torch.bfloat16)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(7))
+def test_fake_implementations_match_the_kernels(case):
+    op, args = _cases()[case]
+    # The schema checker multiplies inputs to detect mutation, which float8 inputs (the GEMM's) do not support.
+    checks = CHECKS[1:] if op is OPS.mx_gemm else CHECKS
+    opcheck(op, args, test_utils=checks)
+
+
+def test_torch_compile_traces_the_ops_in_one_graph():
+    def delayed_then_mx(x, scale, w):
+        data, x_amax = kernels.cast(x, scale, E4M3)
+        rows, cols = kernels.mx_quantize(x, 32, "rceil", E4M3, columnwise=True)
+        out = kernels.mx_gemm(rows, w, torch.float32)
+        return data, x_amax, rows.data, cols.scale, out
+
+    x, scale = torch.randn(32, 64), torch.tensor(5.0)
+    w = quantize_mx_operand(torch.randn(16, 64), 32, "rceil", E4M3)
+    torch._dynamo.reset()
+    compiled = torch.compile(delayed_then_mx, backend="aot_eager", fullgraph=True)  # fullgraph: no graph breaks
+    for got, expected in zip(compiled(x, scale, w), delayed_then_mx(x, scale, w)):
+        if got.dtype in (E4M3, E5M2):
+            assert_same_fp8(got, expected)
+        elif got.dtype == torch.float8_e8m0fnu:
+            assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+        else:
+            assert torch.equal(got, expected)
