@@ -1,0 +1,216 @@
+"""Bytes moved by FSDP2 weight all-gathers per training step: FP8 (every recipe) versus fp32 and bf16.
+
+Two gloo processes on CPU (``torch.multiprocessing``) train one step of a small transformer-like stack of
+blocks (LayerNorm, Linear up, GELU, Linear down) sharded per block with ``fully_shard``. The bytes are counted
+at the ``torch.distributed`` call FSDP2 makes (``all_gather_single`` / ``all_gather_into_tensor``: the tensor this
+rank contributes), for the forward gathers and the backward re-gathers. Other collectives of the step are
+counted apart: the amax all-reduces of the FP8 scales (``all_reduce``) and the gradient reduce-scatters.
+
+Two models:
+
+* ``weights`` has no biases and no norm parameters, so an all-gather carries Linear weights only: the ratio of
+  the FP8 wire format itself (1 byte per element, plus 1/32 byte of E8M0 scales for MXFP8).
+* ``full`` has biases and LayerNorm parameters; under FP8 they travel in ``param_dtype`` next to the FP8 weights
+  (float32 unless a bf16 ``MixedPrecisionPolicy`` is set), which is what a real run moves.
+
+Usage::
+
+    python benchmarks/allgather_bytes.py [--width 256] [--depth 4] [--out benchmarks/results/allgather_bytes.md]
+
+Writes a Markdown table (with the command, machine and date) and a JSON file next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import socket
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+WORLD = 2
+CONFIGS = [  # (name, FP8 recipe or None, FP8 all-gather, FSDP2 param_dtype)
+    ("fp32", None, False, None),
+    ("bf16", None, False, torch.bfloat16),
+    ("fp8 tensorwise", "tensorwise", True, None),
+    ("fp8 delayed", "delayed", True, None),
+    ("fp8 mxfp8", "mxfp8", True, None),
+    ("fp8 tensorwise + bf16 params", "tensorwise", True, torch.bfloat16),
+    ("fp8 mxfp8 + bf16 params", "mxfp8", True, torch.bfloat16),
+]
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, bias: bool):
+        super().__init__()
+        self.norm = nn.LayerNorm(width, elementwise_affine=bias)
+        self.up = nn.Linear(width, 4 * width, bias=bias)
+        self.down = nn.Linear(4 * width, width, bias=bias)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class Stack(nn.Module):
+    def __init__(self, width: int, depth: int, bias: bool):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(width, bias) for _ in range(depth)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class Counter:
+    """Per-collective byte counts of what this rank sends, by patching the torch.distributed functions."""
+
+    PATCHED = {
+        "all_gather": ("all_gather_single", "all_gather_into_tensor", "_all_gather_base"),
+        "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base"),
+        "all_reduce": ("all_reduce",),
+    }
+
+    def __init__(self):
+        self.bytes = {kind: 0 for kind in self.PATCHED}
+        self.calls = {kind: 0 for kind in self.PATCHED}
+        self._saved: dict[str, object] = {}
+
+    def __enter__(self):
+        for kind, names in self.PATCHED.items():
+            for name in names:
+                original = getattr(dist, name, None)
+                if original is None:
+                    continue
+                self._saved[name] = original
+                input_index = 0 if kind == "all_reduce" else 1
+
+                def counting(*args, _original=original, _kind=kind, _i=input_index, **kwargs):
+                    if len(args) > _i:
+                        tensor = args[_i]
+                    else:
+                        tensor = next(v for k, v in kwargs.items() if k in ("input", "input_tensor", "tensor"))
+                    self.bytes[_kind] += tensor.numel() * tensor.element_size()
+                    self.calls[_kind] += 1
+                    return _original(*args, **kwargs)
+
+                setattr(dist, name, counting)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+
+def one_step(model_kind: str, config, rank: int, width: int, depth: int) -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from fp8_lightning import convert_to_fp8, fp8_autocast, sync_scales
+    from fp8_lightning.distributed import enable_fp8_all_gather, shard_model
+
+    name, recipe, fp8_gather, param_dtype = config
+    torch.manual_seed(0)
+    model = Stack(width, depth, bias=model_kind == "full")
+    if recipe is not None:
+        convert_to_fp8(model, recipe)
+        if fp8_gather:
+            enable_fp8_all_gather(model, WORLD)
+    shard_model(model, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(32, width)
+    with fp8_autocast(enabled=recipe is not None):  # warm-up step: lazy init and first-use scales
+        model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    sync_scales(model)
+    with Counter() as counter:  # the measured step
+        with fp8_autocast(enabled=recipe is not None):
+            model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sync_scales(model)
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    return {"config": name, "model": model_kind, "bytes": counter.bytes, "calls": counter.calls, "weights": weights}
+
+
+def worker(rank: int, port: int, width: int, depth: int, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    rows = [one_step(kind, config, rank, width, depth) for kind in ("weights", "full") for config in CONFIGS]
+    if rank == 0:
+        out["rows"] = rows
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def table(rows: list[dict]) -> str:
+    lines = []
+    for kind in ("weights", "full"):
+        base = {r["config"]: r["bytes"]["all_gather"] for r in rows if r["model"] == kind}
+        lines += [
+            f"\nModel `{kind}` ({next(r['weights'] for r in rows if r['model'] == kind):,} Linear weight elements):\n",
+            "| all-gather | bytes / rank / step | vs fp32 | vs bf16 | all-reduce bytes | reduce-scatter bytes |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in (r for r in rows if r["model"] == kind):
+            ag = r["bytes"]["all_gather"]
+            lines.append(
+                f"| {r['config']} | {ag:,} | {ag / base['fp32']:.4f} | {ag / base['bf16']:.4f} | "
+                f"{r['bytes']['all_reduce']:,} | {r['bytes']['reduce_scatter']:,} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/allgather_bytes.md"))
+    args = parser.parse_args(argv)
+
+    out = mp.Manager().dict()
+    mp.spawn(worker, args=(free_port(), args.width, args.depth, out), nprocs=WORLD)
+    rows = out["rows"]
+    command = "python " + " ".join([os.path.relpath(sys.argv[0])] + (argv if argv is not None else sys.argv[1:]))
+    machine = f"{platform.node() or 'unknown host'}: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}"
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    header = (
+        "# FSDP2 weight all-gather bytes per training step (measured)\n\n"
+        f"- command: `{command}`\n- machine: {machine}\n- torch {torch.__version__}, backend gloo, "
+        f"{WORLD} processes\n- date: {when}\n\n"
+        "Bytes this rank contributes to all-gathers in one training step (forward gathers + backward re-gathers),\n"
+        "counted at the torch.distributed call FSDP2 makes. All-reduce bytes: FP8 scale agreement (weight amaxes\n"
+        "once per step; input/gradient amaxes of delayed scaling). Reduce-scatter: gradients, in param_dtype.\n"
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(header + table(rows) + "\n")
+    args.out.with_suffix(".json").write_text(
+        json.dumps({"command": command, "machine": machine, "date": when, "torch": torch.__version__, "rows": rows}, indent=1)
+    )
+    print(header + table(rows))
+    weights = {r["config"]: r["bytes"]["all_gather"] for r in rows if r["model"] == "weights"}
+    ok = all(
+        weights[name] <= 0.52 * weights["bf16"] and weights[name] <= 0.26 * weights["fp32"]
+        for name in weights if name.startswith("fp8")
+    )
+    print("FP8 <= 0.52x bf16 and <= 0.26x fp32 for weights:", "yes" if ok else "NO")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
