@@ -4,7 +4,9 @@ FP8 runs usually diverge in a few layers first: an activation outlier saturates 
 spike pushes the amax history so high that the scale flushes most of a tensor to zero. Each optimizer step the
 guard reads the step's :class:`~fp8_lightning.stats.OperandStats` of every converted layer and decides:
 
-* a **non-finite amax** (NaN/inf in an input, weight or output gradient) disables the layer at once;
+* a **non-finite amax** (NaN/inf in an input, weight or output gradient) disables the layer at once. A NaN
+  spreads: forward to every later layer's input, backward to every earlier layer's output gradient. Only its
+  origin, the operand that held it *first* in the step (``OperandStats.order``), is blamed;
 * an **overflow** (saturated) or **underflow** (flushed to zero) fraction above its threshold for ``patience``
   consecutive steps disables the layer.
 
@@ -106,6 +108,12 @@ def offending_kinds(stats: OperandStats, config: DivergenceGuard) -> list[str]:
     return kinds
 
 
+def nonfinite_origin(stats: Mapping[tuple[str, str], OperandStats], disabled: set[str] = frozenset()):
+    """The (layer, role) whose operand was the first non-finite one of the step, or None."""
+    bad = [(s.order, key) for key, s in stats.items() if s.nonfinite and key[0] not in disabled]
+    return min(bad)[1] if bad else None
+
+
 def decide(
     step: int,
     stats: Mapping[tuple[str, str], OperandStats],
@@ -120,10 +128,13 @@ def decide(
     """
     new_streaks: dict[str, int] = {}
     events: dict[str, GuardEvent] = {}
+    origin = nonfinite_origin(stats, disabled)
     for (layer, role), s in stats.items():
         if layer in disabled:
             continue
         for kind in offending_kinds(s, config):
+            if kind == "nonfinite" and (layer, role) != origin:
+                continue  # carried here from the origin; not this layer's fault
             key = f"{layer}|{role}|{kind}"
             count = streaks.get(key, 0) + 1
             new_streaks[key] = count

@@ -34,7 +34,7 @@ from fp8_lightning.formats import fp8_max
 from fp8_lightning.quantize import Quantized, amax, e8m0_to_float
 
 ROLES = ("input", "weight", "grad_output")
-_FIELDS = ("seen", "amax", "overflow", "underflow", "nonfinite", "scale")  # columns of the packed step tensor
+_FIELDS = ("seen", "amax", "overflow", "underflow", "nonfinite", "scale", "order")  # columns of the packed step tensor
 _COLLECTOR_ATTR = "_fp8_stats_collector"
 
 
@@ -99,6 +99,8 @@ class OperandStats:
     underflow: float
     nonfinite: bool
     fp8_max: float
+    order: int = 0  # when the operand was first cast in the step: forward inputs first, backward last
+
 
     @property
     def headroom_bits(self) -> float:
@@ -113,13 +115,14 @@ class OperandStats:
 class _Accumulator:
     """Device-side running totals of one (layer, role) within a step."""
 
-    __slots__ = ("amax", "overflow", "underflow", "numel", "nonfinite", "scale", "fp8_max")
+    __slots__ = ("amax", "overflow", "underflow", "numel", "nonfinite", "scale", "fp8_max", "order")
 
-    def __init__(self, device: torch.device, max_value: float):
+    def __init__(self, device: torch.device, max_value: float, order: int):
         zero = torch.zeros((), dtype=torch.float32, device=device)
         self.amax, self.overflow, self.underflow, self.nonfinite, self.scale = (zero.clone() for _ in range(5))
         self.numel = 0
         self.fp8_max = max_value
+        self.order = order
 
     def add(self, x: torch.Tensor, q: Quantized) -> None:
         a = amax(x)
@@ -134,7 +137,8 @@ class _Accumulator:
     def row(self) -> torch.Tensor:
         n = max(self.numel, 1)
         one = torch.ones((), dtype=torch.float32, device=self.amax.device)
-        return torch.stack([one, self.amax, self.overflow / n, self.underflow / n, self.nonfinite, self.scale])
+        order = torch.full((), float(self.order), device=self.amax.device)
+        return torch.stack([one, self.amax, self.overflow / n, self.underflow / n, self.nonfinite, self.scale, order])
 
 
 class StatsCollector:
@@ -192,7 +196,7 @@ class StatsCollector:
         key = (self.names.get(id(layer), type(layer).__name__), role)
         acc = self._acc.get(key)
         if acc is None:
-            acc = self._acc[key] = _Accumulator(x.device, fp8_max(q.data.dtype))
+            acc = self._acc[key] = _Accumulator(x.device, fp8_max(q.data.dtype), len(self._acc))
         with torch.no_grad():
             acc.add(x, q)
 
@@ -211,7 +215,7 @@ class StatsCollector:
             dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=reduce_group)
         rows = packed.cpu().tolist()
         self.last = {
-            key: OperandStats(key[0], key[1], r[1], r[5], r[2], r[3], r[4] > 0, maxima.get(key, float("nan")))
+            key: OperandStats(key[0], key[1], r[1], r[5], r[2], r[3], r[4] > 0, maxima.get(key, float("nan")), int(r[6]))
             for key, r in zip(keys, rows)
             if r[0] > 0
         }
