@@ -64,6 +64,7 @@ class LayerScaling:
                 "grad_output": OperandScaling(recipe, self.backward_dtype),
             }
         self._weight_key: tuple | None = None
+        self._weight_recorded = False  # whether the cached cast fed the weight amax history (training casts do)
         self._weight_cache: tuple[Quantized, Quantized | None] | None = None
         self.weight_casts = 0
 
@@ -101,11 +102,12 @@ class LayerScaling:
             return provided(self, record)
         w_state = self.operands.get("weight")
         key = (weight._version, weight.data_ptr(), w_state.generation if w_state else 0, weight.device)
-        if self._weight_cache is None or key != self._weight_key:
+        # A cast made in evaluation did not record the amax: the step's first training use casts again.
+        if self._weight_cache is None or key != self._weight_key or (record and not self._weight_recorded):
             w = weight.detach()
             row = self.cast("weight", w, record)
             col = None if self.recipe.per_tensor else self.cast_columnwise("weight", w)
-            self._weight_cache, self._weight_key = (row, col), key
+            self._weight_cache, self._weight_key, self._weight_recorded = (row, col), key, record
             self.weight_casts += 1
         return self._weight_cache
 
