@@ -8,7 +8,10 @@ guard reads the step's :class:`~fp8_lightning.stats.OperandStats` of every conve
   spreads: forward to every later layer's input, backward to every earlier layer's output gradient. Only its
   origin, the operand that held it *first* in the step (``OperandStats.order``), is blamed;
 * an **overflow** (saturated) or **underflow** (flushed to zero) fraction above its threshold for ``patience``
-  consecutive steps disables the layer.
+  consecutive steps disables the layer. Saturation counts only when the largest value exceeded the FP8 max by
+  at least ``min_overflow_ratio`` (2x by default): early in training Adam moves every weight of a
+  uniformly initialised layer a little past last step's amax each step, which clamps a percent or two of the
+  weights by a few percent, a harmless and expected effect of delayed scaling.
 
 A disabled layer runs ``F.linear`` in high precision for the rest of the run (``layer.fp8_disabled_reason``
 holds the reason, which :func:`~fp8_lightning.convert.fp8_state_dict` saves in checkpoints). Each decision is a
@@ -38,6 +41,7 @@ class DivergenceGuard:
         underflow_threshold: fraction of an operand's non-zero elements flushed to zero above which the step
             counts as an underflow step.
         patience: consecutive offending steps before the layer falls back (non-finite amaxes act at once).
+        min_overflow_ratio: an overflow step also needs ``amax * scale >= min_overflow_ratio * fp8_max``.
         skip_nonfinite_step: drop the gradients of a step whose FP8 operands held NaN/inf, so that one bad batch
             does not poison the weights (the optimizer skips parameters without gradients).
     """
@@ -45,6 +49,7 @@ class DivergenceGuard:
     overflow_threshold: float = 0.01
     underflow_threshold: float = 0.5
     patience: int = 3
+    min_overflow_ratio: float = 2.0
     skip_nonfinite_step: bool = True
 
     def __post_init__(self) -> None:
@@ -54,6 +59,12 @@ class DivergenceGuard:
                 raise ValueError(f"DivergenceGuard.{name}={value!r} is invalid; allowed: a fraction in [0, 1].")
         if isinstance(self.patience, bool) or not isinstance(self.patience, int) or self.patience < 1:
             raise ValueError(f"DivergenceGuard.patience={self.patience!r} is invalid; allowed: an integer >= 1.")
+        if isinstance(self.min_overflow_ratio, bool) or not isinstance(self.min_overflow_ratio, (int, float)) or (
+            self.min_overflow_ratio < 1
+        ):
+            raise ValueError(
+                f"DivergenceGuard.min_overflow_ratio={self.min_overflow_ratio!r} is invalid; allowed: a number >= 1."
+            )
         if not isinstance(self.skip_nonfinite_step, bool):
             raise ValueError(
                 f"DivergenceGuard.skip_nonfinite_step={self.skip_nonfinite_step!r} is invalid; allowed: True or False."
@@ -101,7 +112,7 @@ def offending_kinds(stats: OperandStats, config: DivergenceGuard) -> list[str]:
     kinds = []
     if stats.nonfinite:
         kinds.append("nonfinite")
-    if stats.overflow > config.overflow_threshold:
+    if stats.overflow > config.overflow_threshold and stats.amax * stats.scale >= config.min_overflow_ratio * stats.fp8_max:
         kinds.append("overflow")
     if stats.underflow > config.underflow_threshold:
         kinds.append("underflow")
