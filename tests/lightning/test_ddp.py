@@ -1,0 +1,45 @@
+"""2-process DDP on CPU (gloo): both ranks end with identical FP8 scales, histories and parameters, and each
+history entry is the MAX of the two ranks' local amaxes of that step (one coalesced all-reduce per step)."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_rank_ddp_agrees_on_scales_and_parameters(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               OMP_NUM_THREADS="1", PL_DISABLE_FORK="1")  # fmt: skip
+    env.pop("LOCAL_RANK", None)
+    result = subprocess.run([sys.executable, str(ROOT / "tests/lightning/ddp_worker.py"), str(tmp_path)],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert (r0["rank"], r1["rank"]) == (0, 1)
+    assert r0["losses"] != r1["losses"]  # the ranks saw different data
+    assert r0["local_amax"] != r1["local_amax"]
+    for name in r0["params"]:
+        assert torch.equal(r0["params"][name], r1["params"][name]), name
+    for layer, saved in r0["fp8"].items():
+        for s0, s1 in zip(saved["scalings"], r1["fp8"][layer]["scalings"]):
+            for role, op in s0["operands"].items():
+                assert torch.equal(op["scale"], s1["operands"][role]["scale"]), (layer, role)
+                assert torch.equal(op["amax_history"], s1["operands"][role]["amax_history"]), (layer, role)
+    history = r0["fp8"]["blocks.0.fc1"]["scalings"][0]["operands"]["input"]["amax_history"]
+    steps = len(r0["local_amax"])
+    expected = [max(a, b) for a, b in zip(r0["local_amax"], r1["local_amax"])][::-1]  # newest first
+    assert history[:steps].tolist() == torch.tensor(expected, dtype=torch.float32).tolist()
