@@ -93,9 +93,21 @@ def kernels_for(x: torch.Tensor):
 
     Only CUDA tensors qualify (the interpreter is for testing the kernels directly, never for the core).
     """
-    if not x.is_cuda or disabled_by_env() or not _cuda_usable(x.device.index):
+    if not x.is_cuda or not cuda_kernels_enabled(x.device.index):
         return None
-    return importlib.import_module("fp8_lightning.kernels")
+    import fp8_lightning.kernels as kernels
+
+    return kernels
+
+
+@torch.compiler.assume_constant_result
+def cuda_kernels_enabled(index: int | None) -> bool:
+    """Whether the core uses the kernels on CUDA device ``index``: usable there and not disabled.
+
+    Eager code reads ``FP8_LIGHTNING_DISABLE_TRITON`` on every call; ``torch.compile`` evaluates this once while
+    tracing and keeps the answer in the compiled graph (set the variable before compiling).
+    """
+    return not disabled_by_env() and _cuda_usable(index)
 
 
 @functools.lru_cache(maxsize=None)

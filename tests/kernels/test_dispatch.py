@@ -114,6 +114,29 @@ def test_fp8_linear_training_step_is_unchanged_by_the_kernels(kernel_calls, reci
     assert sum(kernel_calls.values()) >= 3
 
 
+def test_core_functions_compile_into_one_graph_with_the_kernels(kernel_calls):
+    def casts(x):
+        return quantize.quantize_tensorwise(x), quantize.quantize_mxfp8(x), quantize.amax(x)
+
+    x = torch.randn(32, 64)
+    torch._dynamo.reset()
+    (data, scale), (mx_data, mx_scale), x_amax = torch.compile(casts, backend="aot_eager", fullgraph=True)(x)
+    assert kernel_calls["tensorwise_cast"] == kernel_calls["mx_quantize"] == kernel_calls["amax"] == 1
+    ref = pure(casts, x)
+    assert_same_fp8(data, ref[0][0])
+    assert_same_fp8(mx_data, ref[1][0])
+    assert scale.item() == ref[0][1].item() and x_amax.item() == ref[2].item()
+
+
+def test_dispatch_decision_is_a_compile_time_constant(monkeypatch):
+    monkeypatch.setattr(availability, "_cuda_usable", lambda index: True)
+    monkeypatch.delenv(availability.DISABLE_ENV, raising=False)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: x + (1 if availability.cuda_kernels_enabled(0) else 2), backend="aot_eager",
+                       fullgraph=True)
+    assert fn(torch.zeros(2)).tolist() == [1.0, 1.0]
+
+
 def test_cpu_tensors_never_reach_the_kernels(monkeypatch):
     assert os.environ.get("TRITON_INTERPRET") == "1"  # even with the kernels runnable on CPU
     assert quantize.cuda_kernels(torch.randn(4)) is None
