@@ -37,7 +37,6 @@ import torch
 from fp8_lightning import kernels
 from fp8_lightning.kernels.availability import DISABLE_ENV, EXPLICIT_ROUNDING_ENV, device_status
 from fp8_lightning.quantize import (
-    Quantized,
     amax,
     quantize_mx_operand,
     quantize_mxfp8,

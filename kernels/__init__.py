@@ -9,7 +9,7 @@ kernel                     what it does                                    pure-
                            record the amax, one read, one write            + ``quantize.amax``
 ``cast_transpose``         the same, also writing the transposed copy      ``...`` + ``.t().contiguous()``
 ``mx_quantize``            MXFP8 rowwise and/or columnwise from one read   ``quantize.quantize_mxfp8``
-``mx_gemm``                block-scaled FP8 GEMM for MX operands (sm89/90)  ``gemm`` emulation (dequantize + matmul)
+``mx_gemm``                block-scaled FP8 GEMM for MX operands (sm8x/9x)  ``gemm`` emulation (dequantize + matmul)
 =========================  ==============================================  ========================================
 
 How the library uses them: the core (``quantize.py``, ``scaling.py``, ``gemm.py``) asks
@@ -18,8 +18,11 @@ is importable, the GPU has FP8 conversions (sm89+) and ``FP8_LIGHTNING_DISABLE_T
 back to its pure-torch code otherwise. CPU tensors never reach the kernels from the core.
 
 Calling a kernel here directly is an explicit request: it raises a clear error when it cannot run (no Triton,
-no suitable GPU) instead of falling back silently. Under ``TRITON_INTERPRET=1`` (set before ``triton`` is
-imported) the kernels run on CPU tensors, which is how they are tested without a GPU.
+no suitable GPU) instead of falling back silently. Under ``TRITON_INTERPRET=1`` (set before the kernel modules
+are first used, and while they run) the kernels run on CPU tensors, which is how they are tested without a GPU.
+
+Modules: ``availability`` (can they run here; no Triton import), ``per_tensor`` (amax and per-tensor casts),
+``mxfp8`` (MX quantization), ``block_gemm`` (MX GEMM and its autotune configs), ``ops`` (``torch.library``).
 
 Importing this package never imports Triton; the kernels are compiled on first use. Every kernel is also a
 ``torch.library`` custom op (``torch.ops.fp8_lightning.*``, see :mod:`~fp8_lightning.kernels.ops`) with a fake

@@ -16,15 +16,20 @@ Why the numbers are bit-identical to the twins:
   the float order, and every NaN pattern is larger than +inf, so an integer max propagates NaN exactly like
   ``torch.amax``. One ``atomic_max`` per program combines the programs (max is order-independent).
 * ``x * scale`` is one float32 multiply in both; saturation is an explicit clamp that keeps NaN (the float8
-  conversion must never see an out-of-range value); the conversion rounds to nearest even.
+  conversion must never see an out-of-range value); the conversion rounds to nearest even on GPUs
+  (``cvt.rn.satfinite``).
+* With ``EXPLICIT_ROUNDING`` (always under the interpreter, see ``availability.explicit_rounding``) the value is
+  first rounded to the FP8 grid in float32 by :func:`_round_to_grid`, so that the conversion only ever sees
+  representable values. The interpreter needs it: its own conversion rounds ties up, loses a rounding carry
+  into an odd exponent (7.75 becomes 4.0 in E4M3), turns NaN into a number and flushes subnormals.
 * The tensorwise scale follows ``tensorwise_scale`` operation by operation: ``fp8_max / clamp(amax, eps)`` is
   evaluated by torch as ``reciprocal(clamp(amax, eps)) * fp8_max`` (two correctly rounded float32 operations),
   then capped at float32 max, then optionally rounded down to a power of two (``frexp``: NaN becomes 0.5).
 
 Triton's standard library (``tl.max``, ``tl.zeros``, ``tl.cdiv``, ...) is itself made of ``@triton.jit``
 functions, compiled or interpreted depending on ``TRITON_INTERPRET`` *when triton is imported*. The kernels use
-only core builtins (``tl.reduce`` with ``tl.max``'s combine function, ``tl.full``, integer arithmetic), so they also
-run in the interpreter in a process that imported triton before turning it on (a test session does).
+only core builtins (``tl.reduce`` with ``tl.max``'s combine function, ``tl.full``, integer arithmetic), so they
+also run in the interpreter in a process that imported triton before turning it on (a test session does).
 
 Inputs: float32, bfloat16 or float16, any shape (flattened; a non-contiguous input is copied first), and 2-D
 (any strides) for :func:`cast_transpose`. Outputs are contiguous.
@@ -41,9 +46,6 @@ import triton.language as tl
 from fp8_lightning.formats import fp8_max, fp8_min_normal
 from fp8_lightning.kernels.availability import explicit_rounding
 
-SUPPORTED_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-FLOAT32_MAX = torch.finfo(torch.float32).max
-ABS_MASK = 0x7FFFFFFF
 MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
 NAN_BITS = {torch.float8_e4m3fn: 0x7FF00000, torch.float8_e5m2: 0x7FC00000}  # float32 NaNs: S.1111.111 / S.11111.10
 BLOCK = 4096

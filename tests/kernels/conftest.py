@@ -5,6 +5,11 @@ and the interpreter reads ``TRITON_INTERPRET`` again while it runs. So every ker
 ``TRITON_INTERPRET=1`` through ``monkeypatch`` (restored after each test: other test folders never see it), and
 the kernel modules are (re)imported in the matching mode before the test body runs. Tests marked ``gpu`` get
 the compiled kernels on CUDA instead (and are skipped, with the missing capability named, elsewhere).
+
+Interpreter facts the tests work with (Triton 3.9): its float8 conversion is not round-to-nearest-even (the
+kernels pre-round in float32 under it, so comparisons are bit for bit), it flushes bf16 *subnormal* inputs to
+zero when loading them as float32 (bf16 test data stays above 2**-126; the GPU check covers subnormals), and
+``tl.dot`` on FP8 operands is exact.
 """
 
 from __future__ import annotations
