@@ -250,6 +250,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "precision": cfg.precision.get("name"),
         "recipe": OmegaConf.to_container(cfg.precision.recipe, resolve=True) if cfg.precision.get("recipe") else None,
         "steps": trainer.global_step,
+        "world_size": trainer.world_size,
         "val_loss": val_loss,
         "val_ppl": _metric(trainer, "val/ppl") or (math.exp(val_loss) if val_loss is not None else None),
         "tokens_per_s": monitor.tokens_per_second(),
