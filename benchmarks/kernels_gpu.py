@@ -118,16 +118,18 @@ def check_kernels() -> list[tuple[str, bool]]:
                 x_cpu = x.cpu()
                 results.append((f"amax {name}", same_bytes(kernels.amax(x), pure(amax, x))))
                 for fp8 in (E4M3, E5M2):
-                    scale = torch.tensor(3.0 * 2.0**-9, device="cuda")
-                    data, x_amax = kernels.cast(x, scale, fp8)
-                    ref = pure(quantize_with_scale, x, scale, fp8)
-                    results.append((f"cast {name} {fp8} {tag} vs CUDA twin", same_bytes(data, ref)))
-                    results.append((f"cast {name} {fp8} {tag} vs CPU twin",
-                                    same_bytes(data, quantize_with_scale(x_cpu, scale.cpu(), fp8))))
-                    results.append((f"cast amax {name}", same_bytes(x_amax, pure(amax, x))))
-                    d, d_t, _ = kernels.cast_transpose(x, scale, fp8)
-                    results.append((f"cast_transpose {name} {fp8} {tag}",
-                                    same_bytes(d, ref) and same_bytes(d_t, ref.t().contiguous())))
+                    for value in (1.0, 3.0 * 2.0**-9):  # 1.0 keeps the exact ties of check_inputs
+                        scale = torch.tensor(value, device="cuda")
+                        case = f"{name} {fp8} scale={value:g} {tag}"
+                        data, x_amax = kernels.cast(x, scale, fp8)
+                        ref = pure(quantize_with_scale, x, scale, fp8)
+                        results.append((f"cast {case} vs CUDA twin", same_bytes(data, ref)))
+                        results.append((f"cast {case} vs CPU twin",
+                                        same_bytes(data, quantize_with_scale(x_cpu, scale.cpu(), fp8))))
+                        results.append((f"cast amax {case}", same_bytes(x_amax, pure(amax, x))))
+                        d, d_t, _ = kernels.cast_transpose(x, scale, fp8)
+                        results.append((f"cast_transpose {case}",
+                                        same_bytes(d, ref) and same_bytes(d_t, ref.t().contiguous())))
                     finite = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
                     got, ref_t = kernels.tensorwise_cast(finite, fp8), pure(quantize_tensorwise, finite, fp8)
                     results.append((f"tensorwise_cast {name} {fp8} {tag}",
