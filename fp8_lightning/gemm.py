@@ -6,8 +6,13 @@ row-major and ``b.T`` column-major, with no transposes in here.
 
 Backends, chosen per call:
 
-* ``scaled_mm``: ``torch._scaled_mm`` with per-tensor scales. Runs on CPU (oneDNN) and on CUDA sm89+.
-  CUDA needs K and N divisible by 16; operands are zero-padded when they are not (zeros add nothing to a sum).
+* ``scaled_mm``: ``torch._scaled_mm`` with per-tensor scales, on CUDA sm89+ (and on CPU when requested with
+  ``FP8_LIGHTNING_GEMM=scaled_mm``). CUDA needs K and N divisible by 16; operands are zero-padded when they are
+  not (zeros add nothing to a sum).
+* ``float matmul`` (CPU, per-tensor scales, the default there): ``(A @ B.T) * (1/scale_a * 1/scale_b)`` where
+  A and B hold the FP8 codes' exact values in float32. It is the same arithmetic as CPU ``torch._scaled_mm``
+  (which converts both operands to float32 and multiplies) up to float32 summation order, without its slow
+  element-by-element float8 conversion and its operand copies; transposed operands are read in place.
 * ``emulate``: dequantize both operands to float32 and matmul (float32 accumulation). Used for MX block
   scales where no block-scaled GEMM is registered (CPU; CUDA without Triton or with
   ``FP8_LIGHTNING_DISABLE_TRITON=1``), and on request (``FP8_LIGHTNING_GEMM=emulate`` or ``emulate=True``) on
@@ -110,8 +115,8 @@ def pad_dim(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
 
 def _scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
     n = b.data.shape[0]
-    a_data = pad_dim(a.data, -1, LAYOUT_MULTIPLE)
-    b_data = pad_dim(pad_dim(b.data, -1, LAYOUT_MULTIPLE), 0, LAYOUT_MULTIPLE)
+    a_data = pad_dim(a.data.contiguous(), -1, LAYOUT_MULTIPLE)  # row-major a, column-major b.T
+    b_data = pad_dim(pad_dim(b.data.contiguous(), -1, LAYOUT_MULTIPLE), 0, LAYOUT_MULTIPLE)
     mm_dtype = out_dtype if out_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
     out = torch._scaled_mm(
         a_data,
@@ -121,6 +126,19 @@ def _scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tens
         out_dtype=mm_dtype,
     )
     return out[:, :n].to(out_dtype)
+
+
+def _float_matmul(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+    """Per-tensor FP8 GEMM on CPU: exact FP8 values in float32, one matmul, one multiply by both inverse scales."""
+    out = a.decoded() @ b.decoded().t()
+    return out.mul_(a.scale.float().reciprocal() * b.scale.float().reciprocal()).to(out_dtype)
+
+
+def transposed(q: Quantized) -> Quantized:
+    """``q.T`` as a view of the same FP8 bytes (per-tensor operands only); the GEMM copies it if it must."""
+    if q.kind != "tensor":
+        raise ValueError("An MX operand cannot be transposed: quantize the high-precision tensor along K.")
+    return Quantized(q.data.t(), q.scale, q.kind, None if q.codes_f32 is None else q.codes_f32.t())
 
 
 def _emulated(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
@@ -140,4 +158,6 @@ def fp8_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, emulate: bool = F
         return _emulated(a, b, out_dtype)
     if backend == "emulate" or (backend == "auto" and not fp8_gemm_support(a.data.device)[0]):
         return _emulated(a, b, out_dtype)
+    if backend == "auto" and a.data.device.type == "cpu":
+        return _float_matmul(a, b, out_dtype)
     return _scaled_mm(a, b, out_dtype)

@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fp8_lightning.autocast import autocast_state
-from fp8_lightning.gemm import check_device, fp8_mm, pad_dim
+from fp8_lightning.gemm import check_device, fp8_mm, pad_dim, transposed
 from fp8_lightning.quantize import Quantized, quantize_mx_operand
 from fp8_lightning.recipes import MXFP8BlockScaling, Recipe
 from fp8_lightning.scaling import OperandScaling
@@ -138,6 +138,9 @@ class _FP8LinearFunction(torch.autograd.Function):
         w_saved = wq if scaling.recipe.per_tensor else w_col
         ctx.save_for_backward(x_saved.data, x_saved.scale, w_saved.data, w_saved.scale)
         ctx.meta = (layer, scaling, emulate, x2d.dtype, weight.dtype, x2d.shape[0])
+        # float32 codes of the cached FP8 weight, when a CPU float GEMM decoded them (the weight cache keeps them
+        # for the step anyway): dgrad reuses them instead of decoding the saved bytes again.
+        ctx.w_codes = w_saved.codes_f32
         return y
 
     @staticmethod
@@ -145,19 +148,19 @@ class _FP8LinearFunction(torch.autograd.Function):
         x_data, x_scale, w_data, w_scale = ctx.saved_tensors
         layer, scaling, emulate, x_dtype, w_dtype, m = ctx.meta
         kind = "tensor" if scaling.recipe.per_tensor else "mx"
-        x_saved, w_saved = Quantized(x_data, x_scale, kind), Quantized(w_data, w_scale, kind)
+        x_saved, w_saved = Quantized(x_data, x_scale, kind), Quantized(w_data, w_scale, kind, ctx.w_codes)
         g = grad_y.contiguous()
         gq = scaling.cast("grad_output", g, record=True)
         _observe(layer, "grad_output", g, gq)
         grad_x = grad_w = None
         # ------------------------------------------------ dgrad ------------------------------------------------
         if ctx.needs_input_grad[0]:
-            w_t = w_saved.t() if kind == "tensor" else w_saved  # (K, N)
+            w_t = transposed(w_saved) if kind == "tensor" else w_saved  # (K, N)
             grad_x = fp8_mm(gq, w_t, x_dtype, emulate)
         # ------------------------------------------------ wgrad ------------------------------------------------
         if ctx.needs_input_grad[1]:
             if kind == "tensor":
-                grad_w = fp8_mm(gq.t(), x_saved.t(), w_dtype, emulate)  # (N, M) @ (K, M).T
+                grad_w = fp8_mm(transposed(gq), transposed(x_saved), w_dtype, emulate)  # (N, M) @ (K, M).T
             else:
                 grad_w = fp8_mm(scaling.cast_columnwise("grad_output", g), x_saved, w_dtype, emulate)
         return grad_x, grad_w, None, None, None, None, None
