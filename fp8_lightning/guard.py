@@ -112,7 +112,8 @@ def offending_kinds(stats: OperandStats, config: DivergenceGuard) -> list[str]:
     kinds = []
     if stats.nonfinite:
         kinds.append("nonfinite")
-    if stats.overflow > config.overflow_threshold and stats.amax * stats.scale >= config.min_overflow_ratio * stats.fp8_max:
+    far_out = stats.amax * stats.scale >= config.min_overflow_ratio * stats.fp8_max
+    if stats.overflow > config.overflow_threshold and far_out:
         kinds.append("overflow")
     if stats.underflow > config.underflow_threshold:
         kinds.append("underflow")

@@ -215,7 +215,9 @@ class StatsCollector:
             dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=reduce_group)
         rows = packed.cpu().tolist()
         self.last = {
-            key: OperandStats(key[0], key[1], r[1], r[5], r[2], r[3], r[4] > 0, maxima.get(key, float("nan")), int(r[6]))
+            key: OperandStats(
+                key[0], key[1], r[1], r[5], r[2], r[3], r[4] > 0, maxima.get(key, float("nan")), int(r[6])
+            )
             for key, r in zip(keys, rows)
             if r[0] > 0
         }

@@ -107,7 +107,9 @@ class FP8StatsMonitor(Callback):
         self._collector = attach_collector(pl_module)  # after the strategy converted the layers
 
     @override
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
+    ) -> None:
         if self._collector is not None and trainer.global_step % self.log_every_n_steps == 0:
             self._collector.request_step()
             self._measured_step = trainer.global_step

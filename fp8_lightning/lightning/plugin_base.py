@@ -174,7 +174,9 @@ class FP8PrecisionMixin:
             for event in new:
                 if event.layer in layers:
                     layers[event.layer].fp8_disabled_reason = event.reason
-                rank_zero_warn(f"FP8 divergence guard: layer {event.layer!r} falls back to high precision: {event.reason}.")
+                rank_zero_warn(
+                    f"FP8 divergence guard: layer {event.layer!r} falls back to high precision: {event.reason}."
+                )
             events += new
         if nonfinite and self.divergence_guard.skip_nonfinite_step:
             drop_gradients(optimizer)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")  # module scope: also covers the module-scoped fp32 references
 def _one_thread():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

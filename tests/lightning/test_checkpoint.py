@@ -49,7 +49,8 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
         for sa, sb in zip(a[layer]["scalings"], b[layer]["scalings"]):
             for role in sa["operands"]:
                 for key, value in sa["operands"][role].items():
-                    assert torch.equal(torch.as_tensor(value), torch.as_tensor(sb["operands"][role][key])), (layer, role, key)
+                    other = sb["operands"][role][key]
+                    assert torch.equal(torch.as_tensor(value), torch.as_tensor(other)), (layer, role, key)
     assert resumed_trainer.precision_plugin.optimizer_steps == full_trainer.precision_plugin.optimizer_steps
 
 
