@@ -28,7 +28,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 import torch.nn as nn
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from fp8_lightning.autocast import fp8_autocast
 from fp8_lightning.convert import (
@@ -124,6 +124,8 @@ class FP8PrecisionMixin:
         else:
             report = ConversionReport()
         report.converted = [name or "<root>" for name, _ in fp8_modules(module)]
+        if report.converted != (self.conversion_report.converted if self.conversion_report else None):
+            rank_zero_info(f"{report} (recipe {type(self.recipe).__name__}, precision {self.precision!r})")
         self.conversion_report = report
         self._warn_skipped(report)
         self._track(module)
