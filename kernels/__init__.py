@@ -205,7 +205,9 @@ def _core_mx_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.T
     """What ``fp8_lightning.gemm`` calls for MX operands on CUDA: the kernel when it applies, else emulation."""
     if kernels_for(a.data) is not None and mx_gemm_supported(a, b, out_dtype)[0]:
         return mx_gemm(a, b, out_dtype)
-    return (a.dequantize(torch.float32) @ b.dequantize(torch.float32).t()).to(out_dtype)
+    from fp8_lightning.gemm import _emulated
+
+    return _emulated(a, b, out_dtype)
 
 
 def install_mx_gemm() -> bool:
