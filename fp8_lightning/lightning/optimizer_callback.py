@@ -32,16 +32,26 @@ class FP8OptimizerStates(Callback):
     Args:
         preset: ``"default"``, ``"max_savings"`` or ``"fp32"`` (see ``fp8_lightning.optim.config``).
         strict: refuse (``TypeError``) instead of warning when an optimizer cannot be wrapped.
+        release_gradients: step each parameter during backward and free its gradient at once
+            (:meth:`FP8Optimizer.release_gradients_in_backward`): single process, no gradient clipping, no
+            gradient accumulation; refused otherwise.
         **options: overrides of the preset (``block_size``, ``master_weights``, ``exp_avg_sq``, ...).
     """
 
-    def __init__(self, preset: str = "default", strict: bool = False, **options: Any) -> None:
+    def __init__(self, preset: str = "default", strict: bool = False, release_gradients: bool = False,
+                 **options: Any) -> None:
         self.config = config_from(preset, **options)  # fail at construction on a bad option, not mid-fit
         self.strict = strict
+        self.release_gradients = release_gradients
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         trainer.strategy.optimizers = [self._wrap(opt) for opt in trainer.strategy.optimizers]
+        if self.release_gradients:
+            check_release_gradients(trainer)
+            for optimizer in trainer.strategy.optimizers:
+                if isinstance(optimizer, FP8Optimizer):
+                    optimizer.release_gradients_in_backward()
 
     def _wrap(self, optimizer: Any) -> Any:
         if isinstance(optimizer, FP8Optimizer):
@@ -57,3 +67,19 @@ class FP8OptimizerStates(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"config": self.config.to_dict()}
+
+
+def check_release_gradients(trainer: "pl.Trainer") -> None:
+    """Refuse settings that need every gradient before the step (see ``release_gradients``)."""
+    problems = []
+    if trainer.world_size > 1:
+        problems.append(f"world_size={trainer.world_size} (gradients are reduced across ranks after backward)")
+    if trainer.accumulate_grad_batches != 1:
+        problems.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches}")
+    if trainer.gradient_clip_val:
+        problems.append(f"gradient_clip_val={trainer.gradient_clip_val}")
+    if problems:
+        raise ValueError(
+            "FP8OptimizerStates(release_gradients=True) steps each parameter during backward, which cannot work "
+            f"with {', '.join(problems)}. Remove those settings or use release_gradients=False."
+        )

@@ -23,6 +23,7 @@ Design, in the order a step meets it:
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict, defaultdict
 from typing import Any, Callable
 
@@ -89,6 +90,7 @@ class FP8Optimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks: dict[int, Callable] = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: dict[int, Callable] = OrderedDict()
         self._patch_step_function()
+        self._backward_hooks: list = []
         self._import_inner_state()
 
     def __repr__(self) -> str:
@@ -99,6 +101,35 @@ class FP8Optimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+
+    def release_gradients_in_backward(self) -> None:
+        """Step each parameter as soon as backward has accumulated its gradient, then free that gradient.
+
+        The gradients of the whole model then never exist at the same time (at most the few that autograd is
+        accumulating), which removes their 2 or 4 bytes per parameter from the peak; ``step()`` afterwards finds
+        no gradients left and only runs the closure. The update is the same as a regular ``step()`` (a test
+        checks it bit for bit). Not compatible with anything that needs all gradients before the step: gradient
+        clipping by norm, gradient accumulation over micro-batches, or data-parallel gradient reduction (DDP and
+        FSDP reduce after the hook would have run); refused when torch.distributed runs with more than one rank.
+        """
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and (
+            torch.distributed.get_world_size() > 1
+        ):
+            raise RuntimeError(
+                "release_gradients_in_backward needs the final gradient when backward reaches a parameter, but with "
+                f"{torch.distributed.get_world_size()} ranks gradients are reduced later; use the regular step()."
+            )
+        if self._backward_hooks:
+            return
+        for group in self.param_groups:
+            for param in group["params"]:
+                hook = functools.partial(self._step_in_backward, group=group)
+                self._backward_hooks.append(param.register_post_accumulate_grad_hook(hook))
+
+    def _step_in_backward(self, param: torch.Tensor, group: dict) -> None:
+        with torch.no_grad():
+            self._step_parameter(param, group)
+        param.grad = None
 
     def add_param_group(self, param_group: dict) -> None:
         self.optimizer.add_param_group(param_group)  # appends to the shared list

@@ -84,3 +84,17 @@ def test_ddp_two_gloo_processes(tmp_path):
     # gradients are all-reduced, the FP8 state update is deterministic: replicas stay identical
     assert ranks[0]["checksum"] == ranks[1]["checksum"]
     assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]
+
+
+def test_release_gradients_trains_identically_and_refuses_clipping():
+    pl.seed_everything(0, verbose=False)
+    regular = UserLM()
+    trainer(max_steps=4, callbacks=[callback()]).fit(regular, loader())
+    pl.seed_everything(0, verbose=False)
+    released = UserLM()
+    released_cb = FP8OptimizerStates("default", min_quantize_numel=1024, release_gradients=True)
+    trainer(max_steps=4, callbacks=[released_cb]).fit(released, loader())
+    assert released.losses == regular.losses
+    assert all(p.grad is None for p in released.parameters())
+    with pytest.raises(ValueError, match="gradient_clip_val"):
+        trainer(max_steps=1, gradient_clip_val=1.0, callbacks=[released_cb]).fit(UserLM(), loader())

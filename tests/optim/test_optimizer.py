@@ -208,3 +208,21 @@ def test_wrapping_a_stepped_optimizer_imports_its_states():
     decoded = to_plain_state_dict(opt.state_dict())["state"][0]["exp_avg"]
     assert opt.state[model[0].weight]["step"].item() == 2
     torch.testing.assert_close(decoded, exp_avg, rtol=2.0**-4, atol=exp_avg.abs().max().item() * 2.0**-9)
+
+
+@pytest.mark.parametrize("preset", ["default", "max_savings"])
+def test_release_gradients_in_backward_gives_the_same_training_without_holding_gradients(preset):
+    data = batches(5)
+    regular, released = tiny_model(), tiny_model()
+    opt = fp8_adamw(regular.parameters(), lr=1e-2, preset=preset, min_quantize_numel=1000)
+    opt_released = fp8_adamw(released.parameters(), lr=1e-2, preset=preset, min_quantize_numel=1000)
+    opt_released.release_gradients_in_backward()
+    live_grads = []
+    for x, y in data:
+        nn.functional.mse_loss(released(x), y).backward()
+        live_grads.append(sum(p.grad is not None for p in released.parameters()))
+        opt_released.step()  # nothing left to do: every parameter stepped during backward
+    train(regular, opt, data)
+    assert live_grads == [0] * len(data)
+    for a, b in zip(regular.parameters(), released.parameters()):
+        assert torch.equal(a, b)
