@@ -26,7 +26,8 @@ def test_two_rank_ddp_agrees_on_scales_and_parameters(tmp_path, route):
     env = dict(os.environ, PYTHONPATH=str(ROOT), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                OMP_NUM_THREADS="1", PL_DISABLE_FORK="1")  # fmt: skip
     env.pop("LOCAL_RANK", None)
-    args = [sys.executable, str(ROOT / "tests/lightning/ddp_worker.py"), str(tmp_path)] + (["guard"] * (route == "guard"))
+    args = [sys.executable, str(ROOT / "tests/lightning/ddp_worker.py"), str(tmp_path)]
+    args += ["guard"] if route == "guard" else []
     result = subprocess.run(args,
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
