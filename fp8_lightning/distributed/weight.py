@@ -6,7 +6,7 @@ when a sharded parameter's local tensor defines ``fsdp_pre_all_gather`` / ``fsdp
 what the first returns and hands the gathered buffers to the second::
 
     rank r:  FP8ShardedWeight (high-precision shard, N/world x K)
-               fsdp_pre_all_gather  -> quantize the shard -> uint8 bytes (+ uint8 E8M0 block scales for MX)
+               fsdp_pre_all_gather  -> quantize the shard -> uint8 bytes (MX: + E8M0 block scales, same rows)
     FSDP2:   one all-gather of the bytes of every parameter of the group
     all:       fsdp_post_all_gather -> FP8GatheredWeight (N x K, FP8 data + scale), the unsharded parameter
     FP8Linear: LayerScaling.weight_operands() sees ``fp8_weight_operands`` and uses the FP8 data as is
@@ -22,7 +22,8 @@ Scales, per recipe:
   not through the collective.
 * MXFP8: blocks of 32 run along K (the last dimension); FSDP2 shards rows (dim 0), so every block lies in one
   shard and each rank quantizes its rows locally. The E8M0 block scales travel with the data (1/32 byte per
-  element). dgrad needs W quantized along N (columnwise). That copy is derived from the *gathered* FP8 weight
+  element), packed into the same uint8 rows (K data bytes, then K/32 scale bytes): one all-gather input per
+  weight, which FSDP2's single-rank shortcut (it copies only the first input) also handles. dgrad needs W quantized along N (columnwise). That copy is derived from the *gathered* FP8 weight
   (dequantized exactly, then quantized along N), not from the high-precision weight, which no rank holds in
   full: gathering a second columnwise copy would double the traffic back to bf16 levels. The price is a second
   rounding of W in dgrad only; the measured effect on the loss is in ``tests/distributed``.
@@ -189,25 +190,26 @@ class FP8ShardedWeight(torch.Tensor):
             data = quantize_with_scale(shard, scale, fp8_dtype(recipe.fp8_format))
             return (data.view(torch.uint8),), (recipe, scale, global_amax)
         q = quantize_mx_operand(shard, recipe.block_size, recipe.scale_rounding, fp8_dtype(recipe.fp8_format))
-        return (q.data.view(torch.uint8), q.scale.view(torch.uint8)), (recipe, None, None)
+        # One input per weight: each row carries its K data bytes, then its K/32 scale bytes.
+        packed = torch.cat([q.data.view(torch.uint8), q.scale.view(torch.uint8)], dim=1)
+        return (packed,), (recipe, None, None)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         """Wrap the gathered bytes (no copy) as the unsharded FP8 weight; refresh ``out`` on later gathers."""
         recipe, scale, global_amax = metadata
         dtype = fp8_dtype(recipe.fp8_format)
+        (gathered,) = outputs
         if recipe.per_tensor:
-            (data,) = outputs
-            q = Quantized(data.view(dtype), scale, "tensor")
+            q = Quantized(gathered.view(dtype), scale, "tensor")
         else:
-            data, block_scales = outputs
-            q = Quantized(data.view(dtype), block_scales.view(E8M0_DTYPE), "mx")
+            k = self.shape[-1]
+            q = Quantized(gathered[:, :k].view(dtype), gathered[:, k:].view(E8M0_DTYPE), "mx")
         if out is not None:
             if not isinstance(out, FP8GatheredWeight):
                 raise TypeError(f"fsdp_post_all_gather(out=...) expects an FP8GatheredWeight; got {type(out).__name__}.")
             if out._q.data.untyped_storage().data_ptr() != q.data.untyped_storage().data_ptr():
                 raise RuntimeError("FP8 all-gather: FSDP2 refilled a different buffer than the one the weight views.")
-            out._q = Quantized(out._q.data, q.scale, q.kind)
-            out._amax = global_amax
+            out._q, out._amax = q, global_amax
             return None
         gathered = FP8GatheredWeight(q, recipe, global_amax, param_dtype)
         return gathered, tuple(outputs)
@@ -248,6 +250,8 @@ class FP8GatheredWeight(torch.Tensor):
         kwargs = kwargs or {}
         if func in _KEEP_GATHERED and isinstance(args[0], cls):
             w = args[0]
+            if func is aten.as_strided.default and tuple(args[1]) == tuple(w.shape):
+                return cls(w._q, w._recipe, w._amax, w.dtype)  # FSDP2 re-views the unsharded tensor as itself
             data = func(w._q.data, *args[1:], **kwargs)
             if data.shape != w._q.data.shape:
                 raise NotImplementedError(f"{func} would reshape an FP8-gathered weight; dequantize it first.")
@@ -287,5 +291,7 @@ class FP8GatheredWeight(torch.Tensor):
         if recipe.per_tensor:
             record_weight_amax(scaling.operands["weight"], self._amax, record)
             return self._q, None
+        # rows of the gathered buffer interleave data and scales: make the operands dense for the GEMM
+        row = Quantized(self._q.data.contiguous(), self._q.scale.contiguous(), "mx")
         # dgrad's columnwise copy, quantized along N from the exactly dequantized gathered weight
-        return self._q, scaling.cast_columnwise("weight", self._q.dequantize(torch.float32))
+        return row, scaling.cast_columnwise("weight", row.dequantize(torch.float32))
