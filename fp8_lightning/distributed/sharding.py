@@ -58,8 +58,14 @@ def enable_fp8_all_gather(model: nn.Module, world_size: int) -> AllGatherReport:
         sync = WeightAmaxSync(model)
         object.__setattr__(model, AMAX_SYNC_ATTR, sync)
     report = AllGatherReport()
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
     for name, layer in fp8_modules(model):
         weight = layer.weight
+        if uses.get(id(weight), 0) > 1:
+            report.high_precision[name] = "weight is tied to another module's parameter (e.g. an embedding)"
+            continue
         local = weight._local_tensor if isinstance(weight, DTensor) else weight
         if isinstance(local, FP8ShardedWeight):
             report.fp8.append(name)

@@ -12,8 +12,10 @@ What it adds to ``ModelParallelStrategy`` (all real work is in :mod:`fp8_lightni
   makes the FP8 weights gather in FP8 *before* any ``fully_shard``: right before the user's ``configure_model``
   and again right after it for layers it created.
 * **A default sharding policy.** A LightningModule without ``configure_model`` is sharded per block: every child
-  of every ``nn.ModuleList``, or the modules whose class names are in ``block_classes``, then each top-level
-  child that holds parameters. A user's ``configure_model`` that calls ``fully_shard`` itself is respected.
+  of every ``nn.ModuleList``, or the modules whose class names are in ``block_classes``; then each top-level
+  child that holds parameters, or the LightningModule itself when it holds parameters directly or its
+  children share one (tied embeddings; its ``forward`` must then be what ``training_step`` calls). A user's
+  ``configure_model`` that calls ``fully_shard`` itself is respected.
 * **FP8 precision by default.** With no FP8 precision plugin (``precision="32-true"`` / ``"bf16-mixed"``) the
   strategy installs ``FP8Precision(recipe, dtype=...)``; ``bf16-true``/``16-true`` are refused (FP8 training
   keeps float32 master weights).
@@ -175,13 +177,7 @@ class FP8FSDPStrategy(ModelParallelStrategy):
 
     def _shard_by_default_policy(self) -> None:
         module = self.lightning_module
-        if any(True for _ in module.parameters(recurse=False)):
-            names = [n for n, _ in module.named_parameters(recurse=False)]
-            raise ValueError(
-                f"FP8FSDPStrategy's default policy shards submodules, but {type(module).__name__} holds parameters "
-                f"directly ({names}). Move them into a submodule or shard in configure_model()."
-            )
-        roots = [child for child in module.children() if any(True for _ in child.parameters())]
+        roots = default_roots(module)
         shard_model(
             module,
             mesh=self.device_mesh["data_parallel"],
@@ -219,6 +215,22 @@ class FP8FSDPStrategy(ModelParallelStrategy):
         finally:
             for m in modules:
                 m.set_requires_gradient_sync(True, recurse=False)
+
+
+def default_roots(module: nn.Module) -> list[nn.Module]:
+    """What takes the parameters left over after the blocks: each top-level child that holds parameters (the
+    usual ``self.model``), or the LightningModule itself when parameters sit on it directly or are shared
+    between its children (tied embeddings); then its ``forward`` must be what ``training_step`` calls."""
+    children = [child for child in module.children() if any(True for _ in child.parameters())]
+    owners: dict[int, int] = {}
+    for index, child in enumerate(children):
+        for p in child.parameters():
+            owners.setdefault(id(p), index)
+            if owners[id(p)] != index:
+                return [module]
+    if any(True for _ in module.parameters(recurse=False)):
+        return [module]
+    return children
 
 
 def register_fsdp_strategy() -> None:

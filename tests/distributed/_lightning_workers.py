@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -142,5 +143,34 @@ def strategy_worker(rank: int, world: int, port: int, tmpdir: str, out: dict) ->
     res["hp_bf16_fp8_gathers"] = sum(isinstance(p._local_tensor, torch.Tensor) and type(p._local_tensor).__name__ == "FP8ShardedWeight" for p in module.parameters())
     module = make_module()
     _, res["mx"] = fit(module, FP8FSDPStrategy(), recipe="mxfp8")
+
+    # F: the project's GPT (tied embedding/head, layers directly on the LightningModule) by the strategy string,
+    # with no FP8 precision given: the strategy installs FP8Precision(recipe) itself
+    res.update(fit_gpt())
     if rank == 0:
         out.update(res)
+
+
+def fit_gpt() -> dict:
+    import lightning.pytorch as pl
+
+    from fp8_lightning.lightning.precision import FP8Precision
+    from fp8_lightning.models.gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(functools.partial(torch.optim.AdamW, lr=1e-3), vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64)
+    tokens = torch.randint(0, 256, (16, 33), generator=torch.Generator().manual_seed(3))
+    data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="fp8_fsdp", max_steps=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(model, data)
+    report = trainer.strategy.all_gather_report
+    return {
+        "gpt_plugin": isinstance(trainer.precision_plugin, FP8Precision),
+        "gpt_fp8_weights": len(report.fp8),
+        "gpt_high_precision": dict(report.high_precision),
+        "gpt_root_sharded": type(model).__name__.startswith("FSDP"),
+        "gpt_loss": float(trainer.callback_metrics["train/loss"]),
+    }

@@ -8,7 +8,8 @@
 * a user's configure_model that calls fully_shard itself is respected and still gathers in FP8;
 * gradient accumulation: amaxes reduced once per optimizer step, not per micro-batch; activation checkpointing
   recomputes with the FP8 gathered weights (more FP8 weight uses) and gives identical losses;
-* high-precision all-gather with a bf16 gradient reduce-scatter, and MXFP8, train to the same losses within 1e-2.
+* high-precision all-gather with a bf16 gradient reduce-scatter, and MXFP8, train to the same losses within 1e-2;
+* the project's GPT (tied embedding/head) through ``strategy="fp8_fsdp"`` with no FP8 precision given.
 """
 
 import pytest
@@ -56,3 +57,11 @@ def test_gradient_accumulation_and_activation_checkpointing(results):
 def test_high_precision_gather_and_bf16_reduce_scatter(results):
     assert results["hp_bf16_fp8_gathers"] == 0
     assert results["hp_bf16"] == pytest.approx(results["mx"], rel=1e-2)
+
+
+def test_gpt_by_strategy_string_without_fp8_precision(results):
+    assert results["gpt_plugin"]  # the strategy installed FP8Precision
+    assert results["gpt_fp8_weights"] == 8  # qkv, proj, fc, proj in each of 2 blocks
+    assert list(results["gpt_high_precision"]) == ["lm_head"] and "tied" in results["gpt_high_precision"]["lm_head"]
+    assert results["gpt_root_sharded"]  # tied embedding and head: the LightningModule is the root unit
+    assert 0 < results["gpt_loss"] < 10
