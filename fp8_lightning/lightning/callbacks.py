@@ -101,6 +101,7 @@ class FP8StatsMonitor(Callback):
         self.summary: str = ""
         self._collector: StatsCollector | None = None
         self._measured_step: int | None = None
+        self._finished_before = 0  # collector.steps_finished when the measured step began
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -112,14 +113,18 @@ class FP8StatsMonitor(Callback):
     ) -> None:
         if self._collector is not None and trainer.global_step % self.log_every_n_steps == 0:
             self._collector.request_step()
-            self._measured_step = trainer.global_step
+            if self._measured_step != trainer.global_step:  # first micro-batch of the step
+                self._measured_step, self._finished_before = trainer.global_step, self._collector.steps_finished
 
     @override
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
         collector, step = self._collector, self._measured_step
         if collector is None or step is None or step != trainer.global_step:
             return
-        stats = collector.finish_step() if collector.pending else collector.last  # the guard may have finished it
+        if collector.pending:
+            stats = collector.finish_step()
+        else:  # the guard finished the step already, or nothing ran in FP8
+            stats = collector.last if collector.steps_finished > self._finished_before else {}
         self._measured_step = None
         for key, s in stats.items():
             self.rows.setdefault(key, TroubleRow(*key)).add(s)
@@ -132,7 +137,10 @@ class FP8StatsMonitor(Callback):
         plugin = trainer.precision_plugin
         guard = getattr(plugin, "divergence_guard", None) or DivergenceGuard()
         for name, layer in fp8_modules(pl_module):
-            for row in (r for r in self.rows.values() if r.layer == name):
+            rows = [r for r in self.rows.values() if r.layer == name]
+            if not rows and layer.fp8_disabled_reason is not None:  # fell back before any measured step
+                rows = [self.rows.setdefault((name, "-"), TroubleRow(name, "-"))]
+            for row in rows:
                 row.disabled_reason = layer.fp8_disabled_reason
         ranked = sorted(self.rows.values(), key=lambda r: (-r.trouble(guard), r.min_headroom_bits))
         self.summary = format_table(ranked[: self.top_k])
