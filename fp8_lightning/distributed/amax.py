@@ -6,8 +6,9 @@ collective per layer; instead :class:`WeightAmaxSync` (one per model) computes t
 per-tensor weight shard, packs them into one vector and runs a single MAX all-reduce over the shard group.
 
 It does this lazily, the first time any weight is gathered after a weight changed. "Changed" is read from the
-version counters of the sharded parameters (the DTensors the optimizer updates; the wrapped local tensors below
-them do not see in-place ops), which every in-place optimizer update and checkpoint load bumps; so it is once per
+version counters of the sharded parameters and of their local shards (an in-place update through the DTensor
+bumps the first, one through the local shard, as optimizers that work per shard do, bumps the second), which
+every optimizer update and checkpoint load moves; so it is once per
 optimizer step, never per micro-batch or for the backward re-gather. Every rank gathers the same weights in the
 same order, so every rank reaches the reduction at the same point. A NaN amax is sent as +inf so that MAX
 propagates it (the scale logic then keeps the previous scale).
@@ -71,7 +72,7 @@ class WeightAmaxSync:
         """The amax of ``layer``'s whole weight, agreed by all ranks of ``group`` (float32 scalar)."""
         if self._layers is None or not any(layer is m for m in self._layers):
             self.bind()
-        key = tuple(p._version for p in self._params)
+        key = tuple((p._version, s._version) for p, s in zip(self._params, self._shards))
         if key != self._key:
             local = torch.stack([amax(s._hp) for s in self._shards])
             local = torch.nan_to_num(local, nan=float("inf"))

@@ -86,9 +86,16 @@ class AllGatherCounter:
             setattr(dist, name, original)
 
 
-def train_plain(model: nn.Module, data, rank: int, world: int, lr: float = 0.1, momentum: float = 0.0) -> list[float]:
-    """SGD steps on this rank's slice of each global batch; returns the global mean loss per step."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+def train_plain(
+    model: nn.Module, data, rank: int, world: int, lr: float = 0.1, momentum: float = 0.0, fp8_optimizer=False
+) -> list[float]:
+    """SGD steps (or FP8-state AdamW) on this rank's slice of each global batch; returns the global mean loss."""
+    if fp8_optimizer:
+        from fp8_lightning.optim import fp8_adamw
+
+        opt = fp8_adamw(model.parameters(), lr=1e-2)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     losses = []
     for x, y in data:
         if world > 1:
@@ -107,7 +114,9 @@ def train_plain(model: nn.Module, data, rank: int, world: int, lr: float = 0.1, 
     return losses
 
 
-def fsdp_run(recipe, rank: int, world: int, data, fp8_all_gather: bool, param_dtype=None, bias=True) -> dict:
+def fsdp_run(
+    recipe, rank: int, world: int, data, fp8_all_gather: bool, param_dtype=None, bias=True, fp8_optimizer=False
+) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from fp8_lightning.distributed import enable_fp8_all_gather, shard_model, weight_amax_reductions
@@ -118,7 +127,7 @@ def fsdp_run(recipe, rank: int, world: int, data, fp8_all_gather: bool, param_dt
     report = enable_fp8_all_gather(model, world) if fp8_all_gather else None
     shard_model(model, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype))
     with AllGatherCounter() as counter:
-        losses = train_plain(model, data, rank, world)
+        losses = train_plain(model, data, rank, world, fp8_optimizer=fp8_optimizer)
     return {
         "losses": losses,
         "allgather_bytes": counter.bytes,
@@ -145,6 +154,10 @@ def parity_worker(rank: int, world: int, port: int, steps: int, out: dict) -> No
             "fp8": fsdp_run(recipe, rank, world, data, True),
             "hp": fsdp_run(recipe, rank, world, data, False),
         }
+    results["fp8_optimizer"] = {  # FP8 optimizer states, updated through the local shards
+        "fp8": fsdp_run("tensorwise", rank, world, data, True, fp8_optimizer=True),
+        "hp": fsdp_run("tensorwise", rank, world, data, False, fp8_optimizer=True),
+    }
     results["bytes"] = {
         "fp32": fsdp_run("tensorwise", rank, world, data[:1], False, bias=False)["allgather_bytes"],
         "bf16": fsdp_run("tensorwise", rank, world, data[:1], False, torch.bfloat16, bias=False)["allgather_bytes"],

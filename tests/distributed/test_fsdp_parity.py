@@ -63,3 +63,11 @@ def test_all_gather_bytes(results, recipe):
     assert measured[recipe] <= 0.52 * measured["bf16"]
     assert measured[recipe] <= 0.26 * measured["fp32"]
     assert measured["bf16"] == measured["fp32"] // 2  # the baselines themselves are what they claim
+
+
+def test_composes_with_the_fp8_optimizer(results):
+    """FP8Optimizer updates the local shards directly: the weight amaxes must still be agreed again every step."""
+    run = results["fp8_optimizer"]
+    assert run["fp8"]["amax_reductions"] == STEPS
+    assert run["fp8"]["losses"] == pytest.approx(run["hp"]["losses"], rel=1e-6)
+    assert run["fp8"]["losses"][-1] < run["fp8"]["losses"][0]
