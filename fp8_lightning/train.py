@@ -205,6 +205,8 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     precision, plugins = build_precision(cfg)
     is_fp8 = bool(plugins)
     callbacks = build_group_items(cfg, "callbacks", skip=() if is_fp8 else ("fp8_stats",))
+    if cfg.trainer.get("enable_progress_bar") is False:  # trainer.enable_progress_bar=false wins over the group
+        callbacks = [c for c in callbacks if not isinstance(c, pl.callbacks.ProgressBar)]
     monitor = RunMonitor(log_every_n_steps=int(cfg.trainer.get("log_every_n_steps") or 10))
     loggers = build_group_items(cfg, "logger")
     trainer_kwargs: dict[str, Any] = dict(
