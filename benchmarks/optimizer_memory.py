@@ -17,6 +17,10 @@ Two moments of a training step are reported:
 * **between steps** -- after ``zero_grad(set_to_none=True)`` (what Lightning does): weights + states; the
   gradients are freed and come back during the next backward.
 
+With ``release_gradients_in_backward()`` each parameter is stepped, and its gradient freed, as soon as backward
+has produced it; the gradient column then counts the largest total of gradient storage alive at any moment of
+the backward pass (recorded by hooks), not zero.
+
 Activations, temporaries of the step (one parameter's float32 working copy) and allocator caching are not part
 of either number.
 
@@ -49,6 +53,11 @@ SCENARIOS = [
      {"master_weights": "param"}),
     ("max_savings, bf16 weights", torch.bfloat16, "max_savings", {}),
     ("max_savings, fp32 weights", torch.float32, "max_savings", {}),
+    ("default, bf16 weights (+ remainder), gradients released in backward", torch.bfloat16, "default",
+     {"release": True}),
+    ("default, bf16 weights, no master, gradients released in backward", torch.bfloat16, "default",
+     {"master_weights": "param", "release": True}),
+    ("max_savings, bf16 weights, gradients released in backward", torch.bfloat16, "max_savings", {"release": True}),
 ]
 
 
@@ -74,6 +83,21 @@ def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict
     return {"weights": sum(weights.values()), "grads": sum(grads.values()), "state": sum(state.values())}
 
 
+def record_peak_gradients(model: torch.nn.Module) -> dict:
+    """Hooks that record the largest total of gradient storage alive at any gradient accumulation.
+
+    Registered before the optimizer's release hooks, so each one sees its parameter's gradient still alive.
+    """
+    params, peak = list(model.parameters()), {"bytes": 0}
+
+    def record(_param):
+        peak["bytes"] = max(peak["bytes"], sum(storages(p.grad for p in params).values()))
+
+    for param in params:
+        param.register_post_accumulate_grad_hook(record)
+    return peak
+
+
 def measure(label, dtype, preset, options, args) -> dict:
     torch.manual_seed(0)
     model = GPT(
@@ -81,13 +105,20 @@ def measure(label, dtype, preset, options, args) -> dict:
         vocab_size=256, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
     ).to(dtype)
     optimizer = model.configure_optimizers()
+    options = dict(options)
+    release = options.pop("release", False)
     if preset is not None:
         optimizer = FP8Optimizer(optimizer, preset, **options)
+    peak_grads = record_peak_gradients(model) if release else None
+    if release:
+        optimizer.release_gradients_in_backward()
     tokens = torch.randint(0, 256, (2, 65))
     logits = model(tokens[:, :-1])
     torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
     optimizer.step()
     at_step = held_bytes(model, optimizer)
+    if release:  # no gradient is left after backward: count the most that were alive at once during it
+        at_step["grads"] = peak_grads["bytes"]
     optimizer.zero_grad(set_to_none=True)
     between = held_bytes(model, optimizer)
     n = sum(p.numel() for p in model.parameters())

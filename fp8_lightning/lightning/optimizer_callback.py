@@ -1,8 +1,10 @@
 """``FP8OptimizerStates``: give any LightningModule FP8 optimizer states without touching the module.
 
 The module's ``configure_optimizers`` keeps returning ``torch.optim.AdamW(...)``. Adding the callback to the
-trainer (``Trainer(callbacks=[FP8OptimizerStates(preset="default")])``, or ``callbacks=fp8_optimizer`` in Hydra)
-wraps every supported optimizer the strategy built in an :class:`~fp8_lightning.optim.FP8Optimizer`.
+trainer (``Trainer(callbacks=[FP8OptimizerStates(preset="default")])``)
+wraps every supported optimizer the strategy built in an :class:`~fp8_lightning.optim.FP8Optimizer`. From the
+Hydra command line: ``+callbacks.fp8_optimizer._target_=fp8_lightning.lightning.optimizer_callback.FP8OptimizerStates``
+(or pick ``optimizer=fp8_adamw``, which builds the wrapper directly).
 
 When: ``on_fit_start``. In Lightning 2.6 the trainer builds the optimizers in ``strategy.setup`` (after DDP or
 FSDP2 has wrapped or sharded the model, so sharded parameters are already DTensors), then calls
