@@ -16,6 +16,13 @@ output and everything outside the GEMMs stay in high precision (the autocast dty
 Within one optimizer step the FP8 weight is cast once and reused across micro-batches: the cache is keyed on
 the parameter's version counter, which every in-place optimizer update bumps.
 
+Under ``torch.compile`` the layer's forward is an eager island (``torch.compiler.disable``): the graph breaks
+around it and the rest of the model compiles. The scaling state (amax histories, scales, the weight cache and
+its host-side flags) is Python-side and mutated on every call; traced, it would either be refused as a side
+effect inside the autograd Function or become guards that change every step (recompiling each time). Outside
+the graphs it is updated between them, so every recipe, delayed scaling included, compiles once and never
+recompiles; ``tests/perf/test_compile.py`` counts the compilations.
+
 A converted layer *is* the original module (its class is swapped in place), so its parameters, hooks and
 ``state_dict`` keys, shapes and dtypes are exactly those of the ``nn.Linear`` it was. Scaling state is kept
 outside the ``state_dict`` and saved through :func:`fp8_lightning.convert.fp8_state_dict`.
@@ -222,6 +229,7 @@ class FP8Linear(nn.Linear):
         """How many times the weight was cast to FP8 (once per optimizer step when training)."""
         return sum(s.weight_casts for s in self._fp8_scalings.values())
 
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         state = autocast_state()
         recipe = state.recipe or self.fp8_recipe
