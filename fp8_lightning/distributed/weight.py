@@ -67,7 +67,6 @@ _KEEP_SHARDED = {
     aten.empty_like.default,
     aten.new_zeros.default,
     aten.new_empty.default,
-    aten.zeros_like.default,
     aten.copy_.default,
     aten._pin_memory.default,
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -12,6 +13,7 @@ import torch.nn as nn
 
 from fp8_lightning import convert_to_fp8, fp8_autocast, recipe_from, sync_scales
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
 WIDTH, HIDDEN, OUT = 64, 128, 32
 RECIPES = ("tensorwise", "delayed", "mxfp8")
 
