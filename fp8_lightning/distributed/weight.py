@@ -184,7 +184,8 @@ class FP8ShardedWeight(torch.Tensor):
         shard = self._hp
         if recipe.per_tensor:
             state = module.fp8_scaling(recipe).operands["weight"]
-            global_amax = self._amax_sync.global_amax(module, mesh.get_group())
+            group = mesh.get_group(mesh.ndim - 1)  # the shard dimension (the last one of an HSDP mesh)
+            global_amax = self._amax_sync.global_amax(module, group)
             scale = agreed_weight_scale(state, global_amax)
             data = quantize_with_scale(shard, scale, fp8_dtype(recipe.fp8_format))
             return (data.view(torch.uint8),), (recipe, scale, global_amax)

@@ -22,7 +22,9 @@ WORLD = 2
 
 
 class _Mesh:
-    def get_group(self):
+    ndim = 1
+
+    def get_group(self, mesh_dim=None):
         return None
 
 
