@@ -7,8 +7,12 @@ validation windows) and differs only in how the AdamW states are stored:
 * ``default``     -- ``FP8Optimizer(AdamW, "default")``: m in E4M3, v in FP16, per-block (128) scales;
 * ``max_savings`` -- ``FP8Optimizer(AdamW, "max_savings")``: m in E4M3, sqrt(v) in E4M3, no master copy.
 
-The model and the batches are float32 (so the master-weight choice does not enter: a float32 parameter is its
-own master). The learning rate follows linear warm-up and cosine decay. Validation loss is the mean
+By default the model is float32 (so the master-weight choice does not enter: a float32 parameter is its own
+master). ``--dtype bfloat16`` trains bf16 weights instead; the reference is then the classic mixed-precision
+AdamW (float32 states and a float32 master copy), and ``default_no_master`` (``master_weights="param"``: bf16
+weights are the only copy) shows what the exact master of the default preset buys.
+
+The learning rate follows linear warm-up and cosine decay. Validation loss is the mean
 cross-entropy (nats per byte) over fixed held-out windows, measured every ``--eval-every`` steps and at the end.
 The criterion of the project: the default preset's final validation loss within 1% of the reference.
 
@@ -34,19 +38,30 @@ from fp8_lightning.data import ByteTextDataModule
 from fp8_lightning.models import GPT, warmup_cosine
 from fp8_lightning.optim import FP8Optimizer
 
-RUNS = ("fp32", "default", "max_savings")
+# run name -> (FP8Optimizer preset, options); "fp32" is torch AdamW for float32 weights and, for bf16 weights,
+# the classic mixed-precision reference: float32 states and a float32 master copy ("fp32" preset).
+RUNS = {
+    "fp32": (None, {}),
+    "default": ("default", {}),
+    "default_no_master": ("default", {"master_weights": "param"}),
+    "max_savings": ("max_savings", {}),
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def build(args, preset: str):
+def build(args, run_name: str):
     torch.manual_seed(args.seed)
     model = GPT(
         optimizer=functools.partial(torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1),
         vocab_size=256, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-    )
+    ).to(DTYPES[args.dtype])
     optimizer = model.configure_optimizers()
-    if preset != "fp32":
-        optimizer = FP8Optimizer(optimizer, preset)
-    scheduler = warmup_cosine(optimizer.optimizer if preset != "fp32" else optimizer,
+    preset, options = RUNS[run_name]
+    if preset is None and args.dtype != "float32":
+        preset = "fp32"
+    if preset is not None:
+        optimizer = FP8Optimizer(optimizer, preset, **options)
+    scheduler = warmup_cosine(getattr(optimizer, "optimizer", optimizer),
                               warmup_steps=args.steps // 10, total_steps=args.steps, min_lr_ratio=0.1)
     return model, optimizer, scheduler
 
@@ -57,7 +72,7 @@ def evaluate(model, val_batches) -> float:
     total, count = 0.0, 0
     for inputs, targets in val_batches:
         logits = model(inputs)
-        total += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").item()
+        total += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum").item()
         count += targets.numel()
     model.train()
     return total / count
@@ -68,7 +83,7 @@ def run(args, preset: str, train_batches, val_batches) -> dict:
     curve, train_losses = [], []
     start = time.perf_counter()
     for step, (inputs, targets) in enumerate(train_batches, start=1):
-        loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+        loss = F.cross_entropy(model(inputs).float().flatten(0, 1), targets.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -96,7 +111,7 @@ def data(args):
 def report(args, results, stats, argv) -> str:
     ref = results[0]["final_val"]
     lines = [
-        "| optimizer states | final val loss (nats/byte) | gap vs fp32 AdamW | time (s) |",
+        "| optimizer states | final val loss (nats/byte) | gap vs the fp32 reference | time (s) |",
         "|---|---:|---:|---:|",
     ]
     for r in results:
@@ -106,7 +121,8 @@ def report(args, results, stats, argv) -> str:
     for i, (step, _) in enumerate(results[0]["curve"]):
         curves.append(f"| {step} | " + " | ".join(f"{r['curve'][i][1]:.4f}" for r in results) + " |")
     setup = (
-        f"GPT n_layer={args.n_layer}, n_embd={args.n_embd}, n_head={args.n_head}, block_size={args.block_size}; "
+        f"GPT n_layer={args.n_layer}, n_embd={args.n_embd}, n_head={args.n_head}, block_size={args.block_size}, "
+        f"{args.dtype} weights; "
         f"batch {args.batch_size}; {args.steps} steps; AdamW lr={args.lr} (warm-up 10%, cosine to 10%), betas "
         f"(0.9, 0.95), weight decay 0.1 on matrices, grad-norm clip 1.0; seed {args.seed}; data: stdlib .py bytes "
         f"({stats.get('train_files')} train files, {stats.get('val_files')} val files, {len(results) and args.val_windows} "
@@ -129,7 +145,8 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a busy 2-core host)")
     parser.add_argument("--val-windows", type=int, default=256)
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=RUNS)
+    parser.add_argument("--runs", nargs="+", default=["fp32", "default", "max_savings"], choices=list(RUNS))
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="dtype of the model's weights")
     parser.add_argument("--out", help="write the result (markdown, with command, machine and date) here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -29,14 +29,33 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8_lightning.kernels.availability import device_status, require_triton
-from fp8_lightning.kernels.per_tensor import _to_fp8_values, format_constants
+from fp8_lightning.formats import fp8_max, fp8_min_normal
+from fp8_lightning.kernels.availability import device_status, explicit_rounding, require_triton
 
 MASTER_CODES = {"none": 0, "fp32": 1, "bf16_remainder": 2}
 FP8_STATE_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 V_DTYPES = ("float16",) + FP8_STATE_DTYPES
 MIN_BLOCK, MAX_BLOCK = 16, 8192
 FP16_MAX = 65504.0
+
+
+@triton.jit
+def _to_fp8_values(y, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
+                   EXPLICIT_ROUNDING: tl.constexpr):
+    """Saturate to +-FP8_MAX and, when asked, round to the FP8 grid in float32 (ties to even), so that the
+    float8 conversion that follows only sees representable values (the interpreter's own rounding is not RNE).
+
+    Rounding: adding and subtracting ``1.5 * 2**(k + 23)`` rounds to a multiple of ``2**k`` in float32's
+    round-to-nearest-even, ``k`` being the FP8 spacing at |y| (fixed below the smallest normal).
+    """
+    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    if EXPLICIT_ROUNDING:
+        bits = y.to(tl.int32, bitcast=True)
+        exp = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_NORMAL_EXP)
+        magic = (((exp - MANTISSA_BITS + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
+        rounded = (y + magic) - magic
+        y = (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+    return y
 
 
 @triton.jit
@@ -117,6 +136,16 @@ def _fp8_adam_kernel(
         v_scaled = tl.minimum(v_scaled, V_MAX)
     tl.store(v_ptr + offs, v_scaled.to(v_ptr.dtype.element_ty))
     tl.store(v_scale_ptr + pid, v_scale)
+
+
+def format_constants(dtype: torch.dtype) -> dict:
+    """The constexprs that describe a float8 state format to the kernel."""
+    return {
+        "FP8_MAX": fp8_max(dtype),
+        "MANTISSA_BITS": {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}[dtype],
+        "MIN_NORMAL_EXP": int(math.log2(fp8_min_normal(dtype))),
+        "EXPLICIT_ROUNDING": explicit_rounding(),
+    }
 
 
 def fused_adam_supported(param: torch.Tensor, fmt_m, fmt_v, master_kind: str) -> tuple[bool, str]:
