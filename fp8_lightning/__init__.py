@@ -17,6 +17,7 @@ from fp8_lightning.formats import Format, fp8_max
 from fp8_lightning.gemm import fp8_gemm_support, fp8_mm
 from fp8_lightning.linear import FP8Linear
 from fp8_lightning.optim import FP8Optimizer
+from fp8_lightning.profitability import ProfitabilityGate
 from fp8_lightning.quantize import (
     Quantized,
     dequantize_mxfp8,
@@ -46,6 +47,7 @@ __all__ = [
     "FP8StatsMonitor",
     "Format",
     "MXFP8BlockScaling",
+    "ProfitabilityGate",
     "Quantized",
     "Recipe",
     "TensorwiseScaling",

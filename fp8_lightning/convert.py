@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fp8_lightning.linear import FP8Linear, shape_unsupported_reason
+from fp8_lightning.profitability import ProfitabilityLike, resolve_gate
 from fp8_lightning.recipes import RecipeLike, recipe_from
 from fp8_lightning.scaling import OperandScaling, update_scales
 
@@ -44,6 +45,7 @@ def convert_to_fp8(
     recipe: RecipeLike = None,
     module_filter_fn: ModuleFilter | None = None,
     emulate: bool = False,
+    profitability: ProfitabilityLike = None,
 ) -> ConversionReport:
     """Swap eligible ``nn.Linear`` layers of ``module`` (the module itself included) to FP8, in place.
 
@@ -52,13 +54,19 @@ def convert_to_fp8(
         module_filter_fn: ``fn(module, fully_qualified_name) -> bool``; layers for which it returns False stay
             in high precision.
         emulate: allow FP8 numerics emulated in float32 on CUDA devices without FP8 tensor cores.
+        profitability: keep layers too small to gain from FP8 in high precision
+            (:mod:`fp8_lightning.profitability`): ``"auto"`` (the default, also for None) gates layers on CUDA
+            and converts every eligible layer on CPU; True, False, or a ``ProfitabilityGate(tokens=...)``.
     """
     recipe = recipe_from(recipe)
+    gate = resolve_gate(profitability)
     report = ConversionReport()
     for name, child in module.named_modules():
         if not isinstance(child, nn.Linear):
             continue
         reason = _skip_reason(child, name, recipe, module_filter_fn)
+        if reason is None and gate is not None and not isinstance(child, FP8Linear):
+            reason = gate.skip_reason(child, recipe)
         if reason is not None:
             report.skipped[name or "<root>"] = reason
             continue

@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from fp8_lightning.guard import DivergenceGuard, GuardEvent
 from fp8_lightning.lightning.plugin_base import FP8PrecisionMixin, ModuleFilter
+from fp8_lightning.profitability import ProfitabilityLike, profitability_setting, resolve_gate
 from fp8_lightning.recipes import RecipeLike
 
 
@@ -33,9 +34,20 @@ class FP8TrainerHooks(FP8PrecisionMixin):
         replace_layers: bool = True,
         emulate: bool = False,
         divergence_guard: DivergenceGuard | bool | dict | None = None,
+        profitability: ProfitabilityLike = "auto",
     ) -> None:
         super().__init__()
         self._fp8_setup(recipe, module_filter_fn, dtype, replace_layers, emulate, divergence_guard)
+        resolve_gate(profitability)  # fail fast on an invalid value
+        self.profitability = profitability
+
+    @override
+    def convert_module(self, module: Any) -> Any:
+        # Lightning converts before moving the model: gate for the device the Trainer will train on.
+        strategy = getattr(getattr(module, "_trainer", None), "strategy", None)
+        device = getattr(strategy, "root_device", None)
+        with profitability_setting(resolve_gate(self.profitability, device) or False):
+            return super().convert_module(module)
 
     @override
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
@@ -74,6 +86,9 @@ class FP8Precision(FP8TrainerHooks, Precision):
         emulate: allow FP8 numerics emulated in float32 on CUDA devices without FP8 tensor cores.
         divergence_guard: ``True``, a :class:`~fp8_lightning.guard.DivergenceGuard` or a dict of its fields to
             let troubled layers fall back to high precision.
+        profitability: keep layers too small to gain from FP8 in high precision (see
+            :mod:`fp8_lightning.profitability`): ``"auto"`` gates on CUDA and converts everything on CPU; True,
+            False or a ``ProfitabilityGate(tokens=...)``.
 
-    After the model is set up, ``conversion_report`` lists converted and skipped layers.
+    After the model is set up, ``conversion_report`` lists converted and skipped layers (with the reasons).
     """

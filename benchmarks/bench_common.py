@@ -1,0 +1,126 @@
+"""What every benchmark suite shares: the run folder, the record of command/device/date, timing, and the writers.
+
+A suite writes into ``benchmarks/results/<suite>-<device>-<date>/``:
+
+* ``results.json``: the command, device, date, software versions and every measured row;
+* ``results.md``: the same as a markdown table, with the header a reader needs to reproduce it;
+* ``<suite>.png``: a plot of the main ratio.
+
+Timing rule: every configuration of a comparison is built first, then the configurations are run *interleaved*
+(round-robin, one repetition each, many rounds) and the median per configuration is reported. A machine whose
+load changes during the run slows all configurations alike, so the ratios stay meaningful; that is why a ratio
+is only ever taken between numbers of the same run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def device_label(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s) of {os.cpu_count()}"
+
+
+def device_slug(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device).lower().replace("nvidia ", "").replace(" ", "")
+    return "cpu"
+
+
+def run_folder(suite: str, device: torch.device, out: str | None) -> Path:
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
+    folder = Path(out) if out else RESULTS / f"perf-{suite}-{device_slug(device)}-{date}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def header(suite: str, device: torch.device, argv: list[str] | None) -> dict:
+    args = sys.argv[1:] if argv is None else argv
+    return {
+        "suite": suite,
+        "command": " ".join(["python", f"benchmarks/bench_{suite}.py", *args]),
+        "device": device_label(device),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], device: torch.device, warmup: int, rounds: int) -> dict:
+    """Median seconds per call of each function, run round-robin (see the module docstring)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    sync(device)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def markdown_table(columns: list[tuple[str, str, str]], rows: list[dict]) -> str:
+    """``columns``: (key, title, format) with format like ``{:.2f}``; missing values print as ``-``."""
+    lines = ["| " + " | ".join(title for _, title, _ in columns) + " |"]
+    lines.append("|" + "|".join("---" if i == 0 else "---:" for i in range(len(columns))) + "|")
+    for r in rows:
+        cells = [fmt.format(r[key]) if r.get(key) is not None else "-" for key, _, fmt in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_results(folder: Path, head: dict, rows: list[dict], table: str, notes: str = "") -> None:
+    (folder / "results.json").write_text(json.dumps({**head, "rows": rows}, indent=1, default=str))
+    text = (
+        f"# {head['suite']} benchmark\n\n- command: `{head['command']}`\n- device: {head['device']}\n"
+        f"- date: {head['date']}\n- torch {head['torch']}, Python {head['python']}, load average at start: "
+        f"{head['load_average']}\n\n{notes}\n\n{table}\n"
+    )
+    (folder / "results.md").write_text(text)
+    print(text)
+
+
+def bar_plot(path: Path, groups: list[str], series: dict[str, list[float | None]], ylabel: str, title: str) -> None:
+    """Grouped bars (one group per shape/model, one bar per configuration) with a line at 1.0."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(groups) * max(1, len(series)) / 3), 4))
+    width = 0.8 / max(1, len(series))
+    for i, (name, values) in enumerate(series.items()):
+        xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
+        ax.bar(xs, [v if v is not None else 0 for v in values], width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(groups)), groups, rotation=20 if len(groups) > 4 else 0)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,117 @@
+"""Linear layer forward + backward: fp32, bf16 and each FP8 recipe (and torchao.float8 when installed).
+
+For each square shape ``M = K = N = s`` one training iteration of a single linear layer (forward, backward to
+the input and the weight) is timed for every configuration, interleaved (see ``bench_common``). Reported: median
+milliseconds, and speedups over bf16 and over fp32 measured in the same run.
+
+* ``--suite gpu`` (default on CUDA): s in 1024, 2048, 4096, 8192; bf16 autocast around FP8 layers (bf16 output).
+* ``--suite cpu`` (default without CUDA): s in 128, 256, 512; float32 around FP8 layers. FP8 is emulated on a
+  CPU (exact FP8 values in float32 GEMMs), so these numbers show the emulation's cost, not a speedup.
+* ``--compile``: wrap every configuration in ``torch.compile`` (same settings for all, the peer included).
+
+Usage::
+
+    python benchmarks/bench_linear.py --suite cpu
+    python benchmarks/bench_linear.py --suite gpu --compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import sys
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+from bench_common import bar_plot, header, interleaved_medians, markdown_table, run_folder, write_results  # noqa: E402
+
+from fp8_lightning import convert_to_fp8, fp8_autocast  # noqa: E402
+
+SUITES = {"gpu": [1024, 2048, 4096, 8192], "cpu": [128, 256, 512]}
+RECIPES = ["delayed", "tensorwise", "mxfp8"]
+
+
+def torchao_status() -> str:
+    if importlib.util.find_spec("torchao") is None:
+        return "not installed"
+    try:
+        from torchao.float8 import convert_to_float8_training  # noqa: F401
+    except Exception as error:  # noqa: BLE001 - any import failure means the peer cannot run
+        return f"unusable: {error}"
+    return "installed"
+
+
+def configurations(size: int, device: torch.device, compile_: bool) -> dict:
+    """name -> callable doing one forward+backward."""
+    base = nn.Linear(size, size, bias=False, device=device)
+    x32 = torch.randn(size, size, device=device, requires_grad=True)
+    cuda = device.type == "cuda"
+
+    def step(layer: nn.Module, x: torch.Tensor, fp8: bool, autocast: bool):
+        run = torch.compile(layer) if compile_ else layer
+
+        def fn():
+            with torch.autocast(device.type, torch.bfloat16, enabled=autocast), fp8_autocast(enabled=fp8):
+                y = run(x)
+            y.backward(torch.ones_like(y))
+
+        return fn
+
+    configs = {"fp32": step(copy.deepcopy(base), x32, False, False)}
+    x16 = x32.detach().to(torch.bfloat16).requires_grad_()
+    configs["bf16"] = step(copy.deepcopy(base).to(torch.bfloat16), x16, False, False)
+    for recipe in RECIPES:
+        layer = copy.deepcopy(base)
+        convert_to_fp8(layer, recipe, profitability=False)
+        configs[f"fp8 {recipe}"] = step(layer, x32, True, cuda)
+    if torchao_status() == "installed":
+        from torchao.float8 import convert_to_float8_training
+
+        peer = nn.Sequential(copy.deepcopy(base))
+        convert_to_float8_training(peer)
+        configs["torchao tensorwise"] = step(peer, x32, False, cuda)
+    return configs
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--suite", choices=sorted(SUITES), default="gpu" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--sizes", type=int, nargs="*", help="override the suite's sizes")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--out", help="run folder (default benchmarks/results/perf-linear-<device>-<date>)")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if args.suite == "gpu" else "cpu")
+    head = header("linear", device, argv)
+    head["torchao"] = torchao_status()
+    rows = []
+    for size in args.sizes or SUITES[args.suite]:
+        medians = interleaved_medians(configurations(size, device, args.compile), device, args.warmup, args.rounds)
+        for name, seconds in medians.items():
+            rows.append({
+                "size": size, "config": name, "ms": seconds * 1e3,
+                "speedup_vs_bf16": medians["bf16"] / seconds, "speedup_vs_fp32": medians["fp32"] / seconds,
+            })  # fmt: skip
+    folder = run_folder("linear", device, args.out)
+    columns = [("size", "M=K=N", "{}"), ("config", "configuration", "{}"), ("ms", "fwd+bwd ms (median)", "{:.3f}"),
+               ("speedup_vs_bf16", "speedup vs bf16", "{:.2f}"), ("speedup_vs_fp32", "speedup vs fp32", "{:.2f}")]  # fmt: skip
+    notes = (
+        f"One linear layer (no bias), forward + backward, {args.rounds} interleaved rounds, median. "
+        f"torch.compile: {'on' if args.compile else 'off'}. torchao.float8 peer: {head['torchao']}."
+        + (" CPU: FP8 is emulated (exact FP8 values, float32 GEMMs): the FP8 rows show its cost." if device.type == "cpu" else "")
+    )
+    write_results(folder, head, rows, markdown_table(columns, rows), notes)
+    sizes = sorted({r["size"] for r in rows})
+    names = [n for n in dict.fromkeys(r["config"] for r in rows) if n != "bf16"]
+    series = {n: [next(r["speedup_vs_bf16"] for r in rows if r["size"] == s and r["config"] == n) for s in sizes] for n in names}
+    bar_plot(folder / "linear.png", [str(s) for s in sizes], series, "speedup over bf16 (higher is faster)",
+             f"Linear fwd+bwd, {head['device']}")  # fmt: skip
+    return rows
+
+
+if __name__ == "__main__":
+    main()

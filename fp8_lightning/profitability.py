@@ -1,0 +1,257 @@
+"""Per-layer profitability gate: keep a linear layer in high precision when FP8 would make it slower.
+
+FP8 halves the bytes a GEMM reads and doubles the tensor-core rate, but it adds work the bf16 layer does not
+have: amax reductions, scaled casts of the input, the weight and the output gradient, transposed (per-tensor)
+or columnwise (MXFP8) copies for the backward GEMMs, and a handful of extra kernel launches. For a large GEMM
+the saving wins; for a small one the extra passes and launches cost more than the GEMMs save. Users of every
+FP8 stack hit this ("FP8 slower than bf16 on small layers"); this module decides per layer, at conversion time.
+
+The decision is a roofline model of one layer's forward and backward (fprop, dgrad and wgrad) with ``M`` tokens,
+``K`` input and ``N`` output features::
+
+    gemm(flops, bytes)  = max(flops / peak_flops, bytes / bandwidth)
+    t_bf16 = 3 * gemm(2MKN at bf16 peak,  2 * (MK + NK + MN) bytes)
+    t_fp8  = 3 * gemm(2MKN at fp8 peak,   (MK + NK) + 2MN bytes)
+           + cast_bytes_per_element * (MK + NK + MN) / bandwidth      (amax, cast, transposed/columnwise copies)
+           + extra_kernels * launch_latency
+    FP8 pays off when  t_fp8 * min_speedup <= t_bf16
+
+The device numbers (dense bf16 and FP8 peaks, memory bandwidth, launch latency) come from a table of known
+GPUs (datasheet values times an achievable fraction), or, for another CUDA device, are *measured once* (a large
+bf16 matmul, a large FP8 ``torch._scaled_mm`` and a large copy) and cached in
+``~/.cache/fp8_lightning/roofline.json`` (``FP8_LIGHTNING_CACHE_DIR`` moves it). ``M`` is not known when a model
+is converted: the gate assumes ``tokens`` tokens per micro-batch (8192 by default; pass your own).
+
+Default policy (``profitability="auto"``): on CUDA the gate is on; on CPU it is off and every eligible layer is
+converted. On a CPU FP8 is *emulated*: it never runs faster than float32 there, so a CPU user wants FP8
+numerics (tests, CI, debugging a recipe), not speed, and gating would turn everything off. ``True`` forces the
+gate (on CPU it then keeps every layer in high precision, with the reason), ``False`` turns it off, and a
+:class:`ProfitabilityGate` sets its parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import json
+import os
+import pathlib
+import time
+from typing import Iterator, Union
+
+import torch
+import torch.nn as nn
+
+from fp8_lightning.recipes import DelayedScaling, MXFP8BlockScaling, Recipe
+
+ACHIEVABLE = 0.7  # fraction of datasheet peaks that large GEMMs and copies reach in practice
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceRoofline:
+    """What one device does per second: dense bf16 and FP8 FLOP/s, memory bytes/s, and a launch latency."""
+
+    name: str
+    bf16_flops: float
+    fp8_flops: float
+    bandwidth: float
+    launch_s: float = 5e-6
+    source: str = "datasheet x 0.7"
+
+
+def _datasheet(name: str, bf16_tflops: float, fp8_tflops: float, tb_per_s: float) -> DeviceRoofline:
+    a = ACHIEVABLE
+    return DeviceRoofline(name, bf16_tflops * 1e12 * a, fp8_tflops * 1e12 * a, tb_per_s * 1e12 * a)
+
+
+# Dense (no sparsity) datasheet peaks. Matched by substring of torch.cuda.get_device_name(), first match wins.
+KNOWN_DEVICES = [
+    ("H200", _datasheet("H200", 989, 1979, 4.8)),
+    ("H100 PCIe", _datasheet("H100 PCIe", 756, 1513, 2.0)),
+    ("H100 NVL", _datasheet("H100 NVL", 835, 1671, 3.9)),
+    ("H100", _datasheet("H100 SXM", 989, 1979, 3.35)),
+    ("H20", _datasheet("H20", 148, 296, 4.0)),
+    ("B200", _datasheet("B200", 2250, 4500, 8.0)),
+    ("L40S", _datasheet("L40S", 362, 733, 0.864)),
+    ("L4", _datasheet("L4", 121, 242, 0.3)),
+    ("RTX 4090", _datasheet("RTX 4090", 165, 330, 1.0)),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCost:
+    """Modelled forward+backward seconds of one linear layer in bf16 and in FP8."""
+
+    bf16_s: float
+    fp8_s: float
+
+    @property
+    def speedup(self) -> float:
+        return self.bf16_s / self.fp8_s
+
+
+def cast_bytes_per_element(recipe: Recipe) -> float:
+    """Extra memory traffic per operand element for the FP8 casts (bf16 in, 1-byte codes out).
+
+    Tensorwise: amax read (2) + cast read (2) + write (1) + transposed copy (1 + 1) = 7. Delayed: the amax comes
+    out of the cast kernel itself, 5. MXFP8: rowwise and columnwise copies each read bf16 and write codes and
+    block scales (2 + 1 + 1/32, twice), about 6.1.
+    """
+    if isinstance(recipe, MXFP8BlockScaling):
+        return 2 * (2 + 1 + 1 / recipe.block_size)
+    return 5.0 if isinstance(recipe, DelayedScaling) else 7.0
+
+
+EXTRA_KERNELS = 9  # three casts (with their amax) and three transposed copies, plus scale updates
+
+
+def layer_cost(m: int, k: int, n: int, recipe: Recipe, device: DeviceRoofline) -> LayerCost:
+    """The roofline model of the module docstring for one (M, K, N) layer."""
+
+    def gemm(flops: float, nbytes: float, peak: float) -> float:
+        return max(flops / peak, nbytes / device.bandwidth)
+
+    flops = 2.0 * m * k * n
+    bf16 = 3 * gemm(flops, 2.0 * (m * k + n * k + m * n), device.bf16_flops)
+    fp8 = 3 * gemm(flops, (m * k + n * k) + 2.0 * m * n, device.fp8_flops)
+    fp8 += cast_bytes_per_element(recipe) * (m * k + n * k + m * n) / device.bandwidth
+    fp8 += EXTRA_KERNELS * device.launch_s
+    return LayerCost(bf16, fp8)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Device numbers: table, or measured once and cached
+# --------------------------------------------------------------------------------------------------------
+
+
+def _cache_file() -> pathlib.Path:
+    root = os.environ.get("FP8_LIGHTNING_CACHE_DIR") or os.path.join(pathlib.Path.home(), ".cache", "fp8_lightning")
+    return pathlib.Path(root) / "roofline.json"
+
+
+def _timed(fn, repeats: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
+def measure_cuda_roofline(device: torch.device, size: int = 8192) -> DeviceRoofline:
+    """Measure bf16 and FP8 GEMM rates and copy bandwidth on ``device`` (a few seconds)."""
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    bf16_s = _timed(lambda: a @ b.t())
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    one = torch.ones((), device=device)
+    fp8_s = _timed(lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    copy_s = _timed(lambda: a.clone())
+    empty = torch.empty(1, device=device)
+    launch_s = _timed(lambda: empty.add_(1), repeats=200)
+    flops = 2.0 * size**3
+    name = torch.cuda.get_device_name(device)
+    return DeviceRoofline(name, flops / bf16_s, flops / fp8_s, 2 * a.numel() * 2 / copy_s, launch_s, "measured")
+
+
+def device_roofline(device: torch.device | str) -> DeviceRoofline:
+    """The roofline numbers of a CUDA device: the table, else the cache, else measured now and cached."""
+    device = torch.device(device)
+    name = torch.cuda.get_device_name(device)
+    for key, known in KNOWN_DEVICES:
+        if key in name:
+            return known
+    path = _cache_file()
+    cached = json.loads(path.read_text()) if path.exists() else {}
+    key = f"{name} | torch {torch.__version__}"
+    if key not in cached:
+        cached[key] = dataclasses.asdict(measure_cuda_roofline(device))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(cached, indent=2))
+    return DeviceRoofline(**cached[key])
+
+
+# --------------------------------------------------------------------------------------------------------
+# The gate
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ProfitabilityGate:
+    """Keeps layers whose modelled FP8 forward+backward is not faster than bf16 in high precision.
+
+    Args:
+        tokens: tokens per micro-batch (``M`` of every GEMM) the model is trained with.
+        min_speedup: FP8 must be modelled at least this much faster (1.0: not slower).
+        device: where the model will train (default: the layer's weight device).
+        roofline: device numbers to use instead of the table / measurement (tests, what-if studies).
+    """
+
+    tokens: int = 8192
+    min_speedup: float = 1.0
+    device: torch.device | str | None = None
+    roofline: DeviceRoofline | None = None
+
+    def applies_to(self, device: torch.device) -> bool:
+        return self.roofline is not None or device.type == "cuda"
+
+    def skip_reason(self, layer: nn.Linear, recipe: Recipe) -> str | None:
+        """Why ``layer`` should stay in high precision, or None when FP8 pays off."""
+        device = torch.device(self.device) if self.device is not None else layer.weight.device
+        if not self.applies_to(device):
+            return f"FP8 is emulated on {device.type} (never faster than float32 there); profitability gate forced on"
+        roofline = self.roofline or device_roofline(device)
+        m, k, n = self.tokens, layer.in_features, layer.out_features
+        cost = layer_cost(m, k, n, recipe, roofline)
+        if cost.fp8_s * self.min_speedup <= cost.bf16_s:
+            return None
+        return (
+            f"too small to gain from FP8 on {roofline.name}: GEMMs (M={m}, K={k}, N={n}) modelled at "
+            f"{cost.fp8_s * 1e6:.1f} us in FP8 vs {cost.bf16_s * 1e6:.1f} us in bf16 (fwd+bwd, roofline from "
+            f"{roofline.source}); pass profitability=False to convert it anyway"
+        )
+
+
+ProfitabilityLike = Union[str, bool, ProfitabilityGate, None]
+_setting: contextvars.ContextVar[ProfitabilityLike] = contextvars.ContextVar("fp8_profitability", default="auto")
+
+
+@contextlib.contextmanager
+def profitability_setting(value: ProfitabilityLike) -> Iterator[None]:
+    """Make ``value`` the default of :func:`~fp8_lightning.convert.convert_to_fp8` calls made inside."""
+    token = _setting.set(value)
+    try:
+        yield
+    finally:
+        _setting.reset(token)
+
+
+def resolve_gate(value: ProfitabilityLike, device: torch.device | str | None = None) -> ProfitabilityGate | None:
+    """The gate for a ``profitability=`` argument: ``"auto"`` (None: the current default), True, False or a gate.
+
+    ``"auto"`` gates layers that will train on CUDA and keeps everything converted on CPU.
+    """
+    if value is None:
+        value = _setting.get()
+    if isinstance(value, ProfitabilityGate):
+        return value if value.device is not None or device is None else dataclasses.replace(value, device=device)
+    if value is False:
+        return None
+    if value is True:
+        return ProfitabilityGate(device=device)
+    if value == "auto":
+        return _AutoGate(device=device)
+    raise ValueError(
+        f"profitability={value!r} is invalid; allowed: 'auto' (gate on CUDA, off on CPU), True, False or a "
+        "ProfitabilityGate(tokens=..., min_speedup=...)."
+    )
+
+
+class _AutoGate(ProfitabilityGate):
+    """``"auto"``: the gate on CUDA, every layer kept on other devices (see the module docstring)."""
+
+    def skip_reason(self, layer: nn.Linear, recipe: Recipe) -> str | None:
+        device = torch.device(self.device) if self.device is not None else layer.weight.device
+        return super().skip_reason(layer, recipe) if device.type == "cuda" else None

@@ -1,0 +1,98 @@
+"""The per-layer profitability gate: the roofline model, the conversion report, the defaults and overrides."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fp8_lightning import FP8Linear, FP8Precision, TensorwiseScaling, convert_to_fp8
+from fp8_lightning.profitability import (
+    KNOWN_DEVICES,
+    DeviceRoofline,
+    ProfitabilityGate,
+    layer_cost,
+    profitability_setting,
+    resolve_gate,
+)
+from fp8_lightning.recipes import DelayedScaling, MXFP8BlockScaling
+from tests.conftest import requires_cuda_fp8
+
+H100 = dict(KNOWN_DEVICES)["H100"]
+# A made-up device with round numbers, so that the expected costs can be computed by hand below.
+TOY = DeviceRoofline("toy", bf16_flops=1e12, fp8_flops=2e12, bandwidth=1e9, launch_s=1e-6, source="test")
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(8192, 8192), nn.Linear(8192, 1024), nn.Linear(256, 256))
+
+
+def test_layer_cost_is_the_documented_roofline():
+    m, k, n = 64, 128, 32
+    # bf16: compute 2*64*128*32 / 1e12 = 5.24e-7 s, bytes 2*(64*128 + 32*128 + 64*32) / 1e9 = 2.87e-5 s (memory bound)
+    bf16 = 3 * max(2 * m * k * n / 1e12, 2 * (m * k + n * k + m * n) / 1e9)
+    fp8 = 3 * max(2 * m * k * n / 2e12, ((m * k + n * k) + 2 * m * n) / 1e9)
+    fp8 += 7.0 * (m * k + n * k + m * n) / 1e9 + 9 * 1e-6  # tensorwise casts, extra kernels
+    cost = layer_cost(m, k, n, TensorwiseScaling(), TOY)
+    assert cost.bf16_s == pytest.approx(bf16, rel=1e-12)
+    assert cost.fp8_s == pytest.approx(fp8, rel=1e-12)
+    assert layer_cost(m, k, n, DelayedScaling(), TOY).fp8_s < cost.fp8_s  # fused amax: fewer bytes
+
+
+def test_speedup_grows_with_size_on_h100():
+    speedups = [layer_cost(8192, s, s, TensorwiseScaling(), H100).speedup for s in (512, 1024, 2048, 4096, 8192)]
+    assert speedups == sorted(speedups)
+    assert speedups[0] < 1 < speedups[-1]
+
+
+@pytest.mark.parametrize("recipe", [TensorwiseScaling(), DelayedScaling(), MXFP8BlockScaling()], ids=lambda r: r.name)
+def test_small_layers_stay_high_precision_with_the_reason(recipe):
+    model = _model()
+    report = convert_to_fp8(model, recipe, profitability=ProfitabilityGate(roofline=H100))
+    assert "0" in report.converted and "2" in report.skipped  # 8192x8192 pays off, 256x256 does not
+    assert sorted(report.converted + list(report.skipped)) == ["0", "1", "2"]
+    reason = report.skipped["2"]
+    assert "too small to gain from FP8 on H100" in reason and "K=256, N=256" in reason and "profitability=False" in reason
+    assert type(model[2]) is nn.Linear and isinstance(model[0], FP8Linear)
+
+
+def test_tokens_per_step_changes_the_decision():
+    layer = nn.Linear(2048, 2048)
+    assert ProfitabilityGate(tokens=256, roofline=H100).skip_reason(layer, TensorwiseScaling()) is not None
+    assert ProfitabilityGate(tokens=65536, roofline=H100).skip_reason(layer, TensorwiseScaling()) is None
+
+
+def test_default_on_cpu_converts_every_layer():
+    model = _model()
+    report = convert_to_fp8(model, "tensorwise")
+    assert report.converted == ["0", "1", "2"] and report.skipped == {}
+
+
+def test_forcing_the_gate_on_cpu_keeps_everything_high_precision_and_says_why():
+    report = convert_to_fp8(_model(), "tensorwise", profitability=True)
+    assert report.converted == []
+    assert all("emulated on cpu" in reason for reason in report.skipped.values())
+
+
+def test_false_and_context_default():
+    assert convert_to_fp8(_model(), "tensorwise", profitability=False).skipped == {}
+    with profitability_setting(ProfitabilityGate(roofline=H100)):
+        assert "2" in convert_to_fp8(_model(), "tensorwise").skipped
+    with pytest.raises(ValueError, match="allowed: 'auto'"):
+        resolve_gate("sometimes")
+
+
+def test_precision_plugin_option_reaches_the_conversion():
+    plugin = FP8Precision(recipe="tensorwise", profitability=ProfitabilityGate(roofline=H100))
+    plugin.convert_module(_model())
+    assert set(plugin.conversion_report.skipped) >= {"2"} and plugin.conversion_report.converted[0] == "0"
+    default = FP8Precision(recipe="tensorwise")  # "auto" on CPU: nothing skipped
+    default.convert_module(_model())
+    assert default.conversion_report.skipped == {}
+    with pytest.raises(ValueError, match="profitability="):
+        FP8Precision(profitability="yes")
+
+
+@requires_cuda_fp8
+def test_cuda_auto_gate_uses_the_device_numbers():
+    layer = nn.Linear(8192, 8192, device="cuda")
+    assert resolve_gate("auto").skip_reason(layer, TensorwiseScaling()) is None
+    assert resolve_gate("auto").skip_reason(nn.Linear(64, 64, device="cuda"), TensorwiseScaling()) is not None
