@@ -156,6 +156,7 @@ def parity_worker(rank: int, world: int, port: int, steps: int, out: dict) -> No
             "fp8": fsdp_run(recipe, rank, world, data, True),
             "hp": fsdp_run(recipe, rank, world, data, False),
         }
+    results["bf16_params"] = fsdp_run("tensorwise", rank, world, data, True, torch.bfloat16)  # FP8 + bf16 others
     results["fp8_optimizer"] = {  # FP8 optimizer states, updated through the local shards
         "fp8": fsdp_run("tensorwise", rank, world, data, True, fp8_optimizer=True),
         "hp": fsdp_run("tensorwise", rank, world, data, False, fp8_optimizer=True),

@@ -71,3 +71,11 @@ def test_composes_with_the_fp8_optimizer(results):
     assert run["fp8"]["amax_reductions"] == STEPS
     assert run["fp8"]["losses"] == pytest.approx(run["hp"]["losses"], rel=1e-6)
     assert run["fp8"]["losses"][-1] < run["fp8"]["losses"][0]
+
+
+def test_fp8_weights_next_to_bf16_parameters(results):
+    """A bf16 MixedPrecisionPolicy: biases and norms gather in bf16, weights in FP8, in the same collective."""
+    run = results["bf16_params"]
+    assert run["fp8_weights"] == 5 and run["allgather_calls"] == results["tensorwise"]["fp8"]["allgather_calls"]
+    assert run["allgather_bytes"] < results["tensorwise"]["fp8"]["allgather_bytes"]  # 2-byte instead of 4-byte biases
+    assert run["losses"] == pytest.approx(results["tensorwise"]["fp8"]["losses"], rel=2e-2)

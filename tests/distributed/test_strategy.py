@@ -6,13 +6,15 @@
 * a sharded checkpoint (torch distributed checkpoint: one file per rank + metadata holding the FP8 scaling
   state) saved after epoch 1 and resumed in a fresh Trainer reproduces the uninterrupted run exactly;
 * a user's configure_model that calls fully_shard itself is respected and still gathers in FP8;
-* gradient accumulation: amaxes reduced once per optimizer step, not per micro-batch; activation checkpointing
+* gradient accumulation (no reduce-scatter until the last micro-batch) matches one step on the joined batch;
+  amaxes reduced once per optimizer step, not per micro-batch; activation checkpointing
   recomputes with the FP8 gathered weights (more FP8 weight uses) and gives identical losses;
 * high-precision all-gather with a bf16 gradient reduce-scatter, and MXFP8, train to the same losses within 1e-2;
 * the project's GPT (tied embedding/head) through ``strategy="fp8_fsdp"`` with no FP8 precision given.
 """
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 from tests.distributed._lightning_workers import strategy_worker
@@ -50,6 +52,12 @@ def test_user_configure_model_is_respected(results):
 
 def test_gradient_accumulation_and_activation_checkpointing(results):
     assert results["accum_amax_reductions"] == 2  # 2 optimizer steps of 2 micro-batches
+    # the accumulated step equals one step on both micro-batches at once (single process, 128 rows)
+    micro = batches(4, 64)
+    joined = [tuple(torch.cat(parts) for parts in zip(*micro[i : i + 2])) for i in (0, 2)]
+    reference = single_run("tensorwise", joined, momentum=0.9)
+    accumulated = [(a + b) / 2 for a, b in zip(results["accum"][0::2], results["accum"][1::2])]
+    assert accumulated == pytest.approx(reference, rel=5e-3)
     assert results["accum_ac"] == pytest.approx(results["accum"], rel=1e-6)
     assert results["accum_ac_fp8_weight_uses"] > results["accum_fp8_weight_uses"]  # recompute ran in FP8
 
