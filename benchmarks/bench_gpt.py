@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--out", help="run folder (default benchmarks/results/perf-gpt-<device>-<date>)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if args.suite == "gpu" else "cpu")
+    threads_before = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     head = header("gpt", device, argv)
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "ratio": seconds / medians[reference], "peak_gib": peak_memory(built[p][0], device),
             })  # fmt: skip
         del built
+    torch.set_num_threads(threads_before)
     folder = run_folder("gpt", device, args.out)
     columns = [("model", "model", "{}"), ("params", "parameters", "{:,}"), ("precision", "precision", "{}"),
                ("step_ms", "step ms (median)", "{:.1f}"), ("tokens_per_s", "tokens/s", "{:,.0f}"),

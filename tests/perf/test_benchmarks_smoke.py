@@ -1,0 +1,49 @@
+"""CPU smoke runs of each benchmark suite: they run and write their JSON, markdown and plot (no timing asserted)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import bench_gpt  # noqa: E402
+import bench_linear  # noqa: E402
+import bench_memory  # noqa: E402
+
+
+def _check_folder(folder: Path, plot: str) -> dict:
+    record = json.loads((folder / "results.json").read_text())
+    assert {"command", "device", "date", "torch", "rows"} <= set(record)
+    assert record["command"].startswith("python benchmarks/bench_")
+    assert (folder / "results.md").read_text().count("|") > 10
+    assert (folder / plot).stat().st_size > 1000
+    return record
+
+
+def test_linear_suite_reports_every_configuration(tmp_path):
+    rows = bench_linear.main(["--suite", "cpu", "--sizes", "32", "--rounds", "1", "--warmup", "1", "--out", str(tmp_path)])
+    record = _check_folder(tmp_path, "linear.png")
+    assert {r["config"] for r in rows} == {"fp32", "bf16", "fp8 delayed", "fp8 tensorwise", "fp8 mxfp8"}
+    assert record["torchao"] in ("not installed", "installed") or record["torchao"].startswith("unusable")
+    assert all(r["ms"] > 0 for r in rows)
+
+
+def test_gpt_suite_reports_tokens_per_second(tmp_path):
+    rows = bench_gpt.main(["--suite", "cpu", "--models", "tiny", "--rounds", "1", "--warmup", "1", "--out", str(tmp_path)])
+    _check_folder(tmp_path, "gpt.png")
+    assert {r["precision"] for r in rows} == {"fp32", "bf16", "fp8 delayed", "fp8 tensorwise", "fp8 mxfp8"}
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+    assert next(r for r in rows if r["precision"] == "fp32")["ratio"] == pytest.approx(1.0)
+
+
+@pytest.mark.timeout(300)
+def test_memory_suite_counts_saved_bytes_optimizer_and_allgather(tmp_path):
+    rows = bench_memory.main(["--suite", "cpu", "--n-embd", "32", "--allgather-width", "32", "--allgather-depth", "1",
+                              "--out", str(tmp_path)])  # fmt: skip
+    _check_folder(tmp_path, "memory.png")
+    saved = {r["precision"]: r["MiB"] for r in rows["saved_activations"]}
+    assert all(saved[p] < saved["fp32"] for p in saved if p.startswith("fp8"))  # 1-byte copies replace fp32 ones
+    assert rows["optimizer"] and rows["allgather"]
+    assert (tmp_path / "allgather_bytes.md").exists()
