@@ -27,6 +27,7 @@ import argparse
 import datetime
 import functools
 import json
+import os
 import platform
 import sys
 import time
@@ -125,7 +126,7 @@ def report(args, results, stats, argv) -> str:
         f"{args.dtype} weights; "
         f"batch {args.batch_size}; {args.steps} steps; AdamW lr={args.lr} (warm-up 10%, cosine to 10%), betas "
         f"(0.9, 0.95), weight decay 0.1 on matrices, grad-norm clip 1.0; seed {args.seed}; data: stdlib .py bytes "
-        f"({stats.get('train_files')} train files, {stats.get('val_files')} val files, {len(results) and args.val_windows} "
+        f"({stats.get('train_files')} train files, {stats.get('val_files')} val files, up to {args.val_windows} "
         "val windows). Times are wall-clock on a shared machine and only indicative."
     )
     return "\n".join([setup, "", *lines, "", "Validation loss during training:", "", *curves, ""])
@@ -156,8 +157,9 @@ def main(argv=None) -> None:
     print(text)
     if args.out:
         command = "python " + " ".join(["benchmarks/optimizer_convergence.py", *(argv or sys.argv[1:])])
-        machine = (f"CPU ({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads, "
-                   f"torch {torch.__version__}, Python {platform.python_version()}")
+        machine = (f"{os.cpu_count()}-core {platform.machine()} CPU (shared with other jobs), "
+                   f"{torch.get_num_threads()} torch thread(s), torch {torch.__version__}, "
+                   f"Python {platform.python_version()}")
         date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         with open(args.out, "w") as f:
             f.write(f"# Optimizer convergence: FP8 states vs float32 AdamW\n\nCommand: `{command}`  \n"

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import os
 import platform
 import sys
 
@@ -163,8 +164,8 @@ def main(argv=None) -> None:
     print(text)
     if args.out:
         command = "python " + " ".join(["benchmarks/optimizer_memory.py", *(argv or sys.argv[1:])])
-        machine = f"{platform.node() and 'CPU host'}: {platform.processor() or platform.machine()}, " \
-                  f"{torch.get_num_threads()} threads, torch {torch.__version__}, Python {platform.python_version()}"
+        machine = (f"{os.cpu_count()}-core {platform.machine()} CPU, {torch.get_num_threads()} torch threads, "
+                   f"torch {torch.__version__}, Python {platform.python_version()}")
         date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         with open(args.out, "w") as f:
             f.write(f"# Optimizer memory: bytes held per parameter\n\nCommand: `{command}`  \nMachine: {machine}  \n"

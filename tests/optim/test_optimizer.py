@@ -226,3 +226,30 @@ def test_release_gradients_in_backward_gives_the_same_training_without_holding_g
     assert live_grads == [0] * len(data)
     for a, b in zip(regular.parameters(), released.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind, key, dtype", [("fp32", "master", torch.float32),
+                                              ("fp16_scaled", "master_fp16", torch.float16),
+                                              ("bf16_remainder", "master_remainder", torch.int16)])
+def test_master_weight_kinds_for_bf16_parameters(kind, key, dtype):
+    """Each master kind holds its copy in its dtype and follows the float32 AdamW trajectory to its precision."""
+    model = tiny_model(dtype=torch.bfloat16)
+    reference = copy.deepcopy(model).float()
+    opt = FP8Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False), "fp32", master_weights=kind)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, foreach=False)
+    for x, y in batches(4):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(model(x.bfloat16()).float(), y).backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            q.grad = p.grad.float()
+        opt.step()
+        ref_opt.step()
+    weight = model[0].weight
+    assert opt.state[weight][key].dtype == dtype and opt.state[weight][key].shape == weight.shape
+    masters = master_parameters(opt)
+    # fp16_scaled rounds each step to half an FP16 ulp of a tensor whose amax is scaled into [2**13, 2**14]:
+    # at most 2**-10 of the amax per step, 4 steps
+    tolerance = {"fp32": 0.0, "bf16_remainder": 0.0, "fp16_scaled": 4 * 2.0**-10}[kind]
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert ((masters[p] - q).abs() <= tolerance * q.abs().max()).all()
