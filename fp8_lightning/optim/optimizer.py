@@ -160,12 +160,13 @@ class FP8Optimizer(torch.optim.Optimizer):
     @staticmethod
     def _store(state: dict, name: str, fmt: StateFormat, value: torch.Tensor) -> None:
         data, scale = encode(value, fmt)
-        if name in state and state[name].shape == data.shape:
-            state[name].copy_(data)
-        else:
-            state[name] = data
-        if scale is not None:
-            state[f"{name}_scale"] = scale
+        for key, new in ((name, data), (f"{name}_scale", scale)):
+            if new is None:
+                continue
+            if key in state and state[key].shape == new.shape and state[key].dtype == new.dtype:
+                state[key].copy_(new)  # same storage across steps: no reallocation, stable references
+            else:
+                state[key] = new
 
     @staticmethod
     def _load(state: dict, name: str, fmt: StateFormat, shape: torch.Size) -> torch.Tensor:
