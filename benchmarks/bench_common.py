@@ -104,8 +104,11 @@ def write_results(folder: Path, head: dict, rows: list[dict], table: str, notes:
     print(text)
 
 
-def bar_plot(path: Path, groups: list[str], series: dict[str, list[float | None]], ylabel: str, title: str) -> None:
-    """Grouped bars (one group per shape/model, one bar per configuration) with a line at 1.0."""
+def bar_plot(
+    path: Path, groups: list[str], series: dict[str, list[float | None]], ylabel: str, title: str,
+    target: float | None = None,
+) -> None:
+    """Grouped bars (one group per shape/model, one bar per configuration), a line at 1.0 and an optional target."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -117,6 +120,8 @@ def bar_plot(path: Path, groups: list[str], series: dict[str, list[float | None]
         xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
         ax.bar(xs, [v if v is not None else 0 for v in values], width, label=name)
     ax.axhline(1.0, color="black", linewidth=0.8)
+    if target is not None:
+        ax.axhline(target, color="gray", linestyle="--", linewidth=0.8, label=f"target {target}")
     ax.set_xticks(range(len(groups)), groups, rotation=20 if len(groups) > 4 else 0)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
