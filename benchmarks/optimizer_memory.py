@@ -59,6 +59,8 @@ SCENARIOS = [
     ("default, bf16 weights, no master, gradients released in backward", torch.bfloat16, "default",
      {"master_weights": "param", "release": True}),
     ("max_savings, bf16 weights, gradients released in backward", torch.bfloat16, "max_savings", {"release": True}),
+    ("max_savings + bf16 remainder (exact master), bf16 weights, gradients released in backward", torch.bfloat16,
+     "max_savings", {"master_weights": "bf16_remainder", "release": True}),
 ]
 
 
