@@ -27,7 +27,13 @@ from fp8_lightning.quantize import (
 )
 from fp8_lightning.recipes import DelayedScaling, MXFP8BlockScaling, Recipe, TensorwiseScaling, recipe_from
 from fp8_lightning.guard import DivergenceGuard
-from fp8_lightning.lightning import FP8FabricPrecision, FP8Precision, FP8StatsMonitor, register_precision_strings
+from fp8_lightning.lightning import (
+    FP8FabricPrecision,
+    FP8OptimizerStates,
+    FP8Precision,
+    FP8StatsMonitor,
+    register_precision_strings,
+)
 from fp8_lightning.lightning.fsdp import FP8FSDPStrategy, register_fsdp_strategy
 
 register_precision_strings()  # Trainer(precision="fp8-hybrid") and Fabric(precision="fp8-hybrid")
@@ -43,6 +49,7 @@ __all__ = [
     "FP8FabricPrecision",
     "FP8Linear",
     "FP8Optimizer",
+    "FP8OptimizerStates",
     "FP8Precision",
     "FP8StatsMonitor",
     "Format",

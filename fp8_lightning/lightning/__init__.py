@@ -6,12 +6,14 @@ Thin by design: the hooks wire Lightning's life cycle to the core (``fp8_lightni
 
 from fp8_lightning.lightning.callbacks import FP8StatsMonitor
 from fp8_lightning.lightning.fabric import FP8FabricPrecision
+from fp8_lightning.lightning.optimizer_callback import FP8OptimizerStates
 from fp8_lightning.lightning.precision import FP8Precision
 from fp8_lightning.lightning.registration import register_precision_strings
 from fp8_lightning.lightning.strings import PRECISION_RECIPES, PRECISION_STRINGS
 
 __all__ = [
     "FP8FabricPrecision",
+    "FP8OptimizerStates",
     "FP8Precision",
     "FP8StatsMonitor",
     "PRECISION_RECIPES",
