@@ -17,7 +17,9 @@ Backends, chosen per call:
   scales where no block-scaled GEMM is registered (CPU; CUDA without Triton or with
   ``FP8_LIGHTNING_DISABLE_TRITON=1``), and on request (``FP8_LIGHTNING_GEMM=emulate`` or ``emulate=True``) on
   GPUs without FP8 tensor cores.
-* MX operands on CUDA go to the function registered with :func:`register_mx_gemm`; on first use the Triton
+* MX operands with 32-element blocks on sm100+ (Blackwell) use cuBLAS's native MX GEMM through
+  ``torch._scaled_mm`` with E8M0 scales in its swizzled layout (:func:`swizzle_mx_scales`).
+* Other MX operands on CUDA go to the function registered with :func:`register_mx_gemm`; on first use the Triton
   block-scaled GEMM of ``fp8_lightning.kernels`` registers itself there when Triton imports.
 
 Device checks return ``(ok, reason)`` so that the same reason feeds errors and test skips.
@@ -141,6 +143,42 @@ def transposed(q: Quantized) -> Quantized:
     return Quantized(q.data.t(), q.scale, q.kind, None if q.codes_f32 is None else q.codes_f32.t())
 
 
+def native_mx_gemm_support(device: torch.device | str) -> tuple[bool, str]:
+    """Whether cuBLAS runs MX (1x32 block-scaled) FP8 GEMMs natively on ``device`` (sm100+), and why not."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False, "native MX GEMMs need a CUDA device"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 10:
+        return False, f"compute capability {major}.{minor} has no native MX GEMM (needs 10.0+, Blackwell)"
+    return True, f"compute capability {major}.{minor}"
+
+
+def swizzle_mx_scales(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 scales of shape (rows, K // 32) in cuBLAS's 1D block-scaling layout, flattened.
+
+    Rows are padded to 128 and scale columns to 4 (with zero bytes); each 128x4 tile becomes 32x16 with the scale
+    of (row r, column c) at ``tile * 512 + (r % 32) * 16 + (r // 32) * 4 + c``, tiles in row-major order.
+    """
+    padded = pad_dim(pad_dim(scale.view(torch.uint8), 0, 128), 1, 4)
+    row_tiles, col_tiles = padded.shape[0] // 128, padded.shape[1] // 4
+    tiles = padded.view(row_tiles, 128, col_tiles, 4).permute(0, 2, 1, 3)  # (tile_r, tile_c, 128, 4)
+    swizzled = tiles.reshape(-1, 4, 32, 4).transpose(1, 2)  # row r = 32 * i + j goes to (j, i)
+    return swizzled.reshape(-1).view(scale.dtype)
+
+
+def _native_mx_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+    mm_dtype = out_dtype if out_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    out = torch._scaled_mm(
+        a.data.contiguous(),
+        b.data.contiguous().t(),
+        scale_a=swizzle_mx_scales(a.scale),
+        scale_b=swizzle_mx_scales(b.scale),
+        out_dtype=mm_dtype,
+    )
+    return out.to(out_dtype)
+
+
 def _emulated(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
     return (a.dequantize(torch.float32) @ b.dequantize(torch.float32).t()).to(out_dtype)
 
@@ -153,6 +191,9 @@ def fp8_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, emulate: bool = F
         raise ValueError(f"fp8_mm: cannot mix scaling kinds {a.kind!r} and {b.kind!r}.")
     backend = "emulate" if emulate else requested_backend()
     if a.kind == "mx":
+        block_32 = a.data.shape[-1] == 32 * a.scale.shape[-1]
+        if backend != "emulate" and block_32 and native_mx_gemm_support(a.data.device)[0]:
+            return _native_mx_mm(a, b, out_dtype)
         if backend != "emulate" and a.data.is_cuda and _registered_mx_gemm() is not None:
             return _mx_gemm_impl(a, b, out_dtype)
         return _emulated(a, b, out_dtype)
