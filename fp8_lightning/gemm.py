@@ -136,13 +136,6 @@ def _float_matmul(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.T
     return out.mul_(a.scale.float().reciprocal() * b.scale.float().reciprocal()).to(out_dtype)
 
 
-def transposed(q: Quantized) -> Quantized:
-    """``q.T`` as a view of the same FP8 bytes (per-tensor operands only); the GEMM copies it if it must."""
-    if q.kind != "tensor":
-        raise ValueError("An MX operand cannot be transposed: quantize the high-precision tensor along K.")
-    return Quantized(q.data.t(), q.scale, q.kind, None if q.codes_f32 is None else q.codes_f32.t())
-
-
 def native_mx_gemm_support(device: torch.device | str) -> tuple[bool, str]:
     """Whether cuBLAS runs MX (1x32 block-scaled) FP8 GEMMs natively on ``device`` (sm100+), and why not."""
     device = torch.device(device)

@@ -38,7 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fp8_lightning.autocast import autocast_state
-from fp8_lightning.gemm import check_device, fp8_mm, pad_dim, transposed
+from fp8_lightning.gemm import check_device, fp8_mm, pad_dim
 from fp8_lightning.quantize import Quantized, quantize_mx_operand
 from fp8_lightning.recipes import MXFP8BlockScaling, Recipe
 from fp8_lightning.scaling import OperandScaling
@@ -162,12 +162,12 @@ class _FP8LinearFunction(torch.autograd.Function):
         grad_x = grad_w = None
         # ------------------------------------------------ dgrad ------------------------------------------------
         if ctx.needs_input_grad[0]:
-            w_t = transposed(w_saved) if kind == "tensor" else w_saved  # (K, N)
+            w_t = w_saved.t() if kind == "tensor" else w_saved  # (K, N)
             grad_x = fp8_mm(gq, w_t, x_dtype, emulate)
         # ------------------------------------------------ wgrad ------------------------------------------------
         if ctx.needs_input_grad[1]:
             if kind == "tensor":
-                grad_w = fp8_mm(transposed(gq), transposed(x_saved), w_dtype, emulate)  # (N, M) @ (K, M).T
+                grad_w = fp8_mm(gq.t(), x_saved.t(), w_dtype, emulate)  # (N, M) @ (K, M).T
             else:
                 grad_w = fp8_mm(scaling.cast_columnwise("grad_output", g), x_saved, w_dtype, emulate)
         return grad_x, grad_w, None, None, None, None, None

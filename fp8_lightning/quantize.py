@@ -289,10 +289,12 @@ class Quantized:
         return dequantize_with_scale(self.data, self.scale, out_dtype)
 
     def t(self) -> "Quantized":
-        """Transposed copy of a per-tensor operand (same scale). MX operands must be re-quantized instead."""
+        """``q.T`` as a view of the same FP8 bytes (per-tensor operands only; a GEMM copies it if it must).
+        MX operands cannot be transposed: their block scales follow K, so quantize the high-precision tensor."""
         if self.kind == "mx":
             raise ValueError("An MX operand cannot be transposed: quantize the high-precision tensor along K.")
-        return Quantized(self.data.t().contiguous(), self.scale, self.kind)
+        codes = None if self.codes_f32 is None else self.codes_f32.t()
+        return Quantized(self.data.t(), self.scale, self.kind, codes)
 
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()
