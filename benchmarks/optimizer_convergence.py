@@ -4,8 +4,11 @@ Every run starts from the same seed (same initial weights, same training windows
 validation windows) and differs only in how the AdamW states are stored:
 
 * ``fp32``        -- ``torch.optim.AdamW`` (float32 moments): the reference;
-* ``default``     -- ``FP8Optimizer(AdamW, "default")``: m in E4M3, v in FP16, per-block (128) scales;
-* ``max_savings`` -- ``FP8Optimizer(AdamW, "max_savings")``: m in E4M3, sqrt(v) in E4M3, no master copy.
+* ``default``     -- ``FP8Optimizer(AdamW, "default")``: m in E4M3, sqrt(v) in E4M3, per-block (128) scales,
+  bf16 weights get a 16-bit master (int8 remainder);
+* ``max_savings`` -- ``FP8Optimizer(AdamW, "max_savings")``: the same moments, no master copy;
+* ``fp16_v_exact_master`` -- the earlier default: v in FP16 (per-block scales) and an exact float32 master
+  (int16 remainder) for bf16 weights.
 
 By default the model is float32 (so the master-weight choice does not enter: a float32 parameter is its own
 master). ``--dtype bfloat16`` trains bf16 weights instead; the reference is then the classic mixed-precision
@@ -45,6 +48,8 @@ RUNS = {
     "fp32": (None, {}),
     "default": ("default", {}),
     "default_no_master": ("default", {"master_weights": "param"}),
+    "default_exact_master": ("default", {"master_weights": "bf16_remainder"}),
+    "fp16_v_exact_master": ("default", {"exp_avg_sq": "fp16:128", "master_weights": "bf16_remainder"}),
     "max_savings": ("max_savings", {}),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

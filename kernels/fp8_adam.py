@@ -11,8 +11,10 @@ Layout (the same as the torch path, so either can continue the other): states ar
 multiple of the block size; ``m`` is FP8 (``float8_e4m3fn`` or ``float8_e5m2``) with one float32 multiplier per
 block, ``v`` is FP16 or FP8 (optionally of ``sqrt(v)``) with one float32 multiplier per block; decoding is
 ``data / scale`` and encoding ``saturate(x * scale)`` with ``scale = dtype_max / amax(block)`` (1 for a zero
-block). Master weights: none (the parameter itself, any float dtype), a float32 copy, or a bf16 parameter with
-an int16 remainder (``bits = bf16_bits << 16 + remainder``, rounded to nearest on the way back).
+block). Master weights: none (the parameter itself, any float dtype), a float32 copy, a bf16 parameter with
+an int16 remainder (``bits = bf16_bits << 16 + remainder``, rounded to nearest on the way back), or a bf16
+parameter with an int8 remainder (``bits = (bf16_bits << 8 + remainder) << 8``: the master rounded to nearest to
+16 significant bits, then split; the same bit arithmetic as ``master_weights.split_fp32_int8``).
 
 Numerics versus the twin: the same formulas, but the compiler may contract multiply-adds and the order of
 ``lerp``/``addcmul`` differs by a rounding, so parameters agree to float32 rounding and a re-encoded state can
@@ -32,7 +34,8 @@ import triton.language as tl
 from fp8_lightning.formats import fp8_max, fp8_min_normal
 from fp8_lightning.kernels.availability import device_status, explicit_rounding, require_triton
 
-MASTER_CODES = {"none": 0, "fp32": 1, "bf16_remainder": 2}
+MASTER_CODES = {"none": 0, "fp32": 1, "bf16_remainder": 2, "bf16_int8_remainder": 3}
+REMAINDER_KINDS = ("bf16_remainder", "bf16_int8_remainder")
 FP8_STATE_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 V_DTYPES = ("float16",) + FP8_STATE_DTYPES
 MIN_BLOCK, MAX_BLOCK = 16, 8192
@@ -88,10 +91,14 @@ def _fp8_adam_kernel(
         p = tl.load(param_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     elif MASTER == 1:
         p = tl.load(master_ptr + offs, mask=mask, other=0.0)
-    else:
+    elif MASTER == 2:
         high = tl.load(param_ptr + offs, mask=mask, other=0).to(tl.int32)  # bf16 bits as int16
         low = tl.load(master_ptr + offs, mask=mask, other=0).to(tl.int32)
         p = ((high << 16) + low).to(tl.float32, bitcast=True)
+    else:
+        high = tl.load(param_ptr + offs, mask=mask, other=0).to(tl.int32)  # bf16 bits as int16
+        low = tl.load(master_ptr + offs, mask=mask, other=0).to(tl.int32)  # int8 remainder
+        p = (((high << 8) + low) << 8).to(tl.float32, bitcast=True)
     m = tl.load(m_ptr + offs).to(tl.float32) / tl.load(m_scale_ptr + pid)
     v = tl.load(v_ptr + offs).to(tl.float32) / tl.load(v_scale_ptr + pid)
     if V_SQRT:
@@ -113,11 +120,16 @@ def _fp8_adam_kernel(
     elif MASTER == 1:
         tl.store(master_ptr + offs, p, mask=mask)
         tl.store(param_ptr + offs, p.to(param_ptr.dtype.element_ty), mask=mask)
-    else:
+    elif MASTER == 2:
         bits = p.to(tl.int32, bitcast=True)
         high = (bits + 0x8000) >> 16
         tl.store(param_ptr + offs, high.to(tl.int16), mask=mask)
         tl.store(master_ptr + offs, (bits - (high << 16)).to(tl.int16), mask=mask)
+    else:
+        bits24 = (p.to(tl.int32, bitcast=True) + 0x80) >> 8  # 16 significant bits, rounded to nearest
+        high = (bits24 + 0x80) >> 8
+        tl.store(param_ptr + offs, high.to(tl.int16), mask=mask)
+        tl.store(master_ptr + offs, (bits24 - (high << 8)).to(tl.int8), mask=mask)
 
     m = tl.where(mask, m, 0.0)
     m_scale = _block_scale(m, M_MAX)
@@ -180,11 +192,11 @@ def fused_adam_step(
     grad = grad.contiguous().view(-1)
     if master_kind == "fp32":
         master = state["master"]
-    elif master_kind == "bf16_remainder":
+    elif master_kind in REMAINDER_KINDS:
         master = state["master_remainder"]
     else:
         master = param  # unused by the kernel
-    param_view = param.view(torch.int16) if master_kind == "bf16_remainder" else param
+    param_view = param.view(torch.int16) if master_kind in REMAINDER_KINDS else param
     m_consts = format_constants(fmt_m.torch_dtype)
     v_fp8 = fmt_v.dtype in FP8_STATE_DTYPES
     v_consts = format_constants(fmt_v.torch_dtype) if v_fp8 else {"FP8_MAX": FP16_MAX, "MANTISSA_BITS": 10,

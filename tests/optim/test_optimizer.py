@@ -57,7 +57,7 @@ def test_fp32_storage_reproduces_torch_optim_bit_for_bit(make):
         assert torch.equal(a, b)
 
 
-def test_default_preset_stores_fp8_and_fp16_states_and_tracks_fp32_adamw():
+def test_default_preset_stores_fp8_states_and_tracks_fp32_adamw():
     reference, model = tiny_model(), tiny_model()
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=False)
     opt = fp8_adamw(model.parameters(), lr=1e-2, min_quantize_numel=1000)
@@ -65,7 +65,8 @@ def test_default_preset_stores_fp8_and_fp16_states_and_tracks_fp32_adamw():
     ref_losses, losses = train(reference, ref_opt, data), train(model, opt, data)
     big, bias = model[0].weight, model[0].bias
     assert opt.state[big]["exp_avg"].dtype == torch.float8_e4m3fn
-    assert opt.state[big]["exp_avg_sq"].dtype == torch.float16
+    assert opt.state[big]["exp_avg_sq"].dtype == torch.float8_e4m3fn  # sqrt(v), see state_formats.py
+    assert opt.config.exp_avg_sq.transform == "sqrt"
     assert opt.state[big]["exp_avg_scale"].numel() == big.numel() // 128
     assert opt.state[bias]["exp_avg"].dtype == torch.float32  # 96 elements: too small to quantize
     assert losses[-1] < 0.7 * losses[0]
@@ -230,7 +231,8 @@ def test_release_gradients_in_backward_gives_the_same_training_without_holding_g
 
 @pytest.mark.parametrize("kind, key, dtype", [("fp32", "master", torch.float32),
                                               ("fp16_scaled", "master_fp16", torch.float16),
-                                              ("bf16_remainder", "master_remainder", torch.int16)])
+                                              ("bf16_remainder", "master_remainder", torch.int16),
+                                              ("bf16_int8_remainder", "master_remainder", torch.int8)])
 def test_master_weight_kinds_for_bf16_parameters(kind, key, dtype):
     """Each master kind holds its copy in its dtype and follows the float32 AdamW trajectory to its precision."""
     model = tiny_model(dtype=torch.bfloat16)
@@ -250,6 +252,8 @@ def test_master_weight_kinds_for_bf16_parameters(kind, key, dtype):
     masters = master_parameters(opt)
     # fp16_scaled rounds each step to half an FP16 ulp of a tensor whose amax is scaled into [2**13, 2**14]:
     # at most 2**-10 of the amax per step, 4 steps
-    tolerance = {"fp32": 0.0, "bf16_remainder": 0.0, "fp16_scaled": 4 * 2.0**-10}[kind]
+    # bf16_int8_remainder rounds each step to half a 16-significant-bit ulp: at most 2**-16 of |x|, 4 steps
+    tolerance = {"fp32": 0.0, "bf16_remainder": 0.0, "fp16_scaled": 4 * 2.0**-10,
+                 "bf16_int8_remainder": 4 * 2.0**-16}[kind]
     for p, q in zip(model.parameters(), reference.parameters()):
         assert ((masters[p] - q).abs() <= tolerance * q.abs().max()).all()

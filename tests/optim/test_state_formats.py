@@ -121,6 +121,48 @@ def test_bf16_remainder_is_exact_and_rounds_to_nearest():
     assert ((x.double() - h).abs() <= ulp / 2).all()
 
 
+def test_bf16_int8_remainder_is_the_nearest_16_significant_bit_value():
+    """float64 reference: the master is x rounded to nearest with 16 significant bits; its bf16 part is nearest."""
+    x = torch.randn(20_000) * torch.exp(torch.randn(20_000) * 4)
+    high, low = mw.split_fp32_int8(x)
+    assert high.dtype == torch.bfloat16 and low.dtype == torch.int8 and low.shape == x.shape
+    master = mw.join_fp32_int8(high, low).double()
+    xd = x.double()
+    _, exponent = torch.frexp(xd)  # |x| in [2**(e-1), 2**e): a 16-significant-bit ulp there is 2**(e-16)
+    ulp16 = torch.ldexp(torch.ones_like(xd), exponent - 16)
+    assert ((master - xd).abs() <= ulp16 / 2).all()
+    assert torch.equal(master / ulp16, torch.round(master / ulp16))  # on the 16-bit grid (within x's binade+1)
+    # the bf16 parameter is within half a bf16 ulp of the master
+    h = high.double()
+    assert ((master - h).abs() <= torch.ldexp(torch.ones_like(h), torch.frexp(h)[1] - 8) / 2).all()
+    # values already on the 16-bit grid round-trip exactly, both signs, zero included
+    on_grid = torch.tensor([0.0, 1.0, -1.0, 1.0 + 2.0**-15, -(3.0 + 2.0**-14), 2.0**-100 * (1 + 2.0**-15)])
+    assert torch.equal(mw.join_fp32_int8(*mw.split_fp32_int8(on_grid)), on_grid)
+
+
+def test_int8_remainder_master_keeps_updates_below_a_bf16_ulp():
+    """Updates of 2**-12 on 0.5 (bf16 ulp there: 2**-8) are 16 steps of the 16-bit grid: all kept, exactly."""
+    param = torch.full((64,), 0.5, dtype=torch.bfloat16)
+    state = mw.init_master(param, "bf16_int8_remainder")
+    assert state["master_remainder"].dtype == torch.int8
+    plain = param.clone()
+    for _ in range(100):
+        master = mw.load_master(param, state, "bf16_int8_remainder")
+        master.add_(2.0**-12)
+        mw.store_master(param, state, "bf16_int8_remainder", master)
+        plain.add_(torch.full_like(plain, 2.0**-12))
+    exact = mw.load_master(param, state, "bf16_int8_remainder")
+    assert torch.equal(exact.double(), torch.full((64,), 0.5 + 100 * 2.0**-12, dtype=torch.float64))
+    assert torch.equal(param, exact.bfloat16())
+    assert torch.equal(plain, torch.full_like(plain, 0.5))  # every update lost without a master
+    # an update that is not on the grid (1e-4 ~ 6.6 grid steps) loses at most half a grid step per store
+    for _ in range(100):
+        master = mw.load_master(param, state, "bf16_int8_remainder")
+        mw.store_master(param, state, "bf16_int8_remainder", master.add_(1e-4))
+    drift = (mw.load_master(param, state, "bf16_int8_remainder").double() - (0.5 + 100 * 2.0**-12 + 100 * 1e-4))
+    assert (drift.abs() <= 100 * 2.0**-17).all()
+
+
 def test_fp16_scaled_master_scale_is_power_of_two_in_range():
     x = torch.randn(1000) * 1e-3
     scale = mw.fp16_master_scale(x)
