@@ -31,8 +31,9 @@ endif
 train: $(STAMP)
 	$(PY) -m fp8_lightning.train $(ARGS)
 
+# Two pytest workers (one per core); a file's tests stay on one worker so module fixtures are built once.
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

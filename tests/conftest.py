@@ -5,7 +5,8 @@ import os
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One thread per pytest worker under xdist (make test runs two), else up to two.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
 
 
 def cuda_fp8_reason() -> str | None:
