@@ -6,8 +6,9 @@ moment to float32 in the parameter's shape, keeps ``step`` and the parameter gro
 entries. The result loads into ``torch.optim.AdamW`` (or Adam/SGD) built over the same parameters.
 
 Master weights are not part of a torch optimizer's state: a float32 parameter already is its master; for bf16
-parameters with ``master_weights="bf16_remainder"`` the exact float32 values are returned by
-:func:`master_parameters` so the user can load them into a float32 copy of the model.
+parameters the master values are returned as float32 by :func:`master_parameters` (exact float32 values with
+``master_weights="bf16_remainder"``, 16 significant bits with the default ``"bf16_int8_remainder"``) so the user
+can load them into a float32 copy of the model.
 """
 
 from __future__ import annotations
