@@ -50,6 +50,8 @@ RUNS = {
     "default_no_master": ("default", {"master_weights": "param"}),
     "default_exact_master": ("default", {"master_weights": "bf16_remainder"}),
     "fp16_v_exact_master": ("default", {"exp_avg_sq": "fp16:128", "master_weights": "bf16_remainder"}),
+    # the default preset stepping each parameter in backward and freeing its gradient (needs --clip-grad-norm 0)
+    "default_released": ("default", {"release": True}),
     "max_savings": ("max_savings", {}),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -63,10 +65,16 @@ def build(args, run_name: str):
     ).to(DTYPES[args.dtype])
     optimizer = model.configure_optimizers()
     preset, options = RUNS[run_name]
+    options = dict(options)
+    release = options.pop("release", False)
     if preset is None and args.dtype != "float32":
         preset = "fp32"
     if preset is not None:
         optimizer = FP8Optimizer(optimizer, preset, **options)
+    if release:
+        if args.clip_grad_norm:
+            raise SystemExit(f"run {run_name!r} releases gradients in backward: pass --clip-grad-norm 0.")
+        optimizer.release_gradients_in_backward()
     scheduler = warmup_cosine(getattr(optimizer, "optimizer", optimizer),
                               warmup_steps=args.steps // 10, total_steps=args.steps, min_lr_ratio=0.1)
     return model, optimizer, scheduler
@@ -91,7 +99,8 @@ def run(args, preset: str, train_batches, val_batches) -> dict:
     for step, (inputs, targets) in enumerate(train_batches, start=1):
         loss = F.cross_entropy(model(inputs).float().flatten(0, 1), targets.flatten())
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if args.clip_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
@@ -130,7 +139,8 @@ def report(args, results, stats, argv) -> str:
         f"GPT n_layer={args.n_layer}, n_embd={args.n_embd}, n_head={args.n_head}, block_size={args.block_size}, "
         f"{args.dtype} weights; "
         f"batch {args.batch_size}; {args.steps} steps; AdamW lr={args.lr} (warm-up 10%, cosine to 10%), betas "
-        f"(0.9, 0.95), weight decay 0.1 on matrices, grad-norm clip 1.0; seed {args.seed}; data: stdlib .py bytes "
+        f"(0.9, 0.95), weight decay 0.1 on matrices, grad-norm clip {args.clip_grad_norm or 'off'}; seed {args.seed}; "
+        "data: stdlib .py bytes "
         f"({stats.get('train_files')} train files, {stats.get('val_files')} val files, up to {args.val_windows} "
         "val windows). Times are wall-clock on a shared machine and only indicative."
     )
@@ -152,6 +162,7 @@ def main(argv=None) -> None:
     parser.add_argument("--val-windows", type=int, default=256)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--runs", nargs="+", default=["fp32", "default", "max_savings"], choices=list(RUNS))
+    parser.add_argument("--clip-grad-norm", type=float, default=1.0, help="0 turns clipping off")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="dtype of the model's weights")
     parser.add_argument("--out", help="write the result (markdown, with command, machine and date) here")
     args = parser.parse_args(argv)
