@@ -52,6 +52,8 @@ RUNS = {
     "fp16_v_exact_master": ("default", {"exp_avg_sq": "fp16:128", "master_weights": "bf16_remainder"}),
     # the default preset stepping each parameter in backward and freeing its gradient (needs --clip-grad-norm 0)
     "default_released": ("default", {"release": True}),
+    # no master copy, but bf16 weights rounded stochastically (zero extra bytes)
+    "max_savings_stochastic": ("max_savings", {"master_weights": "bf16_stochastic"}),
     "max_savings": ("max_savings", {}),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

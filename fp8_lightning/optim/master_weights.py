@@ -16,12 +16,17 @@ to bf16 silently drops such updates. The choices, per parameter:
 ``"bf16_int8_remainder"``
     For a bfloat16 parameter: one signed byte of remainder (1 extra byte per element). The master is the float32
     value rounded to nearest to 16 significant bits (bf16's 8 plus 8 more: a "float24" with bf16's exponent),
-    stored as ``bf16 bits << 8 + remainder``; the bf16 parameter is that value rounded to nearest. An update is
-    kept as long as it is at least half a 16-bit ulp (2**-16 of the weight's binade, i.e. 1/256 of a bf16 ulp),
-    so the many updates far below a bf16 ulp still accumulate; what is lost per step is at most 2**-17 relative,
-    about the float16 master's resolution (2**-11) divided by 64, for half the bytes. Reconstruction from the
-    stored bytes is exact; only the rounding to 16 bits at each store loses anything. Other dtypes fall back to
-    "fp32".
+    stored as ``bf16 bits << 8 + remainder``; the bf16 parameter is that value rounded to nearest. The step of
+    this 16-bit grid is 2**-15 of the weight's binade (1/256 of a bf16 ulp, 1/32 of a float16 ulp); each store
+    rounds to the nearest grid value, an error of at most 2**-16 relative, so the many updates far below a bf16
+    ulp still accumulate (only those under half a grid step are dropped). Reconstruction from the stored bytes is
+    exact; only the rounding at each store loses anything. Other dtypes fall back to "fp32".
+``"bf16_stochastic"``
+    No master for a bfloat16 parameter (zero extra bytes), but the float32 result is rounded into bf16
+    *stochastically*: up with probability equal to the fraction of a bf16 ulp that was cut off, so updates below
+    half an ulp survive in expectation instead of being dropped every time. The random bits are a hash of the
+    element index and the step count (:func:`rounding_noise`): no generator state, and a resumed run draws the
+    same bits as an uninterrupted one. Other dtypes round to nearest ("param").
 ``"fp16_scaled"``
     A float16 copy with one power-of-two scale per tensor (2 extra bytes; 11 significant bits instead of bf16's 8).
     Lossier than the remainder, kept for parity with MS-AMP's 16-bit master weights.
@@ -36,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-MASTER_KINDS = ("fp32", "bf16_remainder", "bf16_int8_remainder", "fp16_scaled", "param")
+MASTER_KINDS = ("fp32", "bf16_remainder", "bf16_int8_remainder", "fp16_scaled", "param", "bf16_stochastic")
 _REMAINDER_KINDS = ("bf16_remainder", "bf16_int8_remainder")
 _FP16_TARGET = 2.0**14  # the scaled master's amax lands in [2**13, 2**14]: far from fp16's max 65504
 
@@ -80,6 +85,31 @@ def join_fp32_int8(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     return (((high_bits << 8) + low.to(torch.int32)) << 8).view(torch.float32)
 
 
+def rounding_noise(numel: int, step: int, device=None) -> torch.Tensor:
+    """``numel`` pseudo-random integers in [0, 2**16) (int32) from a hash of (element index, step).
+
+    A counter-based integer hash (multiply and xor-shift rounds, all in int64 masked to 32 bits): deterministic,
+    cheap, and free of generator state, so checkpoints need not carry one.
+    """
+    mask = 0xFFFFFFFF
+    h = (torch.arange(numel, dtype=torch.int64, device=device) * 0x9E3779B1 + (step * 0x632BE5AB + 0x5851F42D)) & mask
+    for multiplier in (0x2C1B3C6D, 0x297A2D39):
+        h = ((h ^ (h >> 15)) * multiplier) & mask
+    h = h ^ (h >> 16)
+    return (h & 0xFFFF).to(torch.int32)
+
+
+def round_to_bf16_stochastic(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """float32 -> bf16, rounding the magnitude up with probability (dropped bits) / 2**16, given uniform ``noise``.
+
+    Adding ``noise`` in [0, 2**16) to the magnitude bits and truncating carries into bf16's last bit exactly when
+    ``noise >= 2**16 - dropped``, i.e. with probability ``dropped / 2**16``: the expected result is ``x``.
+    """
+    bits = x.float().contiguous().view(torch.int32)
+    high = (bits + noise.view(bits.shape)) >> 16  # arithmetic shift: sign kept, magnitude truncated after the add
+    return high.to(torch.int16).view(torch.bfloat16)
+
+
 def fp16_master_scale(x: torch.Tensor) -> torch.Tensor:
     """Power-of-two multiplier that puts amax(x) in [2**13, 2**14] (1 for an all-zero tensor)."""
     amax = x.abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
@@ -97,12 +127,14 @@ def resolve_master_kind(kind: str, param_dtype: torch.dtype) -> str:
         return "none"
     if kind in _REMAINDER_KINDS and param_dtype != torch.bfloat16:
         return "fp32"
+    if kind == "bf16_stochastic" and param_dtype != torch.bfloat16:
+        return "none"
     return kind
 
 
 def init_master(param: torch.Tensor, kind: str) -> dict[str, torch.Tensor]:
     """The state entries holding the master copy of ``param`` (its local tensor) for a resolved ``kind``."""
-    if kind == "none":
+    if kind in ("none", "bf16_stochastic"):
         return {}
     if kind == "fp32":
         return {"master": param.detach().float().clone()}
@@ -122,7 +154,7 @@ def encode_fp16_master(x32: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def load_master(param: torch.Tensor, state: dict, kind: str) -> torch.Tensor:
     """The float32 master value of ``param`` (a new tensor unless the parameter is float32 itself)."""
-    if kind == "none":
+    if kind in ("none", "bf16_stochastic"):
         return param.detach().float()  # the same tensor for float32 parameters: updated in place
     if kind == "fp32":
         return state["master"]
@@ -147,6 +179,10 @@ def store_master(param: torch.Tensor, state: dict, kind: str, x32: torch.Tensor)
             high, low = split_fp32_int8(x32)
             param.copy_(high)
             state["master_remainder"].copy_(low)
+            return
+        if kind == "bf16_stochastic":
+            noise = rounding_noise(x32.numel(), int(state["step"].item()), x32.device)
+            param.copy_(round_to_bf16_stochastic(x32, noise))
             return
         if kind == "fp16_scaled":
             state.update(encode_fp16_master(x32))

@@ -162,6 +162,30 @@ def test_resume_from_state_dict_reproduces_uninterrupted_losses(preset):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("master", ["bf16_int8_remainder", "bf16_stochastic"])
+def test_resume_with_bf16_weights_reproduces_uninterrupted_losses(master):
+    """bf16 weights: the int8 remainder and the step-derived rounding noise come back from the checkpoint."""
+    data = batches(10, dtype=torch.bfloat16)
+
+    def make(model):
+        return fp8_adamw(model.parameters(), lr=3e-3, master_weights=master, min_quantize_numel=1000)
+
+    model = tiny_model(dtype=torch.bfloat16)
+    uninterrupted = train(model, make(model), data)
+
+    first = tiny_model(dtype=torch.bfloat16)
+    opt1 = make(first)
+    head = train(first, opt1, data[:4])
+    checkpoint = _roundtrip({"model": first.state_dict(), "optimizer": opt1.state_dict()})
+    resumed = tiny_model(seed=99, dtype=torch.bfloat16)
+    opt2 = make(resumed)
+    resumed.load_state_dict(checkpoint["model"])
+    opt2.load_state_dict(checkpoint["optimizer"])
+    assert head + train(resumed, opt2, data[4:]) == uninterrupted
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_loading_with_another_config_is_refused():
     model = tiny_model()
     opt = fp8_adamw(model.parameters(), preset="default")

@@ -186,3 +186,42 @@ def test_remainder_master_keeps_updates_below_a_bf16_ulp():
     assert torch.equal(exact, fp32)  # the same as a float32 master, bit for bit
     assert abs(exact[0].item() - (0.5 + 1000 * 1e-5)) < 1e-4  # and near the float64 sum
     assert torch.equal(plain, torch.full_like(plain, 0.5))  # every update lost without a master
+
+
+def test_rounding_noise_is_uniform_16_bit_and_changes_with_the_step():
+    noise = mw.rounding_noise(1 << 16, step=3)
+    assert noise.dtype == torch.int32 and int(noise.min()) >= 0 and int(noise.max()) < 1 << 16
+    counts = torch.bincount(noise.long() >> 12, minlength=16).double()  # 16 bins of 4096 values, 4096 expected
+    assert ((counts - 4096).abs() < 6 * 64).all()  # within 6 standard deviations (sqrt(4096) = 64)
+    assert torch.equal(noise, mw.rounding_noise(1 << 16, step=3))  # deterministic
+    assert (noise != mw.rounding_noise(1 << 16, step=4)).double().mean() > 0.99
+
+
+def test_stochastic_bf16_rounding_is_unbiased_against_float64():
+    """x = a bf16 value + a quarter ulp: rounds to one of its two bf16 neighbours, up about 1/4 of the time."""
+    n = 1 << 16
+    base = torch.tensor([1.5, -0.375, 1.5 * 2.0**-66], dtype=torch.float64)  # bf16 values
+    ulp = torch.ldexp(torch.ones_like(base), torch.frexp(base)[1] - 8)
+    for b, u in zip(base, ulp):
+        x = torch.full((n,), (b + torch.sign(b) * u / 4).item(), dtype=torch.float32)
+        assert x[0].double() == b + torch.sign(b) * u / 4  # exactly representable in float32
+        rounded = mw.round_to_bf16_stochastic(x, mw.rounding_noise(n, step=1)).double()
+        up = rounded.abs() > abs(b)
+        assert torch.equal(rounded[up].abs().unique(), (abs(b) + u).reshape(1))
+        assert torch.equal(rounded[~up].abs().unique(), abs(b).reshape(1))
+        assert abs(up.double().mean().item() - 0.25) < 0.01
+        assert torch.equal(torch.sign(rounded), torch.sign(x.double()))
+
+
+def test_stochastic_rounding_accumulates_updates_below_half_a_bf16_ulp():
+    """200 updates of 2**-11 (1/8 ulp) on 0.5: nearest rounding keeps none, stochastic keeps them on average."""
+    param = torch.full((4096,), 0.5, dtype=torch.bfloat16)
+    state = {"step": torch.tensor(0.0)}
+    assert mw.init_master(param, "bf16_stochastic") == {}
+    for _ in range(200):
+        state["step"] += 1
+        master = mw.load_master(param, state, "bf16_stochastic")
+        mw.store_master(param, state, "bf16_stochastic", master.add_(2.0**-11))
+    expected = 0.5 + 200 * 2.0**-11
+    assert abs(param.double().mean().item() - expected) < 0.002 * expected
+    assert mw.resolve_master_kind("bf16_stochastic", torch.float16) == "none"
