@@ -7,7 +7,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 
-from fp8_lightning.optim import FP8Optimizer
+from fp8_lightning.optim import PRESETS, FP8Optimizer
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
@@ -24,6 +24,6 @@ def test_fp8_adamw_config_builds_the_wrapper(tmp_path):
     model = torch.nn.Linear(128, 64)
     optimizer = factory(params=model.parameters())
     assert isinstance(optimizer, FP8Optimizer) and isinstance(optimizer.optimizer, torch.optim.AdamW)
-    assert optimizer.config.exp_avg_sq.transform == "sqrt"  # the max_savings preset
+    assert optimizer.config == PRESETS["max_savings"] and optimizer.config != PRESETS["default"]
     assert optimizer.param_groups[0]["betas"] == (0.9, 0.95)
     assert optimizer.param_groups[0]["weight_decay"] == cfg.optimizer.weight_decay
