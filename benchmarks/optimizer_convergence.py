@@ -6,7 +6,9 @@ validation windows) and differs only in how the AdamW states are stored:
 * ``fp32``        -- ``torch.optim.AdamW`` (float32 moments): the reference;
 * ``default``     -- ``FP8Optimizer(AdamW, "default")``: m in E4M3, sqrt(v) in E4M3, per-block (128) scales,
   bf16 weights get a 16-bit master (int8 remainder);
-* ``max_savings`` -- ``FP8Optimizer(AdamW, "max_savings")``: the same moments, no master copy;
+* ``max_savings`` -- ``FP8Optimizer(AdamW, "max_savings")``: the same moments, no master copy, bf16 weights
+  rounded stochastically (``max_savings_stochastic`` names the same explicitly; ``max_savings_nearest`` rounds
+  to nearest, which is what ``max_savings`` did before 2026-11-22 06:00 UTC);
 * ``fp16_v_exact_master`` -- the earlier default: v in FP16 (per-block scales) and an exact float32 master
   (int16 remainder) for bf16 weights.
 
@@ -54,6 +56,7 @@ RUNS = {
     "default_released": ("default", {"release": True}),
     # no master copy, but bf16 weights rounded stochastically (zero extra bytes)
     "max_savings_stochastic": ("max_savings", {"master_weights": "bf16_stochastic"}),
+    "max_savings_nearest": ("max_savings", {"master_weights": "param"}),
     "max_savings": ("max_savings", {}),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

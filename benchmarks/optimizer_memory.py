@@ -50,7 +50,7 @@ SCENARIOS = [
     ("fp32 preset, bf16 weights + fp32 master (classic mixed precision)", torch.bfloat16, "fp32", {}),
     ("default, fp32 weights", torch.float32, "default", {}),
     ("default, bf16 weights (+ int8 remainder = 16-bit master)", torch.bfloat16, "default", {}),
-    ("max_savings, bf16 weights (no master)", torch.bfloat16, "max_savings", {}),
+    ("max_savings, bf16 weights (no master, stochastic rounding)", torch.bfloat16, "max_savings", {}),
     ("max_savings, fp32 weights", torch.float32, "max_savings", {}),
     ("default, bf16 weights (+ int8 remainder), gradients released in backward", torch.bfloat16, "default",
      {"release": True}),
