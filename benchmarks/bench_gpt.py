@@ -21,8 +21,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
-import copy
 import functools
 import sys
 

@@ -18,7 +18,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 from types import SimpleNamespace
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
 from pathlib import Path
 
 import torch
@@ -44,12 +42,6 @@ class Net(nn.Module):
 def batches(steps: int, rows: int = 64, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(rows, WIDTH, generator=g), torch.randn(rows, OUT, generator=g)) for _ in range(steps)]
-
-
-def free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_gloo(rank: int, world: int, port: int) -> None:

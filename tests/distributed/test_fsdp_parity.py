@@ -18,7 +18,8 @@ One spawn runs every case (process start-up dominates the cost). What each asser
 import pytest
 import torch.multiprocessing as mp
 
-from tests.distributed._workers import RECIPES, free_port, parity_worker
+from tests.distributed._workers import RECIPES, parity_worker
+from tests.ports import free_port
 
 STEPS = 4
 pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")]

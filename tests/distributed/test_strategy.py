@@ -18,7 +18,8 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.distributed._lightning_workers import strategy_worker
-from tests.distributed._workers import batches, free_port, single_run
+from tests.distributed._workers import batches, single_run
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore")]
 

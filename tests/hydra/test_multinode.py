@@ -3,21 +3,15 @@
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from tests.hydra.helpers import REPO
+from tests.ports import free_port
 
 SCRIPT = REPO / "examples" / "multinode" / "torchrun_fp8_train.sh"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

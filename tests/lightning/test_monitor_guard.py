@@ -9,7 +9,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from fp8_lightning import DivergenceGuard, FP8Precision, FP8StatsMonitor, fp8_state_dict
+from fp8_lightning import DivergenceGuard, FP8Precision, FP8StatsMonitor
 from fp8_lightning.formats import fp8_max
 
 from .user_model import TinyTransformerLM, loader, trainer_kwargs

@@ -1,7 +1,6 @@
 """The per-layer profitability gate: the roofline model, the conversion report, the defaults and overrides."""
 
 import pytest
-import torch
 import torch.nn as nn
 
 from fp8_lightning import FP8Linear, FP8Precision, TensorwiseScaling, convert_to_fp8
