@@ -15,29 +15,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from lightning.fabric.plugins.precision import Precision
 from typing_extensions import override
 
-from fp8_lightning.guard import DivergenceGuard
-from fp8_lightning.lightning.plugin_base import FP8PrecisionMixin, ModuleFilter
-from fp8_lightning.recipes import RecipeLike
+from fp8_lightning.lightning.plugin_base import FP8PrecisionMixin
 
 
 class FP8FabricHooks(FP8PrecisionMixin):
     """The Fabric-specific hooks, independent of which package provides the ``Precision`` base."""
-
-    def __init__(
-        self,
-        recipe: RecipeLike = None,
-        module_filter_fn: ModuleFilter | None = None,
-        dtype: torch.dtype | str | None = None,
-        replace_layers: bool = True,
-        emulate: bool = False,
-        divergence_guard: DivergenceGuard | bool | dict | None = None,
-    ) -> None:
-        super().__init__()
-        self._fp8_setup(recipe, module_filter_fn, dtype, replace_layers, emulate, divergence_guard)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:

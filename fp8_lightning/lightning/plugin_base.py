@@ -84,7 +84,7 @@ class FP8PrecisionMixin:
 
     precision: str = "fp8"
 
-    def _fp8_setup(
+    def __init__(
         self,
         recipe: RecipeLike = None,
         module_filter_fn: ModuleFilter | None = None,
@@ -93,6 +93,7 @@ class FP8PrecisionMixin:
         emulate: bool = False,
         divergence_guard: DivergenceGuard | bool | dict | None = None,
     ) -> None:
+        super().__init__()  # the package's Precision base, next in the MRO
         self.recipe = recipe_from(recipe)
         self.module_filter_fn = module_filter_fn
         self.dtype = parse_dtype(dtype)

@@ -36,8 +36,7 @@ class FP8TrainerHooks(FP8PrecisionMixin):
         divergence_guard: DivergenceGuard | bool | dict | None = None,
         profitability: ProfitabilityLike = "auto",
     ) -> None:
-        super().__init__()
-        self._fp8_setup(recipe, module_filter_fn, dtype, replace_layers, emulate, divergence_guard)
+        super().__init__(recipe, module_filter_fn, dtype, replace_layers, emulate, divergence_guard)
         resolve_gate(profitability)  # fail fast on an invalid value
         self.profitability = profitability
 
