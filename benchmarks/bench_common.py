@@ -48,13 +48,26 @@ def run_folder(suite: str, device: torch.device, out: str | None) -> Path:
     return folder
 
 
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def write_markdown_report(path: str, title: str, script: str, argv: list[str] | None, text: str) -> None:
+    """A markdown result file headed by its command, the CPU machine and the date, then ``text``."""
+    command = " ".join(["python", f"benchmarks/{script}", *(sys.argv[1:] if argv is None else argv)])
+    machine = (f"{os.cpu_count()}-core {platform.machine()} CPU (shared with other jobs), "
+               f"{torch.get_num_threads()} torch thread(s), torch {torch.__version__}, Python {platform.python_version()}")
+    with open(path, "w") as f:
+        f.write(f"# {title}\n\nCommand: `{command}`  \nMachine: {machine}  \nDate: {utc_now()}\n\n{text}")
+
+
 def header(suite: str, device: torch.device, argv: list[str] | None) -> dict:
     args = sys.argv[1:] if argv is None else argv
     return {
         "suite": suite,
         "command": " ".join(["python", f"benchmarks/bench_{suite}.py", *args]),
         "device": device_label(device),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": utc_now(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,

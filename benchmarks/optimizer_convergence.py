@@ -29,11 +29,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
-import os
-import platform
 import sys
 import time
 
@@ -43,6 +40,9 @@ import torch.nn.functional as F
 from fp8_lightning.data import ByteTextDataModule
 from fp8_lightning.models import GPT, warmup_cosine
 from fp8_lightning.optim import FP8Optimizer
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+from bench_common import write_markdown_report  # noqa: E402
 
 # run name -> (FP8Optimizer preset, options); "fp32" is torch AdamW for float32 weights and, for bf16 weights,
 # the classic mixed-precision reference: float32 states and a float32 master copy ("fp32" preset).
@@ -177,14 +177,9 @@ def main(argv=None) -> None:
     text = report(args, results, stats, argv)
     print(text)
     if args.out:
-        command = "python " + " ".join(["benchmarks/optimizer_convergence.py", *(argv or sys.argv[1:])])
-        machine = (f"{os.cpu_count()}-core {platform.machine()} CPU (shared with other jobs), "
-                   f"{torch.get_num_threads()} torch thread(s), torch {torch.__version__}, "
-                   f"Python {platform.python_version()}")
-        date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        with open(args.out, "w") as f:
-            f.write(f"# Optimizer convergence: FP8 states vs float32 AdamW\n\nCommand: `{command}`  \n"
-                    f"Machine: {machine}  \nDate: {date}\n\n{text}")
+        write_markdown_report(
+            args.out, "Optimizer convergence: FP8 states vs float32 AdamW", "optimizer_convergence.py", argv, text
+        )
         with open(args.out.rsplit(".", 1)[0] + ".json", "w") as f:
             json.dump({"args": vars(args), "results": results, "stats": stats}, f, indent=1)
 

@@ -33,16 +33,16 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import os
-import platform
 import sys
 
 import torch
 
 from fp8_lightning.models import GPT
 from fp8_lightning.optim import FP8Optimizer
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+from bench_common import write_markdown_report  # noqa: E402
 
 SCENARIOS = [
     # (label, parameter dtype, preset or None for plain torch AdamW, FP8 options)
@@ -165,13 +165,7 @@ def main(argv=None) -> None:
     text = f"{header}\n\n{table(rows)}\n"
     print(text)
     if args.out:
-        command = "python " + " ".join(["benchmarks/optimizer_memory.py", *(argv or sys.argv[1:])])
-        machine = (f"{os.cpu_count()}-core {platform.machine()} CPU, {torch.get_num_threads()} torch threads, "
-                   f"torch {torch.__version__}, Python {platform.python_version()}")
-        date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        with open(args.out, "w") as f:
-            f.write(f"# Optimizer memory: bytes held per parameter\n\nCommand: `{command}`  \nMachine: {machine}  \n"
-                    f"Date: {date}\n\n{text}")
+        write_markdown_report(args.out, "Optimizer memory: bytes held per parameter", "optimizer_memory.py", argv, text)
 
 
 if __name__ == "__main__":

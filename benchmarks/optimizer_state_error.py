@@ -24,10 +24,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import os
-import platform
 import sys
 
 import torch
@@ -36,6 +33,9 @@ import torch.nn.functional as F
 from fp8_lightning.data import ByteTextDataModule
 from fp8_lightning.models import GPT, warmup_cosine
 from fp8_lightning.optim.state_formats import StateFormat, block_scales, decode, encode, saturating_cast
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+from bench_common import write_markdown_report  # noqa: E402
 
 EPS = 1e-8
 
@@ -141,13 +141,10 @@ def main(argv=None) -> None:
         ""])
     print(text)
     if args.out:
-        command = "python " + " ".join(["benchmarks/optimizer_state_error.py", *(argv or sys.argv[1:])])
-        machine = (f"{os.cpu_count()}-core {platform.machine()} CPU (shared), {torch.get_num_threads()} torch "
-                   f"thread(s), torch {torch.__version__}")
-        date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        with open(args.out, "w") as f:
-            f.write(f"# Optimizer state formats: error on real AdamW states vs float64\n\nCommand: `{command}`  \n"
-                    f"Machine: {machine}  \nDate: {date}\n\n{text}")
+        write_markdown_report(
+            args.out, "Optimizer state formats: error on real AdamW states vs float64", "optimizer_state_error.py",
+            argv, text,
+        )
 
 
 if __name__ == "__main__":
