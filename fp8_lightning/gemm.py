@@ -9,8 +9,8 @@ Backends, chosen per call:
 * ``scaled_mm``: ``torch._scaled_mm`` with per-tensor scales, on CUDA sm89+ (and on CPU when requested with
   ``FP8_LIGHTNING_GEMM=scaled_mm``). CUDA needs K and N divisible by 16; operands are zero-padded when they are
   not (zeros add nothing to a sum).
-* ``float matmul`` (CPU, per-tensor scales, the default there): ``(A @ B.T) * (1/scale_a * 1/scale_b)`` where
-  A and B hold the FP8 codes' exact values in float32. It is the same arithmetic as CPU ``torch._scaled_mm``
+* ``float matmul`` (CPU, per-tensor scales, the default there): ``(A @ B.T) / (scale_a * scale_b) + bias`` in
+  one ``addmm``, where A and B hold the FP8 codes' exact values in float32. It is the same arithmetic as CPU ``torch._scaled_mm``
   (which converts both operands to float32 and multiplies) up to float32 summation order, without its slow
   element-by-element float8 conversion and its operand copies; transposed operands are read in place.
 * ``emulate``: dequantize both operands to float32 and matmul (float32 accumulation). Used for MX block
@@ -130,10 +130,18 @@ def _scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tens
     return out[:, :n].to(out_dtype)
 
 
-def _float_matmul(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
-    """Per-tensor FP8 GEMM on CPU: exact FP8 values in float32, one matmul, one multiply by both inverse scales."""
-    out = a.decoded() @ b.decoded().t()
-    return out.mul_(a.scale.float().reciprocal() * b.scale.float().reciprocal()).to(out_dtype)
+def _float_matmul(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+    """Per-tensor FP8 GEMM on CPU: exact FP8 values in float32 in one ``addmm`` that also applies both inverse
+    scales (as its ``alpha``; reading a CPU scalar costs nothing) and, in float32, adds the bias."""
+    alpha = 1.0 / (a.scale.item() * b.scale.item())
+    fused_bias = bias is not None and bias.dtype == out_dtype == torch.float32
+    start = bias if fused_bias else a.decoded().new_zeros(())
+    out = torch.addmm(start, a.decoded(), b.decoded().t(), beta=1 if fused_bias else 0, alpha=alpha)
+    return out if fused_bias else _add_bias(out.to(out_dtype), bias)
+
+
+def _add_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return out if bias is None else out + bias.to(out.dtype)
 
 
 def native_mx_gemm_support(device: torch.device | str) -> tuple[bool, str]:
@@ -176,8 +184,10 @@ def _emulated(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tenso
     return (a.dequantize(torch.float32) @ b.dequantize(torch.float32).t()).to(out_dtype)
 
 
-def fp8_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, emulate: bool = False) -> torch.Tensor:
-    """``a @ b.T`` for FP8 operands with K last: ``a`` is (M, K), ``b`` is (N, K); returns (M, N)."""
+def fp8_mm(
+    a: Quantized, b: Quantized, out_dtype: torch.dtype, emulate: bool = False, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``a @ b.T (+ bias)`` for FP8 operands with K last: ``a`` is (M, K), ``b`` is (N, K); returns (M, N)."""
     if a.data.shape[-1] != b.data.shape[-1]:
         raise ValueError(f"fp8_mm: K differs: a is {tuple(a.data.shape)}, b is {tuple(b.data.shape)}.")
     if a.kind != b.kind:
@@ -186,12 +196,12 @@ def fp8_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, emulate: bool = F
     if a.kind == "mx":
         block_32 = a.data.shape[-1] == 32 * a.scale.shape[-1]
         if backend != "emulate" and block_32 and native_mx_gemm_support(a.data.device)[0]:
-            return _native_mx_mm(a, b, out_dtype)
+            return _add_bias(_native_mx_mm(a, b, out_dtype), bias)
         if backend != "emulate" and a.data.is_cuda and _registered_mx_gemm() is not None:
-            return _mx_gemm_impl(a, b, out_dtype)
-        return _emulated(a, b, out_dtype)
+            return _add_bias(_mx_gemm_impl(a, b, out_dtype), bias)
+        return _add_bias(_emulated(a, b, out_dtype), bias)
     if backend == "emulate" or (backend == "auto" and not fp8_gemm_support(a.data.device)[0]):
-        return _emulated(a, b, out_dtype)
+        return _add_bias(_emulated(a, b, out_dtype), bias)
     if backend == "auto" and a.data.device.type == "cpu":
-        return _float_matmul(a, b, out_dtype)
-    return _scaled_mm(a, b, out_dtype)
+        return _float_matmul(a, b, out_dtype, bias)
+    return _add_bias(_scaled_mm(a, b, out_dtype), bias)

@@ -41,7 +41,7 @@ from fp8_lightning.autocast import autocast_state
 from fp8_lightning.gemm import check_device, fp8_mm, pad_dim
 from fp8_lightning.quantize import Quantized, quantize_mx_operand
 from fp8_lightning.recipes import MXFP8BlockScaling, Recipe
-from fp8_lightning.scaling import OperandScaling
+from fp8_lightning.scaling import OperandScaling, advance_histories
 
 Observer = Callable[[nn.Module, str, torch.Tensor, Quantized], None]
 
@@ -80,8 +80,7 @@ class LayerScaling:
         return any(s.dirty for s in self.operands.values())
 
     def update(self) -> None:
-        for s in self.operands.values():
-            s.update()
+        advance_histories(list(self.operands.values()))
 
     def step_boundary_passed(self, weight: torch.Tensor) -> bool:
         """True when the weight changed in place (an optimizer step) since the cached cast."""
@@ -130,21 +129,22 @@ class LayerScaling:
 
 
 class _FP8LinearFunction(torch.autograd.Function):
-    """y = x @ W.T on FP8 operands; the three GEMMs are marked by banners below."""
+    """y = x @ W.T + b on FP8 operands; the three GEMMs are marked by banners below. The bias rides in the fprop
+    GEMM (fused on CPU) and its gradient is the output gradient summed over tokens."""
 
     @staticmethod
-    def forward(ctx, x2d, weight, layer, scaling: LayerScaling, record: bool, emulate: bool, out_dtype):
+    def forward(ctx, x2d, weight, bias, layer, scaling: LayerScaling, record: bool, emulate: bool, out_dtype):
         # ------------------------------------------------ fprop ------------------------------------------------
         xq = scaling.cast("input", x2d, record)
         wq, w_col = scaling.weight_operands(weight, record)
         _observe(layer, "input", x2d, xq)
         _observe(layer, "weight", weight, wq)
-        y = fp8_mm(xq, wq, out_dtype, emulate)
+        y = fp8_mm(xq, wq, out_dtype, emulate, bias)
         # Save FP8 copies only: rowwise for per-tensor recipes (transposed in backward), columnwise for MX.
         x_saved = xq if scaling.recipe.per_tensor else scaling.cast_columnwise("input", x2d)
         w_saved = wq if scaling.recipe.per_tensor else w_col
         ctx.save_for_backward(x_saved.data, x_saved.scale, w_saved.data, w_saved.scale)
-        ctx.meta = (layer, scaling, emulate, x2d.dtype, weight.dtype, x2d.shape[0])
+        ctx.meta = (layer, scaling, emulate, x2d.dtype, weight.dtype, None if bias is None else bias.dtype)
         # float32 codes of the cached FP8 weight, when a CPU float GEMM decoded them (the weight cache keeps them
         # for the step anyway): dgrad reuses them instead of decoding the saved bytes again.
         ctx.w_codes = w_saved.codes_f32
@@ -153,13 +153,13 @@ class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         x_data, x_scale, w_data, w_scale = ctx.saved_tensors
-        layer, scaling, emulate, x_dtype, w_dtype, m = ctx.meta
+        layer, scaling, emulate, x_dtype, w_dtype, bias_dtype = ctx.meta
         kind = "tensor" if scaling.recipe.per_tensor else "mx"
         x_saved, w_saved = Quantized(x_data, x_scale, kind), Quantized(w_data, w_scale, kind, ctx.w_codes)
         g = grad_y.contiguous()
         gq = scaling.cast("grad_output", g, record=True)
         _observe(layer, "grad_output", g, gq)
-        grad_x = grad_w = None
+        grad_x = grad_w = grad_bias = None
         # ------------------------------------------------ dgrad ------------------------------------------------
         if ctx.needs_input_grad[0]:
             w_t = w_saved.t() if kind == "tensor" else w_saved  # (K, N)
@@ -170,7 +170,9 @@ class _FP8LinearFunction(torch.autograd.Function):
                 grad_w = fp8_mm(gq.t(), x_saved.t(), w_dtype, emulate)  # (N, M) @ (K, M).T
             else:
                 grad_w = fp8_mm(scaling.cast_columnwise("grad_output", g), x_saved, w_dtype, emulate)
-        return grad_x, grad_w, None, None, None, None, None
+        if ctx.needs_input_grad[2]:
+            grad_bias = g.sum(0).to(bias_dtype)
+        return grad_x, grad_w, grad_bias, None, None, None, None, None
 
 
 def _observe(layer: nn.Module, role: str, x: torch.Tensor, q: Quantized) -> None:
@@ -243,9 +245,10 @@ class FP8Linear(nn.Linear):
             scaling.update()  # no one called update_scales() after the optimizer step: advance locally
         with torch.autocast(device_type, enabled=False):
             x2d = x.reshape(-1, x.shape[-1])
-            y = _FP8LinearFunction.apply(x2d, self.weight, self, scaling, self.training, self.fp8_emulate, out_dtype)
-        y = y.reshape(*x.shape[:-1], y.shape[-1])
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+            y = _FP8LinearFunction.apply(
+                x2d, self.weight, self.bias, self, scaling, self.training, self.fp8_emulate, out_dtype
+            )
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def _runtime_fallback(self, x: torch.Tensor, recipe: Recipe) -> bool:
         if not x.is_floating_point():

@@ -17,7 +17,10 @@ Rules that make it robust in training:
   history advances once per step, in :func:`update_scales`, which also agrees the pending amaxes of all
   data-parallel ranks in *one* coalesced all-reduce, so every rank ends the step with identical scales.
 
-All state is kept in tensors (no host synchronisation on the hot path).
+All state is kept in tensors (no host synchronisation on the hot path). The once-per-step update advances all
+operands of a model together (:func:`advance_histories`: a dozen tensor operations for the whole model rather than
+a dozen per operand), which matters where every small operation costs microseconds: on a CPU, or launching GPU
+kernels.
 """
 
 from __future__ import annotations
@@ -47,11 +50,12 @@ FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def history_amax(amax_history: torch.Tensor, algo: str) -> torch.Tensor:
-    """The amax a delayed scale is computed from: the window's max, or its newest entry (index 0)."""
+    """The amax a delayed scale is computed from: the window's max, or its newest entry (index 0), over the last
+    dimension (one value per history of a batch)."""
     if algo == "max":
-        return amax_history.amax()
+        return amax_history.amax(dim=-1)
     if algo == "most_recent":
-        return amax_history[0]
+        return amax_history[..., 0]
     raise ValueError(f"amax_compute_algo={algo!r} is invalid; allowed: max or most_recent.")
 
 
@@ -73,6 +77,11 @@ def delayed_scale(
     return torch.where(usable, scale, prev_scale.float())
 
 
+def finite_or_zero(x_amax: torch.Tensor) -> torch.Tensor:
+    """The amax with NaN and inf replaced by 0 (an amax is >= 0, inf or NaN): what may enter a history."""
+    return torch.nan_to_num(x_amax, nan=0.0, posinf=0.0)
+
+
 def _fused_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(data, amax)`` from one pass of the Triton cast kernel (CUDA only; a delayed scale is known before the
     cast), or None where the kernels do not apply (CPU always)."""
@@ -81,8 +90,10 @@ def _fused_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tup
 
 
 def roll_history(amax_history: torch.Tensor, new_amax: torch.Tensor) -> torch.Tensor:
-    """Push ``new_amax`` to the front (index 0 is newest) and drop the oldest entry."""
-    return torch.cat([new_amax.reshape(1).to(amax_history.dtype), amax_history[:-1]])
+    """Push ``new_amax`` to the front (index 0 is newest) and drop the oldest entry, along the last dimension
+    (a batch of histories of shape (S, L) takes S new amaxes)."""
+    new = new_amax.reshape(*amax_history.shape[:-1], 1).to(amax_history.dtype)
+    return torch.cat([new, amax_history[..., :-1]], dim=-1)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -103,11 +114,10 @@ class OperandScaling:
         self.scale = torch.ones((), dtype=torch.float32, device=device)
         self.amax_history = torch.zeros(length, dtype=torch.float32, device=device)
         self.pending_amax = torch.zeros((), dtype=torch.float32, device=device)
-        self.observed = torch.zeros((), dtype=torch.float32, device=device)  # 1.0 once seen this step
         self.last_amax = torch.zeros((), dtype=torch.float32, device=device)
         self.nonfinite_count = torch.zeros((), dtype=torch.int64, device=device)
         self.initialized = False
-        self.dirty = False  # host-side mirror of ``observed``: amaxes wait for update()
+        self.dirty = False  # an amax was booked this step and waits for update() ("observed")
         self.casts = 0
         self.generation = 0  # bumped by every update(): cached casts made before it are stale
 
@@ -120,24 +130,32 @@ class OperandScaling:
         """
         self._to(x.device)
         fused = _fused_cast(x, self.scale, self.dtype) if self.delayed and self.initialized else None
-        x_amax = amax(x) if fused is None else fused[1]
-        finite = x_amax < float("inf")  # an amax is >= 0, inf or NaN: one comparison tells (isfinite takes four ops)
-        clean_amax = torch.where(finite, x_amax, 0.0)
-        self.nonfinite_count += ~finite
+        clean_amax = self.book(amax(x) if fused is None else fused[1], record)
+        data = quantize_with_scale(x, self.scale_for(clean_amax), self.dtype) if fused is None else fused[0]
+        return Quantized(data, self.scale, "tensor")
+
+    def book(self, x_amax: torch.Tensor, record: bool) -> torch.Tensor:
+        """Count one use of the operand with amax ``x_amax``; returns the amax with NaN/inf replaced by 0.
+
+        A non-finite amax is counted in ``nonfinite_count`` and never enters the history. ``record`` (training)
+        folds the amax into the step's pending amax (delayed scaling).
+        """
+        clean_amax = finite_or_zero(x_amax)
+        self.nonfinite_count += clean_amax != x_amax
         self.last_amax = x_amax
-        if self.delayed and self.initialized:
-            scale = self.scale
-        else:  # tensorwise, or the first (just-in-time) use of a delayed-scaled tensor
-            scale = self._current_scale(clean_amax)
-            self.scale = scale
-            self.initialized = True
         if self.delayed and record:
             self.pending_amax = torch.maximum(self.pending_amax, clean_amax)
-            self.observed = torch.ones_like(self.observed)
             self.dirty = True
         self.casts += 1
-        data = quantize_with_scale(x, scale, self.dtype) if fused is None else fused[0]
-        return Quantized(data, scale, "tensor")
+        return clean_amax
+
+    def scale_for(self, clean_amax: torch.Tensor) -> torch.Tensor:
+        """The scale of this use: the delayed scale, or the current scale of ``clean_amax`` (tensorwise, and the
+        just-in-time first use of a delayed-scaled tensor), which becomes the operand's scale."""
+        if not (self.delayed and self.initialized):
+            self.scale = self._current_scale(clean_amax)
+            self.initialized = True
+        return self.scale
 
     def _current_scale(self, clean_amax: torch.Tensor) -> torch.Tensor:
         r = self.recipe
@@ -151,29 +169,22 @@ class OperandScaling:
 
     # -- once per optimizer step ----------------------------------------------------------------------------
 
+    @property
+    def observed(self) -> torch.Tensor:
+        """1.0 when an amax was booked this step (what the cross-rank reduction carries), else 0.0."""
+        return torch.tensor(float(self.dirty), device=self.scale.device)
+
     def update(self) -> None:
         """Advance the history with the step's (already reduced) pending amax and recompute the scale."""
-        if not self.delayed:
-            return
-        seen = self.observed > 0
-        rolled = roll_history(self.amax_history, self.pending_amax)
-        self.amax_history = torch.where(seen, rolled, self.amax_history)
-        r = self.recipe
-        new_scale = delayed_scale(
-            self.amax_history, self.scale, fp8_max(self.dtype), r.margin, r.amax_compute_algo, r.power_of_2_scales
-        )
-        self.scale = torch.where(seen, new_scale, self.scale)
-        self.pending_amax = torch.zeros_like(self.pending_amax)
-        self.observed = torch.zeros_like(self.observed)
-        self.dirty = False
-        self.generation += 1
+        advance_histories([self])
 
     # -- persistence ----------------------------------------------------------------------------------------
 
-    _TENSORS = ("scale", "amax_history", "pending_amax", "observed", "last_amax", "nonfinite_count")
+    _TENSORS = ("scale", "amax_history", "pending_amax", "last_amax", "nonfinite_count")
 
     def state_dict(self) -> dict:
         out = {name: getattr(self, name).detach().cpu().clone() for name in self._TENSORS}
+        out["observed"] = self.observed.cpu()
         out["initialized"] = self.initialized
         return out
 
@@ -188,7 +199,7 @@ class OperandScaling:
                 )
             setattr(self, name, value.to(device=device, dtype=getattr(self, name).dtype).clone())
         self.initialized = bool(state["initialized"])
-        self.dirty = bool(self.observed.item() > 0)
+        self.dirty = bool(state["observed"].item() > 0)
 
     def _to(self, device: torch.device) -> None:
         if self.scale.device != device:
@@ -210,14 +221,47 @@ def update_scales(states: Iterable[OperandScaling], group: "dist.ProcessGroup | 
     delayed = [s for s in states if s.delayed]
     if not delayed:
         return 0
-    collectives = 0
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-    if world > 1 and any(s.recipe.reduce_amax for s in delayed):
-        packed = torch.stack([torch.stack([s.pending_amax, s.observed]) for s in delayed])
-        dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
-        collectives = 1
-        for s, row in zip(delayed, packed):
-            s.pending_amax, s.observed = row[0].clone(), row[1].clone()
-    for s in delayed:
-        s.update()
-    return collectives
+    if world == 1 or not any(s.recipe.reduce_amax for s in delayed):
+        advance_histories(delayed)
+        return 0
+    device = delayed[0].pending_amax.device
+    packed = torch.stack([torch.stack([s.pending_amax.to(device), s.observed.to(device)]) for s in delayed])
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    advance_histories(delayed, packed[:, 0], packed[:, 1])
+    return 1
+
+
+def advance_histories(
+    states: list[OperandScaling], pending: torch.Tensor | None = None, observed: torch.Tensor | None = None
+) -> None:
+    """Push each delayed state's pending amax into its history and recompute its scale, all states at once.
+
+    ``pending``/``observed`` (one entry per state) override the states' own values, e.g. after the cross-rank
+    reduction. States that saw no amax this step keep their history and scale. States are batched per
+    (recipe, dtype, device): a handful of tensor operations for a whole model.
+    """
+    groups: dict[tuple, list[int]] = {}
+    for i, s in enumerate(states):
+        if s.delayed:
+            groups.setdefault((s.recipe, s.dtype, s.scale.device, s.amax_history.shape[0]), []).append(i)
+    for (recipe, dtype, device, _), index in groups.items():
+        members = [states[i] for i in index]
+        if pending is None:
+            step_amax = torch.stack([s.pending_amax for s in members])
+            seen = torch.tensor([s.dirty for s in members], device=device)
+        else:
+            rows = torch.tensor(index, device=pending.device)
+            step_amax, seen = pending[rows].to(device), observed[rows].to(device) > 0
+        history = torch.stack([s.amax_history for s in members])
+        prev_scale = torch.stack([s.scale for s in members])
+        history = torch.where(seen.unsqueeze(-1), roll_history(history, step_amax), history)
+        fresh = delayed_scale(
+            history, prev_scale, fp8_max(dtype), recipe.margin, recipe.amax_compute_algo, recipe.power_of_2_scales
+        )
+        scale = torch.where(seen, fresh, prev_scale)
+        zeros = torch.zeros_like(step_amax)
+        for s, h, sc, z in zip(members, history.unbind(0), scale.unbind(0), zeros.unbind(0)):
+            s.amax_history, s.scale, s.pending_amax = h, sc, z
+            s.dirty = False
+            s.generation += 1

@@ -47,7 +47,7 @@ import torch.utils._pytree as pytree
 from fp8_lightning.formats import fp8_dtype
 from fp8_lightning.quantize import E8M0_DTYPE, Quantized, quantize_mx_operand, quantize_with_scale
 from fp8_lightning.recipes import MXFP8BlockScaling, Recipe
-from fp8_lightning.scaling import OperandScaling
+from fp8_lightning.scaling import finite_or_zero
 
 aten = torch.ops.aten
 
@@ -85,36 +85,6 @@ def fp8_all_gather_unsupported_reason(shape: torch.Size | tuple, world_size: int
     if isinstance(recipe, MXFP8BlockScaling) and cols % recipe.block_size:
         return f"in_features={cols} is not divisible by the MX block size {recipe.block_size}"
     return None
-
-
-# --------------------------------------------------------------------------------------------------------
-# Scale bookkeeping for the agreed whole-weight amax (small pure-ish helpers on OperandScaling)
-# --------------------------------------------------------------------------------------------------------
-
-
-def agreed_weight_scale(state: OperandScaling, global_amax: torch.Tensor) -> torch.Tensor:
-    """The per-tensor weight scale for this gather: the delayed scale, or (tensorwise and a delayed first use)
-    the just-in-time scale of the whole weight's amax. Mirrors ``OperandScaling.quantize`` on the full weight."""
-    state._to(global_amax.device)
-    if state.delayed and state.initialized:
-        return state.scale
-    clean = torch.where(torch.isfinite(global_amax), global_amax, torch.zeros_like(global_amax))
-    state.scale = state._current_scale(clean)
-    state.initialized = True
-    return state.scale
-
-
-def record_weight_amax(state: OperandScaling, global_amax: torch.Tensor, record: bool) -> None:
-    """Book a use of the weight with its agreed amax, as ``OperandScaling.quantize`` books a local cast."""
-    finite = torch.isfinite(global_amax)
-    state.nonfinite_count += (~finite).to(torch.int64)
-    state.last_amax = global_amax
-    if state.delayed and record:
-        clean = torch.where(finite, global_amax, torch.zeros_like(global_amax))
-        state.pending_amax = torch.maximum(state.pending_amax, clean)
-        state.observed = torch.ones_like(state.observed)
-        state.dirty = True
-    state.casts += 1
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -186,7 +156,8 @@ class FP8ShardedWeight(torch.Tensor):
             state = module.fp8_scaling(recipe).operands["weight"]
             group = mesh.get_group(mesh.ndim - 1)  # the shard dimension (the last one of an HSDP mesh)
             global_amax = self._amax_sync.global_amax(module, group)
-            scale = agreed_weight_scale(state, global_amax)
+            state._to(global_amax.device)  # the scale of the whole weight, as a local cast would pick it
+            scale = state.scale_for(finite_or_zero(global_amax))
             data = quantize_with_scale(shard, scale, fp8_dtype(recipe.fp8_format))
             return (data.view(torch.uint8),), (recipe, scale, global_amax)
         q = quantize_mx_operand(shard, recipe.block_size, recipe.scale_rounding, fp8_dtype(recipe.fp8_format))
@@ -289,7 +260,7 @@ class FP8GatheredWeight(torch.Tensor):
             w = self._q.dequantize(torch.float32)
             return scaling.cast("weight", w, record), (None if recipe.per_tensor else scaling.cast_columnwise("weight", w))
         if recipe.per_tensor:
-            record_weight_amax(scaling.operands["weight"], self._amax, record)
+            scaling.operands["weight"].book(self._amax, record)  # counted as a local cast counts itself
             return self._q, None
         # rows of the gathered buffer interleave data and scales: make the operands dense for the GEMM
         row = Quantized(self._q.data.contiguous(), self._q.scale.contiguous(), "mx")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fp8_lightning.formats import Format, fp8_emax, fp8_max, fp8_min_normal, fp8_min_subnormal
-from fp8_lightning.quantize import dequantize_with_scale, quantize_with_scale, to_fp8_saturated
+from fp8_lightning.quantize import dequantize_with_scale, fp8_to_float32, quantize_with_scale, to_fp8_saturated
 from tests.core.fp8_reference import decode, finite_table, round_saturate
 
 DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -22,6 +22,23 @@ def test_all_256_patterns_decode_like_the_reference(dtype):
             assert math.isnan(got), code
         else:
             assert got == want, (code, got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fast_cpu_decode_matches_the_reference_bit_for_bit(dtype):
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    finite = [c for c in range(256) if not math.isnan(decode(c, dtype)) and not math.isinf(decode(c, dtype))]
+    # finite codes only: the integer (float16) path; all 256 codes: NaN codes present (the table path for E4M3)
+    for chosen in (finite, list(range(256))):
+        data = codes[chosen].view(dtype)
+        got = fp8_to_float32(data.reshape(-1, 1).repeat(1, 2).t())  # a transposed view stays one
+        assert got.shape == (2, len(chosen)) and not got.is_contiguous()
+        for code, value in zip(chosen, got[0].tolist()):
+            want = decode(code, dtype)
+            if math.isnan(want):
+                assert math.isnan(value), code
+            else:
+                assert value == want and math.copysign(1, value) == math.copysign(1, want), (code, value, want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
