@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from fp8_lightning.quantize import Quantized
+from fp8_lightning.quantize import Quantized, pad_dim
 
 GEMM_ENV = "FP8_LIGHTNING_GEMM"
 EMULATE_ENV = "FP8_LIGHTNING_EMULATE"
@@ -102,19 +102,6 @@ def check_device(device: torch.device | str, emulate: bool = False) -> None:
         )
 
 
-def pad_dim(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
-    """Zero-pad dimension ``dim`` up to a multiple of ``multiple`` (works for float8 via a uint8 view)."""
-    size = t.shape[dim]
-    extra = (-size) % multiple
-    if extra == 0:
-        return t
-    dim = dim % t.dim()
-    pad = [0, 0] * (t.dim() - 1 - dim) + [0, extra]
-    if t.dtype.itemsize == 1 and t.is_floating_point():
-        return F.pad(t.view(torch.uint8), pad).view(t.dtype)  # 0x00 is +0.0 in every float8 format
-    return F.pad(t, pad)
-
-
 def _scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
     n = b.data.shape[0]
     a_data = pad_dim(a.data.contiguous(), -1, LAYOUT_MULTIPLE)  # row-major a, column-major b.T
@@ -135,8 +122,8 @@ def _float_matmul(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torc
     scales (as its ``alpha``; reading a CPU scalar costs nothing) and, in float32, adds the bias."""
     alpha = 1.0 / (a.scale.item() * b.scale.item())
     fused_bias = bias is not None and bias.dtype == out_dtype == torch.float32
-    start = bias if fused_bias else a.decoded().new_zeros(())
-    out = torch.addmm(start, a.decoded(), b.decoded().t(), beta=1 if fused_bias else 0, alpha=alpha)
+    a32, b32 = a.gemm_f32(), b.gemm_f32()
+    out = torch.addmm(bias if fused_bias else a32.new_zeros(()), a32, b32.t(), beta=int(fused_bias), alpha=alpha)
     return out if fused_bias else _add_bias(out.to(out_dtype), bias)
 
 
@@ -161,7 +148,7 @@ def swizzle_mx_scales(scale: torch.Tensor) -> torch.Tensor:
     Rows are padded to 128 and scale columns to 4 (with zero bytes); each 128x4 tile becomes 32x16 with the scale
     of (row r, column c) at ``tile * 512 + (r % 32) * 16 + (r // 32) * 4 + c``, tiles in row-major order.
     """
-    padded = pad_dim(pad_dim(scale.view(torch.uint8), 0, 128), 1, 4)
+    padded = pad_dim(pad_dim(scale.contiguous().view(torch.uint8), 0, 128), 1, 4)
     row_tiles, col_tiles = padded.shape[0] // 128, padded.shape[1] // 4
     tiles = padded.view(row_tiles, 128, col_tiles, 4).permute(0, 2, 1, 3)  # (tile_r, tile_c, 128, 4)
     swizzled = tiles.reshape(-1, 4, 32, 4).transpose(1, 2)  # row r = 32 * i + j goes to (j, i)
@@ -181,6 +168,8 @@ def _native_mx_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.T
 
 
 def _emulated(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+    if a.kind == "mx":  # dequantized values, kept on the operands for their other GEMMs
+        return (a.gemm_f32() @ b.gemm_f32().t()).to(out_dtype)
     return (a.dequantize(torch.float32) @ b.dequantize(torch.float32).t()).to(out_dtype)
 
 

@@ -38,8 +38,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fp8_lightning.autocast import autocast_state
-from fp8_lightning.gemm import check_device, fp8_mm, pad_dim
-from fp8_lightning.quantize import Quantized, quantize_mx_operand
+from fp8_lightning.gemm import check_device, fp8_mm
+from fp8_lightning.quantize import Quantized, quantize_mx_columns, quantize_mx_operand
 from fp8_lightning.recipes import MXFP8BlockScaling, Recipe
 from fp8_lightning.scaling import OperandScaling, advance_histories
 
@@ -98,8 +98,7 @@ class LayerScaling:
     def cast_columnwise(self, role: str, x: torch.Tensor) -> Quantized:
         """MX copy of ``x.T`` quantized along x's first dimension (zero-padded to whole blocks)."""
         dtype = self.backward_dtype if role == "grad_output" else self.forward_dtype
-        xt = pad_dim(x.t(), -1, self.recipe.block_size)
-        return quantize_mx_operand(xt, self.recipe.block_size, self.recipe.scale_rounding, dtype)
+        return quantize_mx_columns(x, self.recipe.block_size, self.recipe.scale_rounding, dtype)
 
     def weight_operands(self, weight: torch.Tensor, record: bool) -> tuple[Quantized, Quantized | None]:
         """(rowwise W, columnwise W for MX) cast once per weight version and scale generation."""
@@ -145,9 +144,9 @@ class _FP8LinearFunction(torch.autograd.Function):
         w_saved = wq if scaling.recipe.per_tensor else w_col
         ctx.save_for_backward(x_saved.data, x_saved.scale, w_saved.data, w_saved.scale)
         ctx.meta = (layer, scaling, emulate, x2d.dtype, weight.dtype, None if bias is None else bias.dtype)
-        # float32 codes of the cached FP8 weight, when a CPU float GEMM decoded them (the weight cache keeps them
-        # for the step anyway): dgrad reuses them instead of decoding the saved bytes again.
-        ctx.w_codes = w_saved.codes_f32
+        # the cached FP8 weight in float32, when a CPU float GEMM made it (the weight cache keeps it for the step
+        # anyway): dgrad reuses it instead of decoding the saved bytes again.
+        ctx.w_f32 = w_saved.f32
         return y
 
     @staticmethod
@@ -155,7 +154,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         x_data, x_scale, w_data, w_scale = ctx.saved_tensors
         layer, scaling, emulate, x_dtype, w_dtype, bias_dtype = ctx.meta
         kind = "tensor" if scaling.recipe.per_tensor else "mx"
-        x_saved, w_saved = Quantized(x_data, x_scale, kind), Quantized(w_data, w_scale, kind, ctx.w_codes)
+        x_saved, w_saved = Quantized(x_data, x_scale, kind), Quantized(w_data, w_scale, kind, ctx.w_f32)
         g = grad_y.contiguous()
         gq = scaling.cast("grad_output", g, record=True)
         _observe(layer, "grad_output", g, gq)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 
 from fp8_lightning.formats import Format, fp8_dtype, fp8_emax, fp8_max
 
@@ -182,30 +183,26 @@ def dequantize_tensorwise(
 # --------------------------------------------------------------------------------------------------------
 
 
-def floor_log2(x: torch.Tensor) -> torch.Tensor:
-    """Exact ``floor(log2(x))`` for positive finite float32 x, as int32 (frexp: x = m * 2**e, m in [0.5, 1))."""
-    _, exponent = torch.frexp(x.float())
-    return exponent - 1
-
-
 def mx_shared_exponent(block_amax: torch.Tensor, dtype: torch.dtype, scale_rounding: str) -> torch.Tensor:
     """The E8M0 exponent of each block's scale (int32), clamped to [-127, 127].
 
     ``floor``: ``floor(log2(amax)) - emax`` (OCP MX v1.0); values up to ``2**(emax+1)`` then saturate.
     ``rceil``: the smallest ``e`` with ``amax / 2**e <= fp8_max`` (no value of the block saturates).
     A block whose amax is 0 gets the smallest scale, 2**-127.
+
+    Both come exactly from ``frexp`` (amax = f * 2**E, f in [0.5, 1)): floor is ``E - 1 - emax``, and amax / 2**floor
+    = 2f * 2**emax exceeds fp8_max exactly when f > fp8_max / 2**(emax+1) (0.875 for E4M3 and E5M2), where rceil
+    takes the next binade.
     """
     if scale_rounding not in ("floor", "rceil"):
         raise ValueError(f"scale_rounding={scale_rounding!r} is invalid; allowed: rceil or floor.")
     amax_f = block_amax.float()
     positive = amax_f > 0
-    safe = torch.where(positive, amax_f, torch.ones_like(amax_f))
-    exp = floor_log2(safe) - fp8_emax(dtype)
+    fraction, exponent = torch.frexp(torch.where(positive, amax_f, 1.0))
+    exp = exponent - (1 + fp8_emax(dtype))
     if scale_rounding == "rceil":
-        # amax / 2**exp lies in [2**emax, 2**(emax+1)); step up one binade where it exceeds fp8_max.
-        exp = exp + (times_power_of_2(safe, -exp) > fp8_max(dtype)).to(exp.dtype)
-    exp = torch.where(positive, exp, torch.full_like(exp, E8M0_MIN_EXP))
-    return exp.clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)
+        exp += fraction > fp8_max(dtype) / 2.0 ** (fp8_emax(dtype) + 1)
+    return torch.where(positive, exp, E8M0_MIN_EXP).clamp_(E8M0_MIN_EXP, E8M0_MAX_EXP)
 
 
 def exponent_to_e8m0(exp: torch.Tensor, nan_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -248,29 +245,50 @@ def quantize_mxfp8(
         rows, _ = kernels.mx_quantize(x.detach().reshape(-1, k), block_size, scale_rounding, dtype)
         return rows.data.reshape(x.shape), rows.scale.reshape(*x.shape[:-1], k // block_size)
     blocks = x.float().reshape(*x.shape[:-1], k // block_size, block_size)
-    block_amax = blocks.abs().amax(dim=-1)
+    data, scale = _quantize_blocks(blocks, -1, scale_rounding, dtype)
+    return data.reshape(x.shape), scale
+
+
+def _quantize_blocks(blocks: torch.Tensor, axis: int, scale_rounding: str, dtype: torch.dtype):
+    """(data shaped like ``blocks``, E8M0 scales) for float32 ``blocks`` whose dimension ``axis`` holds one block."""
+    block_amax = blocks.abs().amax(dim=axis)
     exp = mx_shared_exponent(block_amax, dtype, scale_rounding)
-    data = to_fp8_saturated(times_power_of_2(blocks, -exp.unsqueeze(-1)), dtype).reshape(x.shape)
+    data = to_fp8_saturated(times_power_of_2(blocks, (-exp).unsqueeze(axis)), dtype)
     return data, exponent_to_e8m0(exp, nan_mask=torch.isnan(block_amax))
 
 
-def dequantize_mxfp8(
-    data: torch.Tensor,
-    scale: torch.Tensor,
-    out_dtype: torch.dtype = torch.float32,
-    codes_f32: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Inverse of :func:`quantize_mxfp8`: ``data * scale`` with each scale repeated over its block.
+def quantize_mx_columns(x: torch.Tensor, block_size: int, scale_rounding: str, dtype: torch.dtype) -> "Quantized":
+    """The MX operand of ``x.T`` for a 2-D ``x`` (M, K): blocks run along M, which is zero-padded to whole blocks.
 
-    ``codes_f32`` may carry ``data.float()`` when the caller already has it (saves the decode)."""
+    Its data is (K, M_pad) and its scales (K, M_pad // block_size). Without the Triton kernels both are transposed
+    views of tensors quantized in ``x``'s own layout (no transposed copy of ``x`` is made); the GEMMs read them as
+    they are or copy them where a layout demands it.
+    """
+    padded = pad_dim(x, 0, block_size)
+    kernels = cuda_kernels(x)
+    if kernels is not None and block_size in kernels.MX_BLOCK_SIZES and x.numel() > 0:
+        return kernels.mx_quantize(x.detach(), block_size, scale_rounding, dtype, rowwise=False, columnwise=True)[1]
+    m, k = padded.shape
+    blocks = padded.detach().float().reshape(m // block_size, block_size, k)
+    data, scale = _quantize_blocks(blocks, 1, scale_rounding, dtype)
+    return Quantized(data.reshape(m, k).t(), scale.t(), "mx")
+
+
+def dequantize_mxfp8(data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_mxfp8`: ``data * scale`` with each scale repeated over its block (along the last
+    dimension). The transposed views made by :func:`quantize_mx_columns` are decoded in their base layout."""
     k, n_blocks = data.shape[-1], scale.shape[-1]
     if n_blocks == 0 or k % n_blocks != 0 or scale.shape[:-1] != data.shape[:-1]:
         raise ValueError(
             f"dequantize_mxfp8: scale shape {tuple(scale.shape)} does not match data shape {tuple(data.shape)}."
         )
     block_size = k // n_blocks
-    codes = fp8_to_float32(data) if codes_f32 is None else codes_f32
-    blocks = codes.reshape(*data.shape[:-1], n_blocks, block_size)
+    if data.dim() == 2 and not data.is_contiguous() and data.t().is_contiguous():  # blocks run down base's rows
+        base = data.t()
+        blocks = fp8_to_float32(base).view(n_blocks, block_size, base.shape[1])
+        values = blocks * e8m0_to_float(scale.t()).unsqueeze(1)
+        return values.view(base.shape).to(out_dtype).t()
+    blocks = fp8_to_float32(data).reshape(*data.shape[:-1], n_blocks, block_size)
     return (blocks * e8m0_to_float(scale).unsqueeze(-1)).reshape(data.shape).to(out_dtype)
 
 
@@ -290,18 +308,20 @@ class Quantized:
     data: torch.Tensor
     scale: torch.Tensor
     kind: str = "tensor"
-    # float32 values of ``data`` (the codes, before any scale), decoded once on first use by a float GEMM
-    codes_f32: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
+    # The float32 matrix a CPU float GEMM multiplies, made on first use and kept for the operand's other GEMMs: the
+    # codes' exact values for per-tensor scaling (the scales multiply the product), the dequantized values for MX.
+    f32: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
 
-    def decoded(self) -> torch.Tensor:
-        """``data.float()`` (exact), decoded on first call and kept for the operand's other GEMMs."""
-        if self.codes_f32 is None:
-            self.codes_f32 = fp8_to_float32(self.data)
-        return self.codes_f32
+    def gemm_f32(self) -> torch.Tensor:
+        """The operand in float32 for a float GEMM (see ``f32``), made on the first call."""
+        if self.f32 is None:
+            self.f32 = fp8_to_float32(self.data) if self.kind == "tensor" else dequantize_mxfp8(self.data, self.scale)
+        return self.f32
 
     def dequantize(self, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.kind == "mx":
-            return dequantize_mxfp8(self.data, self.scale, out_dtype, codes_f32=self.codes_f32)
+            values = self.f32 if self.f32 is not None else dequantize_mxfp8(self.data, self.scale)
+            return values.to(out_dtype)
         return dequantize_with_scale(self.data, self.scale, out_dtype)
 
     def t(self) -> "Quantized":
@@ -309,8 +329,7 @@ class Quantized:
         MX operands cannot be transposed: their block scales follow K, so quantize the high-precision tensor."""
         if self.kind == "mx":
             raise ValueError("An MX operand cannot be transposed: quantize the high-precision tensor along K.")
-        codes = None if self.codes_f32 is None else self.codes_f32.t()
-        return Quantized(self.data.t(), self.scale, self.kind, codes)
+        return Quantized(self.data.t(), self.scale, self.kind, None if self.f32 is None else self.f32.t())
 
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()
@@ -319,6 +338,19 @@ class Quantized:
 def quantize_mx_operand(x: torch.Tensor, block_size: int, scale_rounding: str, dtype: torch.dtype) -> Quantized:
     data, scale = quantize_mxfp8(x, block_size=block_size, scale_rounding=scale_rounding, fp8_format=dtype)
     return Quantized(data, scale, "mx")
+
+
+def pad_dim(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    """Zero-pad dimension ``dim`` up to a multiple of ``multiple`` (works for float8 via a uint8 view)."""
+    size = t.shape[dim]
+    extra = (-size) % multiple
+    if extra == 0:
+        return t
+    dim = dim % t.dim()
+    pad = [0, 0] * (t.dim() - 1 - dim) + [0, extra]
+    if t.dtype.itemsize == 1 and t.is_floating_point():
+        return F.pad(t.view(torch.uint8), pad).view(t.dtype)  # 0x00 is +0.0 in every float8 format
+    return F.pad(t, pad)
 
 
 def _check_floating(x: torch.Tensor, what: str) -> None:

@@ -196,9 +196,8 @@ def mx_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype = torch.bfloat16)
     ok, reason = mx_gemm_supported(a, b, out_dtype)
     if not ok:
         raise ValueError(f"fp8_lightning.kernels.mx_gemm: {reason}. Use fp8_lightning.fp8_mm (it emulates).")
-    return _ops().mx_gemm(
-        a.data, a.scale.view(torch.uint8), b.data, b.scale.view(torch.uint8), out_dtype
-    )
+    dense = [t.contiguous() for t in (a.data, a.scale.view(torch.uint8), b.data, b.scale.view(torch.uint8))]
+    return _ops().mx_gemm(*dense, out_dtype)
 
 
 def _core_mx_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fp8_lightning import dequantize_mxfp8, dequantize_tensorwise, quantize_mxfp8, quantize_tensorwise
-from fp8_lightning.quantize import e8m0_to_float
+from fp8_lightning.quantize import e8m0_to_float, pad_dim, quantize_mx_columns
 from tests.core.fp8_reference import round_saturate
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -105,3 +105,19 @@ def test_mx_shape_errors_say_what_to_do():
     d, s = quantize_mxfp8(torch.randn(4, 64))
     with pytest.raises(ValueError, match="does not match"):
         dequantize_mxfp8(d, s[:2])
+
+
+@pytest.mark.parametrize("rounding", ["rceil", "floor"])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_columnwise_mx_operand_equals_quantizing_the_padded_transpose(rounding, dtype):
+    x = torch.randn(70, 96) * torch.logspace(-4, 4, 96)  # 70 rows: zero-padded to 96 along the blocks
+    x[32:64, 7] = 0.0  # an all-zero block
+    x[3, 9] = float("nan")  # a NaN block
+    col = quantize_mx_columns(x, 32, rounding, dtype)
+    want_data, want_scale = quantize_mxfp8(pad_dim(x.t().contiguous(), -1, 32), scale_rounding=rounding, fp8_format=dtype)
+    assert col.data.shape == (96, 96) and col.scale.shape == (96, 3)
+    assert torch.equal(col.data.contiguous().view(torch.uint8), want_data.view(torch.uint8))
+    assert torch.equal(col.scale.contiguous().view(torch.uint8), want_scale.view(torch.uint8))
+    want = dequantize_mxfp8(want_data, want_scale)
+    torch.testing.assert_close(col.dequantize(), want, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(col.gemm_f32(), want, rtol=0, atol=0, equal_nan=True)  # what a CPU GEMM multiplies
