@@ -73,16 +73,6 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     return x.detach().abs().amax().float()
 
 
-def times_power_of_2(x: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
-    """``x * 2**exponent`` (``torch.ldexp``), for float32 ``x`` and integer exponents in [-149, 127].
-
-    ``torch.pow(2.0, e)`` is exact for those exponents, so the product is the same correctly rounded value
-    ``torch.ldexp`` gives; it avoids ``ldexp``'s slow CPU path (about 20x slower when ``exponent`` broadcasts
-    over a block of ``x``).
-    """
-    return x * torch.pow(2.0, exponent)
-
-
 def round_scale_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
     """Largest power of two <= scale (exact, via frexp); keeps x*scale within range after rounding down."""
     mantissa, exponent = torch.frexp(scale)
@@ -196,28 +186,45 @@ def mx_shared_exponent(block_amax: torch.Tensor, dtype: torch.dtype, scale_round
     """
     if scale_rounding not in ("floor", "rceil"):
         raise ValueError(f"scale_rounding={scale_rounding!r} is invalid; allowed: rceil or floor.")
-    amax_f = block_amax.float()
-    positive = amax_f > 0
-    fraction, exponent = torch.frexp(torch.where(positive, amax_f, 1.0))
+    # 0 and NaN become the smallest subnormal, whose exponent is clamped up to -127 below like any tiny amax's.
+    amax_f = torch.nan_to_num(block_amax.float(), nan=_SMALLEST_SUBNORMAL, posinf=float("inf"))
+    fraction, exponent = torch.frexp(amax_f.clamp_(min=_SMALLEST_SUBNORMAL))
     exp = exponent - (1 + fp8_emax(dtype))
     if scale_rounding == "rceil":
         exp += fraction > fp8_max(dtype) / 2.0 ** (fp8_emax(dtype) + 1)
-    return torch.where(positive, exp, E8M0_MIN_EXP).clamp_(E8M0_MIN_EXP, E8M0_MAX_EXP)
+    return exp.clamp_(E8M0_MIN_EXP, E8M0_MAX_EXP)
+
+
+_SMALLEST_SUBNORMAL = 2.0**-149
 
 
 def exponent_to_e8m0(exp: torch.Tensor, nan_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Encode int exponents as E8M0 bytes (biased by 127); ``nan_mask`` marks blocks that hold NaN."""
     biased = (exp + E8M0_BIAS).to(torch.uint8)
     if nan_mask is not None:
-        biased = torch.where(nan_mask, torch.full_like(biased, 255), biased)
+        biased = biased.masked_fill(nan_mask, 255)
     return biased.view(E8M0_DTYPE)
+
+
+_E8M0_TABLES: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _e8m0_lookup(scale: torch.Tensor, sign: int) -> torch.Tensor:
+    """``2**(sign * (byte - 127))`` for each E8M0 byte of ``scale``, exactly, from a 256-entry float32 table (byte
+    255 is NaN). One gather instead of the handful of small operations the formula takes."""
+    key = (scale.device, sign)
+    if key not in _E8M0_TABLES:
+        exponents = torch.arange(256, dtype=torch.float64) - E8M0_BIAS
+        table = torch.pow(2.0, sign * exponents).float()  # exact: 2**-127 and 2**127 are float32 values
+        table[255] = float("nan")
+        _E8M0_TABLES[key] = table.to(scale.device)
+    flat = scale.view(torch.uint8).reshape(-1).to(torch.int64)
+    return _E8M0_TABLES[key].index_select(0, flat).view(scale.shape)
 
 
 def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
     """Decode E8M0 scales to float32 exactly (2**-127 included, byte 255 is NaN)."""
-    biased = scale.view(torch.uint8).to(torch.int32)
-    value = torch.pow(2.0, biased - E8M0_BIAS).float()  # exact; 2**128 (byte 255) is inf, NaN below
-    return torch.where(biased == 255, torch.full_like(value, float("nan")), value)
+    return _e8m0_lookup(scale, 1)
 
 
 def quantize_mxfp8(
@@ -253,7 +260,7 @@ def _quantize_blocks(blocks: torch.Tensor, axis: int, scale_rounding: str, dtype
     """(data shaped like ``blocks``, E8M0 scales) for float32 ``blocks`` whose dimension ``axis`` holds one block."""
     block_amax = blocks.abs().amax(dim=axis)
     exp = mx_shared_exponent(block_amax, dtype, scale_rounding)
-    data = to_fp8_saturated(times_power_of_2(blocks, (-exp).unsqueeze(axis)), dtype)
+    data = to_fp8_saturated(blocks * _e8m0_lookup(exponent_to_e8m0(exp), -1).unsqueeze(axis), dtype)  # x / 2**e
     return data, exponent_to_e8m0(exp, nan_mask=torch.isnan(block_amax))
 
 
