@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from fp8_lightning.autocast import autocast_state
 from fp8_lightning.gemm import check_device, fp8_mm
-from fp8_lightning.quantize import Quantized, quantize_mx_columns, quantize_mx_operand
+from fp8_lightning.quantize import Quantized, quantize_mx_operands
 from fp8_lightning.recipes import MXFP8BlockScaling, Recipe
 from fp8_lightning.scaling import OperandScaling, advance_histories
 
@@ -88,17 +88,16 @@ class LayerScaling:
 
     # -- casts ------------------------------------------------------------------------------------------------
 
-    def cast(self, role: str, x: torch.Tensor, record: bool) -> Quantized:
-        """Rowwise FP8 copy of a 2-D operand (K last)."""
+    def cast(
+        self, role: str, x: torch.Tensor, record: bool, columnwise: bool = False
+    ) -> tuple[Quantized, Quantized | None]:
+        """FP8 copies of a 2-D operand: rowwise (K last) and, for MX when ``columnwise``, the copy of ``x.T``
+        quantized along x's first dimension (zero-padded to whole blocks), from the same read of ``x``.
+        Per-tensor recipes have no columnwise copy (None): they transpose the rowwise bytes."""
         if self.recipe.per_tensor:
-            return self.operands[role].quantize(x, record)
+            return self.operands[role].quantize(x, record), None
         dtype = self.backward_dtype if role == "grad_output" else self.forward_dtype
-        return quantize_mx_operand(x, self.recipe.block_size, self.recipe.scale_rounding, dtype)
-
-    def cast_columnwise(self, role: str, x: torch.Tensor) -> Quantized:
-        """MX copy of ``x.T`` quantized along x's first dimension (zero-padded to whole blocks)."""
-        dtype = self.backward_dtype if role == "grad_output" else self.forward_dtype
-        return quantize_mx_columns(x, self.recipe.block_size, self.recipe.scale_rounding, dtype)
+        return quantize_mx_operands(x, self.recipe.block_size, self.recipe.scale_rounding, dtype, columnwise)
 
     def weight_operands(self, weight: torch.Tensor, record: bool) -> tuple[Quantized, Quantized | None]:
         """(rowwise W, columnwise W for MX) cast once per weight version and scale generation."""
@@ -109,10 +108,8 @@ class LayerScaling:
         key = (weight._version, weight.data_ptr(), w_state.generation if w_state else 0, weight.device)
         # A cast made in evaluation did not record the amax: the step's first training use casts again.
         if self._weight_cache is None or key != self._weight_key or (record and not self._weight_recorded):
-            w = weight.detach()
-            row = self.cast("weight", w, record)
-            col = None if self.recipe.per_tensor else self.cast_columnwise("weight", w)
-            self._weight_cache, self._weight_key, self._weight_recorded = (row, col), key, record
+            self._weight_cache = self.cast("weight", weight.detach(), record, columnwise=True)
+            self._weight_key, self._weight_recorded = key, record
             self.weight_casts += 1
         return self._weight_cache
 
@@ -134,13 +131,13 @@ class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, weight, bias, layer, scaling: LayerScaling, record: bool, emulate: bool, out_dtype):
         # ------------------------------------------------ fprop ------------------------------------------------
-        xq = scaling.cast("input", x2d, record)
+        xq, x_col = scaling.cast("input", x2d, record, columnwise=True)
         wq, w_col = scaling.weight_operands(weight, record)
         _observe(layer, "input", x2d, xq)
         _observe(layer, "weight", weight, wq)
         y = fp8_mm(xq, wq, out_dtype, emulate, bias)
         # Save FP8 copies only: rowwise for per-tensor recipes (transposed in backward), columnwise for MX.
-        x_saved = xq if scaling.recipe.per_tensor else scaling.cast_columnwise("input", x2d)
+        x_saved = xq if scaling.recipe.per_tensor else x_col
         w_saved = wq if scaling.recipe.per_tensor else w_col
         ctx.save_for_backward(x_saved.data, x_saved.scale, w_saved.data, w_saved.scale)
         ctx.meta = (layer, scaling, emulate, x2d.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -156,7 +153,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         kind = "tensor" if scaling.recipe.per_tensor else "mx"
         x_saved, w_saved = Quantized(x_data, x_scale, kind), Quantized(w_data, w_scale, kind, ctx.w_f32)
         g = grad_y.contiguous()
-        gq = scaling.cast("grad_output", g, record=True)
+        gq, g_col = scaling.cast("grad_output", g, record=True, columnwise=ctx.needs_input_grad[1])
         _observe(layer, "grad_output", g, gq)
         grad_x = grad_w = grad_bias = None
         # ------------------------------------------------ dgrad ------------------------------------------------
@@ -168,7 +165,7 @@ class _FP8LinearFunction(torch.autograd.Function):
             if kind == "tensor":
                 grad_w = fp8_mm(gq.t(), x_saved.t(), w_dtype, emulate)  # (N, M) @ (K, M).T
             else:
-                grad_w = fp8_mm(scaling.cast_columnwise("grad_output", g), x_saved, w_dtype, emulate)
+                grad_w = fp8_mm(g_col, x_saved, w_dtype, emulate)
         if ctx.needs_input_grad[2]:
             grad_bias = g.sum(0).to(bias_dtype)
         return grad_x, grad_w, grad_bias, None, None, None, None, None

@@ -108,7 +108,7 @@ def _decode_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return _DECODE_TABLES[key]
 
 
-def fp8_to_float32(data: torch.Tensor) -> torch.Tensor:
+def fp8_to_float32(data: torch.Tensor, nan_free: bool = False) -> torch.Tensor:
     """``data.float()``, bit for bit, for any tensor; float8 on CPU is decoded with vectorized integer operations.
 
     The CPU cast from float8 converts element by element (about 4 ns each, more than a float32 matmul of the
@@ -118,7 +118,7 @@ def fp8_to_float32(data: torch.Tensor) -> torch.Tensor:
     * E4M3 ``s eeee mmm`` shifted up by 7 bits is the float16 ``s 0eeee mmm0000000``, whose value is the E4M3
       value times 2**-8 (float16's exponent bias is 15, E4M3's 7; the subnormals line up as well). E4M3 has no
       infinity and its NaN codes (0x7F, 0xFF) would decode as 480: data holding them goes through a 256-entry
-      table instead.
+      table instead. ``nan_free=True`` (the caller knows there are none) skips looking for them.
 
     Both give exactly the values of ``data.float()`` several times faster. A transposed 2-D view is decoded
     through its contiguous base and stays a transposed view.
@@ -126,11 +126,11 @@ def fp8_to_float32(data: torch.Tensor) -> torch.Tensor:
     if data.device.type != "cpu" or data.dtype.itemsize != 1 or not data.is_floating_point():
         return data.float()
     if data.dim() == 2 and not data.is_contiguous() and data.t().is_contiguous():
-        return fp8_to_float32(data.t()).t()
+        return fp8_to_float32(data.t(), nan_free).t()
     codes = data.contiguous().view(torch.uint8)
     if data.dtype == torch.float8_e5m2:
         return codes.to(torch.int16).mul_(256).view(torch.float16).float()
-    if data.dtype == torch.float8_e4m3fn and (codes.numel() == 0 or (codes & 0x7F).max() < 0x7F):
+    if data.dtype == torch.float8_e4m3fn and (nan_free or codes.numel() == 0 or (codes & 0x7F).max() < 0x7F):
         sign_extended = codes.view(torch.int8).to(torch.int16)  # bits 15..8 all copy the sign bit
         half = sign_extended.bitwise_left_shift_(7).bitwise_and_(~0x4000)  # drop the copy that lands in bit 14
         return half.view(torch.float16).float().mul_(256.0)
@@ -256,12 +256,31 @@ def quantize_mxfp8(
     return data.reshape(x.shape), scale
 
 
-def _quantize_blocks(blocks: torch.Tensor, axis: int, scale_rounding: str, dtype: torch.dtype):
-    """(data shaped like ``blocks``, E8M0 scales) for float32 ``blocks`` whose dimension ``axis`` holds one block."""
-    block_amax = blocks.abs().amax(dim=axis)
+def _quantize_blocks(
+    blocks: torch.Tensor, axis: int, scale_rounding: str, dtype: torch.dtype, magnitude: torch.Tensor | None = None
+):
+    """(data shaped like ``blocks``, E8M0 scales) for float32 ``blocks`` whose dimension ``axis`` holds one block;
+    ``magnitude`` may carry ``blocks.abs()`` when the caller already has it."""
+    block_amax = (blocks.abs() if magnitude is None else magnitude).amax(dim=axis)
     exp = mx_shared_exponent(block_amax, dtype, scale_rounding)
     data = to_fp8_saturated(blocks * _e8m0_lookup(exponent_to_e8m0(exp), -1).unsqueeze(axis), dtype)  # x / 2**e
     return data, exponent_to_e8m0(exp, nan_mask=torch.isnan(block_amax))
+
+
+def quantize_mx_operands(
+    x: torch.Tensor, block_size: int, scale_rounding: str, dtype: torch.dtype, columnwise: bool = True
+) -> tuple["Quantized", "Quantized | None"]:
+    """The MX operands of a 2-D ``x`` (M, K) from one read: rowwise (blocks along K; K must be a whole number of
+    blocks) and, when ``columnwise``, the operand of ``x.T`` (see :func:`quantize_mx_columns`), else None."""
+    kernels = cuda_kernels(x)
+    if kernels is not None and block_size in kernels.MX_BLOCK_SIZES and x.numel() > 0:
+        return kernels.mx_quantize(x.detach(), block_size, scale_rounding, dtype, rowwise=True, columnwise=columnwise)
+    x32 = x.detach().float()
+    magnitude = x32.abs()  # shared by both block layouts
+    (m, k), blocks = x32.shape, (x32.shape[0], x32.shape[1] // block_size, block_size)
+    data, scale = _quantize_blocks(x32.reshape(blocks), 2, scale_rounding, dtype, magnitude.reshape(blocks))
+    row = Quantized(data.reshape(m, k), scale, "mx")
+    return row, (_mx_columns(x32, magnitude, block_size, scale_rounding, dtype) if columnwise else None)
 
 
 def quantize_mx_columns(x: torch.Tensor, block_size: int, scale_rounding: str, dtype: torch.dtype) -> "Quantized":
@@ -271,13 +290,17 @@ def quantize_mx_columns(x: torch.Tensor, block_size: int, scale_rounding: str, d
     views of tensors quantized in ``x``'s own layout (no transposed copy of ``x`` is made); the GEMMs read them as
     they are or copy them where a layout demands it.
     """
-    padded = pad_dim(x, 0, block_size)
     kernels = cuda_kernels(x)
     if kernels is not None and block_size in kernels.MX_BLOCK_SIZES and x.numel() > 0:
         return kernels.mx_quantize(x.detach(), block_size, scale_rounding, dtype, rowwise=False, columnwise=True)[1]
-    m, k = padded.shape
-    blocks = padded.detach().float().reshape(m // block_size, block_size, k)
-    data, scale = _quantize_blocks(blocks, 1, scale_rounding, dtype)
+    return _mx_columns(x.detach().float(), None, block_size, scale_rounding, dtype)
+
+
+def _mx_columns(x32, magnitude, block_size: int, scale_rounding: str, dtype: torch.dtype) -> "Quantized":
+    padded = pad_dim(x32, 0, block_size)
+    (m, k), blocks = padded.shape, (padded.shape[0] // block_size, block_size, padded.shape[1])
+    magnitude = None if magnitude is None else pad_dim(magnitude, 0, block_size).reshape(blocks)
+    data, scale = _quantize_blocks(padded.reshape(blocks), 1, scale_rounding, dtype, magnitude)
     return Quantized(data.reshape(m, k).t(), scale.t(), "mx")
 
 
@@ -318,11 +341,14 @@ class Quantized:
     # The float32 matrix a CPU float GEMM multiplies, made on first use and kept for the operand's other GEMMs: the
     # codes' exact values for per-tensor scaling (the scales multiply the product), the dequantized values for MX.
     f32: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
+    nan_free: bool = dataclasses.field(default=False, repr=False, compare=False)  # known to hold no NaN code
 
     def gemm_f32(self) -> torch.Tensor:
         """The operand in float32 for a float GEMM (see ``f32``), made on the first call."""
-        if self.f32 is None:
-            self.f32 = fp8_to_float32(self.data) if self.kind == "tensor" else dequantize_mxfp8(self.data, self.scale)
+        if self.f32 is None and self.kind == "tensor":
+            self.f32 = fp8_to_float32(self.data, self.nan_free)
+        elif self.f32 is None:
+            self.f32 = dequantize_mxfp8(self.data, self.scale)
         return self.f32
 
     def dequantize(self, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -336,7 +362,7 @@ class Quantized:
         MX operands cannot be transposed: their block scales follow K, so quantize the high-precision tensor."""
         if self.kind == "mx":
             raise ValueError("An MX operand cannot be transposed: quantize the high-precision tensor along K.")
-        return Quantized(self.data.t(), self.scale, self.kind, None if self.f32 is None else self.f32.t())
+        return Quantized(self.data.t(), self.scale, self.kind, None if self.f32 is None else self.f32.t(), self.nan_free)
 
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()

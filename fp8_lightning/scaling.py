@@ -25,6 +25,7 @@ kernels.
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
@@ -82,6 +83,12 @@ def finite_or_zero(x_amax: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(x_amax, nan=0.0, posinf=0.0)
 
 
+def _known_finite(x_amax: torch.Tensor) -> bool:
+    """Whether ``x_amax`` is known to be finite without a device synchronisation: read on CPU (where reading a
+    scalar costs nothing), never assumed elsewhere."""
+    return x_amax.device.type == "cpu" and math.isfinite(x_amax.item())
+
+
 def _fused_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(data, amax)`` from one pass of the Triton cast kernel (CUDA only; a delayed scale is known before the
     cast), or None where the kernels do not apply (CPU always)."""
@@ -130,18 +137,22 @@ class OperandScaling:
         """
         self._to(x.device)
         fused = _fused_cast(x, self.scale, self.dtype) if self.delayed and self.initialized else None
-        clean_amax = self.book(amax(x) if fused is None else fused[1], record)
+        x_amax = amax(x) if fused is None else fused[1]
+        finite = _known_finite(x_amax)
+        clean_amax = self.book(x_amax, record, finite)
         data = quantize_with_scale(x, self.scale_for(clean_amax), self.dtype) if fused is None else fused[0]
-        return Quantized(data, self.scale, "tensor")
+        return Quantized(data, self.scale, "tensor", nan_free=finite)
 
-    def book(self, x_amax: torch.Tensor, record: bool) -> torch.Tensor:
+    def book(self, x_amax: torch.Tensor, record: bool, finite: bool = False) -> torch.Tensor:
         """Count one use of the operand with amax ``x_amax``; returns the amax with NaN/inf replaced by 0.
 
         A non-finite amax is counted in ``nonfinite_count`` and never enters the history. ``record`` (training)
-        folds the amax into the step's pending amax (delayed scaling).
+        folds the amax into the step's pending amax (delayed scaling). ``finite``: the caller knows the amax is
+        finite (skips the masking).
         """
-        clean_amax = finite_or_zero(x_amax)
-        self.nonfinite_count += clean_amax != x_amax
+        clean_amax = x_amax if finite else finite_or_zero(x_amax)
+        if not finite:
+            self.nonfinite_count += clean_amax != x_amax
         self.last_amax = x_amax
         if self.delayed and record:
             self.pending_amax = torch.maximum(self.pending_amax, clean_amax)

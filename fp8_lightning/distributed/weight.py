@@ -45,7 +45,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fp8_lightning.formats import fp8_dtype
-from fp8_lightning.quantize import E8M0_DTYPE, Quantized, quantize_mx_operand, quantize_with_scale
+from fp8_lightning.quantize import E8M0_DTYPE, Quantized, quantize_mx_columns, quantize_mx_operand, quantize_with_scale
 from fp8_lightning.recipes import MXFP8BlockScaling, Recipe
 from fp8_lightning.scaling import finite_or_zero
 
@@ -258,11 +258,12 @@ class FP8GatheredWeight(torch.Tensor):
         recipe = scaling.recipe
         if recipe != self._recipe:
             w = self._q.dequantize(torch.float32)
-            return scaling.cast("weight", w, record), (None if recipe.per_tensor else scaling.cast_columnwise("weight", w))
+            return scaling.cast("weight", w, record, columnwise=True)
         if recipe.per_tensor:
             scaling.operands["weight"].book(self._amax, record)  # counted as a local cast counts itself
             return self._q, None
         # rows of the gathered buffer interleave data and scales: make the operands dense for the GEMM
         row = Quantized(self._q.data.contiguous(), self._q.scale.contiguous(), "mx")
         # dgrad's columnwise copy, quantized along N from the exactly dequantized gathered weight
-        return row, scaling.cast_columnwise("weight", row.dequantize(torch.float32))
+        values = row.gemm_f32()
+        return row, quantize_mx_columns(values, recipe.block_size, recipe.scale_rounding, row.data.dtype)

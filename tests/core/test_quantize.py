@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fp8_lightning import dequantize_mxfp8, dequantize_tensorwise, quantize_mxfp8, quantize_tensorwise
-from fp8_lightning.quantize import e8m0_to_float, pad_dim, quantize_mx_columns
+from fp8_lightning.quantize import e8m0_to_float, pad_dim, quantize_mx_columns, quantize_mx_operands
 from tests.core.fp8_reference import round_saturate
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -121,3 +121,11 @@ def test_columnwise_mx_operand_equals_quantizing_the_padded_transpose(rounding, 
     want = dequantize_mxfp8(want_data, want_scale)
     torch.testing.assert_close(col.dequantize(), want, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(col.gemm_f32(), want, rtol=0, atol=0, equal_nan=True)  # what a CPU GEMM multiplies
+    # both copies from one read of x: the same bytes as quantizing each layout on its own
+    row, col_too = quantize_mx_operands(x, 32, rounding, dtype)
+    want_row, want_row_scale = quantize_mxfp8(x, scale_rounding=rounding, fp8_format=dtype)
+    assert torch.equal(row.data.view(torch.uint8), want_row.view(torch.uint8))
+    assert torch.equal(row.scale.view(torch.uint8), want_row_scale.view(torch.uint8))
+    assert torch.equal(col_too.data.contiguous().view(torch.uint8), want_data.view(torch.uint8))
+    assert torch.equal(col_too.scale.contiguous().view(torch.uint8), want_scale.view(torch.uint8))
+    assert quantize_mx_operands(x, 32, rounding, dtype, columnwise=False)[1] is None
