@@ -99,11 +99,19 @@ class LayerScaling:
         dtype = self.backward_dtype if role == "grad_output" else self.forward_dtype
         return quantize_mx_operands(x, self.recipe.block_size, self.recipe.scale_rounding, dtype, columnwise)
 
-    def weight_operands(self, weight: torch.Tensor, record: bool) -> tuple[Quantized, Quantized | None]:
-        """(rowwise W, columnwise W for MX) cast once per weight version and scale generation."""
+    def weight_operands(
+        self, weight: torch.Tensor, record: bool, regathered: bool = False
+    ) -> tuple[Quantized, Quantized | None]:
+        """(rowwise W, columnwise W for MX) cast once per weight version and scale generation.
+
+        ``regathered``: the weight was just all-gathered into a reused buffer (FSDP2 in high precision), which
+        keeps its version counter: the cache cannot tell a new step's weight from the last one, so cast afresh.
+        """
         provided = getattr(weight, "fp8_weight_operands", None)  # already FP8 (e.g. gathered in FP8 by FSDP2)
         if provided is not None:
             return provided(self, record)
+        if regathered:
+            self._weight_cache = None
         w_state = self.operands.get("weight")
         key = (weight._version, weight.data_ptr(), w_state.generation if w_state else 0, weight.device)
         # A cast made in evaluation did not record the amax: the step's first training use casts again.
@@ -132,7 +140,8 @@ class _FP8LinearFunction(torch.autograd.Function):
     def forward(ctx, x2d, weight, bias, layer, scaling: LayerScaling, record: bool, emulate: bool, out_dtype):
         # ------------------------------------------------ fprop ------------------------------------------------
         xq, x_col = scaling.cast("input", x2d, record, columnwise=True)
-        wq, w_col = scaling.weight_operands(weight, record)
+        # FSDP2 marks the modules it manages; it refills their gathered weights in place at every forward
+        wq, w_col = scaling.weight_operands(weight, record, getattr(layer, "_is_fsdp_managed_module", False))
         _observe(layer, "input", x2d, xq)
         _observe(layer, "weight", weight, wq)
         y = fp8_mm(xq, wq, out_dtype, emulate, bias)

@@ -10,7 +10,6 @@ from fp8_lightning.distributed.sharding import (
     enable_fp8_all_gather,
     fp8_checkpoint_context,
     is_sharded,
-    refresh_high_precision_gathers,
     shard_model,
     weight_amax_reductions,
 )
@@ -28,7 +27,6 @@ __all__ = [
     "fp8_all_gather_unsupported_reason",
     "fp8_checkpoint_context",
     "is_sharded",
-    "refresh_high_precision_gathers",
     "shard_model",
     "weight_amax_reductions",
 ]

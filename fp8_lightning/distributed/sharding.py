@@ -151,34 +151,7 @@ def shard_model(
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     for root in roots if roots is not None else [model]:
         fully_shard(root, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
-    refresh_high_precision_gathers(model)
     return blocks
-
-
-def _forget_weight_cast(layer: nn.Module, args) -> None:
-    for scaling in layer._fp8_scalings.values():
-        scaling._weight_cache = scaling._weight_key = None
-
-
-def refresh_high_precision_gathers(model: nn.Module) -> list[str]:
-    """Make FP8 layers whose weight FSDP2 gathers in high precision re-cast it at every forward.
-
-    FSDP2 refills the same unsharded buffer at each gather and preserves its version counter, so the layer's
-    per-step FP8 weight cache (keyed on version and address) cannot see that a new step's weight arrived.
-    Returns the names of the layers this applies to (idempotent).
-    """
-    from torch.distributed.tensor import DTensor
-
-    names = []
-    for name, layer in fp8_modules(model):
-        weight = layer.weight
-        if not isinstance(weight, DTensor) or isinstance(weight._local_tensor, FP8ShardedWeight):
-            continue
-        names.append(name)
-        if not getattr(layer, "_fp8_refresh_hook", False):
-            layer.register_forward_pre_hook(_forget_weight_cast)
-            layer._fp8_refresh_hook = True
-    return names
 
 
 def weight_amax_reductions(model: nn.Module) -> int:
@@ -195,7 +168,6 @@ __all__ = [
     "enable_fp8_all_gather",
     "fp8_checkpoint_context",
     "is_sharded",
-    "refresh_high_precision_gathers",
     "shard_model",
     "weight_amax_reductions",
 ]

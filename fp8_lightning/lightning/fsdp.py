@@ -51,7 +51,6 @@ from fp8_lightning.distributed.sharding import (
     disable_fp8_all_gather,
     enable_fp8_all_gather,
     is_sharded,
-    refresh_high_precision_gathers,
     shard_model,
 )
 from fp8_lightning.lightning.plugin_base import parse_dtype
@@ -193,7 +192,6 @@ class FP8FSDPStrategy(ModelParallelStrategy):
         left = disable_fp8_all_gather(module)  # wrapped, but configure_model did not shard them
         if left:
             rank_zero_warn(f"FP8FSDPStrategy: {len(left)} FP8 layer(s) were not sharded and stay replicated: {left}.")
-        refresh_high_precision_gathers(module)
         if self.fp8_all_gather:
             self.all_gather_report = enable_fp8_all_gather(module, self.device_mesh["data_parallel"].size())
             if self.all_gather_report.high_precision:

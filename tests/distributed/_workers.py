@@ -131,6 +131,19 @@ def fsdp_run(
     }
 
 
+def plain_fully_shard_run(recipe, rank: int, world: int, data) -> list[float]:
+    """``fully_shard`` called by hand on a converted model (no shard_model, no strategy), high-precision gathers."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = Net()
+    convert_to_fp8(model, recipe_from(recipe))
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return train_plain(model, data, rank, world)
+
+
 def single_run(recipe, data, momentum: float = 0.0) -> list[float]:
     torch.manual_seed(0)
     model = Net()
@@ -147,6 +160,7 @@ def parity_worker(rank: int, world: int, port: int, steps: int, out: dict) -> No
             "single": single_run(recipe, data),
             "fp8": fsdp_run(recipe, rank, world, data, True),
             "hp": fsdp_run(recipe, rank, world, data, False),
+            "plain_fully_shard": plain_fully_shard_run(recipe, rank, world, data),
         }
     results["bf16_params"] = fsdp_run("tensorwise", rank, world, data, True, torch.bfloat16)  # FP8 + bf16 others
     results["fp8_optimizer"] = {  # FP8 optimizer states, updated through the local shards
