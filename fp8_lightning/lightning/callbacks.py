@@ -77,7 +77,7 @@ def format_table(rows: list[TroubleRow]) -> str:
             f"non-finite in {r.nonfinite_steps} step(s)" if r.nonfinite_steps else "ok")
         lines.append(
             f"{r.layer[-28:]:<28} {r.role:<11} {r.max_overflow:>9.2e} {r.max_underflow:>9.2e} "
-            f"{r.min_headroom_bits:>8.1f}b {r.last_amax:>10.3g}  {status}"
+            f"{round(r.min_headroom_bits, 1) + 0.0:>8.1f}b {r.last_amax:>10.3g}  {status}"  # + 0.0: no "-0.0b"
         )
     return "\n".join(lines)
 
