@@ -10,9 +10,10 @@ Backends, chosen per call:
   ``FP8_LIGHTNING_GEMM=scaled_mm``). CUDA needs K and N divisible by 16; operands are zero-padded when they are
   not (zeros add nothing to a sum).
 * ``float matmul`` (CPU, per-tensor scales, the default there): ``(A @ B.T) / (scale_a * scale_b) + bias`` in
-  one ``addmm``, where A and B hold the FP8 codes' exact values in float32. It is the same arithmetic as CPU ``torch._scaled_mm``
-  (which converts both operands to float32 and multiplies) up to float32 summation order, without its slow
-  element-by-element float8 conversion and its operand copies; transposed operands are read in place.
+  one ``addmm``, where A and B hold the FP8 codes' exact values in float32. It is the same arithmetic as CPU
+  ``torch._scaled_mm`` (which converts both operands to float32 and multiplies) up to float32 summation order,
+  without its slow element-by-element float8 conversion and its operand copies; transposed operands are read in
+  place.
 * ``emulate``: dequantize both operands to float32 and matmul (float32 accumulation). Used for MX block
   scales where no block-scaled GEMM is registered (CPU; CUDA without Triton or with
   ``FP8_LIGHTNING_DISABLE_TRITON=1``), and on request (``FP8_LIGHTNING_GEMM=emulate`` or ``emulate=True``) on

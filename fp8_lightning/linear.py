@@ -153,6 +153,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         # the cached FP8 weight in float32, when a CPU float GEMM made it (the weight cache keeps it for the step
         # anyway): dgrad reuses it instead of decoding the saved bytes again.
         ctx.w_f32 = w_saved.f32
+        ctx.nan_free = (x_saved.nan_free, w_saved.nan_free)
         return y
 
     @staticmethod
@@ -160,7 +161,8 @@ class _FP8LinearFunction(torch.autograd.Function):
         x_data, x_scale, w_data, w_scale = ctx.saved_tensors
         layer, scaling, emulate, x_dtype, w_dtype, bias_dtype = ctx.meta
         kind = "tensor" if scaling.recipe.per_tensor else "mx"
-        x_saved, w_saved = Quantized(x_data, x_scale, kind), Quantized(w_data, w_scale, kind, ctx.w_f32)
+        x_saved = Quantized(x_data, x_scale, kind, nan_free=ctx.nan_free[0])
+        w_saved = Quantized(w_data, w_scale, kind, ctx.w_f32, ctx.nan_free[1])
         g = grad_y.contiguous()
         gq, g_col = scaling.cast("grad_output", g, record=True, columnwise=ctx.needs_input_grad[1])
         _observe(layer, "grad_output", g, gq)

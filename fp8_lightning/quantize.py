@@ -362,7 +362,8 @@ class Quantized:
         MX operands cannot be transposed: their block scales follow K, so quantize the high-precision tensor."""
         if self.kind == "mx":
             raise ValueError("An MX operand cannot be transposed: quantize the high-precision tensor along K.")
-        return Quantized(self.data.t(), self.scale, self.kind, None if self.f32 is None else self.f32.t(), self.nan_free)
+        f32 = None if self.f32 is None else self.f32.t()
+        return Quantized(self.data.t(), self.scale, self.kind, f32, self.nan_free)
 
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()

@@ -114,7 +114,8 @@ def test_columnwise_mx_operand_equals_quantizing_the_padded_transpose(rounding, 
     x[32:64, 7] = 0.0  # an all-zero block
     x[3, 9] = float("nan")  # a NaN block
     col = quantize_mx_columns(x, 32, rounding, dtype)
-    want_data, want_scale = quantize_mxfp8(pad_dim(x.t().contiguous(), -1, 32), scale_rounding=rounding, fp8_format=dtype)
+    padded_t = pad_dim(x.t().contiguous(), -1, 32)
+    want_data, want_scale = quantize_mxfp8(padded_t, scale_rounding=rounding, fp8_format=dtype)
     assert col.data.shape == (96, 96) and col.scale.shape == (96, 3)
     assert torch.equal(col.data.contiguous().view(torch.uint8), want_data.view(torch.uint8))
     assert torch.equal(col.scale.contiguous().view(torch.uint8), want_scale.view(torch.uint8))
