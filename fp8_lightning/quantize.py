@@ -88,12 +88,16 @@ def tensorwise_scale(
     return round_scale_to_power_of_2(scale) if power_of_2 else scale
 
 
-def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``saturate(x * scale)`` in the float8 ``dtype``."""
+def quantize_with_scale(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, saturate: bool = True
+) -> torch.Tensor:
+    """``saturate(x * scale)`` in the float8 ``dtype``. ``saturate=False``: the caller knows no value exceeds the
+    format's range by more than the cast rounds away (the clamp is skipped)."""
     kernels = cuda_kernels(x)
     if kernels is not None and torch.is_tensor(scale) and scale.dtype == torch.float32 and scale.numel() == 1:
         return kernels.cast(x.detach(), scale.to(x.device), dtype, record_amax=False)[0]
-    return to_fp8_saturated(_wide(x) * scale, dtype)
+    scaled = _wide(x) * scale
+    return to_fp8_saturated(scaled, dtype) if saturate else scaled.to(dtype)
 
 
 _DECODE_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}

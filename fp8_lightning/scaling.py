@@ -83,10 +83,9 @@ def finite_or_zero(x_amax: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(x_amax, nan=0.0, posinf=0.0)
 
 
-def _known_finite(x_amax: torch.Tensor) -> bool:
-    """Whether ``x_amax`` is known to be finite without a device synchronisation: read on CPU (where reading a
-    scalar costs nothing), never assumed elsewhere."""
-    return x_amax.device.type == "cpu" and math.isfinite(x_amax.item())
+def _host_value(x_amax: torch.Tensor) -> float | None:
+    """``x_amax`` as a Python float where reading it costs no device synchronisation (CPU), else None."""
+    return x_amax.item() if x_amax.device.type == "cpu" else None
 
 
 def _fused_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -138,10 +137,16 @@ class OperandScaling:
         self._to(x.device)
         fused = _fused_cast(x, self.scale, self.dtype) if self.delayed and self.initialized else None
         x_amax = amax(x) if fused is None else fused[1]
-        finite = _known_finite(x_amax)
+        host_amax = _host_value(x_amax)
+        finite = host_amax is not None and math.isfinite(host_amax)
         clean_amax = self.book(x_amax, record, finite)
-        data = quantize_with_scale(x, self.scale_for(clean_amax), self.dtype) if fused is None else fused[0]
-        return Quantized(data, self.scale, "tensor", nan_free=finite)
+        scale = self.scale_for(clean_amax, host_amax if finite else None)
+        if fused is not None:
+            return Quantized(fused[0], scale, "tensor")
+        # a finite amax known on the host tells whether any value can reach the clamp (the cast rounds values a
+        # hair above fp8_max down to it)
+        in_range = finite and host_amax * scale.item() <= fp8_max(self.dtype) * (1 + 2**-20)
+        return Quantized(quantize_with_scale(x, scale, self.dtype, saturate=not in_range), scale, nan_free=finite)
 
     def book(self, x_amax: torch.Tensor, record: bool, finite: bool = False) -> torch.Tensor:
         """Count one use of the operand with amax ``x_amax``; returns the amax with NaN/inf replaced by 0.
@@ -160,23 +165,26 @@ class OperandScaling:
         self.casts += 1
         return clean_amax
 
-    def scale_for(self, clean_amax: torch.Tensor) -> torch.Tensor:
+    def scale_for(self, clean_amax: torch.Tensor, host_amax: float | None = None) -> torch.Tensor:
         """The scale of this use: the delayed scale, or the current scale of ``clean_amax`` (tensorwise, and the
-        just-in-time first use of a delayed-scaled tensor), which becomes the operand's scale."""
+        just-in-time first use of a delayed-scaled tensor), which becomes the operand's scale. ``host_amax``: the
+        same amax read on the host, when it is known (saves the device-side choice for an all-zero tensor)."""
         if not (self.delayed and self.initialized):
-            self.scale = self._current_scale(clean_amax)
+            self.scale = self._current_scale(clean_amax, host_amax)
             self.initialized = True
         return self.scale
 
-    def _current_scale(self, clean_amax: torch.Tensor) -> torch.Tensor:
+    def _current_scale(self, clean_amax: torch.Tensor, host_amax: float | None = None) -> torch.Tensor:
         r = self.recipe
         if self.delayed:
             return delayed_scale(
                 clean_amax.reshape(1), self.scale, fp8_max(self.dtype), r.margin, "max", r.power_of_2_scales
             )
         assert isinstance(r, TensorwiseScaling)
+        if host_amax == 0.0:
+            return self.scale  # an all-zero tensor keeps the previous scale
         fresh = tensorwise_scale(clean_amax, self.dtype, r.eps, r.power_of_2_scales)
-        return torch.where(clean_amax > 0, fresh, self.scale)
+        return fresh if host_amax is not None else torch.where(clean_amax > 0, fresh, self.scale)
 
     # -- once per optimizer step ----------------------------------------------------------------------------
 

@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from fp8_lightning import DelayedScaling, TensorwiseScaling
+from fp8_lightning.formats import fp8_max
 from fp8_lightning.scaling import FLOAT32_MAX, OperandScaling, delayed_scale, roll_history, update_scales
+
+from tests.core.fp8_reference import round_saturate
 
 E4M3 = torch.float8_e4m3fn
 
@@ -90,6 +93,28 @@ def test_tensorwise_scale_follows_each_tensor_and_keeps_the_last_good_one():
     assert state.scale.item() == pytest.approx(896.0) and state.nonfinite_count.item() == 1
     state.quantize(torch.zeros(3))
     assert state.scale.item() == pytest.approx(896.0)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, torch.float8_e5m2])
+@pytest.mark.parametrize("recipe", [TensorwiseScaling(), DelayedScaling(amax_history_len=2)])
+def test_casts_equal_saturate_then_round_of_x_times_scale(recipe, dtype):
+    """The CPU shortcuts (amax read on the host, the clamp skipped when no value can reach it) change no byte:
+    tensors in range, at the top of the range, overflowing a delayed scale (saturation), with NaN, all zero."""
+    state = OperandScaling(recipe, dtype)
+    gen = torch.Generator().manual_seed(0)
+    cases = [torch.randn(64, 48, generator=gen) * 3, torch.full((5,), 2.5), torch.randn(64, 48, generator=gen) * 40]
+    cases += [torch.tensor([1.0, float("nan"), -3.0]), torch.zeros(4), torch.tensor([0.5, -fp8_max(dtype), 7.0])]
+    saturated = 0
+    for x in cases:
+        q = state.quantize(x)
+        product = (x * q.scale).double().flatten().tolist()  # the float32 product the cast rounds
+        saturated += sum(abs(v) > 1.01 * fp8_max(dtype) for v in product)
+        want = ["nan" if math.isnan(v) else round_saturate(v, dtype) for v in product]
+        got = ["nan" if math.isnan(v) else v for v in q.data.double().flatten().tolist()]
+        assert got == want
+        torch.testing.assert_close(q.gemm_f32(), q.data.float(), rtol=0, atol=0, equal_nan=True)
+        state.update()
+    assert saturated > 0 if state.delayed else saturated == 0  # the delayed runs do exercise the clamp
 
 
 def test_state_dict_round_trip_is_exact():
