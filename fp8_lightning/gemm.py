@@ -123,9 +123,11 @@ def _float_matmul(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torc
     scales (as its ``alpha``; reading a CPU scalar costs nothing) and, in float32, adds the bias."""
     alpha = 1.0 / (a.scale.item() * b.scale.item())
     fused_bias = bias is not None and bias.dtype == out_dtype == torch.float32
-    a32, b32 = a.gemm_f32(), b.gemm_f32()
-    out = torch.addmm(bias if fused_bias else a32.new_zeros(()), a32, b32.t(), beta=int(fused_bias), alpha=alpha)
+    out = torch.addmm(bias if fused_bias else _ZERO, a.gemm_f32(), b.gemm_f32().t(), beta=int(fused_bias), alpha=alpha)
     return out if fused_bias else _add_bias(out.to(out_dtype), bias)
+
+
+_ZERO = torch.zeros(())  # addmm's ignored input (beta=0) when there is no bias
 
 
 def _add_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -183,6 +185,8 @@ def fp8_mm(
     if a.kind != b.kind:
         raise ValueError(f"fp8_mm: cannot mix scaling kinds {a.kind!r} and {b.kind!r}.")
     backend = "emulate" if emulate else requested_backend()
+    if a.kind == "tensor" and backend == "auto" and a.data.device.type == "cpu":
+        return _float_matmul(a, b, out_dtype, bias)
     if a.kind == "mx":
         block_32 = a.data.shape[-1] == 32 * a.scale.shape[-1]
         if backend != "emulate" and block_32 and native_mx_gemm_support(a.data.device)[0]:
@@ -192,6 +196,4 @@ def fp8_mm(
         return _add_bias(_emulated(a, b, out_dtype), bias)
     if backend == "emulate" or (backend == "auto" and not fp8_gemm_support(a.data.device)[0]):
         return _add_bias(_emulated(a, b, out_dtype), bias)
-    if backend == "auto" and a.data.device.type == "cpu":
-        return _float_matmul(a, b, out_dtype, bias)
     return _add_bias(_scaled_mm(a, b, out_dtype), bias)

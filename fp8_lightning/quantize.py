@@ -24,6 +24,8 @@ tensors to the Triton kernels of ``fp8_lightning.kernels`` (same bits, fewer pas
 from __future__ import annotations
 
 import dataclasses
+import math
+import struct
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,7 @@ from fp8_lightning.formats import Format, fp8_dtype, fp8_emax, fp8_max
 E8M0_DTYPE = torch.float8_e8m0fnu
 E8M0_BIAS = 127
 E8M0_MIN_EXP, E8M0_MAX_EXP = -127, 127  # exponent byte 255 is NaN
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
@@ -62,15 +65,27 @@ def to_fp8_saturated(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def amax(x: torch.Tensor) -> torch.Tensor:
     """Max of |x| as a float32 scalar tensor (0 for an empty tensor). NaN in x gives NaN."""
+    return amax_and_value(x)[0]
+
+
+def amax_and_value(x: torch.Tensor) -> tuple[torch.Tensor, float | None]:
+    """:func:`amax`, and its value as a Python float where reading it costs no device synchronisation (CPU; else
+    None). On CPU one ``aminmax`` pass gives both ends; the larger magnitude is picked on the host."""
+    on_cpu = x.device.type == "cpu"
     if x.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=x.device)
+        return torch.zeros((), dtype=torch.float32, device=x.device), (0.0 if on_cpu else None)
     kernels = cuda_kernels(x)
     if kernels is not None:
-        return kernels.amax(x.detach())
-    if x.device.type == "cpu":  # one pass instead of abs() then amax(): max(|min|, max) is the same value
-        low, high = torch.aminmax(x.detach())
-        return torch.maximum(high, -low).float()
-    return x.detach().abs().amax().float()
+        return kernels.amax(x.detach()), None
+    if not on_cpu:
+        return x.detach().abs().amax().float(), None
+    low, high = torch.aminmax(x.detach())
+    lo, hi = low.item(), high.item()
+    top, value = (high, hi) if math.isnan(hi) or hi >= -lo else (low.neg(), -lo)  # NaN anywhere: both ends NaN
+    if top.dtype != torch.float32:
+        top = top.float()
+        value = top.item()
+    return top, value
 
 
 def round_scale_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
@@ -84,8 +99,29 @@ def tensorwise_scale(
 ) -> torch.Tensor:
     """Current scaling: ``fp8_max / max(amax, eps)``, capped at float32 max (float32 scalar)."""
     scale = fp8_max(dtype) / torch.clamp(amax_value.float(), min=eps)
-    scale = torch.clamp(scale, max=torch.finfo(torch.float32).max)
+    scale = torch.clamp(scale, max=FLOAT32_MAX)
     return round_scale_to_power_of_2(scale) if power_of_2 else scale
+
+
+def tensorwise_scale_value(
+    amax_value: float, dtype: torch.dtype, eps: float = 1e-12, power_of_2: bool = False
+) -> float:
+    """:func:`tensorwise_scale` of an amax known on the host, in Python floats with the same float32 roundings:
+    ``clamp`` against eps rounded to float32, then ``fp8_max * (1 / amax)``, which is how torch evaluates
+    ``fp8_max / tensor``. Equal bit for bit (``tests/core/test_quantize.py``); on CPU it replaces four tensor
+    operations on a scalar, each of which costs more than the arithmetic."""
+    clamped = max(_float32(amax_value), _float32(eps))
+    reciprocal = math.inf if clamped == 0 else _float32(1.0 / clamped)
+    scale = min(_float32(fp8_max(dtype) * reciprocal), FLOAT32_MAX)
+    return 2.0 ** (math.frexp(scale)[1] - 1) if power_of_2 else scale
+
+
+def _float32(value: float) -> float:
+    """``value`` rounded to the nearest float32 (overflowing to inf), as a Python float."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
 
 
 def quantize_with_scale(

@@ -33,16 +33,16 @@ import torch.distributed as dist
 
 from fp8_lightning.formats import fp8_max
 from fp8_lightning.quantize import (
+    FLOAT32_MAX,
     Quantized,
-    amax,
+    amax_and_value,
     cuda_kernels,
     quantize_with_scale,
     round_scale_to_power_of_2,
     tensorwise_scale,
+    tensorwise_scale_value,
 )
 from fp8_lightning.recipes import DelayedScaling, Recipe, TensorwiseScaling
-
-FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -81,11 +81,6 @@ def delayed_scale(
 def finite_or_zero(x_amax: torch.Tensor) -> torch.Tensor:
     """The amax with NaN and inf replaced by 0 (an amax is >= 0, inf or NaN): what may enter a history."""
     return torch.nan_to_num(x_amax, nan=0.0, posinf=0.0)
-
-
-def _host_value(x_amax: torch.Tensor) -> float | None:
-    """``x_amax`` as a Python float where reading it costs no device synchronisation (CPU), else None."""
-    return x_amax.item() if x_amax.device.type == "cpu" else None
 
 
 def _fused_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -136,8 +131,7 @@ class OperandScaling:
         """
         self._to(x.device)
         fused = _fused_cast(x, self.scale, self.dtype) if self.delayed and self.initialized else None
-        x_amax = amax(x) if fused is None else fused[1]
-        host_amax = _host_value(x_amax)
+        x_amax, host_amax = amax_and_value(x) if fused is None else (fused[1], None)
         finite = host_amax is not None and math.isfinite(host_amax)
         clean_amax = self.book(x_amax, record, finite)
         scale = self.scale_for(clean_amax, host_amax if finite else None)
@@ -181,10 +175,13 @@ class OperandScaling:
                 clean_amax.reshape(1), self.scale, fp8_max(self.dtype), r.margin, "max", r.power_of_2_scales
             )
         assert isinstance(r, TensorwiseScaling)
+        if host_amax is None:
+            fresh = tensorwise_scale(clean_amax, self.dtype, r.eps, r.power_of_2_scales)
+            return torch.where(clean_amax > 0, fresh, self.scale)
         if host_amax == 0.0:
             return self.scale  # an all-zero tensor keeps the previous scale
-        fresh = tensorwise_scale(clean_amax, self.dtype, r.eps, r.power_of_2_scales)
-        return fresh if host_amax is not None else torch.where(clean_amax > 0, fresh, self.scale)
+        value = tensorwise_scale_value(host_amax, self.dtype, r.eps, r.power_of_2_scales)
+        return torch.tensor(value, dtype=torch.float32, device=clean_amax.device)
 
     # -- once per optimizer step ----------------------------------------------------------------------------
 

@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from fp8_lightning import dequantize_mxfp8, dequantize_tensorwise, quantize_mxfp8, quantize_tensorwise
-from fp8_lightning.quantize import e8m0_to_float, pad_dim, quantize_mx_columns, quantize_mx_operands
+from fp8_lightning.quantize import (
+    amax_and_value,
+    e8m0_to_float,
+    pad_dim,
+    quantize_mx_columns,
+    quantize_mx_operands,
+    tensorwise_scale,
+    tensorwise_scale_value,
+)
 from tests.core.fp8_reference import round_saturate
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -130,3 +138,32 @@ def test_columnwise_mx_operand_equals_quantizing_the_padded_transpose(rounding, 
     assert torch.equal(col_too.data.contiguous().view(torch.uint8), want_data.view(torch.uint8))
     assert torch.equal(col_too.scale.contiguous().view(torch.uint8), want_scale.view(torch.uint8))
     assert quantize_mx_operands(x, 32, rounding, dtype, columnwise=False)[1] is None
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("eps,power_of_2", [(1e-12, False), (1e-12, True), (1e-3, False), (0.0, False)])
+def test_host_tensorwise_scale_equals_the_tensor_formula_bit_for_bit(dtype, eps, power_of_2):
+    """Two implementations of one formula: the tensor ops torch runs, and the host arithmetic with float32
+    roundings that CPU casts use. They must agree on every bit, from subnormal to huge amaxes."""
+    gen = torch.Generator().manual_seed(3)
+    amaxes = torch.cat([
+        torch.logspace(-44, 38, 2000, dtype=torch.float64).float(),  # every binade, subnormals included
+        torch.rand(2000, generator=gen) * 1000,
+        torch.tensor([1e-12, 1e-3, 448.0, 57344.0, 3.4e38, 1.401298464324817e-45, 7.0, 3.0]),
+    ])
+    for a in amaxes.tolist():
+        want = tensorwise_scale(torch.tensor(a), dtype, eps, power_of_2)
+        got = tensorwise_scale_value(a, dtype, eps, power_of_2)
+        assert torch.tensor(got, dtype=torch.float32).view(torch.int32) == want.view(torch.int32), (a, got, want)
+
+
+def test_amax_and_value_agree_and_handle_nan_and_one_sided_extremes():
+    for x in [torch.tensor([1.0, -3.0]), torch.tensor([4.0, -3.0]), torch.tensor([-float("inf"), 2.0]),
+              torch.tensor([1.0, float("nan")]), torch.zeros(0), torch.randn(7, 5, dtype=torch.float64)]:
+        t, v = amax_and_value(x)
+        want = x.double().abs().max().item() if x.numel() else 0.0
+        assert t.dtype == torch.float32 and t.shape == ()
+        if math.isnan(want):
+            assert math.isnan(v) and torch.isnan(t)
+        else:
+            assert v == t.item() == pytest.approx(want, rel=1e-7)
