@@ -181,7 +181,7 @@ class OperandScaling:
         if host_amax == 0.0:
             return self.scale  # an all-zero tensor keeps the previous scale
         value = tensorwise_scale_value(host_amax, self.dtype, r.eps, r.power_of_2_scales)
-        return torch.tensor(value, dtype=torch.float32, device=clean_amax.device)
+        return torch.scalar_tensor(value, dtype=torch.float32, device=clean_amax.device)
 
     # -- once per optimizer step ----------------------------------------------------------------------------
 

@@ -28,17 +28,18 @@ def test_all_256_patterns_decode_like_the_reference(dtype):
 def test_fast_cpu_decode_matches_the_reference_bit_for_bit(dtype):
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     finite = [c for c in range(256) if not math.isnan(decode(c, dtype)) and not math.isinf(decode(c, dtype))]
-    # finite codes only: the integer (float16) path; all 256 codes: NaN codes present (the table path for E4M3)
-    for chosen in (finite, list(range(256))):
+    # E4M3: finite codes in a large tensor take the integer (float16) path; NaN codes, or a small tensor, the table
+    for chosen, copies in ((finite, 40), (list(range(256)), 40), (finite, 1)):
         data = codes[chosen].view(dtype)
-        got = fp8_to_float32(data.reshape(-1, 1).repeat(1, 2).t())  # a transposed view stays one
-        assert got.shape == (2, len(chosen)) and not got.is_contiguous()
-        for code, value in zip(chosen, got[0].tolist()):
+        got = fp8_to_float32(data.reshape(-1, 1).repeat(1, 2 * copies).t())  # a transposed view stays one
+        assert got.shape == (2 * copies, len(chosen)) and not got.is_contiguous()
+        for code, value in zip(chosen, got[-1].tolist()):
             want = decode(code, dtype)
             if math.isnan(want):
                 assert math.isnan(value), code
             else:
                 assert value == want and math.copysign(1, value) == math.copysign(1, want), (code, value, want)
+        assert torch.equal(got.isnan(), got[:1].isnan().expand_as(got))  # every copy decoded alike
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
