@@ -229,24 +229,32 @@ def mx_shared_exponent(block_amax: torch.Tensor, dtype: torch.dtype, scale_round
     """
     if scale_rounding not in ("floor", "rceil"):
         raise ValueError(f"scale_rounding={scale_rounding!r} is invalid; allowed: rceil or floor.")
-    # 0 and NaN become the smallest subnormal, whose exponent is clamped up to -127 below like any tiny amax's.
-    amax_f = torch.nan_to_num(block_amax.float(), nan=_SMALLEST_SUBNORMAL, posinf=float("inf"))
-    fraction, exponent = torch.frexp(amax_f.clamp_(min=_SMALLEST_SUBNORMAL))
+    # 0 and NaN become the smallest subnormal (fmax ignores NaN), whose exponent is clamped up to -127 below like
+    # any tiny amax's.
+    fraction, exponent = torch.frexp(torch.fmax(block_amax.float(), _smallest_subnormal(block_amax.device)))
     exp = exponent - (1 + fp8_emax(dtype))
     if scale_rounding == "rceil":
         exp += fraction > fp8_max(dtype) / 2.0 ** (fp8_emax(dtype) + 1)
     return exp.clamp_(E8M0_MIN_EXP, E8M0_MAX_EXP)
 
 
-_SMALLEST_SUBNORMAL = 2.0**-149
+_SMALLEST_SUBNORMALS: dict[torch.device, torch.Tensor] = {}
 
 
-def exponent_to_e8m0(exp: torch.Tensor, nan_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Encode int exponents as E8M0 bytes (biased by 127); ``nan_mask`` marks blocks that hold NaN."""
-    biased = (exp + E8M0_BIAS).to(torch.uint8)
-    if nan_mask is not None:
-        biased = biased.masked_fill(nan_mask, 255)
-    return biased.view(E8M0_DTYPE)
+def _smallest_subnormal(device: torch.device) -> torch.Tensor:
+    if device not in _SMALLEST_SUBNORMALS:
+        _SMALLEST_SUBNORMALS[device] = torch.tensor(2.0**-149, dtype=torch.float32, device=device)
+    return _SMALLEST_SUBNORMALS[device]
+
+
+def exponent_to_e8m0(exp: torch.Tensor) -> torch.Tensor:
+    """Encode int exponents in [-127, 127] as E8M0 bytes (biased by 127)."""
+    return (exp + E8M0_BIAS).to(torch.uint8).view(E8M0_DTYPE)
+
+
+def mark_nan_blocks(scale: torch.Tensor, nan_mask: torch.Tensor) -> torch.Tensor:
+    """E8M0 ``scale`` with the blocks of ``nan_mask`` set to the NaN byte (255)."""
+    return scale.view(torch.uint8).masked_fill(nan_mask, 255).view(E8M0_DTYPE)
 
 
 _E8M0_TABLES: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -305,9 +313,9 @@ def _quantize_blocks(
     """(data shaped like ``blocks``, E8M0 scales) for float32 ``blocks`` whose dimension ``axis`` holds one block;
     ``magnitude`` may carry ``blocks.abs()`` when the caller already has it."""
     block_amax = (blocks.abs() if magnitude is None else magnitude).amax(dim=axis)
-    exp = mx_shared_exponent(block_amax, dtype, scale_rounding)
-    data = to_fp8_saturated(blocks * _e8m0_lookup(exponent_to_e8m0(exp), -1).unsqueeze(axis), dtype)  # x / 2**e
-    return data, exponent_to_e8m0(exp, nan_mask=torch.isnan(block_amax))
+    scale = exponent_to_e8m0(mx_shared_exponent(block_amax, dtype, scale_rounding))
+    data = to_fp8_saturated(blocks * _e8m0_lookup(scale, -1).unsqueeze(axis), dtype)  # x / 2**e, exactly
+    return data, mark_nan_blocks(scale, torch.isnan(block_amax))
 
 
 def quantize_mx_operands(
