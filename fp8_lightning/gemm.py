@@ -32,7 +32,6 @@ import os
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from fp8_lightning.quantize import Quantized, pad_dim
 

@@ -162,7 +162,7 @@ class OperandScaling:
     def scale_for(self, clean_amax: torch.Tensor, host_amax: float | None = None) -> torch.Tensor:
         """The scale of this use: the delayed scale, or the current scale of ``clean_amax`` (tensorwise, and the
         just-in-time first use of a delayed-scaled tensor), which becomes the operand's scale. ``host_amax``: the
-        same amax read on the host, when it is known (saves the device-side choice for an all-zero tensor)."""
+        same amax read on the host, when known and finite (a tensorwise scale is then worked out on the host)."""
         if not (self.delayed and self.initialized):
             self.scale = self._current_scale(clean_amax, host_amax)
             self.initialized = True
