@@ -63,14 +63,15 @@ def history_amax(amax_history: torch.Tensor, algo: str) -> torch.Tensor:
 def delayed_scale(
     amax_history: torch.Tensor,
     prev_scale: torch.Tensor,
-    max_value: float,
+    max_value: "float | torch.Tensor",
     margin: int = 0,
     algo: str = "max",
     power_of_2: bool = False,
 ) -> torch.Tensor:
     """``(fp8_max / amax) / 2**margin``; inf becomes float32 max; amax 0/inf/NaN keeps ``prev_scale``."""
     a = history_amax(amax_history, algo).float()
-    scale = (max_value / a) / (2.0**margin)
+    # fp8_max * (1 / amax): how torch evaluates ``float / tensor``, kept for a tensor of maxima (one per row)
+    scale = (a.reciprocal() * max_value) / (2.0**margin)
     scale = torch.where(torch.isinf(scale), torch.full_like(scale, FLOAT32_MAX), scale)
     if power_of_2:
         scale = round_scale_to_power_of_2(scale)
@@ -255,13 +256,13 @@ def advance_histories(
 
     ``pending``/``observed`` (one entry per state) override the states' own values, e.g. after the cross-rank
     reduction. States that saw no amax this step keep their history and scale. States are batched per
-    (recipe, dtype, device): a handful of tensor operations for a whole model.
+    (recipe, device): a handful of tensor operations for a whole model, E4M3 and E5M2 operands together.
     """
     groups: dict[tuple, list[int]] = {}
     for i, s in enumerate(states):
         if s.delayed:
-            groups.setdefault((s.recipe, s.dtype, s.scale.device, s.amax_history.shape[0]), []).append(i)
-    for (recipe, dtype, device, _), index in groups.items():
+            groups.setdefault((s.recipe, s.scale.device, s.amax_history.shape[0]), []).append(i)
+    for (recipe, device, _), index in groups.items():
         members = [states[i] for i in index]
         if pending is None:
             step_amax = torch.stack([s.pending_amax for s in members])
@@ -271,9 +272,10 @@ def advance_histories(
             step_amax, seen = pending[rows].to(device), observed[rows].to(device) > 0
         history = torch.stack([s.amax_history for s in members])
         prev_scale = torch.stack([s.scale for s in members])
+        max_value = torch.tensor([fp8_max(s.dtype) for s in members], device=device)  # each operand's format
         history = torch.where(seen.unsqueeze(-1), roll_history(history, step_amax), history)
         fresh = delayed_scale(
-            history, prev_scale, fp8_max(dtype), recipe.margin, recipe.amax_compute_algo, recipe.power_of_2_scales
+            history, prev_scale, max_value, recipe.margin, recipe.amax_compute_algo, recipe.power_of_2_scales
         )
         scale = torch.where(seen, fresh, prev_scale)
         zeros = torch.zeros_like(step_amax)

@@ -135,3 +135,29 @@ def test_single_process_update_needs_no_collective():
     for s in states:
         s.quantize(torch.randn(4))
     assert update_scales(states) == 0
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_one_batched_update_equals_updating_each_state_alone(algo):
+    """update_scales advances E4M3 and E5M2 operands of many layers in one batch; each must end exactly where its
+    own update() would have taken it, and where the formula says."""
+    recipe = DelayedScaling(amax_history_len=3, amax_compute_algo=algo, margin=1)
+    dtypes = [E4M3, torch.float8_e5m2, E4M3, torch.float8_e5m2, E4M3]
+    batched = [OperandScaling(recipe, d) for d in dtypes]
+    alone = [OperandScaling(recipe, d) for d in dtypes]
+    gen = torch.Generator().manual_seed(5)
+    for step in range(4):
+        for i, (b, a) in enumerate(zip(batched, alone)):
+            if step == 2 and i == 3:
+                continue  # a layer that did not run this step keeps its history and scale
+            x = torch.randn(16, generator=gen) * (i + 1) * 10 ** (step - 1)
+            b.quantize(x)
+            a.quantize(x)
+        update_scales(batched)
+        for a in alone:
+            a.update()
+        for b, a in zip(batched, alone):
+            assert torch.equal(b.amax_history, a.amax_history) and torch.equal(b.scale, a.scale)
+    for b in batched:
+        amax = b.amax_history.max() if algo == "max" else b.amax_history[0]
+        assert b.scale.item() == pytest.approx(fp8_max(b.dtype) / amax.item() / 2, rel=1e-6)
