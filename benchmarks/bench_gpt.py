@@ -6,8 +6,9 @@ precisions of one model are built first and run interleaved (see ``bench_common`
 by the reference precision of the same run (fp32 on CPU, bf16 on GPU).
 
 * ``--suite cpu``: GPTs of 2 layers and 4 x 128 tokens per step, n_embd 64 (``dim64``), 128 (``gpt_tiny``, the
-  shape of ``conf/model/gpt_tiny.yaml``, the CPU default) and 256 (``dim256``), one thread; ``--models dim512``
-  runs a wider one (slow: CPU bf16 matmuls). FP8 is emulated on a CPU (exact FP8 values, float32 GEMMs); the
+  shape of ``conf/model/gpt_tiny.yaml``, the CPU default) and 256 (``dim256``), and the step ``make train`` runs
+  (``make_train``: ``gpt_tiny`` with the default data's 16 x 128 tokens), one thread; ``--models dim512`` runs a
+  wider one (slow: CPU bf16 matmuls). FP8 is emulated on a CPU (exact FP8 values, float32 GEMMs); the
   ratio is the emulation's cost. Peak memory is not measured on CPU (no allocator statistics); see
   ``bench_memory``.
 * ``--suite gpu``: GPT ``350M`` (24 layers, n_embd 1024, 16 heads, 8 x 1024 tokens, vocab 50304), bf16 autocast
@@ -39,11 +40,12 @@ from fp8_lightning.models import GPT  # noqa: E402
 MODELS = {
     "dim64": dict(n_layer=2, n_embd=64, n_head=4, block_size=128, vocab_size=256, batch=4),
     "gpt_tiny": dict(n_layer=2, n_embd=128, n_head=4, block_size=128, vocab_size=256, batch=4),
+    "make_train": dict(n_layer=2, n_embd=128, n_head=4, block_size=128, vocab_size=256, batch=16),
     "dim256": dict(n_layer=2, n_embd=256, n_head=4, block_size=128, vocab_size=256, batch=4),
     "dim512": dict(n_layer=2, n_embd=512, n_head=8, block_size=128, vocab_size=256, batch=4),
     "350M": dict(n_layer=24, n_embd=1024, n_head=16, block_size=1024, vocab_size=50304, batch=8),
 }
-SUITES = {"cpu": ["dim64", "gpt_tiny", "dim256"], "gpu": ["350M"]}
+SUITES = {"cpu": ["dim64", "gpt_tiny", "dim256", "make_train"], "gpu": ["350M"]}
 RECIPES = ["delayed", "tensorwise", "mxfp8"]
 
 
