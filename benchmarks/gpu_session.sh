@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Every GPU check and GPU benchmark of the project, for a machine lent for a limited time (an H100/H200 with
+# PyTorch, Triton and Lightning preinstalled and no network). Run from the repository root, in two calls that each
+# fit in ten minutes:
+#
+#   bash benchmarks/gpu_session.sh checks   # CUDA paths: gpu_check, Triton kernels vs their twins, pytest -m gpu, FSDP2
+#   bash benchmarks/gpu_session.sh bench    # linear and GPT suites (bf16 vs FP8 recipes vs torchao), torch.compile on
+#
+# Everything lands in one archive, $OUT/gpu-<mode>.tar.gz (OUT defaults to ./gpu-results), with a log per step;
+# the benchmark run folders inside it go to benchmarks/results/ once checked. Nothing is downloaded: the package is
+# installed from this checkout without dependencies (hydra is not needed by these steps).
+set -u -o pipefail
+mode=${1:-checks}
+out=${OUT:-gpu-results}
+work=$(mktemp -d)
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$work/install.log" 2>&1 \
+  || { cat "$work/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$work/device.txt" 2>&1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >>"$work/device.txt" 2>&1
+
+failed=0
+step() {  # step NAME COMMAND...: run with a time limit, keep its log, print its tail
+  local name=$1; shift
+  timeout "${STEP_TIMEOUT:-540}" "$@" >"$work/$name.log" 2>&1
+  local rc=$?
+  [ "$rc" -eq 0 ] || failed=1
+  echo "== $name: exit $rc"
+  tail -n 8 "$work/$name.log"
+}
+
+case "$mode" in
+  checks)
+    step gpu_check python3 benchmarks/gpu_check.py
+    step kernels python3 benchmarks/kernels_gpu.py --out "$work/kernels_gpu.md"
+    step pytest_gpu python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/kernels/test_gpu.py tests/lightning/test_gpu.py tests/optim/test_fused_adam_kernel.py
+    step fsdp python3 benchmarks/fsdp_gpu_check.py
+    ;;
+  bench)
+    step linear python3 benchmarks/bench_linear.py --suite gpu --compile --out "$work/perf-linear-gpu"
+    step gpt python3 benchmarks/bench_gpt.py --suite gpu --compile --out "$work/perf-gpt-gpu"
+    ;;
+  *)
+    echo "usage: bash benchmarks/gpu_session.sh checks|bench (got '$mode')" >&2
+    exit 2
+    ;;
+esac
+
+tar -czf "$out/gpu-$mode.tar.gz" -C "$work" .
+echo "results: $out/gpu-$mode.tar.gz"
+exit "$failed"
