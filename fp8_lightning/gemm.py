@@ -9,13 +9,13 @@ Backends, chosen per call:
 * ``scaled_mm``: ``torch._scaled_mm`` with per-tensor scales, on CUDA sm89+ (and on CPU when requested with
   ``FP8_LIGHTNING_GEMM=scaled_mm``). CUDA needs K and N divisible by 16; operands are zero-padded when they are
   not (zeros add nothing to a sum).
-* ``float matmul`` (CPU, per-tensor scales, the default there): ``(A @ B.T) / (scale_a * scale_b) + bias`` in
+* ``float matmul`` (CPU, the default there): per-tensor scales, ``(A @ B.T) / (scale_a * scale_b) + bias`` in
   one ``addmm``, where A and B hold the FP8 codes' exact values in float32. It is the same arithmetic as CPU
   ``torch._scaled_mm`` (which converts both operands to float32 and multiplies) up to float32 summation order,
   without its slow element-by-element float8 conversion and its operand copies; transposed operands are read in
-  place.
+  place. MX operands enter dequantized (block scales applied), in the same ``addmm``.
 * ``emulate``: dequantize both operands to float32 and matmul (float32 accumulation). Used for MX block
-  scales where no block-scaled GEMM is registered (CPU; CUDA without Triton or with
+  scales on CUDA where no block-scaled GEMM is registered (without Triton or with
   ``FP8_LIGHTNING_DISABLE_TRITON=1``), and on request (``FP8_LIGHTNING_GEMM=emulate`` or ``emulate=True``) on
   GPUs without FP8 tensor cores.
 * MX operands with 32-element blocks on sm100+ (Blackwell) use cuBLAS's native MX GEMM through
@@ -118,11 +118,13 @@ def _scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tens
 
 
 def _float_matmul(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
-    """Per-tensor FP8 GEMM on CPU: exact FP8 values in float32 in one ``addmm`` that also applies both inverse
-    scales (as its ``alpha``; reading a CPU scalar costs nothing) and, in float32, adds the bias."""
-    alpha = 1.0 / (a.scale.item() * b.scale.item())
+    """The FP8 GEMM on CPU, one ``addmm`` of the operands' float32 forms (:meth:`Quantized.gemm_f32`) that, in
+    float32, also adds the bias. Per-tensor operands are the exact FP8 values and ``alpha`` applies both inverse
+    scales (reading a CPU scalar costs nothing); MX operands are already dequantized."""
+    alpha = 1.0 / (a.scale.item() * b.scale.item()) if a.kind == "tensor" else 1.0
     fused_bias = bias is not None and bias.dtype == out_dtype == torch.float32
-    out = torch.addmm(bias if fused_bias else _ZERO, a.gemm_f32(), b.gemm_f32().t(), beta=int(fused_bias), alpha=alpha)
+    start = bias if fused_bias else _ZERO
+    out = torch.addmm(start, a.gemm_f32(), b.gemm_f32().t(), beta=int(fused_bias), alpha=alpha)
     return out if fused_bias else _add_bias(out.to(out_dtype), bias)
 
 
@@ -184,7 +186,7 @@ def fp8_mm(
     if a.kind != b.kind:
         raise ValueError(f"fp8_mm: cannot mix scaling kinds {a.kind!r} and {b.kind!r}.")
     backend = "emulate" if emulate else requested_backend()
-    if a.kind == "tensor" and backend == "auto" and a.data.device.type == "cpu":
+    if backend == "auto" and a.data.device.type == "cpu":
         return _float_matmul(a, b, out_dtype, bias)
     if a.kind == "mx":
         block_32 = a.data.shape[-1] == 32 * a.scale.shape[-1]
