@@ -104,10 +104,12 @@ def test_casts_equal_saturate_then_round_of_x_times_scale(recipe, dtype):
     gen = torch.Generator().manual_seed(0)
     cases = [torch.randn(64, 48, generator=gen) * 3, torch.full((5,), 2.5), torch.randn(64, 48, generator=gen) * 40]
     cases += [torch.tensor([1.0, float("nan"), -3.0]), torch.zeros(4), torch.tensor([0.5, -fp8_max(dtype), 7.0])]
+    cases += [torch.randn(8, 32, generator=gen).bfloat16() * 5, torch.randn(8, 32, generator=gen, dtype=torch.float64)]
     saturated = 0
     for x in cases:
         q = state.quantize(x)
-        product = (x * q.scale).double().flatten().tolist()  # the float32 product the cast rounds
+        wide = x.double() if x.dtype == torch.float64 else x.float()  # what the cast multiplies: float32 or float64
+        product = (wide * q.scale.to(wide.dtype)).double().flatten().tolist()  # the product the cast rounds
         saturated += sum(abs(v) > 1.01 * fp8_max(dtype) for v in product)
         want = ["nan" if math.isnan(v) else round_saturate(v, dtype) for v in product]
         got = ["nan" if math.isnan(v) else v for v in q.data.double().flatten().tolist()]
