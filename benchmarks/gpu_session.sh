@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Every GPU check and GPU benchmark of the project, for a machine lent for a limited time (an H100/H200 with
-# PyTorch, Triton and Lightning preinstalled and no network). Run from the repository root, in two calls that each
-# fit in ten minutes:
+# PyTorch, Triton and Lightning preinstalled and no network). Run from the repository root, in calls that each fit
+# in ten minutes:
 #
 #   bash benchmarks/gpu_session.sh checks   # CUDA paths: gpu_check, Triton kernels vs their twins, pytest -m gpu, FSDP2
-#   bash benchmarks/gpu_session.sh bench    # linear and GPT suites (bf16 vs FP8 recipes vs torchao), torch.compile on
+#   bash benchmarks/gpu_session.sh linear   # linear fwd+bwd 1024..8192: fp32, bf16, FP8 recipes, torchao; compiled
+#   bash benchmarks/gpu_session.sh gpt      # 350M GPT step, same configurations, compiled (ROUNDS=8 by default)
 #
 # Everything lands in one archive, $OUT/gpu-<mode>.tar.gz (OUT defaults to ./gpu-results), with a log per step;
 # the benchmark run folders inside it go to benchmarks/results/ once checked. Nothing is downloaded: the package is
@@ -39,12 +40,14 @@ case "$mode" in
       tests/kernels/test_gpu.py tests/lightning/test_gpu.py tests/optim/test_fused_adam_kernel.py
     step fsdp python3 benchmarks/fsdp_gpu_check.py
     ;;
-  bench)
+  linear)
     step linear python3 benchmarks/bench_linear.py --suite gpu --compile --out "$work/perf-linear-gpu"
-    step gpt python3 benchmarks/bench_gpt.py --suite gpu --compile --out "$work/perf-gpt-gpu"
+    ;;
+  gpt)
+    step gpt python3 benchmarks/bench_gpt.py --suite gpu --compile --rounds "${ROUNDS:-8}" --out "$work/perf-gpt-gpu"
     ;;
   *)
-    echo "usage: bash benchmarks/gpu_session.sh checks|bench (got '$mode')" >&2
+    echo "usage: bash benchmarks/gpu_session.sh checks|linear|gpt (got '$mode')" >&2
     exit 2
     ;;
 esac
