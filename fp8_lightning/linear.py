@@ -90,15 +90,17 @@ class LayerScaling:
     # -- casts ------------------------------------------------------------------------------------------------
 
     def cast(
-        self, role: str, x: torch.Tensor, record: bool, columnwise: bool = False
+        self, role: str, x: torch.Tensor, record: bool, columnwise: bool = False, columnwise_f32: bool = True
     ) -> tuple[Quantized, Quantized | None]:
         """FP8 copies of a 2-D operand: rowwise (K last) and, for MX when ``columnwise``, the copy of ``x.T``
         quantized along x's first dimension (zero-padded to whole blocks), from the same read of ``x``.
-        Per-tensor recipes have no columnwise copy (None): they transpose the rowwise bytes."""
+        Per-tensor recipes have no columnwise copy (None): they transpose the rowwise bytes.
+        ``columnwise_f32=False``: the columnwise copy is only saved (see :func:`quantize_mx_operands`)."""
         if self.recipe.per_tensor:
             return self.operands[role].quantize(x, record), None
         dtype = self.backward_dtype if role == "grad_output" else self.forward_dtype
-        return quantize_mx_operands(x, self.recipe.block_size, self.recipe.scale_rounding, dtype, columnwise)
+        recipe = self.recipe
+        return quantize_mx_operands(x, recipe.block_size, recipe.scale_rounding, dtype, columnwise, columnwise_f32)
 
     def weight_operands(
         self, weight: torch.Tensor, record: bool, regathered: bool = False
@@ -140,7 +142,7 @@ class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, weight, bias, layer, scaling: LayerScaling, record: bool, emulate: bool, out_dtype):
         # ------------------------------------------------ fprop ------------------------------------------------
-        xq, x_col = scaling.cast("input", x2d, record, columnwise=True)
+        xq, x_col = scaling.cast("input", x2d, record, columnwise=True, columnwise_f32=False)  # x_col: saved
         # FSDP2 marks the modules it manages; it refills their gathered weights in place at every forward
         wq, w_col = scaling.weight_operands(weight, record, getattr(layer, "_is_fsdp_managed_module", False))
         _observe(layer, "input", x2d, xq)

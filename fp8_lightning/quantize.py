@@ -18,7 +18,9 @@ stay float64) so that the result does not depend on the input dtype's rounding.
 
 On CUDA, ``amax``, ``quantize_with_scale``, ``quantize_tensorwise`` and ``quantize_mxfp8`` hand float32/bf16/fp16
 tensors to the Triton kernels of ``fp8_lightning.kernels`` (same bits, fewer passes) when Triton is usable and
-``FP8_LIGHTNING_DISABLE_TRITON`` is not set. CPU tensors always take the code below.
+``FP8_LIGHTNING_DISABLE_TRITON`` is not set. On CPU the casts and MX (de)quantization of float32/bf16 tensors go
+to the fused C functions of ``fp8_lightning.kernels.cpu_codec`` (same bits, one pass) when a C compiler built
+them and ``FP8_LIGHTNING_DISABLE_CPU_CODEC`` is not set. The code below is the reference for both.
 """
 
 from __future__ import annotations
@@ -50,6 +52,20 @@ def cuda_kernels(x: torch.Tensor):
 
     kernels = kernels_for(x)
     return kernels if kernels is not None and kernels.supports_input(x) else None
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def cpu_codec(x: torch.Tensor | None = None):
+    """``fp8_lightning.kernels.cpu_codec`` when it is built and enabled, for a CPU tensor ``x`` it takes
+    (float32/bf16 input to quantize; any tensor with ``x=None``), else None. Never while ``torch.compile`` traces
+    (the codec reads raw memory)."""
+    if x is not None and (x.device.type != "cpu" or type(x) not in _PLAIN) or torch.compiler.is_compiling():
+        return None  # tensor subclasses (FSDP2's FP8 weights, DTensor) may have no memory of their own to read
+    from fp8_lightning.kernels import cpu_codec as codec
+
+    return codec if codec.enabled() and (x is None or x.dtype in codec.INPUT_DTYPES) else None
 
 
 def to_fp8_saturated(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -129,11 +145,26 @@ def quantize_with_scale(
 ) -> torch.Tensor:
     """``saturate(x * scale)`` in the float8 ``dtype``. ``saturate=False``: the caller knows no value exceeds the
     format's range by more than the cast rounds away (the clamp is skipped)."""
-    kernels = cuda_kernels(x)
-    if kernels is not None and torch.is_tensor(scale) and scale.dtype == torch.float32 and scale.numel() == 1:
+    one_scale = torch.is_tensor(scale) and scale.dtype == torch.float32 and scale.numel() == 1
+    kernels, codec = cuda_kernels(x), cpu_codec(x)
+    if kernels is not None and one_scale:
         return kernels.cast(x.detach(), scale.to(x.device), dtype, record_amax=False)[0]
+    if codec is not None and one_scale and scale.device.type == "cpu":
+        return codec.cast(x, scale.item(), dtype)[0]  # saturates always: equal bits when the caller skips it
     scaled = _wide(x) * scale
     return to_fp8_saturated(scaled, dtype) if saturate else scaled.to(dtype)
+
+
+def quantize_operand(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, saturate: bool = True, nan_free: bool = False
+) -> "Quantized":
+    """:func:`quantize_with_scale` as a GEMM operand. On CPU with the codec, the codes' float32 values (what the
+    CPU GEMM multiplies) come from the same pass and ride on the operand."""
+    codec = cpu_codec(x)
+    if codec is not None and scale.numel() == 1 and scale.device.type == "cpu":
+        data, values, _ = codec.cast(x, scale.item(), dtype)
+        return Quantized(data, scale, "tensor", values, nan_free)
+    return Quantized(quantize_with_scale(x, scale, dtype, saturate), scale, "tensor", nan_free=nan_free)
 
 
 _DECODE_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
@@ -263,14 +294,18 @@ _E8M0_TABLES: dict[tuple[torch.device, int], torch.Tensor] = {}
 def _e8m0_lookup(scale: torch.Tensor, sign: int) -> torch.Tensor:
     """``2**(sign * (byte - 127))`` for each E8M0 byte of ``scale``, exactly, from a 256-entry float32 table (byte
     255 is NaN). One gather instead of the handful of small operations the formula takes."""
-    key = (scale.device, sign)
+    flat = scale.view(torch.uint8).reshape(-1).to(torch.int64)
+    return _e8m0_table(scale.device, sign).index_select(0, flat).view(scale.shape)
+
+
+def _e8m0_table(device: torch.device, sign: int) -> torch.Tensor:
+    key = (device, sign)
     if key not in _E8M0_TABLES:
         exponents = torch.arange(256, dtype=torch.float64) - E8M0_BIAS
         table = torch.pow(2.0, sign * exponents).float()  # exact: 2**-127 and 2**127 are float32 values
         table[255] = float("nan")
-        _E8M0_TABLES[key] = table.to(scale.device)
-    flat = scale.view(torch.uint8).reshape(-1).to(torch.int64)
-    return _E8M0_TABLES[key].index_select(0, flat).view(scale.shape)
+        _E8M0_TABLES[key] = table.to(device)
+    return _E8M0_TABLES[key]
 
 
 def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
@@ -302,6 +337,10 @@ def quantize_mxfp8(
     if kernels is not None and block_size in kernels.MX_BLOCK_SIZES and x.numel() > 0:
         rows, _ = kernels.mx_quantize(x.detach().reshape(-1, k), block_size, scale_rounding, dtype)
         return rows.data.reshape(x.shape), rows.scale.reshape(*x.shape[:-1], k // block_size)
+    codec = cpu_codec(x)
+    if codec is not None and x.numel() > 0:
+        data, scale, _ = codec.mx_quantize(x.reshape(-1, k), block_size, scale_rounding, dtype)[0]
+        return data.reshape(x.shape), scale.reshape(*x.shape[:-1], k // block_size)
     blocks = x.float().reshape(*x.shape[:-1], k // block_size, block_size)
     data, scale = _quantize_blocks(blocks, -1, scale_rounding, dtype)
     return data.reshape(x.shape), scale
@@ -319,13 +358,24 @@ def _quantize_blocks(
 
 
 def quantize_mx_operands(
-    x: torch.Tensor, block_size: int, scale_rounding: str, dtype: torch.dtype, columnwise: bool = True
+    x: torch.Tensor,
+    block_size: int,
+    scale_rounding: str,
+    dtype: torch.dtype,
+    columnwise: bool = True,
+    columnwise_f32: bool = True,
 ) -> tuple["Quantized", "Quantized | None"]:
     """The MX operands of a 2-D ``x`` (M, K) from one read: rowwise (blocks along K; K must be a whole number of
-    blocks) and, when ``columnwise``, the operand of ``x.T`` (see :func:`quantize_mx_columns`), else None."""
+    blocks) and, when ``columnwise``, the operand of ``x.T`` (see :func:`quantize_mx_columns`), else None.
+    ``columnwise_f32=False``: the columnwise copy is only kept for later (saved for backward), so the CPU codec
+    does not make its float32 GEMM form now (:meth:`Quantized.gemm_f32` makes it on use)."""
     kernels = cuda_kernels(x)
     if kernels is not None and block_size in kernels.MX_BLOCK_SIZES and x.numel() > 0:
         return kernels.mx_quantize(x.detach(), block_size, scale_rounding, dtype, rowwise=True, columnwise=columnwise)
+    codec = cpu_codec(x)
+    if codec is not None and x.numel() > 0:
+        row, col = codec.mx_quantize(x, block_size, scale_rounding, dtype, True, columnwise, columnwise_f32)
+        return Quantized(row[0], row[1], "mx", row[2]), (None if col is None else _transposed_operand(*col))
     x32 = x.detach().float()
     magnitude = x32.abs()  # shared by both block layouts
     (m, k), blocks = x32.shape, (x32.shape[0], x32.shape[1] // block_size, block_size)
@@ -344,7 +394,15 @@ def quantize_mx_columns(x: torch.Tensor, block_size: int, scale_rounding: str, d
     kernels = cuda_kernels(x)
     if kernels is not None and block_size in kernels.MX_BLOCK_SIZES and x.numel() > 0:
         return kernels.mx_quantize(x.detach(), block_size, scale_rounding, dtype, rowwise=False, columnwise=True)[1]
+    codec = cpu_codec(x)
+    if codec is not None and x.numel() > 0:
+        return _transposed_operand(*codec.mx_quantize(x, block_size, scale_rounding, dtype, False, True)[1])
     return _mx_columns(x.detach().float(), None, block_size, scale_rounding, dtype)
+
+
+def _transposed_operand(data: torch.Tensor, scale: torch.Tensor, values: torch.Tensor | None) -> "Quantized":
+    """The MX operand of x.T from columnwise blocks quantized in x's layout (views, no copy)."""
+    return Quantized(data.t(), scale.t(), "mx", None if values is None else values.t())
 
 
 def _mx_columns(x32, magnitude, block_size: int, scale_rounding: str, dtype: torch.dtype) -> "Quantized":
@@ -364,7 +422,15 @@ def dequantize_mxfp8(data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.d
             f"dequantize_mxfp8: scale shape {tuple(scale.shape)} does not match data shape {tuple(data.shape)}."
         )
     block_size = k // n_blocks
-    if data.dim() == 2 and not data.is_contiguous() and data.t().is_contiguous():  # blocks run down base's rows
+    columnwise = data.dim() == 2 and not data.is_contiguous() and data.t().is_contiguous()  # blocks down base rows
+    codec = cpu_codec() if data.device.type == "cpu" and data.numel() > 0 else None
+    if codec is not None:
+        tables = _decode_table(data.dtype, data.device), _e8m0_table(data.device, 1)
+        if columnwise:
+            return codec.mx_decode(data.t(), scale.t(), True, *tables).to(out_dtype).t()
+        values = codec.mx_decode(data.reshape(-1, k), scale.reshape(-1, n_blocks), False, *tables)
+        return values.view(data.shape).to(out_dtype)
+    if columnwise:
         base = data.t()
         blocks = fp8_to_float32(base).view(n_blocks, block_size, base.shape[1])
         values = blocks * e8m0_to_float(scale.t()).unsqueeze(1)

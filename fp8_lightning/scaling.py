@@ -36,8 +36,9 @@ from fp8_lightning.quantize import (
     FLOAT32_MAX,
     Quantized,
     amax_and_value,
+    cpu_codec,
     cuda_kernels,
-    quantize_with_scale,
+    quantize_operand,
     round_scale_to_power_of_2,
     tensorwise_scale,
     tensorwise_scale_value,
@@ -84,11 +85,17 @@ def finite_or_zero(x_amax: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(x_amax, nan=0.0, posinf=0.0)
 
 
-def _fused_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(data, amax)`` from one pass of the Triton cast kernel (CUDA only; a delayed scale is known before the
-    cast), or None where the kernels do not apply (CPU always)."""
-    kernels = cuda_kernels(x)
-    return None if kernels is None else kernels.cast(x.detach(), scale, dtype, record_amax=True)
+def _fused_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+    """``(data, amax, amax on the host or None, float32 values or None)`` from one pass over ``x`` (a delayed
+    scale is known before the cast): the Triton cast kernel on CUDA, the C codec on CPU; None where neither
+    applies."""
+    kernels, codec = cuda_kernels(x), cpu_codec(x)
+    if kernels is not None:
+        return (*kernels.cast(x.detach(), scale, dtype, record_amax=True), None, None)
+    if codec is not None and scale.device.type == "cpu":
+        data, values, host_amax = codec.cast(x, scale.item(), dtype, with_amax=True)
+        return data, torch.scalar_tensor(host_amax, dtype=torch.float32), host_amax, values
+    return None
 
 
 def roll_history(amax_history: torch.Tensor, new_amax: torch.Tensor) -> torch.Tensor:
@@ -132,16 +139,16 @@ class OperandScaling:
         """
         self._to(x.device)
         fused = _fused_cast(x, self.scale, self.dtype) if self.delayed and self.initialized else None
-        x_amax, host_amax = amax_and_value(x) if fused is None else (fused[1], None)
+        x_amax, host_amax = amax_and_value(x) if fused is None else fused[1:3]
         finite = host_amax is not None and math.isfinite(host_amax)
         clean_amax = self.book(x_amax, record, finite)
         scale = self.scale_for(clean_amax, host_amax if finite else None)
         if fused is not None:
-            return Quantized(fused[0], scale, "tensor")
+            return Quantized(fused[0], scale, "tensor", fused[3], nan_free=finite)
         # a finite amax known on the host tells whether any value can reach the clamp (the cast rounds values a
         # hair above fp8_max down to it)
         in_range = finite and host_amax * scale.item() <= fp8_max(self.dtype) * (1 + 2**-20)
-        return Quantized(quantize_with_scale(x, scale, self.dtype, saturate=not in_range), scale, nan_free=finite)
+        return quantize_operand(x, scale, self.dtype, saturate=not in_range, nan_free=finite)
 
     def book(self, x_amax: torch.Tensor, record: bool, finite: bool = False) -> torch.Tensor:
         """Count one use of the operand with amax ``x_amax``; returns the amax with NaN/inf replaced by 0.

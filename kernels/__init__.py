@@ -15,14 +15,16 @@ kernel                     what it does                                    pure-
 How the library uses them: the core (``quantize.py``, ``scaling.py``, ``gemm.py``) asks
 :func:`~fp8_lightning.kernels.availability.kernels_for` for CUDA tensors only; it gets this package when Triton
 is importable, the GPU has FP8 conversions (sm89+) and ``FP8_LIGHTNING_DISABLE_TRITON`` is not set, and falls
-back to its pure-torch code otherwise. CPU tensors never reach the kernels from the core.
+back to its pure-torch code otherwise. CPU tensors never reach the Triton kernels from the core.
 
 Calling a kernel here directly is an explicit request: it raises a clear error when it cannot run (no Triton,
 no suitable GPU) instead of falling back silently. Under ``TRITON_INTERPRET=1`` (set before the kernel modules
 are first used, and while they run) the kernels run on CPU tensors, which is how they are tested without a GPU.
 
 Modules: ``availability`` (can they run here; no Triton import), ``per_tensor`` (amax and per-tensor casts),
-``mxfp8`` (MX quantization), ``block_gemm`` (MX GEMM and its autotune configs), ``ops`` (``torch.library``).
+``mxfp8`` (MX quantization), ``block_gemm`` (MX GEMM and its autotune configs), ``ops`` (``torch.library``), and
+``cpu_codec`` (not Triton: the CPU casts and MX (de)quantization fused in C, built with the machine's C compiler
+on first use, which the core uses for CPU tensors; same bits as the core's pure-torch code).
 
 Importing this package never imports Triton; the kernels are compiled on first use. Every kernel is also a
 ``torch.library`` custom op (``torch.ops.fp8_lightning.*``, see :mod:`~fp8_lightning.kernels.ops`) with a fake

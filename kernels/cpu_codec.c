@@ -1,0 +1,225 @@
+/* FP8 casts for CPU emulation, fused: one read of the input, the FP8 codes and their float32 values written
+ * in the same pass (the float32 values are what a CPU GEMM multiplies).
+ *
+ * Eager PyTorch needs five to ten passes over a tensor for the same result (scale, cast, decode, block amax,
+ * block scale, dequantize), and its float8 conversion runs element by element. Every function here computes
+ * exactly the bits of the pure-torch code in fp8_lightning/quantize.py (tests/kernels/test_cpu_codec.py compares
+ * them on every class of input): the conversion is round to nearest even with saturation to the format's
+ * largest finite value, and NaN stays NaN (code 0x7F with the input's sign), as torch's CPU cast after the
+ * library's clamp. No -ffast-math: every float operation is the IEEE one torch performs.
+ *
+ * Inputs are float32 (dtype 0) or bfloat16 (dtype 1), contiguous. Formats: 0 = E4M3, 1 = E5M2. Every function
+ * works on a range [begin, end) of its outer dimension, so that the caller can split a tensor across threads.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    int shift;           /* 23 - mantissa bits: float32 bits dropped by the rounding */
+    uint32_t rebias;     /* (127 - bias) << 23: float32 exponent field -> format exponent field */
+    uint32_t min_normal; /* float32 bits of the smallest normal of the format */
+    float denorm_magic;  /* adding it rounds a subnormal to the format's grid: its ulp is the subnormal step */
+    uint32_t max_code;   /* largest finite magnitude code */
+    float max_value;
+    int emax;            /* exponent of the largest binade (MX: shared_exp = floor(log2 amax) - emax) */
+} Format;
+
+static const Format FORMATS[2] = {
+    {20, 120u << 23, 121u << 23, 16384.0f, 0x7E, 448.0f, 8},   /* E4M3: bias 7, 3 mantissa bits */
+    {21, 112u << 23, 113u << 23, 128.0f, 0x7B, 57344.0f, 15}, /* E5M2: bias 15, 2 mantissa bits */
+};
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE uint32_t bits_of(float v) { uint32_t b; memcpy(&b, &v, 4); return b; }
+INLINE float float_of(uint32_t b) { float v; memcpy(&v, &b, 4); return v; }
+
+INLINE float load(const void *x, int dtype, int64_t i) {
+    if (dtype == 1) return float_of((uint32_t)((const uint16_t *)x)[i] << 16);
+    return ((const float *)x)[i];
+}
+
+/* |v|'s bits: as unsigned integers they order like the magnitudes, and every NaN is above infinity
+ * (0x7F800000), so an integer max is an amax that propagates NaN, and it vectorizes. */
+INLINE uint32_t magnitude_bits(float v) { return bits_of(v) & 0x7FFFFFFFu; }
+
+/* Instantiates CALL(dtype, format) with both as constants, so that the loops inside compile without branches
+ * (and vectorize). */
+#define SPECIALIZE(dtype, format, CALL) \
+    do { \
+        if (dtype == 0 && format == 0) CALL(0, 0); \
+        else if (dtype == 0) CALL(0, 1); \
+        else if (format == 0) CALL(1, 0); \
+        else CALL(1, 1); \
+    } while (0)
+
+/* All-ones where `condition` holds, else zero: selects written as masks compile without branches. */
+INLINE uint32_t mask_if(int condition) { return -(uint32_t)(condition != 0); }
+INLINE uint32_t pick(uint32_t mask, uint32_t yes, uint32_t no) { return (yes & mask) | (no & ~mask); }
+
+/* The FP8 code of v and, in *value, the float32 value of that code (sign included). */
+INLINE uint8_t encode(float v, const Format *f, float *value) {
+    uint32_t b = bits_of(v);
+    uint32_t sign = b & 0x80000000u, a = b ^ sign;
+    /* normal: round the float32 mantissa to nearest even at bit `shift`, then move the exponent bias */
+    uint32_t rounded = a + ((1u << (f->shift - 1)) - 1) + ((a >> f->shift) & 1);
+    uint32_t code_n = (rounded - f->rebias) >> f->shift;
+    uint32_t value_n = rounded & ~((1u << f->shift) - 1);
+    /* subnormal: the FPU's own rounding, in a binade whose ulp is the format's subnormal step */
+    float shifted = float_of(a) + f->denorm_magic;
+    uint32_t code_s = bits_of(shifted) - bits_of(f->denorm_magic);
+    uint32_t value_s = bits_of(shifted - f->denorm_magic);
+    uint32_t normal = mask_if(a >= f->min_normal);
+    uint32_t code = pick(normal, code_n, code_s), magnitude = pick(normal, value_n, value_s);
+    uint32_t saturated = mask_if(code > f->max_code); /* also every infinity */
+    code = pick(saturated, f->max_code, code);
+    magnitude = pick(saturated, bits_of(f->max_value), magnitude);
+    uint32_t nan = mask_if(a > 0x7F800000u);
+    code = pick(nan, 0x7F, code);
+    magnitude = pick(nan, 0x7FC00000u, magnitude);
+    *value = float_of(magnitude | sign);
+    return (uint8_t)(code | (sign >> 24));
+}
+
+INLINE void cast_range(const void *x, int dtype, int64_t begin, int64_t end, float scale, const Format *f,
+                       uint8_t *restrict codes, float *restrict values, uint32_t *top) {
+    uint32_t largest = 0;
+    for (int64_t i = begin; i < end; ++i) {
+        float v = load(x, dtype, i), value;
+        uint32_t a = magnitude_bits(v);
+        largest = a > largest ? a : largest;
+        codes[i] = encode(v * scale, f, &value);
+        values[i] = value;
+    }
+    *top = largest;
+}
+
+/* Per-tensor cast: codes = saturate(x * scale) and values = their float32 values for elements [begin, end);
+ * with amax_out, also max |x| over the range (NaN when the range holds a NaN). */
+void fp8_cast(const void *x, int dtype, int64_t begin, int64_t end, float scale, int format, uint8_t *codes,
+              float *values, float *amax_out) {
+    uint32_t top;
+#define CAST(D, F) cast_range(x, D, begin, end, scale, &FORMATS[F], codes, values, &top)
+    SPECIALIZE(dtype, format, CAST);
+#undef CAST
+    if (amax_out) *amax_out = top > 0x7F800000u ? NAN : float_of(top);
+}
+
+/* The E8M0 exponent of a block whose max |x| has the bits `top`: floor(log2 amax) - emax, plus one when rceil
+ * and amax / 2**that exceeds the format's max, clamped to [-127, 127]; as torch computes it from frexp (which
+ * gives infinity the exponent 0). The bits tell it directly: for a normal amax = 1.m * 2**(E - 127),
+ * floor(log2 amax) = E - 127 and amax / 2**floor > fp8_max / 2**emax = 1.75 exactly when m > 0.75. Zero,
+ * subnormal and NaN-holding blocks (torch counts NaN as the smallest subnormal) all clamp to -127. */
+INLINE int mx_exponent(uint32_t top, const Format *f, int rceil) {
+    if (top < 0x00800000u || top > 0x7F800000u) return -127;
+    int rounds_up = rceil && (top == 0x7F800000u || (top & 0x7FFFFFu) > 0x600000u);
+    int exp = (top == 0x7F800000u ? -1 : (int)(top >> 23) - 127) - f->emax + rounds_up;
+    return exp < -127 ? -127 : (exp > 127 ? 127 : exp);
+}
+
+/* 2**e, exactly, for e in [-127, 127] (2**-127 is a float32 subnormal). */
+INLINE float power_of_two(int e) { return e >= -126 ? float_of((uint32_t)(e + 127) << 23) : float_of(0x00400000u); }
+
+INLINE uint8_t e8m0_byte(uint32_t top, int exp) { return top > 0x7F800000u ? 255 : (uint8_t)(exp + 127); }
+INLINE float block_scale(uint32_t top, int exp) { return top > 0x7F800000u ? NAN : power_of_two(exp); }
+
+/* Rowwise blocks of rows [first, last) of x (m, k): scales (m, k / block), codes and values (m, k). */
+INLINE void mx_rows(const void *x, int dtype, int64_t first, int64_t last, int64_t k, int block, const Format *f,
+                    int rceil, uint8_t *restrict codes, uint8_t *restrict scales, float *restrict values) {
+    int64_t blocks = k / block;
+    for (int64_t r = first; r < last; ++r) {
+        for (int64_t j = 0; j < blocks; ++j) {
+            int64_t start = r * k + j * block;
+            uint32_t top = 0;
+            for (int i = 0; i < block; ++i) {
+                uint32_t a = magnitude_bits(load(x, dtype, start + i));
+                top = a > top ? a : top;
+            }
+            int exp = mx_exponent(top, f, rceil);
+            float inverse = power_of_two(-exp), scale = block_scale(top, exp);
+            scales[r * blocks + j] = e8m0_byte(top, exp);
+            for (int i = 0; i < block; ++i) {
+                float value;
+                codes[start + i] = encode(load(x, dtype, start + i) * inverse, f, &value);
+                values[start + i] = value * scale;
+            }
+        }
+    }
+}
+
+/* Columnwise blocks of block row g: rows [first, first + block) of x, those from `last` on being zero padding.
+ * scales (m_pad / block, k), codes and values (m_pad, k); with_values = 0 skips the values. */
+INLINE void mx_cols(const void *x, int dtype, int64_t g, int64_t first, int64_t last, int64_t k, int block,
+                    const Format *f, int rceil, uint8_t *restrict codes, uint8_t *restrict scales,
+                    float *restrict values, int with_values, float *restrict inverse, float *restrict scale) {
+    uint32_t *top = (uint32_t *)inverse; /* the column maxima, then (same memory) their inverse scales */
+    for (int64_t c = 0; c < k; ++c) top[c] = 0;
+    for (int64_t r = first; r < last; ++r)
+        for (int64_t c = 0; c < k; ++c) {
+            uint32_t a = magnitude_bits(load(x, dtype, r * k + c));
+            top[c] = a > top[c] ? a : top[c];
+        }
+    for (int64_t c = 0; c < k; ++c) {
+        uint32_t t = top[c];
+        int exp = mx_exponent(t, f, rceil);
+        scales[g * k + c] = e8m0_byte(t, exp);
+        scale[c] = block_scale(t, exp);
+        inverse[c] = power_of_two(-exp);
+    }
+    for (int64_t r = first; r < first + block; ++r)
+        for (int64_t c = 0; c < k; ++c) {
+            float v = r < last ? load(x, dtype, r * k + c) : 0.0f, value;
+            codes[r * k + c] = encode(v * inverse[c], f, &value);
+            if (with_values) values[r * k + c] = value * scale[c];
+        }
+}
+
+INLINE void mx_range(const void *x, int dtype, int64_t m, int64_t begin, int64_t end, int64_t k, int block,
+                     const Format *f, int rceil, uint8_t *row_codes, uint8_t *row_scales, float *row_values,
+                     uint8_t *col_codes, uint8_t *col_scales, float *col_values, float *work) {
+    for (int64_t g = begin; g < end; ++g) {
+        int64_t first = g * block, last = first + block < m ? first + block : m;
+        if (row_codes) mx_rows(x, dtype, first, last, k, block, f, rceil, row_codes, row_scales, row_values);
+        if (col_codes && col_values)
+            mx_cols(x, dtype, g, first, last, k, block, f, rceil, col_codes, col_scales, col_values, 1, work,
+                    work + k);
+        else if (col_codes)
+            mx_cols(x, dtype, g, first, last, k, block, f, rceil, col_codes, col_scales, NULL, 0, work, work + k);
+    }
+}
+
+/* MXFP8 quantization of x (m, k), block rows [begin, end) (each `block` rows of x; the last may be short).
+ * Rowwise (row_codes not NULL): blocks of `block` consecutive elements along each row; codes and values (m, k),
+ * scales (m, k / block). Columnwise (col_codes not NULL): blocks of `block` consecutive rows in each column, the
+ * rows padded with zeros to whole blocks; codes and values (m_pad, k), scales (m_pad / block, k): x's own
+ * layout, the operand of x.T being their transpose; col_values may be NULL. A block holding NaN gets the scale
+ * byte 255 and NaN values; values are the codes times their block scale. Both copies come from one read of x:
+ * the columnwise pass re-reads the block row from cache. work: 2 * k floats of scratch. */
+void mx_quantize(const void *x, int dtype, int64_t m, int64_t begin, int64_t end, int64_t k, int block, int format,
+                 int rceil, uint8_t *row_codes, uint8_t *row_scales, float *row_values, uint8_t *col_codes,
+                 uint8_t *col_scales, float *col_values, float *work) {
+#define MX(D, F) mx_range(x, D, m, begin, end, k, block, &FORMATS[F], rceil, row_codes, row_scales, row_values, \
+                          col_codes, col_scales, col_values, work)
+    SPECIALIZE(dtype, format, MX);
+#undef MX
+}
+
+/* values = table[codes] (the float32 value of each code) for elements [begin, end). */
+void fp8_decode(const uint8_t *codes, int64_t begin, int64_t end, const float *table, float *values) {
+    for (int64_t i = begin; i < end; ++i) values[i] = table[codes[i]];
+}
+
+/* values = table[codes] * scale_table[scales] for MX data (rows, k) with blocks along rows (columnwise = 0,
+ * scales (rows, k / block)) or down columns (columnwise = 1, scales (rows / block, k)); rows [begin, end). */
+void mx_decode(const uint8_t *codes, const uint8_t *scales, int64_t begin, int64_t end, int64_t k, int block,
+               int columnwise, const float *table, const float *scale_table, float *values) {
+    for (int64_t r = begin; r < end; ++r) {
+        const uint8_t *row_scales = columnwise ? scales + (r / block) * k : scales + r * (k / block);
+        for (int64_t c = 0; c < k; ++c) {
+            float scale = scale_table[columnwise ? row_scales[c] : row_scales[c / block]];
+            values[r * k + c] = table[codes[r * k + c]] * scale;
+        }
+    }
+}

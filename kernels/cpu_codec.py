@@ -1,0 +1,257 @@
+"""Fused FP8 casts for CPU tensors: ``cpu_codec.c``, compiled on first use and called through ctypes.
+
+Why: emulating FP8 on a CPU spends most of its overhead in passes over the data, not in the GEMMs. Eager PyTorch
+takes five passes to cast a tensor and decode the codes back to the float32 values a CPU GEMM multiplies, about
+ten for an MX operand (block amax, exponent, scale, cast, decode, dequantize), and converts to float8 element by
+element. The C functions do each in one pass, with the same bits (``tests/kernels/test_cpu_codec.py`` compares
+them with the pure-torch code on every class of input, both formats, both MX roundings, float32 and bfloat16).
+
+Build: ``$CC`` (default ``cc``) with ``-O3 -march=native`` (without ``-march=native`` where the compiler refuses
+it) into ``$FP8_LIGHTNING_CACHE`` (default ``~/.cache/fp8_lightning``), named by a hash of the source, the flags,
+the compiler and the CPU, and written atomically (concurrent processes may build it at once). It takes about a
+second, once per machine. Without a compiler, or when the build fails, :func:`status` says why and the library
+keeps its pure-torch code, which computes the same bits more slowly. ``FP8_LIGHTNING_DISABLE_CPU_CODEC=1`` asks for
+the pure-torch code (read on every call).
+
+Threads: ctypes releases the GIL, so a large tensor is cut into ranges cast concurrently by
+``torch.get_num_threads()`` threads, as torch's own CPU kernels would use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+DISABLE_ENV = "FP8_LIGHTNING_DISABLE_CPU_CODEC"
+CACHE_ENV = "FP8_LIGHTNING_CACHE"
+SOURCE = Path(__file__).with_name("cpu_codec.c")
+INPUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+FORMATS = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
+PARALLEL_MIN_ELEMENTS = 1 << 18  # below this, one thread: handing out ranges costs more than it saves
+
+_P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "fp8_cast": [_P, _I, _I64, _I64, _F, _I, _P, _P, _P],
+    "mx_quantize": [_P, _I, _I64, _I64, _I64, _I64, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P],
+    "fp8_decode": [_P, _I64, _I64, _P, _P],
+    "mx_decode": [_P, _P, _I64, _I64, _I64, _I, _I, _P, _P, _P],
+}
+
+
+# --------------------------------------------------------------------------------------------------------
+# Build and load
+# --------------------------------------------------------------------------------------------------------
+
+
+def disabled_by_env() -> bool:
+    return os.environ.get(DISABLE_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def status() -> tuple[bool, str]:
+    """Whether the codec is built and loaded here, and the library's path or why not (ignores the variable)."""
+    library, reason = _load()
+    return library is not None, reason
+
+
+def enabled() -> bool:
+    """Whether the core should use the codec: it loads and ``FP8_LIGHTNING_DISABLE_CPU_CODEC`` is not set."""
+    return not disabled_by_env() and _load()[0] is not None
+
+
+def _cpu_fingerprint() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line for line in info if line.startswith(("flags", "Features"))), platform.processor())
+    except OSError:
+        return platform.processor()
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        return None, f"no C compiler found (CC={os.environ.get('CC', 'cc')!r}); install gcc or clang"
+    try:
+        source = SOURCE.read_bytes()
+    except OSError as err:
+        return None, f"the codec's source is missing ({err}); reinstall fp8-lightning"
+    folder = Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "fp8_lightning"))
+    errors = []
+    for flags in (["-O3", "-march=native"], ["-O3"]):
+        key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), compiler.encode(),
+                                          platform.machine().encode(), _cpu_fingerprint().encode()]))
+        target = folder / f"cpu_codec-{key.hexdigest()[:16]}.so"
+        try:
+            if not target.exists():
+                _build(compiler, flags, folder, target)
+            return _bind(ctypes.CDLL(str(target))), str(target)
+        except (OSError, subprocess.CalledProcessError) as err:
+            detail = getattr(err, "stderr", None) or err
+            errors.append(f"{' '.join(flags)}: {str(detail).strip()[:300]}")
+    return None, "building the CPU codec failed (" + "; ".join(errors) + ")"
+
+
+def _build(compiler: str, flags: list[str], folder: Path, target: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(suffix=".so", dir=folder)
+    os.close(handle)
+    try:
+        command = [compiler, *flags, "-fPIC", "-shared", "-o", partial, str(SOURCE), "-lm"]
+        subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
+        os.replace(partial, target)  # atomic: a concurrent build writes the same bytes
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+
+
+def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
+    for name, argtypes in _SIGNATURES.items():
+        function = getattr(library, name)
+        function.argtypes, function.restype = argtypes, None
+    return library
+
+
+def _library() -> ctypes.CDLL:
+    library, reason = _load()
+    if library is None:
+        raise RuntimeError(f"The CPU FP8 codec is not available: {reason}.")
+    return library
+
+
+# --------------------------------------------------------------------------------------------------------
+# Ranges over threads
+# --------------------------------------------------------------------------------------------------------
+
+
+_POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    """A pool of ``threads`` workers owned by this process: a forked child (data loaders, launchers) inherits
+    the parent's pool object but not its threads, so it makes its own."""
+    key = (os.getpid(), threads)
+    if key not in _POOLS:
+        _POOLS[key] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fp8-cpu-codec")
+    return _POOLS[key]
+
+
+def _ranges(units: int, elements: int) -> list[tuple[int, int]]:
+    """[begin, end) ranges of ``units`` (rows, block rows or elements) covering ``elements`` values in all."""
+    threads = min(torch.get_num_threads(), units)
+    if threads <= 1 or elements < PARALLEL_MIN_ELEMENTS:
+        return [(0, units)]
+    step = -(-units // threads)
+    return [(begin, min(begin + step, units)) for begin in range(0, units, step)]
+
+
+def _over_ranges(call, units: int, elements: int) -> None:
+    ranges = _ranges(units, elements)
+    if len(ranges) == 1:
+        call(0, *ranges[0])
+        return
+    for future in [_pool(len(ranges)).submit(call, i, *r) for i, r in enumerate(ranges)]:
+        future.result()
+
+
+# --------------------------------------------------------------------------------------------------------
+# The casts
+# --------------------------------------------------------------------------------------------------------
+
+
+def cast(
+    x: torch.Tensor, scale: float, dtype: torch.dtype, with_amax: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, float | None]:
+    """``(saturate(x * scale) in dtype, the codes' float32 values, max |x| or None)`` in one pass (the amax is
+    NaN when x holds NaN)."""
+    x = x.detach().contiguous()
+    n = x.numel()
+    codes = torch.empty(x.shape, dtype=torch.uint8)
+    values = torch.empty(x.shape, dtype=torch.float32)
+    ranges = len(_ranges(n, n))
+    amaxes = torch.zeros(ranges, dtype=torch.float32) if with_amax else None
+    function, source, fmt = _library().fp8_cast, x.data_ptr(), FORMATS[dtype]
+
+    def call(i, begin, end):
+        amax_out = amaxes.data_ptr() + 4 * i if with_amax else None
+        function(source, INPUT_DTYPES[x.dtype], begin, end, scale, fmt, codes.data_ptr(), values.data_ptr(), amax_out)
+
+    _over_ranges(call, n, n)
+    top = None if amaxes is None else (amaxes.max().item() if ranges > 1 else amaxes.item())
+    return codes.view(dtype), values, top
+
+
+def mx_quantize(
+    x: torch.Tensor, block: int, rounding: str, dtype: torch.dtype, rowwise: bool = True, columnwise: bool = False,
+    column_values: bool = True,
+):
+    """MX copies of a 2-D ``x`` (M, K) from one read, each ``(data, E8M0 scales, float32 values)`` or None:
+
+    * rowwise: blocks along K; data and values (M, K), scales (M, K // block);
+    * columnwise: blocks down the columns, M zero-padded to whole blocks, in x's layout: data and values
+      (M_pad, K), scales (M_pad // block, K); transposed, the operand of x.T. ``column_values=False``: its
+      values are not made (None).
+    """
+    x = x.detach().contiguous()
+    m, k = x.shape
+    groups = -(-m // block)
+    row = col = None
+    if rowwise:
+        row = (torch.empty((m, k), dtype=torch.uint8), torch.empty((m, k // block), dtype=torch.uint8),
+               torch.empty((m, k), dtype=torch.float32))
+    if columnwise:
+        col = (torch.empty((groups * block, k), dtype=torch.uint8), torch.empty((groups, k), dtype=torch.uint8),
+               torch.empty((groups * block, k), dtype=torch.float32) if column_values else None)
+    pointers = [None if t is None else t.data_ptr() for t in (row or (None,) * 3) + (col or (None,) * 3)]
+    function, args = _library().mx_quantize, (FORMATS[dtype], int(rounding == "rceil"))
+
+    def call(_, begin, end):
+        work = torch.empty(2 * k, dtype=torch.float32)
+        function(x.data_ptr(), INPUT_DTYPES[x.dtype], m, begin, end, k, block, *args, *pointers, work.data_ptr())
+
+    _over_ranges(call, groups, m * k)
+    return tuple(
+        None if q is None else (q[0].view(dtype), q[1].view(torch.float8_e8m0fnu), q[2]) for q in (row, col)
+    )
+
+
+def decode(codes: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``table[codes]`` for float8 ``codes`` (table: the float32 value of each of the 256 codes)."""
+    codes = codes.contiguous()
+    n = codes.numel()
+    values = torch.empty(codes.shape, dtype=torch.float32)
+    function = _library().fp8_decode
+
+    def call(_, begin, end):
+        function(codes.data_ptr(), begin, end, table.data_ptr(), values.data_ptr())
+
+    _over_ranges(call, n, n)
+    return values
+
+
+def mx_decode(
+    codes: torch.Tensor, scales: torch.Tensor, columnwise: bool, table: torch.Tensor, scale_table: torch.Tensor
+) -> torch.Tensor:
+    """MX values ``table[codes] * scale_table[scales]`` of 2-D codes (M, K), with blocks along K (scales
+    (M, K // block)) or, ``columnwise``, down the columns (scales (M // block, K))."""
+    codes, scales = codes.contiguous(), scales.contiguous()
+    m, k = codes.shape
+    block = m // scales.shape[0] if columnwise else k // scales.shape[1]
+    values = torch.empty((m, k), dtype=torch.float32)
+    function = _library().mx_decode
+
+    def call(_, begin, end):
+        function(codes.data_ptr(), scales.data_ptr(), begin, end, k, block, int(columnwise), table.data_ptr(),
+                 scale_table.data_ptr(), values.data_ptr())
+
+    _over_ranges(call, m, m * k)
+    return values
