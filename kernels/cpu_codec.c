@@ -24,11 +24,14 @@ typedef struct {
     uint32_t max_code;   /* largest finite magnitude code */
     float max_value;
     int emax;            /* exponent of the largest binade (MX: shared_exp = floor(log2 amax) - emax) */
+    float subnormal_step;  /* value of the mantissa's last bit in the subnormal binade */
+    uint32_t inf_code;     /* magnitude code of infinity (none: 0x100) */
+    uint32_t nan_code;     /* smallest magnitude code of NaN */
 } Format;
 
 static const Format FORMATS[2] = {
-    {20, 120u << 23, 121u << 23, 16384.0f, 0x7E, 448.0f, 8},   /* E4M3: bias 7, 3 mantissa bits */
-    {21, 112u << 23, 113u << 23, 128.0f, 0x7B, 57344.0f, 15}, /* E5M2: bias 15, 2 mantissa bits */
+    {20, 120u << 23, 121u << 23, 16384.0f, 0x7E, 448.0f, 8, 0x1p-9f, 0x100, 0x7F},  /* E4M3: bias 7, 3 mantissa bits */
+    {21, 112u << 23, 113u << 23, 128.0f, 0x7B, 57344.0f, 15, 0x1p-16f, 0x7C, 0x7D}, /* E5M2: bias 15, 2 */
 };
 
 #define INLINE static inline __attribute__((always_inline))
@@ -206,20 +209,56 @@ void mx_quantize(const void *x, int dtype, int64_t m, int64_t begin, int64_t end
 #undef MX
 }
 
-/* values = table[codes] (the float32 value of each code) for elements [begin, end). */
-void fp8_decode(const uint8_t *codes, int64_t begin, int64_t end, const float *table, float *values) {
-    for (int64_t i = begin; i < end; ++i) values[i] = table[codes[i]];
+/* The float32 value of FP8 code c: the inverse of encode (NaN codes give NaN with the code's sign). */
+INLINE float decode(uint32_t c, const Format *f) {
+    uint32_t sign = (c & 0x80u) << 24, magnitude = c & 0x7Fu;
+    uint32_t normal = (magnitude << f->shift) + f->rebias;
+    uint32_t mantissa = magnitude & ((1u << (23 - f->shift)) - 1);
+    uint32_t subnormal = bits_of((float)mantissa * f->subnormal_step);
+    uint32_t bits = pick(mask_if(magnitude >> (23 - f->shift)), normal, subnormal);
+    bits = pick(mask_if(magnitude == f->inf_code), 0x7F800000u, bits);
+    bits = pick(mask_if(magnitude >= f->nan_code), 0x7FC00000u, bits);
+    return float_of(bits | sign);
 }
 
-/* values = table[codes] * scale_table[scales] for MX data (rows, k) with blocks along rows (columnwise = 0,
- * scales (rows, k / block)) or down columns (columnwise = 1, scales (rows / block, k)); rows [begin, end). */
-void mx_decode(const uint8_t *codes, const uint8_t *scales, int64_t begin, int64_t end, int64_t k, int block,
-               int columnwise, const float *table, const float *scale_table, float *values) {
+/* 2**(byte - 127) for an E8M0 byte, exactly (byte 0 is the float32 subnormal 2**-127, byte 255 NaN). */
+INLINE float e8m0_value(uint32_t byte) {
+    uint32_t bits = pick(mask_if(byte == 0), 0x00400000u, byte << 23);
+    return float_of(pick(mask_if(byte == 255), 0x7FC00000u, bits));
+}
+
+/* values = the float32 value of each code, for elements [begin, end). */
+void fp8_decode(const uint8_t *codes, int64_t begin, int64_t end, int format, float *values) {
+    if (format == 0)
+        for (int64_t i = begin; i < end; ++i) values[i] = decode(codes[i], &FORMATS[0]);
+    else
+        for (int64_t i = begin; i < end; ++i) values[i] = decode(codes[i], &FORMATS[1]);
+}
+
+INLINE void mx_decode_range(const uint8_t *restrict codes, const uint8_t *restrict scales, int64_t begin,
+                            int64_t end, int64_t k, int block, int columnwise, const Format *f,
+                            float *restrict values) {
     for (int64_t r = begin; r < end; ++r) {
-        const uint8_t *row_scales = columnwise ? scales + (r / block) * k : scales + r * (k / block);
-        for (int64_t c = 0; c < k; ++c) {
-            float scale = scale_table[columnwise ? row_scales[c] : row_scales[c / block]];
-            values[r * k + c] = table[codes[r * k + c]] * scale;
+        const uint8_t *row = codes + r * k;
+        float *out = values + r * k;
+        if (columnwise) {
+            const uint8_t *row_scales = scales + (r / block) * k;
+            for (int64_t c = 0; c < k; ++c) out[c] = decode(row[c], f) * e8m0_value(row_scales[c]);
+        } else {
+            for (int64_t j = 0; j < k / block; ++j) {
+                float scale = e8m0_value(scales[r * (k / block) + j]);
+                for (int i = 0; i < block; ++i) out[j * block + i] = decode(row[j * block + i], f) * scale;
+            }
         }
     }
+}
+
+/* MX values (codes times their block scale) of data (rows, k) with blocks along rows (columnwise = 0, scales
+ * (rows, k / block)) or down columns (columnwise = 1, scales (rows / block, k)); rows [begin, end). */
+void mx_decode(const uint8_t *codes, const uint8_t *scales, int64_t begin, int64_t end, int64_t k, int block,
+               int columnwise, int format, float *values) {
+    if (format == 0)
+        mx_decode_range(codes, scales, begin, end, k, block, columnwise, &FORMATS[0], values);
+    else
+        mx_decode_range(codes, scales, begin, end, k, block, columnwise, &FORMATS[1], values);
 }

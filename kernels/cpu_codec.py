@@ -43,8 +43,8 @@ _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "fp8_cast": [_P, _I, _I64, _I64, _F, _I, _P, _P, _P],
     "mx_quantize": [_P, _I, _I64, _I64, _I64, _I64, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P],
-    "fp8_decode": [_P, _I64, _I64, _P, _P],
-    "mx_decode": [_P, _P, _I64, _I64, _I64, _I, _I, _P, _P, _P],
+    "fp8_decode": [_P, _I64, _I64, _I, _P],
+    "mx_decode": [_P, _P, _I64, _I64, _I64, _I, _I, _I, _P],
 }
 
 
@@ -224,34 +224,31 @@ def mx_quantize(
     )
 
 
-def decode(codes: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """``table[codes]`` for float8 ``codes`` (table: the float32 value of each of the 256 codes)."""
+def decode(codes: torch.Tensor) -> torch.Tensor:
+    """The float32 values of E4M3 or E5M2 ``codes`` (``codes.float()``, bit for bit; NaN codes give NaN)."""
     codes = codes.contiguous()
     n = codes.numel()
     values = torch.empty(codes.shape, dtype=torch.float32)
-    function = _library().fp8_decode
+    function, fmt = _library().fp8_decode, FORMATS[codes.dtype]
 
     def call(_, begin, end):
-        function(codes.data_ptr(), begin, end, table.data_ptr(), values.data_ptr())
+        function(codes.data_ptr(), begin, end, fmt, values.data_ptr())
 
     _over_ranges(call, n, n)
     return values
 
 
-def mx_decode(
-    codes: torch.Tensor, scales: torch.Tensor, columnwise: bool, table: torch.Tensor, scale_table: torch.Tensor
-) -> torch.Tensor:
-    """MX values ``table[codes] * scale_table[scales]`` of 2-D codes (M, K), with blocks along K (scales
+def mx_decode(codes: torch.Tensor, scales: torch.Tensor, columnwise: bool) -> torch.Tensor:
+    """MX values (each E4M3/E5M2 code times its E8M0 block scale) of 2-D codes (M, K), with blocks along K (scales
     (M, K // block)) or, ``columnwise``, down the columns (scales (M // block, K))."""
     codes, scales = codes.contiguous(), scales.contiguous()
     m, k = codes.shape
     block = m // scales.shape[0] if columnwise else k // scales.shape[1]
     values = torch.empty((m, k), dtype=torch.float32)
-    function = _library().mx_decode
+    function, fmt = _library().mx_decode, FORMATS[codes.dtype]
 
     def call(_, begin, end):
-        function(codes.data_ptr(), scales.data_ptr(), begin, end, k, block, int(columnwise), table.data_ptr(),
-                 scale_table.data_ptr(), values.data_ptr())
+        function(codes.data_ptr(), scales.data_ptr(), begin, end, k, block, int(columnwise), fmt, values.data_ptr())
 
     _over_ranges(call, m, m * k)
     return values

@@ -137,6 +137,20 @@ def test_mx_public_functions_match_the_reference(dtype, reference):
     )
 
 
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_every_code_and_every_scale_byte_decodes_like_the_reference(dtype, reference):
+    """All 256 codes decode as torch's cast; all 256 x 256 (code, E8M0 byte) pairs dequantize as the reference,
+    in both block layouts."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
+    assert same_bits(cpu_codec.decode(codes), codes.float())
+    data = codes.repeat(256, 1)  # row r holds every code; its one block has scale byte r
+    scale = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(q.E8M0_DTYPE).reshape(256, 1)
+    want = reference(q.dequantize_mxfp8, data, scale)
+    assert same_bits(q.dequantize_mxfp8(data, scale), want)
+    columns = data.t().contiguous().t()  # the columnwise layout: blocks run down the base's rows
+    assert same_bits(q.dequantize_mxfp8(columns, scale.t().contiguous().t()), want)
+
+
 def test_threads_split_the_work_without_changing_a_bit(reference):
     """Large tensors are cut into ranges cast by several threads; the bits, and a NaN in any range, survive."""
     threads = torch.get_num_threads()

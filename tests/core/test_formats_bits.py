@@ -25,7 +25,9 @@ def test_all_256_patterns_decode_like_the_reference(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fast_cpu_decode_matches_the_reference_bit_for_bit(dtype):
+@pytest.mark.parametrize("codec", ["C codec", "pure torch"])
+def test_fast_cpu_decode_matches_the_reference_bit_for_bit(dtype, codec, monkeypatch):
+    monkeypatch.setenv("FP8_LIGHTNING_DISABLE_CPU_CODEC", "1" if codec == "pure torch" else "0")
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     finite = [c for c in range(256) if not math.isnan(decode(c, dtype)) and not math.isinf(decode(c, dtype))]
     # E4M3: finite codes in a large tensor take the integer (float16) path; NaN codes, or a small tensor, the table

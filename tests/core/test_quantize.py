@@ -20,6 +20,13 @@ from tests.core.fp8_reference import round_saturate
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
+@pytest.fixture(autouse=True, params=["C codec", "pure torch"])
+def cpu_path(request, monkeypatch):
+    """Every test runs on both CPU paths: the C codec (where it is built) and the pure-torch code."""
+    monkeypatch.setenv("FP8_LIGHTNING_DISABLE_CPU_CODEC", "1" if request.param == "pure torch" else "0")
+    return request.param
+
+
 @pytest.mark.parametrize("fmt, dtype, top", [("E4M3", E4M3, 448.0), ("E5M2", E5M2, 57344.0), ("HYBRID", E4M3, 448.0)])
 def test_tensorwise_scale_maps_amax_to_the_format_max(fmt, dtype, top):
     x = torch.randn(64, 48, dtype=torch.float64).float() * 3
