@@ -61,11 +61,16 @@ def cpu_codec(x: torch.Tensor | None = None):
     """``fp8_lightning.kernels.cpu_codec`` when it is built and enabled, for a CPU tensor ``x`` it takes
     (float32/bf16 input to quantize; any tensor with ``x=None``), else None. Never while ``torch.compile`` traces
     (the codec reads raw memory)."""
+    global _codec_module
     if x is not None and (x.device.type != "cpu" or type(x) not in _PLAIN) or torch.compiler.is_compiling():
         return None  # tensor subclasses (FSDP2's FP8 weights, DTensor) may have no memory of their own to read
-    from fp8_lightning.kernels import cpu_codec as codec
-
+    if _codec_module is None:
+        from fp8_lightning.kernels import cpu_codec as _codec_module
+    codec = _codec_module
     return codec if codec.enabled() and (x is None or x.dtype in codec.INPUT_DTYPES) else None
+
+
+_codec_module = None
 
 
 def to_fp8_saturated(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -154,8 +154,8 @@ def _ranges(units: int, elements: int) -> list[tuple[int, int]]:
     return [(begin, min(begin + step, units)) for begin in range(0, units, step)]
 
 
-def _over_ranges(call, units: int, elements: int) -> None:
-    ranges = _ranges(units, elements)
+def _over_ranges(call, ranges: list[tuple[int, int]]) -> None:
+    """``call(i, begin, end)`` for each range, on the pool's threads when there are several."""
     if len(ranges) == 1:
         call(0, *ranges[0])
         return
@@ -177,16 +177,16 @@ def cast(
     n = x.numel()
     codes = torch.empty(x.shape, dtype=torch.uint8)
     values = torch.empty(x.shape, dtype=torch.float32)
-    ranges = len(_ranges(n, n))
-    amaxes = torch.zeros(ranges, dtype=torch.float32) if with_amax else None
+    ranges = _ranges(n, n)
+    amaxes = torch.zeros(len(ranges), dtype=torch.float32) if with_amax else None
     function, source, fmt = _library().fp8_cast, x.data_ptr(), FORMATS[dtype]
 
     def call(i, begin, end):
         amax_out = amaxes.data_ptr() + 4 * i if with_amax else None
         function(source, INPUT_DTYPES[x.dtype], begin, end, scale, fmt, codes.data_ptr(), values.data_ptr(), amax_out)
 
-    _over_ranges(call, n, n)
-    top = None if amaxes is None else (amaxes.max().item() if ranges > 1 else amaxes.item())
+    _over_ranges(call, ranges)
+    top = None if amaxes is None else (amaxes.max().item() if len(ranges) > 1 else amaxes.item())
     return codes.view(dtype), values, top
 
 
@@ -218,7 +218,7 @@ def mx_quantize(
         work = torch.empty(2 * k, dtype=torch.float32)
         function(x.data_ptr(), INPUT_DTYPES[x.dtype], m, begin, end, k, block, *args, *pointers, work.data_ptr())
 
-    _over_ranges(call, groups, m * k)
+    _over_ranges(call, _ranges(groups, m * k))
     return tuple(
         None if q is None else (q[0].view(dtype), q[1].view(torch.float8_e8m0fnu), q[2]) for q in (row, col)
     )
@@ -234,7 +234,7 @@ def decode(codes: torch.Tensor) -> torch.Tensor:
     def call(_, begin, end):
         function(codes.data_ptr(), begin, end, fmt, values.data_ptr())
 
-    _over_ranges(call, n, n)
+    _over_ranges(call, _ranges(n, n))
     return values
 
 
@@ -250,5 +250,5 @@ def mx_decode(codes: torch.Tensor, scales: torch.Tensor, columnwise: bool) -> to
     def call(_, begin, end):
         function(codes.data_ptr(), scales.data_ptr(), begin, end, k, block, int(columnwise), fmt, values.data_ptr())
 
-    _over_ranges(call, m, m * k)
+    _over_ranges(call, _ranges(m, m * k))
     return values
