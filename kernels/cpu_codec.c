@@ -3,7 +3,7 @@
  *
  * Eager PyTorch needs five to ten passes over a tensor for the same result (scale, cast, decode, block amax,
  * block scale, dequantize), and its float8 conversion runs element by element. Every function here computes
- * exactly the bits of the pure-torch code in fp8_lightning/quantize.py (tests/kernels/test_cpu_codec.py compares
+ * exactly the bits of the pure-torch code in fp8_lightning/quantize.py (tests/core/test_cpu_codec.py compares
  * them on every class of input): the conversion is round to nearest even with saturation to the format's
  * largest finite value, and NaN stays NaN (code 0x7F with the input's sign), as torch's CPU cast after the
  * library's clamp. No -ffast-math: every float operation is the IEEE one torch performs.
@@ -13,7 +13,6 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 typedef struct {

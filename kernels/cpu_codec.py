@@ -3,7 +3,7 @@
 Why: emulating FP8 on a CPU spends most of its overhead in passes over the data, not in the GEMMs. Eager PyTorch
 takes five passes to cast a tensor and decode the codes back to the float32 values a CPU GEMM multiplies, about
 ten for an MX operand (block amax, exponent, scale, cast, decode, dequantize), and converts to float8 element by
-element. The C functions do each in one pass, with the same bits (``tests/kernels/test_cpu_codec.py`` compares
+element. The C functions do each in one pass, with the same bits (``tests/core/test_cpu_codec.py`` compares
 them with the pure-torch code on every class of input, both formats, both MX roundings, float32 and bfloat16).
 
 Build: ``$CC`` (default ``cc``) with ``-O3 -march=native`` (without ``-march=native`` where the compiler refuses
