@@ -151,8 +151,9 @@ def test_every_code_and_every_scale_byte_decodes_like_the_reference(dtype, refer
     assert same_bits(q.dequantize_mxfp8(columns, scale.t().contiguous().t()), want)
 
 
-def test_threads_split_the_work_without_changing_a_bit(reference):
+def test_threads_split_the_work_without_changing_a_bit(reference, monkeypatch):
     """Large tensors are cut into ranges cast by several threads; the bits, and a NaN in any range, survive."""
+    monkeypatch.setattr(cpu_codec, "PARALLEL_MIN_ELEMENTS", 1024)  # split this small tensor too
     threads = torch.get_num_threads()
     x = torch.randn(1024, 512) * 7
     x[900, 3] = float("nan")  # in the last range only
