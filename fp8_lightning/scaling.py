@@ -26,7 +26,7 @@ kernels.
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -85,16 +85,24 @@ def finite_or_zero(x_amax: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(x_amax, nan=0.0, posinf=0.0)
 
 
-def _fused_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
-    """``(data, amax, amax on the host or None, float32 values or None)`` from one pass over ``x`` (a delayed
-    scale is known before the cast): the Triton cast kernel on CUDA, the C codec on CPU; None where neither
-    applies."""
+class FusedCast(NamedTuple):
+    """A cast that also measured the input's amax in the same pass over it."""
+
+    data: torch.Tensor
+    amax: torch.Tensor
+    host_amax: float | None  # the amax read on the host, where that is free (CPU)
+    values: torch.Tensor | None  # the codes' float32 values, when made in the same pass (CPU)
+
+
+def _fused_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> FusedCast | None:
+    """The cast with a known (delayed) scale and the amax from one pass over ``x``: the Triton cast kernel on
+    CUDA, the C codec on CPU; None where neither applies."""
     kernels, codec = cuda_kernels(x), cpu_codec(x)
     if kernels is not None:
-        return (*kernels.cast(x.detach(), scale, dtype, record_amax=True), None, None)
+        return FusedCast(*kernels.cast(x.detach(), scale, dtype, record_amax=True), None, None)
     if codec is not None and scale.device.type == "cpu":
         data, values, host_amax = codec.cast(x, scale.item(), dtype, with_amax=True)
-        return data, torch.scalar_tensor(host_amax, dtype=torch.float32), host_amax, values
+        return FusedCast(data, torch.scalar_tensor(host_amax, dtype=torch.float32), host_amax, values)
     return None
 
 
@@ -139,12 +147,12 @@ class OperandScaling:
         """
         self._to(x.device)
         fused = _fused_cast(x, self.scale, self.dtype) if self.delayed and self.initialized else None
-        x_amax, host_amax = amax_and_value(x) if fused is None else fused[1:3]
+        x_amax, host_amax = amax_and_value(x) if fused is None else (fused.amax, fused.host_amax)
         finite = host_amax is not None and math.isfinite(host_amax)
         clean_amax = self.book(x_amax, record, finite)
         scale = self.scale_for(clean_amax, host_amax if finite else None)
         if fused is not None:
-            return Quantized(fused[0], scale, "tensor", fused[3], nan_free=finite)
+            return Quantized(fused.data, scale, "tensor", fused.values, nan_free=finite)
         # a finite amax known on the host tells whether any value can reach the clamp (the cast rounds values a
         # hair above fp8_max down to it)
         in_range = finite and host_amax * scale.item() <= fp8_max(self.dtype) * (1 + 2**-20)

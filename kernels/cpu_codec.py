@@ -211,7 +211,8 @@ def mx_quantize(
     if columnwise:
         col = (torch.empty((groups * block, k), dtype=torch.uint8), torch.empty((groups, k), dtype=torch.uint8),
                torch.empty((groups * block, k), dtype=torch.float32) if column_values else None)
-    pointers = [None if t is None else t.data_ptr() for t in (row or (None,) * 3) + (col or (None,) * 3)]
+    outputs = (row or (None,) * 3) + (col or (None,) * 3)  # codes, scales, values: rowwise, then columnwise
+    pointers = [None if t is None else t.data_ptr() for t in outputs]
     function, args = _library().mx_quantize, (FORMATS[dtype], int(rounding == "rceil"))
 
     def call(_, begin, end):
