@@ -36,13 +36,8 @@ import torch
 
 from fp8_lightning import kernels
 from fp8_lightning.kernels.availability import DISABLE_ENV, EXPLICIT_ROUNDING_ENV, device_status
-from fp8_lightning.quantize import (
-    amax,
-    quantize_mx_operand,
-    quantize_mxfp8,
-    quantize_tensorwise,
-    quantize_with_scale,
-)
+from fp8_lightning.mx import quantize_mx_operand, quantize_mxfp8
+from fp8_lightning.quantize import amax, quantize_tensorwise, quantize_with_scale
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 MB = 2**20

@@ -8,11 +8,11 @@ kernel                     what it does                                    pure-
 ``cast``                   delayed scaling: cast with a given scale and    ``quantize.quantize_with_scale``
                            record the amax, one read, one write            + ``quantize.amax``
 ``cast_transpose``         the same, also writing the transposed copy      ``...`` + ``.t().contiguous()``
-``mx_quantize``            MXFP8 rowwise and/or columnwise from one read   ``quantize.quantize_mxfp8``
+``mx_quantize``            MXFP8 rowwise and/or columnwise from one read   ``mx.quantize_mxfp8``
 ``mx_gemm``                block-scaled FP8 GEMM for MX operands (sm8x/9x)  ``gemm`` emulation (dequantize + matmul)
 =========================  ==============================================  ========================================
 
-How the library uses them: the core (``quantize.py``, ``scaling.py``, ``gemm.py``) asks
+How the library uses them: the core (``quantize.py``, ``mx.py``, ``scaling.py``, ``gemm.py``) asks
 :func:`~fp8_lightning.kernels.availability.kernels_for` for CUDA tensors only; it gets this package when Triton
 is importable, the GPU has FP8 conversions (sm89+) and ``FP8_LIGHTNING_DISABLE_TRITON`` is not set, and falls
 back to its pure-torch code otherwise. CPU tensors never reach the Triton kernels from the core.
@@ -43,7 +43,8 @@ from fp8_lightning.kernels.availability import (
     kernels_for,
     triton_status,
 )
-from fp8_lightning.quantize import E8M0_DTYPE, Quantized
+from fp8_lightning.mx import E8M0_DTYPE
+from fp8_lightning.quantize import Quantized
 
 SUPPORTED_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MX_BLOCK_SIZES = (16, 32, 64, 128)

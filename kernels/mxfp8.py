@@ -1,6 +1,6 @@
 """MXFP8 quantization in Triton: rowwise and columnwise copies from one read of the high-precision tensor.
 
-The pure-torch twin is :func:`fp8_lightning.quantize.quantize_mxfp8` (and ``mx_shared_exponent`` for the
+The pure-torch twin is :func:`fp8_lightning.mx.quantize_mxfp8` (and ``mx_shared_exponent`` for the
 exponent rules). A program loads one (BLOCK_R, BLOCK_C) tile of the 2-D source ``x`` (R, C), and from the same
 registers writes
 

@@ -8,7 +8,8 @@ import torch
 import torch.nn as nn
 
 from fp8_lightning import DelayedScaling, convert_to_fp8, fp8_autocast
-from fp8_lightning.quantize import Quantized, quantize_mxfp8, quantize_with_scale
+from fp8_lightning.mx import quantize_mxfp8
+from fp8_lightning.quantize import Quantized, quantize_with_scale
 from fp8_lightning.stats import (
     OperandStats,
     attach_collector,

@@ -45,7 +45,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from fp8_lightning.formats import fp8_dtype
-from fp8_lightning.quantize import E8M0_DTYPE, Quantized, quantize_mx_columns, quantize_mx_operand, quantize_with_scale
+from fp8_lightning.mx import E8M0_DTYPE, quantize_mx_columns, quantize_mx_operand
+from fp8_lightning.quantize import Quantized, quantize_with_scale
 from fp8_lightning.recipes import MXFP8BlockScaling, Recipe
 from fp8_lightning.scaling import finite_or_zero
 

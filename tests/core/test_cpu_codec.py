@@ -14,6 +14,7 @@ import shutil
 import pytest
 import torch
 
+from fp8_lightning import mx
 from fp8_lightning import quantize as q
 from fp8_lightning.kernels import cpu_codec
 
@@ -112,28 +113,28 @@ def mx_boundary_input(rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
 def test_mx_rowwise_and_columnwise_match_the_reference(dtype, rounding, block, rows, reference):
     x = mx_boundary_input(rows, 64, dtype)
     for source in (x, x.bfloat16()):
-        want_row, want_col = reference(q.quantize_mx_operands, source, block, rounding, dtype)
-        row, col = q.quantize_mx_operands(source, block, rounding, dtype)
+        want_row, want_col = reference(mx.quantize_mx_operands, source, block, rounding, dtype)
+        row, col = mx.quantize_mx_operands(source, block, rounding, dtype)
         for got, want in ((row, want_row), (col, want_col)):
             assert got.data.shape == want.data.shape and got.scale.shape == want.scale.shape
             assert same_bits(got.data, want.data) and same_bits(got.scale, want.scale)
-            assert same_bits(got.f32, reference(q.dequantize_mxfp8, want.data, want.scale))
-        saved = q.quantize_mx_operands(source, block, rounding, dtype, columnwise_f32=False)[1]
+            assert same_bits(got.f32, reference(mx.dequantize_mxfp8, want.data, want.scale))
+        saved = mx.quantize_mx_operands(source, block, rounding, dtype, columnwise_f32=False)[1]
         assert saved.f32 is None and same_bits(saved.data, want_col.data)
         assert same_bits(saved.gemm_f32(), want_col.f32 if want_col.f32 is not None else want_col.gemm_f32())
-        columns = q.quantize_mx_columns(source, block, rounding, dtype)
+        columns = mx.quantize_mx_columns(source, block, rounding, dtype)
         assert same_bits(columns.data, want_col.data) and same_bits(columns.scale, want_col.scale)
 
 
 @pytest.mark.parametrize("dtype", FORMATS)
 def test_mx_public_functions_match_the_reference(dtype, reference):
     x = mx_boundary_input(48, 128, dtype).reshape(6, 8, 128)
-    data, scale = q.quantize_mxfp8(x, fp8_format=dtype)
-    want_data, want_scale = reference(q.quantize_mxfp8, x, fp8_format=dtype)
+    data, scale = mx.quantize_mxfp8(x, fp8_format=dtype)
+    want_data, want_scale = reference(mx.quantize_mxfp8, x, fp8_format=dtype)
     assert same_bits(data, want_data) and same_bits(scale, want_scale)
-    assert same_bits(q.dequantize_mxfp8(data, scale), reference(q.dequantize_mxfp8, data, scale))
+    assert same_bits(mx.dequantize_mxfp8(data, scale), reference(mx.dequantize_mxfp8, data, scale))
     assert same_bits(
-        q.dequantize_mxfp8(data, scale, torch.bfloat16), reference(q.dequantize_mxfp8, data, scale, torch.bfloat16)
+        mx.dequantize_mxfp8(data, scale, torch.bfloat16), reference(mx.dequantize_mxfp8, data, scale, torch.bfloat16)
     )
 
 
@@ -144,11 +145,11 @@ def test_every_code_and_every_scale_byte_decodes_like_the_reference(dtype, refer
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
     assert same_bits(cpu_codec.decode(codes), codes.float())
     data = codes.repeat(256, 1)  # row r holds every code; its one block has scale byte r
-    scale = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(q.E8M0_DTYPE).reshape(256, 1)
-    want = reference(q.dequantize_mxfp8, data, scale)
-    assert same_bits(q.dequantize_mxfp8(data, scale), want)
+    scale = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(mx.E8M0_DTYPE).reshape(256, 1)
+    want = reference(mx.dequantize_mxfp8, data, scale)
+    assert same_bits(mx.dequantize_mxfp8(data, scale), want)
     columns = data.t().contiguous().t()  # the columnwise layout: blocks run down the base's rows
-    assert same_bits(q.dequantize_mxfp8(columns, scale.t().contiguous().t()), want)
+    assert same_bits(mx.dequantize_mxfp8(columns, scale.t().contiguous().t()), want)
 
 
 def test_threads_split_the_work_without_changing_a_bit(reference, monkeypatch):
@@ -161,12 +162,12 @@ def test_threads_split_the_work_without_changing_a_bit(reference, monkeypatch):
         torch.set_num_threads(2)
         assert len(cpu_codec._ranges(x.numel(), x.numel())) == 2
         data, values, amax = cpu_codec.cast(x, 2.0, torch.float8_e4m3fn, with_amax=True)
-        row, col = q.quantize_mx_operands(x, 32, "rceil", torch.float8_e5m2)
+        row, col = mx.quantize_mx_operands(x, 32, "rceil", torch.float8_e5m2)
     finally:
         torch.set_num_threads(threads)
     assert amax != amax
     assert same_bits(data, reference(q.quantize_with_scale, x, torch.tensor(2.0), torch.float8_e4m3fn))
-    want_row, want_col = reference(q.quantize_mx_operands, x, 32, "rceil", torch.float8_e5m2)
+    want_row, want_col = reference(mx.quantize_mx_operands, x, 32, "rceil", torch.float8_e5m2)
     assert same_bits(row.data, want_row.data) and same_bits(col.data, want_col.data)
     assert same_bits(col.scale, want_col.scale) and same_bits(row.f32, want_row.gemm_f32())
 
@@ -208,8 +209,8 @@ def test_no_compiler_means_the_reference_path_with_the_reason(monkeypatch, tmp_p
         assert not ok and "no C compiler" in reason and "no-such-compiler" in reason
         assert q.cpu_codec() is None
         x = torch.randn(64, 64)
-        data, scale = q.quantize_mxfp8(x)
-        want_data, want_scale = reference(q.quantize_mxfp8, x)
+        data, scale = mx.quantize_mxfp8(x)
+        want_data, want_scale = reference(mx.quantize_mxfp8, x)
         assert same_bits(data, want_data) and same_bits(scale, want_scale)
         with pytest.raises(RuntimeError, match="CPU FP8 codec is not available: no C compiler"):
             cpu_codec.cast(x, 1.0, torch.float8_e4m3fn)

@@ -6,15 +6,8 @@ import pytest
 import torch
 
 from fp8_lightning import dequantize_mxfp8, dequantize_tensorwise, quantize_mxfp8, quantize_tensorwise
-from fp8_lightning.quantize import (
-    amax_and_value,
-    e8m0_to_float,
-    pad_dim,
-    quantize_mx_columns,
-    quantize_mx_operands,
-    tensorwise_scale,
-    tensorwise_scale_value,
-)
+from fp8_lightning.mx import e8m0_to_float, quantize_mx_columns, quantize_mx_operands
+from fp8_lightning.quantize import amax_and_value, pad_dim, tensorwise_scale, tensorwise_scale_value
 from tests.core.fp8_reference import round_saturate
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

@@ -16,7 +16,7 @@ from fp8_lightning.distributed import (
     fp8_all_gather_unsupported_reason,
 )
 from fp8_lightning.formats import fp8_max
-from fp8_lightning.quantize import dequantize_mxfp8, quantize_mxfp8
+from fp8_lightning.mx import dequantize_mxfp8, quantize_mxfp8
 
 WORLD = 2
 

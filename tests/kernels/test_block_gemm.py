@@ -13,7 +13,8 @@ import torch
 
 from fp8_lightning import gemm, kernels
 from fp8_lightning.kernels.block_gemm import mx_gemm_configs
-from fp8_lightning.quantize import Quantized, quantize_mx_operand
+from fp8_lightning.mx import quantize_mx_operand
+from fp8_lightning.quantize import Quantized
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import fp8_lightning.mx as mx
 import fp8_lightning.quantize as quantize
 import fp8_lightning.scaling as scaling
 from fp8_lightning import FP8Linear, fp8_autocast, kernels
@@ -49,16 +50,16 @@ def kernel_calls(monkeypatch):
     def route(x):
         return kernels if kernels.supports_input(x) else None
 
-    monkeypatch.setattr(quantize, "cuda_kernels", route)
-    monkeypatch.setattr(scaling, "cuda_kernels", route)
+    for module in (quantize, mx, scaling):
+        monkeypatch.setattr(module, "cuda_kernels", route)
     return calls
 
 
 def pure(fn, *args, **kwargs):
     """Run ``fn`` with the dispatch hook restored to its real (CPU: never the kernels) behaviour."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(quantize, "cuda_kernels", lambda x: None)
-        mp.setattr(scaling, "cuda_kernels", lambda x: None)
+        for module in (quantize, mx, scaling):
+            mp.setattr(module, "cuda_kernels", lambda x: None)
         return fn(*args, **kwargs)
 
 
@@ -72,8 +73,8 @@ def test_quantize_functions_dispatch_and_keep_their_bits(kernel_calls):
     assert_same_fp8(data, ref_data)
     assert s.item() == ref_s.item()
     for source in (x.reshape(2, 32, 96), x.t()):  # leading dims, and a transposed view read in place
-        data, sc = quantize.quantize_mxfp8(source, scale_rounding="floor")
-        ref_data, ref_sc = pure(quantize.quantize_mxfp8, source, scale_rounding="floor")
+        data, sc = mx.quantize_mxfp8(source, scale_rounding="floor")
+        ref_data, ref_sc = pure(mx.quantize_mxfp8, source, scale_rounding="floor")
         assert_same_fp8(data, ref_data)
         assert torch.equal(sc.view(torch.uint8), ref_sc.view(torch.uint8)) and sc.shape == ref_sc.shape
     assert kernel_calls == {"amax": 1, "cast": 1, "tensorwise_cast": 1, "mx_quantize": 2}
@@ -116,7 +117,7 @@ def test_fp8_linear_training_step_is_unchanged_by_the_kernels(kernel_calls, reci
 
 def test_core_functions_compile_into_one_graph_with_the_kernels(kernel_calls):
     def casts(x):
-        return quantize.quantize_tensorwise(x), quantize.quantize_mxfp8(x), quantize.amax(x)
+        return quantize.quantize_tensorwise(x), mx.quantize_mxfp8(x), quantize.amax(x)
 
     x = torch.randn(32, 64)
     torch._dynamo.reset()
@@ -188,7 +189,8 @@ def test_library_imports_and_runs_without_triton():
         import torch
         import fp8_lightning
         from fp8_lightning import kernels
-        from fp8_lightning.quantize import quantize_mxfp8, quantize_tensorwise
+        from fp8_lightning.mx import quantize_mxfp8
+        from fp8_lightning.quantize import quantize_tensorwise
         quantize_tensorwise(torch.randn(8, 32))
         quantize_mxfp8(torch.randn(8, 32))
         assert not kernels.triton_status()[0] and "triton" not in sys.modules

@@ -11,7 +11,7 @@ import torch
 
 from fp8_lightning import kernels
 from fp8_lightning.gemm import pad_dim
-from fp8_lightning.quantize import quantize_mxfp8
+from fp8_lightning.mx import quantize_mxfp8
 from tests.kernels.references import assert_same_fp8, mx_exponent_reference
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)

@@ -9,7 +9,7 @@ from torch.library import opcheck
 
 from fp8_lightning import kernels
 from fp8_lightning.kernels import ops  # noqa: F401  (registers torch.ops.fp8_lightning.*)
-from fp8_lightning.quantize import quantize_mx_operand
+from fp8_lightning.mx import quantize_mx_operand
 from tests.kernels.references import assert_same_fp8
 
 OPS = torch.ops.fp8_lightning
