@@ -48,6 +48,7 @@ def cuda_kernels(x: torch.Tensor):
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_codec_module = None  # fp8_lightning.kernels.cpu_codec, imported on first use (the kernels package imports this one)
 
 
 def cpu_codec(x: torch.Tensor | None = None):
@@ -61,9 +62,6 @@ def cpu_codec(x: torch.Tensor | None = None):
         from fp8_lightning.kernels import cpu_codec as _codec_module
     codec = _codec_module
     return codec if codec.enabled() and (x is None or x.dtype in codec.INPUT_DTYPES) else None
-
-
-_codec_module = None
 
 
 def to_fp8_saturated(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
