@@ -183,7 +183,10 @@ INLINE void mx_range(const void *x, int dtype, int64_t m, int64_t begin, int64_t
                      uint8_t *col_codes, uint8_t *col_scales, float *col_values, float *work) {
     for (int64_t g = begin; g < end; ++g) {
         int64_t first = g * block, last = first + block < m ? first + block : m;
-        if (row_codes) mx_rows(x, dtype, first, last, k, block, f, rceil, row_codes, row_scales, row_values);
+        if (row_codes && block == 32) /* the MX standard's block: a constant trip count unrolls the block loops */
+            mx_rows(x, dtype, first, last, k, 32, f, rceil, row_codes, row_scales, row_values);
+        else if (row_codes)
+            mx_rows(x, dtype, first, last, k, block, f, rceil, row_codes, row_scales, row_values);
         if (col_codes && col_values)
             mx_cols(x, dtype, g, first, last, k, block, f, rceil, col_codes, col_scales, col_values, 1, work,
                     work + k);
