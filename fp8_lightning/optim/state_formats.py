@@ -33,6 +33,8 @@ import math
 
 import torch
 
+from fp8_lightning.quantize import fp8_to_float32, to_fp8_saturated
+
 _DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -145,7 +147,11 @@ def block_scales(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Clamp to ``dtype``'s finite range, then cast (round to nearest even). NaN stays NaN."""
+    """Clamp to ``dtype``'s finite range, then cast (round to nearest even). NaN stays NaN. FP8 dtypes take the
+    core's cast (:func:`~fp8_lightning.quantize.to_fp8_saturated`, which skips the clamp where the cast
+    saturates by itself)."""
+    if dtype.itemsize == 1:
+        return to_fp8_saturated(x, dtype)
     limit = dtype_max(dtype)
     return x.clamp(-limit, limit).to(dtype)
 
@@ -176,9 +182,10 @@ def decode(data: torch.Tensor, scale: torch.Tensor | None, fmt: StateFormat, sha
     if fmt.scaled:
         if scale is None:
             raise ValueError(f"A state stored as {fmt} needs its block scales; got none.")
-        x = (data.float().view(-1, fmt.block_size) / scale.unsqueeze(-1)).reshape(-1)[:numel].reshape(shape)
+        values = fp8_to_float32(data)  # float8 codes decoded in one vectorized pass on CPU
+        x = (values.view(-1, fmt.block_size) / scale.unsqueeze(-1)).reshape(-1)[:numel].reshape(shape)
     else:
-        x = data.float().reshape(shape)
+        x = fp8_to_float32(data).reshape(shape)
     if fmt.transform == "sqrt":
         x = x * x
     return x
