@@ -98,7 +98,10 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         except (OSError, subprocess.CalledProcessError) as err:
             detail = getattr(err, "stderr", None) or err
             errors.append(f"{' '.join(flags)}: {str(detail).strip()[:300]}")
-    return None, "building the CPU codec failed (" + "; ".join(errors) + ")"
+    return None, (
+        f"building the CPU codec in {folder} failed (" + "; ".join(errors) + f"); set {CACHE_ENV} to a writable "
+        "folder if that one is not, or CC to a working C compiler"
+    )
 
 
 def _build(compiler: str, flags: list[str], folder: Path, target: Path) -> None:

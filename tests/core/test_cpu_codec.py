@@ -219,6 +219,20 @@ def test_no_compiler_means_the_reference_path_with_the_reason(monkeypatch, tmp_p
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler (cc) to build the codec")
+def test_an_unwritable_cache_falls_back_with_the_reason(monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv(cpu_codec.CACHE_ENV, str(blocker / "cache"))  # cannot be created under a file
+    cpu_codec._load.cache_clear()
+    try:
+        ok, reason = cpu_codec.status()
+        assert not ok and "building the CPU codec in" in reason and cpu_codec.CACHE_ENV in reason
+        assert q.cpu_codec() is None and not cpu_codec.enabled()
+    finally:
+        cpu_codec._load.cache_clear()
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler (cc) to build the codec")
 def test_a_fresh_cache_builds_the_library_once(monkeypatch, tmp_path):
     monkeypatch.setenv(cpu_codec.CACHE_ENV, str(tmp_path))
     cpu_codec._load.cache_clear()
