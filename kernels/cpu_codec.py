@@ -171,12 +171,24 @@ def _over_ranges(call, ranges: list[tuple[int, int]]) -> None:
 # --------------------------------------------------------------------------------------------------------
 
 
+def _require(x: torch.Tensor, dtypes, what: str) -> torch.Tensor:
+    """``x`` detached and contiguous, after checking it is a plain CPU tensor of one of ``dtypes`` (the C code
+    reads its memory directly: anything else would be read wrong, or crash)."""
+    if not torch.is_tensor(x) or x.device.type != "cpu" or type(x) not in (torch.Tensor, torch.nn.Parameter):
+        got = f"a {type(x).__name__} on {x.device}" if torch.is_tensor(x) else type(x).__name__
+        raise TypeError(f"cpu_codec.{what} takes plain CPU tensors; got {got}. Use fp8_lightning.quantize instead.")
+    if x.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"cpu_codec.{what} takes {allowed} tensors; got {x.dtype}.")
+    return x.detach().contiguous()
+
+
 def cast(
     x: torch.Tensor, scale: float, dtype: torch.dtype, with_amax: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, float | None]:
     """``(saturate(x * scale) in dtype, the codes' float32 values, max |x| or None)`` in one pass (the amax is
     NaN when x holds NaN)."""
-    x = x.detach().contiguous()
+    x = _require(x, INPUT_DTYPES, "cast")
     n = x.numel()
     codes = torch.empty(x.shape, dtype=torch.uint8)
     values = torch.empty(x.shape, dtype=torch.float32)
@@ -204,7 +216,11 @@ def mx_quantize(
       (M_pad, K), scales (M_pad // block, K); transposed, the operand of x.T. ``column_values=False``: its
       values are not made (None).
     """
-    x = x.detach().contiguous()
+    x = _require(x, INPUT_DTYPES, "mx_quantize")
+    if x.dim() != 2 or (rowwise and x.shape[1] % block):
+        raise ValueError(
+            f"cpu_codec.mx_quantize takes a 2-D tensor whose rows hold whole blocks of {block}; got {tuple(x.shape)}."
+        )
     m, k = x.shape
     groups = -(-m // block)
     row = col = None
@@ -230,7 +246,7 @@ def mx_quantize(
 
 def decode(codes: torch.Tensor) -> torch.Tensor:
     """The float32 values of E4M3 or E5M2 ``codes`` (``codes.float()``, bit for bit; NaN codes give NaN)."""
-    codes = codes.contiguous()
+    codes = _require(codes, FORMATS, "decode")
     n = codes.numel()
     values = torch.empty(codes.shape, dtype=torch.float32)
     function, fmt = _library().fp8_decode, FORMATS[codes.dtype]
@@ -245,9 +261,13 @@ def decode(codes: torch.Tensor) -> torch.Tensor:
 def mx_decode(codes: torch.Tensor, scales: torch.Tensor, columnwise: bool) -> torch.Tensor:
     """MX values (each E4M3/E5M2 code times its E8M0 block scale) of 2-D codes (M, K), with blocks along K (scales
     (M, K // block)) or, ``columnwise``, down the columns (scales (M // block, K))."""
-    codes, scales = codes.contiguous(), scales.contiguous()
+    codes, scales = _require(codes, FORMATS, "mx_decode"), _require(scales, (torch.float8_e8m0fnu,), "mx_decode")
+    along = 0 if columnwise else 1  # the dimension the blocks run along
+    if codes.dim() != 2 or scales.dim() != 2 or scales.shape[along] == 0 or codes.shape[along] % scales.shape[along] \
+            or scales.shape[1 - along] != codes.shape[1 - along]:
+        raise ValueError(f"cpu_codec.mx_decode: scales {tuple(scales.shape)} do not match codes {tuple(codes.shape)}.")
     m, k = codes.shape
-    block = m // scales.shape[0] if columnwise else k // scales.shape[1]
+    block = codes.shape[along] // scales.shape[along]
     values = torch.empty((m, k), dtype=torch.float32)
     function, fmt = _library().mx_decode, FORMATS[codes.dtype]
 

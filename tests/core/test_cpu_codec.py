@@ -200,6 +200,22 @@ def test_a_layer_trains_bit_for_bit_as_on_the_reference_path(recipe, monkeypatch
         assert same_bits(got, want)
 
 
+def test_direct_calls_refuse_what_the_c_code_cannot_read():
+    with pytest.raises(TypeError, match="takes float32, bfloat16 tensors; got torch.float16"):
+        cpu_codec.cast(torch.ones(4, dtype=torch.float16), 1.0, torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="takes plain CPU tensors"):
+        cpu_codec.decode(torch.ones(4).to(torch.float8_e4m3fn).as_subclass(_Wrapper))
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        cpu_codec.mx_quantize(torch.ones(4, 48), 32, "rceil", torch.float8_e4m3fn)
+    codes = torch.zeros(4, 64, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="do not match codes"):
+        cpu_codec.mx_decode(codes, torch.zeros(4, 3, dtype=torch.uint8).view(mx.E8M0_DTYPE), False)
+
+
+class _Wrapper(torch.Tensor):
+    pass
+
+
 def test_no_compiler_means_the_reference_path_with_the_reason(monkeypatch, tmp_path, reference):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv(cpu_codec.CACHE_ENV, str(tmp_path))
