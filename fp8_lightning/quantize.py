@@ -47,21 +47,23 @@ def cuda_kernels(x: torch.Tensor):
     return kernels if kernels is not None and kernels.supports_input(x) else None
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _codec_module = None  # fp8_lightning.kernels.cpu_codec, imported on first use (the kernels package imports this one)
 
 
 def cpu_codec(x: torch.Tensor | None = None):
     """``fp8_lightning.kernels.cpu_codec`` when it is built and enabled, for a CPU tensor ``x`` it takes
     (float32/bf16 input to quantize; any tensor with ``x=None``), else None. Never while ``torch.compile`` traces
-    (the codec reads raw memory)."""
+    (the codec reads raw memory), nor for tensor subclasses (FSDP2's FP8 weights, DTensor), which may have no
+    memory of their own to read."""
     global _codec_module
-    if x is not None and (x.device.type != "cpu" or type(x) not in _PLAIN) or torch.compiler.is_compiling():
-        return None  # tensor subclasses (FSDP2's FP8 weights, DTensor) may have no memory of their own to read
+    if x is not None and x.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
     if _codec_module is None:
         from fp8_lightning.kernels import cpu_codec as _codec_module
     codec = _codec_module
-    return codec if codec.enabled() and (x is None or x.dtype in codec.INPUT_DTYPES) else None
+    if x is not None and (type(x) not in codec.PLAIN_TYPES or x.dtype not in codec.INPUT_DTYPES):
+        return None
+    return codec if codec.enabled() else None
 
 
 def to_fp8_saturated(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -136,16 +138,25 @@ def _float32(value: float) -> float:
         return math.copysign(math.inf, value)
 
 
+def _one_float32_scale(scale) -> bool:
+    return torch.is_tensor(scale) and scale.dtype == torch.float32 and scale.numel() == 1
+
+
+def cast_codec(x: torch.Tensor, scale):
+    """The CPU codec when it can cast ``x`` with ``scale`` (a float32/bf16 CPU tensor, one float32 CPU scale),
+    else None."""
+    return cpu_codec(x) if _one_float32_scale(scale) and scale.device.type == "cpu" else None
+
+
 def quantize_with_scale(
     x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, saturate: bool = True
 ) -> torch.Tensor:
     """``saturate(x * scale)`` in the float8 ``dtype``. ``saturate=False``: the caller knows no value exceeds the
     format's range by more than the cast rounds away (the clamp is skipped)."""
-    one_scale = torch.is_tensor(scale) and scale.dtype == torch.float32 and scale.numel() == 1
-    kernels, codec = cuda_kernels(x), cpu_codec(x)
-    if kernels is not None and one_scale:
+    kernels, codec = cuda_kernels(x), cast_codec(x, scale)
+    if kernels is not None and _one_float32_scale(scale):
         return kernels.cast(x.detach(), scale.to(x.device), dtype, record_amax=False)[0]
-    if codec is not None and one_scale and scale.device.type == "cpu":
+    if codec is not None:
         return codec.cast(x, scale.item(), dtype)[0]  # saturates always: equal bits when the caller skips it
     scaled = _wide(x) * scale
     return to_fp8_saturated(scaled, dtype) if saturate else scaled.to(dtype)
@@ -156,8 +167,8 @@ def quantize_operand(
 ) -> "Quantized":
     """:func:`quantize_with_scale` as a GEMM operand. On CPU with the codec, the codes' float32 values (what the
     CPU GEMM multiplies) come from the same pass and ride on the operand."""
-    codec = cpu_codec(x)
-    if codec is not None and scale.numel() == 1 and scale.device.type == "cpu":
+    codec = cast_codec(x, scale)
+    if codec is not None:
         data, values, _ = codec.cast(x, scale.item(), dtype)
         return Quantized(data, scale, "tensor", values, nan_free)
     return Quantized(quantize_with_scale(x, scale, dtype, saturate), scale, "tensor", nan_free=nan_free)

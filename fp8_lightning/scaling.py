@@ -36,7 +36,7 @@ from fp8_lightning.quantize import (
     FLOAT32_MAX,
     Quantized,
     amax_and_value,
-    cpu_codec,
+    cast_codec,
     cuda_kernels,
     quantize_operand,
     round_scale_to_power_of_2,
@@ -97,10 +97,10 @@ class FusedCast(NamedTuple):
 def _fused_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> FusedCast | None:
     """The cast with a known (delayed) scale and the amax from one pass over ``x``: the Triton cast kernel on
     CUDA, the C codec on CPU; None where neither applies."""
-    kernels, codec = cuda_kernels(x), cpu_codec(x)
+    kernels, codec = cuda_kernels(x), cast_codec(x, scale)
     if kernels is not None:
         return FusedCast(*kernels.cast(x.detach(), scale, dtype, record_amax=True), None, None)
-    if codec is not None and scale.device.type == "cpu":
+    if codec is not None:
         data, values, host_amax = codec.cast(x, scale.item(), dtype, with_amax=True)
         return FusedCast(data, torch.scalar_tensor(host_amax, dtype=torch.float32), host_amax, values)
     return None

@@ -37,6 +37,7 @@ CACHE_ENV = "FP8_LIGHTNING_CACHE"
 SOURCE = Path(__file__).with_name("cpu_codec.c")
 INPUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 FORMATS = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
+PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)  # what owns the memory the C code reads (not wrapper subclasses)
 PARALLEL_MIN_ELEMENTS = 1 << 20  # below this, one thread: handing out ranges costs more than it saves (measured)
 
 _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -174,7 +175,7 @@ def _over_ranges(call, ranges: list[tuple[int, int]]) -> None:
 def _require(x: torch.Tensor, dtypes, what: str) -> torch.Tensor:
     """``x`` detached and contiguous, after checking it is a plain CPU tensor of one of ``dtypes`` (the C code
     reads its memory directly: anything else would be read wrong, or crash)."""
-    if not torch.is_tensor(x) or x.device.type != "cpu" or type(x) not in (torch.Tensor, torch.nn.Parameter):
+    if not torch.is_tensor(x) or x.device.type != "cpu" or type(x) not in PLAIN_TYPES:
         got = f"a {type(x).__name__} on {x.device}" if torch.is_tensor(x) else type(x).__name__
         raise TypeError(f"cpu_codec.{what} takes plain CPU tensors; got {got}. Use fp8_lightning.quantize instead.")
     if x.dtype not in dtypes:
