@@ -12,8 +12,11 @@ by the reference precision of the same run (fp32 on CPU, bf16 on GPU).
   ratio is the emulation's cost. Peak memory is not measured on CPU (no allocator statistics); see
   ``bench_memory``.
 * ``--suite gpu``: GPT ``350M`` (24 layers, n_embd 1024, 16 heads, 8 x 1024 tokens, vocab 50304), bf16 autocast
-  around everything that is not an FP8 GEMM; peak memory from ``torch.cuda.max_memory_allocated``; torchao.float8
-  tensorwise as a peer when installed; ``--compile`` compiles every configuration with the same settings.
+  around everything that is not an FP8 GEMM; peak memory from ``torch.cuda.max_memory_allocated``; ``--compile``
+  compiles every configuration with the same settings.
+
+Both suites run torchao.float8 (tensorwise, every linear layer converted, as ours) as a peer when it is installed
+(``pip install -e '.[peer]'``; on a CPU it runs ``torch._scaled_mm``'s CPU float8 GEMM).
 
 Usage::
 
@@ -60,7 +63,7 @@ def build(spec: dict, device: torch.device, precision: str, compile_: bool):
     if precision.startswith("torchao"):
         from torchao.float8 import convert_to_float8_training
 
-        convert_to_float8_training(model, module_filter_fn=lambda m, name: name != "lm_head")
+        convert_to_float8_training(model)  # every linear layer, as convert_to_fp8 above
     optimizer = model.configure_optimizers()
     forward = torch.compile(model) if compile_ else model
     autocast = precision != "fp32" and (device.type == "cuda" or precision == "bf16")
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     head["torchao"] = torchao_status()
     reference = "bf16" if device.type == "cuda" else "fp32"
     precisions = ["fp32", "bf16"] + [f"fp8 {r}" for r in RECIPES]
-    if head["torchao"] == "installed" and device.type == "cuda":
+    if head["torchao"] == "installed":
         precisions.append("torchao tensorwise")
     rows = []
     for name in args.models or SUITES[args.suite]:

@@ -108,25 +108,37 @@ def round_scale_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(mantissa), exponent - 1)
 
 
+def max_over_amax(max_value: float | torch.Tensor, amax_value: torch.Tensor) -> torch.Tensor:
+    """``max_value / amax`` rounded once to float32, capped at float32 max: the scale of every recipe.
+
+    Divided in float64, where the quotient of two float32 numbers rounds to the float32 nearest the exact one
+    (53 >= 2 * 24 + 2 bits), in eager and compiled code alike: torchao divides the same way and TransformerEngine
+    with an IEEE float32 division, so all three give the same bits. Torch's ``float / tensor`` would round twice
+    (``reciprocal(amax) * max``) and can land one unit in the last place away.
+    """
+    amax64 = amax_value.double()
+    top = max_value.double() if torch.is_tensor(max_value) else torch.full_like(amax64, max_value)
+    return torch.clamp((top / amax64).float(), max=FLOAT32_MAX)
+
+
 def tensorwise_scale(
     amax_value: torch.Tensor, dtype: torch.dtype, eps: float = 1e-12, power_of_2: bool = False
 ) -> torch.Tensor:
-    """Current scaling: ``fp8_max / max(amax, eps)``, capped at float32 max (float32 scalar)."""
-    scale = fp8_max(dtype) / torch.clamp(amax_value.float(), min=eps)
-    scale = torch.clamp(scale, max=FLOAT32_MAX)
+    """Current scaling: ``fp8_max / max(amax, eps)`` (:func:`max_over_amax`; eps rounded to float32)."""
+    scale = max_over_amax(fp8_max(dtype), torch.clamp(amax_value.float(), min=eps))
     return round_scale_to_power_of_2(scale) if power_of_2 else scale
 
 
 def tensorwise_scale_value(
     amax_value: float, dtype: torch.dtype, eps: float = 1e-12, power_of_2: bool = False
 ) -> float:
-    """:func:`tensorwise_scale` of an amax known on the host, in Python floats with the same float32 roundings:
-    ``clamp`` against eps rounded to float32, then ``fp8_max * (1 / amax)``, which is how torch evaluates
-    ``fp8_max / tensor``. Equal bit for bit (``tests/core/test_quantize.py``); on CPU it replaces four tensor
-    operations on a scalar, each of which costs more than the arithmetic."""
+    """:func:`tensorwise_scale` of an amax known on the host, in Python floats with the same roundings: ``clamp``
+    against eps rounded to float32, then the float64 quotient rounded to float32. Equal bit for bit
+    (``tests/core/test_quantize.py``); on CPU it replaces several tensor operations on a scalar, each of which
+    costs more than the arithmetic."""
     clamped = max(_float32(amax_value), _float32(eps))
-    reciprocal = math.inf if clamped == 0 else _float32(1.0 / clamped)
-    scale = min(_float32(fp8_max(dtype) * reciprocal), FLOAT32_MAX)
+    scale = math.inf if clamped == 0 else fp8_max(dtype) / clamped
+    scale = min(_float32(scale), FLOAT32_MAX)
     return 2.0 ** (math.frexp(scale)[1] - 1) if power_of_2 else scale
 
 

@@ -33,11 +33,11 @@ import torch.distributed as dist
 
 from fp8_lightning.formats import fp8_max
 from fp8_lightning.quantize import (
-    FLOAT32_MAX,
     Quantized,
     amax_and_value,
     cast_codec,
     cuda_kernels,
+    max_over_amax,
     quantize_operand,
     round_scale_to_power_of_2,
     tensorwise_scale,
@@ -71,9 +71,7 @@ def delayed_scale(
 ) -> torch.Tensor:
     """``(fp8_max / amax) / 2**margin``; inf becomes float32 max; amax 0/inf/NaN keeps ``prev_scale``."""
     a = history_amax(amax_history, algo).float()
-    # fp8_max * (1 / amax): how torch evaluates ``float / tensor``, kept for a tensor of maxima (one per row)
-    scale = (a.reciprocal() * max_value) / (2.0**margin)
-    scale = torch.where(torch.isinf(scale), torch.full_like(scale, FLOAT32_MAX), scale)
+    scale = max_over_amax(max_value, a.double() * 2.0**margin)  # exact in float64: a power of two
     if power_of_2:
         scale = round_scale_to_power_of_2(scale)
     usable = torch.isfinite(a) & (a > 0)

@@ -65,7 +65,7 @@ def _to_fp8_values(y, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NO
 def _block_scale(x, DTYPE_MAX: tl.constexpr):
     """``DTYPE_MAX / amax(x)`` over the whole block (1 for a zero block), like ``state_formats.block_scales``."""
     block_amax = tl.max(tl.abs(x), axis=0)
-    scale = DTYPE_MAX / block_amax
+    scale = tl.math.div_rn(DTYPE_MAX, block_amax)  # correctly rounded, like max_over_amax
     scale = tl.where(block_amax > 0, scale, 1.0)
     return tl.minimum(scale, 3.4028234663852886e38)
 

@@ -22,9 +22,9 @@ Why the numbers are bit-identical to the twins:
   first rounded to the FP8 grid in float32 by :func:`_round_to_grid`, so that the conversion only ever sees
   representable values. The interpreter needs it: its own conversion rounds ties up, loses a rounding carry
   into an odd exponent (7.75 becomes 4.0 in E4M3), turns NaN into a number and flushes subnormals.
-* The tensorwise scale follows ``tensorwise_scale`` operation by operation: ``fp8_max / clamp(amax, eps)`` is
-  evaluated by torch as ``reciprocal(clamp(amax, eps)) * fp8_max`` (two correctly rounded float32 operations),
-  then capped at float32 max, then optionally rounded down to a power of two (``frexp``: NaN becomes 0.5).
+* The tensorwise scale follows ``tensorwise_scale`` operation by operation: ``fp8_max / clamp(amax, eps)``
+  correctly rounded to float32 (torch divides in float64, the kernel with ``div_rn``: the same bits), capped at
+  float32 max, then optionally rounded down to a power of two (``frexp``: NaN becomes 0.5).
 
 Triton's standard library (``tl.max``, ``tl.zeros``, ``tl.cdiv``, ...) is itself made of ``@triton.jit``
 functions, compiled or interpreted depending on ``TRITON_INTERPRET`` *when triton is imported*. The kernels use
@@ -112,7 +112,7 @@ def _to_fp8_values(y, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NO
 def _tensorwise_scale(amax, eps, FP8_MAX: tl.constexpr, POWER_OF_2: tl.constexpr):
     """Bit-for-bit ``fp8_lightning.quantize.tensorwise_scale`` (see the module docstring)."""
     clamped = tl.where(amax < eps, eps, amax)  # clamp(min=eps); NaN stays NaN
-    scale = tl.math.div_rn(1.0, clamped) * FP8_MAX
+    scale = tl.math.div_rn(FP8_MAX, clamped)  # IEEE division: the correctly rounded quotient
     scale = tl.where(scale > 3.4028234663852886e38, 3.4028234663852886e38, scale)
     if POWER_OF_2:
         bits = scale.to(tl.int32, bitcast=True) & -8388608  # keep sign and exponent: 2**floor(log2(scale))

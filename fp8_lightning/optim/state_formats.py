@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from fp8_lightning.quantize import fp8_to_float32, to_fp8_saturated
+from fp8_lightning.quantize import fp8_to_float32, max_over_amax, to_fp8_saturated
 
 _DTYPES = {
     "float32": torch.float32,
@@ -141,9 +141,7 @@ def padded_numel(numel: int, block_size: int) -> int:
 def block_scales(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Per-row multiplier ``dtype_max / amax(row)`` (float32); 1 where a row is all zeros; NaN rows give NaN."""
     block_amax = blocks.abs().amax(dim=-1)
-    scale = dtype_max(dtype) / block_amax
-    scale = torch.where(block_amax > 0, scale, torch.ones_like(scale))
-    return torch.clamp(scale, max=torch.finfo(torch.float32).max)
+    return torch.where(block_amax > 0, max_over_amax(dtype_max(dtype), block_amax), 1.0)
 
 
 def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

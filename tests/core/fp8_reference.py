@@ -5,6 +5,7 @@ E5M2: bias 15, exponent 11111 is inf (mantissa 0) or NaN, max = 1.75 * 2**15 = 5
 """
 
 import math
+from fractions import Fraction
 
 import torch
 
@@ -58,3 +59,22 @@ def round_saturate(x: float, dtype: torch.dtype) -> float:
     else:
         result = below[0] if below[1] % 2 == 0 else above[0]
     return math.copysign(result, x)
+
+
+def nearest_float32(q: Fraction) -> float:
+    """The float32 nearest the exact rational ``q > 0`` (ties to even mantissa), inf past float32's range, by
+    exact comparison with its two float32 neighbours (no floating-point division involved)."""
+    top = Fraction(torch.finfo(torch.float32).max)
+    if q > top:  # round-to-nearest overflows at max + half an ulp of the top binade
+        return math.inf if q >= top + Fraction(2) ** 103 else float(top)
+    guess = torch.tensor(float(q), dtype=torch.float32)  # within an ulp or two of the answer
+    below = guess
+    while Fraction(below.item()) > q:
+        below = torch.nextafter(below, torch.tensor(0.0))
+    while Fraction(torch.nextafter(below, torch.tensor(math.inf)).item()) <= q:
+        below = torch.nextafter(below, torch.tensor(math.inf))
+    above = torch.nextafter(below, torch.tensor(math.inf))
+    low, high = Fraction(below.item()), Fraction(above.item())
+    if q - low != high - q:
+        return below.item() if q - low < high - q else above.item()
+    return below.item() if below.view(torch.int32).item() % 2 == 0 else above.item()

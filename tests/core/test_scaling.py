@@ -7,7 +7,8 @@ import torch
 
 from fp8_lightning import DelayedScaling, TensorwiseScaling
 from fp8_lightning.formats import fp8_max
-from fp8_lightning.scaling import FLOAT32_MAX, OperandScaling, delayed_scale, roll_history, update_scales
+from fp8_lightning.quantize import FLOAT32_MAX
+from fp8_lightning.scaling import OperandScaling, delayed_scale, roll_history, update_scales
 
 from tests.core.fp8_reference import round_saturate
 
@@ -163,3 +164,32 @@ def test_one_batched_update_equals_updating_each_state_alone(algo):
     for b in batched:
         amax = b.amax_history.max() if algo == "max" else b.amax_history[0]
         assert b.scale.item() == pytest.approx(fp8_max(b.dtype) / amax.item() / 2, rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_every_scale_is_the_correctly_rounded_quotient(dtype):
+    """``fp8_max / amax`` rounded once to float32, as torchao (float64 division) and TransformerEngine (IEEE
+    float32 division) compute it, checked against exact rational arithmetic for the four places a scale is made:
+    tensorwise (tensor and host formulas), delayed (with a margin) and the FP8 optimizer's block scales. About a
+    quarter of these amaxes get a scale one unit in the last place off from ``reciprocal(amax) * fp8_max``."""
+    from fractions import Fraction
+
+    from fp8_lightning.optim.state_formats import block_scales
+    from fp8_lightning.quantize import tensorwise_scale, tensorwise_scale_value
+    from tests.core.fp8_reference import nearest_float32
+
+    gen = torch.Generator().manual_seed(5)
+    amaxes = torch.cat([torch.logspace(-40, 38, 160, dtype=torch.float64).float(),  # every binade, subnormals too
+                        torch.rand(240, generator=gen) * 1000 + 1e-3])
+    top = fp8_max(dtype)
+    want = torch.tensor([nearest_float32(Fraction(top) / Fraction(a)) for a in amaxes.tolist()])
+    want = torch.clamp(want, max=FLOAT32_MAX)  # an infinite quotient is capped
+    assert (amaxes.reciprocal() * top != want).sum() > 50  # the double rounding this test would catch
+    assert torch.equal(torch.stack([tensorwise_scale(a, dtype, eps=0.0) for a in amaxes]), want)
+    assert [tensorwise_scale_value(a, dtype, eps=0.0) for a in amaxes.tolist()] == want.tolist()
+    history = amaxes.unsqueeze(-1)  # one history of one amax per row
+    assert torch.equal(delayed_scale(history, torch.ones(len(amaxes)), top), want)
+    margin_want = [min(nearest_float32(Fraction(top) / Fraction(a) / 4), FLOAT32_MAX) for a in amaxes.tolist()]
+    assert delayed_scale(history, torch.ones(len(amaxes)), top, margin=2).tolist() == margin_want
+    blocks = amaxes.unsqueeze(-1) * torch.tensor([1.0, -0.5])  # the block amax is the first entry
+    assert torch.equal(block_scales(blocks, dtype), want)
