@@ -1,10 +1,11 @@
-"""torchao as a second implementation: its FP8 casts give our bits, and its FP8 linear layer our results.
+"""torchao as a second implementation: its FP8 casts give our bits, and its FP8 linear layers our results.
 
 torchao.float8 (tensorwise dynamic scaling, E4M3 forward / E5M2 gradients, like ``TensorwiseScaling()``) and
-torchao's MX prototype (``to_mx``, the OCP "floor" and cuBLAS "rceil" scale rules) were written independently of
-this project. The casts must agree bit for bit (scales and codes), on the pure-torch path and, where built, the C
-codec. The layers' GEMMs then multiply the same FP8 operands and may differ only by float32 accumulation order:
-both results must lie within the float32 summation bound of the float64 product of the dequantized operands.
+torchao's MX prototype (``to_mx``, the OCP "floor" and cuBLAS "rceil" scale rules, and the emulated MXFP8 training
+GEMMs of its ``mx_mm``) were written independently of this project. The casts must agree bit for bit (scales and
+codes), on the pure-torch path and, where built, the C codec. The layers' GEMMs then multiply the same FP8 operands
+and may differ only by float32 accumulation order: both results must lie within the float32 summation bound of the
+float64 product of the dequantized operands (computed from torchao's casts).
 """
 
 from __future__ import annotations
@@ -14,15 +15,18 @@ import copy
 import pytest
 import torch
 
-from fp8_lightning import FP8Linear, TensorwiseScaling, fp8_autocast
+from fp8_lightning import FP8Linear, MXFP8BlockScaling, TensorwiseScaling, fp8_autocast
 from fp8_lightning.mx import quantize_mx_operands, quantize_mxfp8
 from fp8_lightning.quantize import amax, quantize_tensorwise, quantize_with_scale, tensorwise_scale
 
 pytest.importorskip("torchao.float8", reason="torchao.float8 (the peer) is not installed: pip install -e '.[peer]'")
 from torchao.float8 import convert_to_float8_training  # noqa: E402
 from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated  # noqa: E402
+from torchao.prototype.moe_training.mxfp8_linear import mx_mm  # noqa: E402
+from torchao.prototype.mx_formats.config import MXFP8Dim0CastKernelChoice, MXFP8Dim1CastKernelChoice  # noqa: E402
 from torchao.prototype.mx_formats.config import ScaleCalculationMode  # noqa: E402
 from torchao.prototype.mx_formats.mx_tensor import to_mx  # noqa: E402
+from torchao.quantization.quantize_.common.kernel_preference import KernelPreference  # noqa: E402
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 U = 2.0**-24  # float32 unit roundoff
@@ -110,3 +114,47 @@ def test_fp8_linear_matches_torchaos_float8_linear():
         _within_float32_sum_bound(got, gq, wq.t())
     for got in (peer[0].weight.grad, ours.weight.grad):
         _within_float32_sum_bound(got, gq.t(), xq.t())
+
+
+def _mx_dequantized(t: torch.Tensor, dtype: torch.dtype, rounding: str) -> torch.Tensor:
+    """torchao's MX cast of ``t`` (blocks of 32 along its last dimension), dequantized in float64."""
+    scale, data = to_mx(t.contiguous(), dtype, 32, ScaleCalculationMode(rounding))
+    return data.double() * scale.double().repeat_interleave(32, dim=-1)
+
+
+@pytest.mark.parametrize("rounding, fmt", [("rceil", "E4M3"), ("floor", "HYBRID")])
+def test_mxfp8_linear_matches_torchaos_mx_training_gemms(rounding, fmt):
+    """torchao's ``mx_mm`` (emulated GEMMs, torch casts) against ``MXFP8BlockScaling``: each of the three GEMMs
+    blocked along its own reduction dimension. 40 tokens: our columnwise copies pad the token dimension with zeros
+    to whole blocks, which torchao (whole blocks only) gets as zero rows appended to x and the output gradient."""
+    torch.manual_seed(0)
+    weight = torch.randn(64, 96) * 0.1
+    tokens, padded = 40, 64
+    x, grad_y = torch.randn(tokens, 96) * 3, torch.randn(tokens, 64) * 1e-3
+    x_pad = torch.nn.functional.pad(x, (0, 0, 0, padded - tokens))
+    g_pad = torch.nn.functional.pad(grad_y, (0, 0, 0, padded - tokens))
+    grad_dtype = E5M2 if fmt == "HYBRID" else E4M3
+
+    x_peer, w_peer = x_pad.clone().requires_grad_(), weight.clone().requires_grad_()
+    y_peer = mx_mm.apply(x_peer, w_peer, E4M3, E4M3, grad_dtype, 32, KernelPreference.EMULATED,
+                         MXFP8Dim0CastKernelChoice.TORCH, MXFP8Dim1CastKernelChoice.TORCH,
+                         ScaleCalculationMode(rounding), False)  # fmt: skip
+    y_peer.backward(g_pad)
+
+    layer = torch.nn.Linear(96, 64, bias=False)
+    layer.weight.data.copy_(weight)
+    ours = FP8Linear.from_linear(layer, MXFP8BlockScaling(fp8_format=fmt, scale_rounding=rounding))
+    x_ours = x.clone().requires_grad_()
+    with fp8_autocast():
+        y_ours = ours(x_ours)
+    y_ours.backward(grad_y)
+
+    fprop = (_mx_dequantized(x, E4M3, rounding), _mx_dequantized(weight, E4M3, rounding))
+    dgrad = (_mx_dequantized(grad_y, grad_dtype, rounding), _mx_dequantized(weight.t(), E4M3, rounding))
+    wgrad = (_mx_dequantized(g_pad.t(), grad_dtype, rounding), _mx_dequantized(x_pad.t(), E4M3, rounding))
+    for y in (y_peer[:tokens], y_ours):
+        _within_float32_sum_bound(y, *fprop)
+    for dx in (x_peer.grad[:tokens], x_ours.grad):
+        _within_float32_sum_bound(dx, *dgrad)
+    for dw in (w_peer.grad, ours.weight.grad):
+        _within_float32_sum_bound(dw, *wgrad)
