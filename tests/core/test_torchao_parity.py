@@ -23,8 +23,11 @@ pytest.importorskip("torchao.float8", reason="torchao.float8 (the peer) is not i
 from torchao.float8 import convert_to_float8_training  # noqa: E402
 from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated  # noqa: E402
 from torchao.prototype.moe_training.mxfp8_linear import mx_mm  # noqa: E402
-from torchao.prototype.mx_formats.config import MXFP8Dim0CastKernelChoice, MXFP8Dim1CastKernelChoice  # noqa: E402
-from torchao.prototype.mx_formats.config import ScaleCalculationMode  # noqa: E402
+from torchao.prototype.mx_formats.config import (  # noqa: E402
+    MXFP8Dim0CastKernelChoice,
+    MXFP8Dim1CastKernelChoice,
+    ScaleCalculationMode,
+)
 from torchao.prototype.mx_formats.mx_tensor import to_mx  # noqa: E402
 from torchao.quantization.quantize_.common.kernel_preference import KernelPreference  # noqa: E402
 
