@@ -9,7 +9,9 @@
 #
 # Everything lands in one archive, $OUT/gpu-<mode>.tar.gz (OUT defaults to ./gpu-results), with a log per step;
 # the benchmark run folders inside it go to benchmarks/results/ once checked. Nothing is downloaded: the package is
-# installed from this checkout without dependencies (hydra is not needed by these steps).
+# installed from this checkout without dependencies (hydra is not needed by these steps). The torchao.float8 peer
+# runs when torchao is installed there or its wheel was brought along: `pip download torchao==0.18.0 --no-deps -d
+# wheels` beforehand (wheels/ is git-ignored; carry it), and it is installed from there.
 set -u -o pipefail
 mode=${1:-checks}
 out=${OUT:-gpu-results}
@@ -19,8 +21,12 @@ export PYTHONUNBUFFERED=1
 
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$work/install.log" 2>&1 \
   || { cat "$work/install.log"; exit 1; }
+if ! python3 -c "import torchao" 2>/dev/null && ls wheels/torchao-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-deps --no-index wheels/torchao-*.whl >>"$work/install.log" 2>&1
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$work/device.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >>"$work/device.txt" 2>&1
+python3 -c "import torchao; print('torchao', torchao.__version__)" >>"$work/device.txt" 2>&1 || echo "torchao: not installed" >>"$work/device.txt"
 
 failed=0
 step() {  # step NAME COMMAND...: run with a time limit, keep its log, print its tail
