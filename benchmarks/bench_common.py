@@ -79,20 +79,28 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def interleaved_medians(fns: dict[str, Callable[[], object]], device: torch.device, warmup: int, rounds: int) -> dict:
-    """Median seconds per call of each function, run round-robin (see the module docstring)."""
+def interleaved_medians(
+    fns: dict[str, Callable[[], object]], device: torch.device, warmup: int, rounds: int, host: dict | None = None
+) -> dict:
+    """Median seconds per call of each function, run round-robin (see the module docstring). ``host``, when given,
+    receives each function's median host time: until it returns, before the device is synchronized (on a GPU,
+    a host time close to the total means the host, not the GPU, sets the pace)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     sync(device)
     times: dict[str, list[float]] = {name: [] for name in fns}
+    host_times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
             sync(device)
             start = time.perf_counter()
             fn()
+            host_times[name].append(time.perf_counter() - start)
             sync(device)
             times[name].append(time.perf_counter() - start)
+    if host is not None:
+        host.update({name: statistics.median(ts) for name, ts in host_times.items()})
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 

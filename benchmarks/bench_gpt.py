@@ -12,7 +12,8 @@ by the reference precision of the same run (fp32 on CPU, bf16 on GPU).
   ratio is the emulation's cost. Peak memory is not measured on CPU (no allocator statistics); see
   ``bench_memory``.
 * ``--suite gpu``: GPT ``350M`` (24 layers, n_embd 1024, 16 heads, 8 x 1024 tokens, vocab 50304), bf16 autocast
-  around everything that is not an FP8 GEMM; peak memory from ``torch.cuda.max_memory_allocated``; ``--compile``
+  around everything that is not an FP8 GEMM; peak memory from ``torch.cuda.max_memory_allocated``; the host time
+  per step (until the step returns, unsynchronized: whether the host or the GPU sets the pace); ``--compile``
   compiles every configuration with the same settings.
 
 Both suites run torchao.float8 (tensorwise, every linear layer converted, as ours) as a peer when it is installed
@@ -116,7 +117,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name in args.models or SUITES[args.suite]:
         spec = MODELS[name]
         built = {p: build(spec, device, p, args.compile) for p in precisions}
-        medians = interleaved_medians({p: s for p, (s, _) in built.items()}, device, args.warmup, args.rounds)
+        host: dict = {}
+        medians = interleaved_medians({p: s for p, (s, _) in built.items()}, device, args.warmup, args.rounds, host)
         tokens = spec["batch"] * spec["block_size"]
         params = built["fp32"][1].num_parameters()
         for p, seconds in medians.items():
@@ -124,19 +126,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "model": name, "params": params, "tokens_per_step": tokens, "precision": p,
                 "step_ms": seconds * 1e3, "tokens_per_s": tokens / seconds,
                 "ratio": seconds / medians[reference], "peak_gib": peak_memory(built[p][0], device),
+                "host_ms": host[p] * 1e3 if device.type == "cuda" else None,
             })  # fmt: skip
         del built
     torch.set_num_threads(threads_before)
     folder = run_folder("gpt", device, args.out)
     columns = [("model", "model", "{}"), ("params", "parameters", "{:,}"), ("precision", "precision", "{}"),
                ("step_ms", "step ms (median)", "{:.1f}"), ("tokens_per_s", "tokens/s", "{:,.0f}"),
-               ("ratio", f"step time / {reference}", "{:.2f}"), ("peak_gib", "peak GiB", "{:.2f}")]  # fmt: skip
+               ("ratio", f"step time / {reference}", "{:.2f}"), ("peak_gib", "peak GiB", "{:.2f}"),
+               ("host_ms", "host ms", "{:.1f}")]  # fmt: skip
     threads = f", {args.threads} CPU thread(s)" if device.type == "cpu" else ""
     notes = (
         f"GPT training step (forward, loss, backward, AdamW, sync_scales), {args.rounds} interleaved rounds, "
         f"median{threads}. torch.compile: {'on' if args.compile else 'off'}. torchao.float8 peer: {head['torchao']}."
     )
     if device.type == "cuda":
+        notes += (" host ms: median time until the step returns, before the GPU is synchronized (close to the "
+                  "step time: the host, not the GPU, sets the pace).")
         notes += "".join(f" {r['model']} {r['precision']}: {1 / r['ratio']:.2f}x bf16 speed (target >= 1.3)."
                          for r in rows if r["precision"].startswith("fp8"))  # fmt: skip
     write_results(folder, head, rows, markdown_table(columns, rows), notes)
