@@ -144,6 +144,9 @@ class OperandScaling:
         ``record=False`` (evaluation) leaves the delayed amax history alone.
         """
         self._to(x.device)
+        kernels = None if self.delayed else cuda_kernels(x)
+        if kernels is not None:
+            return self._tensorwise_cast_kernel(kernels, x)
         fused = _fused_cast(x, self.scale, self.dtype) if self.delayed and self.initialized else None
         x_amax, host_amax = amax_and_value(x) if fused is None else (fused.amax, fused.host_amax)
         finite = host_amax is not None and math.isfinite(host_amax)
@@ -155,6 +158,18 @@ class OperandScaling:
         # hair above fp8_max down to it)
         in_range = finite and host_amax * scale.item() <= fp8_max(self.dtype) * (1 + 2**-20)
         return quantize_operand(x, scale, self.dtype, saturate=not in_range, nan_free=finite)
+
+    def _tensorwise_cast_kernel(self, kernels, x: torch.Tensor) -> Quantized:
+        """:meth:`quantize` for tensorwise scaling on CUDA: two Triton passes whose cast kernel also does the
+        bookkeeping of :meth:`book` and :meth:`scale_for` (same bits), instead of about ten scalar tensor
+        operations between them, each a kernel launch that costs more host time than it computes."""
+        r = self.recipe
+        data, self.scale, self.last_amax, self.nonfinite_count = kernels.tensorwise_operand_cast(
+            x.detach(), self.scale, self.nonfinite_count, self.dtype, r.eps, r.power_of_2_scales
+        )
+        self.casts += 1
+        self.initialized = True
+        return Quantized(data, self.scale, "tensor")
 
     def book(self, x_amax: torch.Tensor, record: bool, finite: bool = False) -> torch.Tensor:
         """Count one use of the operand with amax ``x_amax``; returns the amax with NaN/inf replaced by 0.

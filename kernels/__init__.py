@@ -1,16 +1,18 @@
 """Triton kernels for the FP8 hot paths (``fp8_lightning.kernels``), each with a pure-torch twin in the core.
 
-=========================  ==============================================  ========================================
-kernel                     what it does                                    pure-torch twin
-=========================  ==============================================  ========================================
-``amax``                   max |x|, one read                               ``quantize.amax``
-``tensorwise_cast``        current scaling: amax pass + cast pass          ``quantize.quantize_tensorwise``
-``cast``                   delayed scaling: cast with a given scale and    ``quantize.quantize_with_scale``
-                           record the amax, one read, one write            + ``quantize.amax``
-``cast_transpose``         the same, also writing the transposed copy      ``...`` + ``.t().contiguous()``
-``mx_quantize``            MXFP8 rowwise and/or columnwise from one read   ``mx.quantize_mxfp8``
-``mx_gemm``                block-scaled FP8 GEMM for MX operands (sm8x/9x)  ``gemm`` emulation (dequantize + matmul)
-=========================  ==============================================  ========================================
+===========================  ==============================================  ======================================
+kernel                       what it does                                    pure-torch twin
+===========================  ==============================================  ======================================
+``amax``                     max |x|, one read                               ``quantize.amax``
+``tensorwise_cast``          current scaling: amax pass + cast pass          ``quantize.quantize_tensorwise``
+``tensorwise_operand_cast``  the same, with a scaling state's bookkeeping    ``scaling.OperandScaling.quantize``
+                             (zero/non-finite amax keeps the last scale)
+``cast``                     delayed scaling: cast with a given scale and    ``quantize.quantize_with_scale``
+                             record the amax, one read, one write            + ``quantize.amax``
+``cast_transpose``           the same, also writing the transposed copy      ``...`` + ``.t().contiguous()``
+``mx_quantize``              MXFP8 rowwise and/or columnwise from one read   ``mx.quantize_mxfp8``
+``mx_gemm``                  block-scaled FP8 GEMM for MX operands (sm8x/9x)  ``gemm`` emulation
+===========================  ==============================================  ======================================
 
 How the library uses them: the core (``quantize.py``, ``mx.py``, ``scaling.py``, ``gemm.py``) asks
 :func:`~fp8_lightning.kernels.availability.kernels_for` for CUDA tensors only; it gets this package when Triton
@@ -65,6 +67,7 @@ __all__ = [
     "mx_quantize",
     "supports_input",
     "tensorwise_cast",
+    "tensorwise_operand_cast",
     "triton_status",
 ]
 
@@ -139,6 +142,18 @@ def tensorwise_cast(
     _check_input(x, "tensorwise_cast")
     data, scale, _ = _ops().tensorwise_cast(x, fp8_dtype(fp8_format), float(eps), power_of_2)
     return data, scale
+
+
+def tensorwise_operand_cast(
+    x: torch.Tensor, prev_scale: torch.Tensor, count: torch.Tensor, fp8_format="E4M3", eps: float = 1e-12,
+    power_of_2: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A tensorwise scaling state's cast in the same two passes, bookkeeping included: ``(data, scale, amax,
+    count)``, where a zero or non-finite amax keeps ``prev_scale`` and the returned ``count`` is ``count`` + 1
+    when the amax is not finite (``scaling.OperandScaling`` for ``TensorwiseScaling``, bit for bit)."""
+    _check_input(x, "tensorwise_operand_cast")
+    _check_scale(prev_scale, x, "tensorwise_operand_cast")
+    return _ops().tensorwise_operand_cast(x, prev_scale, count, fp8_dtype(fp8_format), float(eps), power_of_2)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ plain tensors (E8M0 scales as ``uint8``); :mod:`fp8_lightning.kernels` wraps the
     torch.ops.fp8_lightning.cast(x, scale, dtype, record_amax)          -> (data, amax)
     torch.ops.fp8_lightning.cast_transpose(x, scale, dtype, record_amax) -> (data, data_t, amax)
     torch.ops.fp8_lightning.tensorwise_cast(x, dtype, eps, power_of_2)  -> (data, scale, amax)
+    torch.ops.fp8_lightning.tensorwise_operand_cast(x, prev_scale, count, dtype, eps, power_of_2)
+                                                                        -> (data, scale, amax, count)
     torch.ops.fp8_lightning.mx_quantize(x, block_size, scale_rounding, dtype, rowwise, colwise)
                                                                         -> (row, row_scale, col, col_scale)
     torch.ops.fp8_lightning.mx_gemm(a, a_scale, b, b_scale, out_dtype)  -> out
@@ -98,12 +100,27 @@ def tensorwise_cast(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     impl = _implementation("per_tensor", x)
 
-    return impl.tensorwise_cast(x, dtype, eps, power_of_2)
+    return impl.tensorwise_cast(x, dtype, eps, power_of_2)[:3]
 
 
 @tensorwise_cast.register_fake
 def _(x, dtype, eps, power_of_2):
     return torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format), _scalar(x), _scalar(x)
+
+
+@custom_op(f"{NAMESPACE}::tensorwise_operand_cast", mutates_args=())
+def tensorwise_operand_cast(
+    x: torch.Tensor, prev_scale: torch.Tensor, count: torch.Tensor, dtype: torch.dtype, eps: float, power_of_2: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    impl = _implementation("per_tensor", x)
+
+    return impl.tensorwise_cast(x, dtype, eps, power_of_2, prev_scale.reshape(1).float(), count)
+
+
+@tensorwise_operand_cast.register_fake
+def _(x, prev_scale, count, dtype, eps, power_of_2):
+    data = torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
+    return data, _scalar(x), _scalar(x), count.new_empty(())
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -150,13 +150,19 @@ def _cast_kernel(
 
 @triton.jit
 def _tensorwise_cast_kernel(
-    x_ptr, amax_bits_ptr, out_ptr, scale_out_ptr, n, eps,
+    x_ptr, amax_bits_ptr, out_ptr, scale_out_ptr, prev_scale_ptr, count_ptr, count_out_ptr, n, eps,
     FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, NAN_BITS: tl.constexpr,
-    EXPLICIT_ROUNDING: tl.constexpr, POWER_OF_2: tl.constexpr, BLOCK: tl.constexpr,
+    EXPLICIT_ROUNDING: tl.constexpr, POWER_OF_2: tl.constexpr, KEEP_PREVIOUS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    amax = tl.load(amax_bits_ptr).to(tl.float32, bitcast=True)
-    scale = _tensorwise_scale(amax, eps, FP8_MAX, POWER_OF_2)
+    amax_bits = tl.load(amax_bits_ptr)
+    amax = amax_bits.to(tl.float32, bitcast=True)
+    if KEEP_PREVIOUS:  # OperandScaling's rule: a zero or non-finite amax keeps the previous scale and is counted
+        finite = amax_bits < 0x7F800000
+        clean = tl.where(finite, amax, 0.0)
+        scale = tl.where(clean > 0, _tensorwise_scale(clean, eps, FP8_MAX, POWER_OF_2), tl.load(prev_scale_ptr))
+    else:
+        scale = _tensorwise_scale(amax, eps, FP8_MAX, POWER_OF_2)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
@@ -164,6 +170,8 @@ def _tensorwise_cast_kernel(
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
     if pid == 0:
         tl.store(scale_out_ptr, scale)
+        if KEEP_PREVIOUS:
+            tl.store(count_out_ptr, tl.load(count_ptr) + tl.where(finite, 0, 1).to(tl.int64))
 
 
 @triton.jit
@@ -238,22 +246,30 @@ def cast(
 
 
 def tensorwise_cast(
-    x: torch.Tensor, dtype: torch.dtype, eps: float, power_of_2: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Current scaling in two passes: ``(data, scale, amax)`` as ``quantize.tensorwise_scale`` defines them."""
+    x: torch.Tensor, dtype: torch.dtype, eps: float, power_of_2: bool,
+    prev_scale: torch.Tensor | None = None, count: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Current scaling in two passes: ``(data, scale, amax, count)`` as ``quantize.tensorwise_scale`` defines them.
+
+    With ``prev_scale`` and ``count`` (a scaling state's): a zero or non-finite amax keeps ``prev_scale``, and
+    ``count`` + 1 where the amax is not finite is returned (``OperandScaling``'s bookkeeping, in the cast kernel).
+    """
     flat = _flat(x)
     n = x.numel()
     bits = _amax_buffer(x.device)
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
+    keep = prev_scale is not None
+    count_out = torch.empty((), dtype=torch.int64, device=x.device) if keep else None
     grid = (max(1, triton.cdiv(n, BLOCK)),)  # one program even when empty: it writes the scale
     if n:
         _amax_kernel[grid](flat, bits, n, BLOCK=BLOCK)
     _tensorwise_cast_kernel[grid](
-        flat, bits, out.view(-1), scale, n, eps,
-        **format_constants(dtype), POWER_OF_2=power_of_2, BLOCK=BLOCK,
-    )
-    return out, scale.reshape(()), _bits_to_amax(bits)
+        flat, bits, out.view(-1), scale, prev_scale if keep else scale, count if keep else bits,
+        count_out if keep else bits, n, eps,
+        **format_constants(dtype), POWER_OF_2=power_of_2, KEEP_PREVIOUS=keep, BLOCK=BLOCK,
+    )  # fmt: skip
+    return out, scale.reshape(()), _bits_to_amax(bits), count_out
 
 
 def cast_transpose(
