@@ -110,8 +110,8 @@ def _scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tens
     out = torch._scaled_mm(
         a_data,
         b_data.t(),
-        scale_a=a.scale.reciprocal(),
-        scale_b=b.scale.reciprocal(),
+        scale_a=a.inverse_scale(),
+        scale_b=b.inverse_scale(),
         out_dtype=mm_dtype,
     )
     return out[:, :n].to(out_dtype)

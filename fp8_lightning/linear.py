@@ -158,6 +158,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         # anyway): dgrad reuses it instead of decoding the saved bytes again.
         ctx.w_f32 = w_saved.f32
         ctx.nan_free = (x_saved.nan_free, w_saved.nan_free)
+        ctx.inverses = (x_saved.inverse, w_saved.inverse)  # 1 / scale, when the fprop GEMM made it (CUDA)
         return y
 
     @staticmethod
@@ -165,8 +166,8 @@ class _FP8LinearFunction(torch.autograd.Function):
         x_data, x_scale, w_data, w_scale = ctx.saved_tensors
         layer, scaling, emulate, x_dtype, w_dtype, bias_dtype = ctx.meta
         kind = "tensor" if scaling.recipe.per_tensor else "mx"
-        x_saved = Quantized(x_data, x_scale, kind, nan_free=ctx.nan_free[0])
-        w_saved = Quantized(w_data, w_scale, kind, ctx.w_f32, ctx.nan_free[1])
+        x_saved = Quantized(x_data, x_scale, kind, nan_free=ctx.nan_free[0], inverse=ctx.inverses[0])
+        w_saved = Quantized(w_data, w_scale, kind, ctx.w_f32, ctx.nan_free[1], ctx.inverses[1])
         g = grad_y.contiguous()
         gq, g_col = scaling.cast("grad_output", g, record=True, columnwise=ctx.needs_input_grad[1])
         _observe(layer, "grad_output", g, gq)

@@ -285,6 +285,14 @@ class Quantized:
     # dequantized values for MX.
     f32: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
     nan_free: bool = dataclasses.field(default=False, repr=False, compare=False)  # known to hold no NaN code
+    inverse: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)  # see inverse_scale
+
+    def inverse_scale(self) -> torch.Tensor:
+        """``1 / scale`` (per-tensor: the dequantization factor a scaled GEMM takes), made on the first call and
+        kept for the operand's other GEMM: on a GPU each computation is a kernel launch."""
+        if self.inverse is None:
+            self.inverse = self.scale.reciprocal()
+        return self.inverse
 
     def gemm_f32(self) -> torch.Tensor:
         """The operand in float32 for a float GEMM (see ``f32``), made on the first call."""
@@ -308,7 +316,7 @@ class Quantized:
         if self.kind == "mx":
             raise ValueError("An MX operand cannot be transposed: quantize the high-precision tensor along K.")
         f32 = None if self.f32 is None else self.f32.t()
-        return Quantized(self.data.t(), self.scale, self.kind, f32, self.nan_free)
+        return Quantized(self.data.t(), self.scale, self.kind, f32, self.nan_free, self.inverse)
 
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()

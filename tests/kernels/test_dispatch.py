@@ -7,6 +7,7 @@ which then run in Triton's interpreter: the results must equal the untouched pur
 
 from __future__ import annotations
 
+import collections
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8_lightning.mx as mx
 import fp8_lightning.quantize as quantize
@@ -109,25 +111,52 @@ def test_operand_scaling_uses_the_fused_cast_with_identical_state(kernel_calls, 
         assert kernel_calls == {"tensorwise_operand_cast": len(inputs)}
 
 
+class _Ops(TorchDispatchMode):
+    """The tensor operations run inside the block, by name (each is a kernel launch on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+VIEWS = {"detach", "t", "view", "transpose", "_unsafe_view", "reshape", "slice", "alias", "_reshape_alias"}
+
+
 def test_tensorwise_cast_on_cuda_is_one_op_with_no_scalar_bookkeeping_around_it(kernel_calls):
-    """Each tensor op costs a kernel launch on a GPU: the tensorwise state's cast must not add any around the
-    kernels (it used to run about ten: amax cleaning, counting, the scale formula, keeping the last scale)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
+    """The tensorwise state's cast must not add operations around its kernels (it used to run about ten: amax
+    cleaning, counting, the scale formula, keeping the last scale)."""
     state, x = OperandScaling(TensorwiseScaling(), E4M3), torch.randn(16, 64)
     state.quantize(x)
-    with Ops() as ops:
+    with _Ops() as ops:
         state.quantize(x)
-    assert [n for n in ops.names if n != "detach"] == ["tensorwise_operand_cast"]
+    assert [n for n in ops.names if n not in VIEWS] == ["tensorwise_operand_cast"]
+
+
+def test_tensorwise_layer_step_on_cuda_runs_only_its_casts_gemms_and_transposes(kernel_calls, monkeypatch):
+    """A tensorwise FP8 layer's forward and backward on the CUDA branch (scaled GEMMs): three casts, three GEMMs,
+    one inverse scale per operand (kept for its second GEMM), the two FP8 transposes and the weight transpose the
+    backward GEMMs need, the bias add and its gradient; the gradients' accumulation is autograd's."""
+    monkeypatch.setenv("FP8_LIGHTNING_GEMM", "scaled_mm")  # torch._scaled_mm, as on CUDA
+    layer = FP8Linear.from_linear(torch.nn.Linear(64, 32), TensorwiseScaling())
+    x = torch.randn(48, 64, requires_grad=True)
+    grad_y = torch.randn(48, 32)
+
+    def step():
+        with torch.no_grad():
+            layer.weight.mul_(1.0)  # a new optimizer step: the weight is cast again
+        with fp8_autocast():
+            layer(x).backward(grad_y)
+
+    step()
+    with _Ops() as ops:
+        step()
+    counts = collections.Counter(n for n in ops.names if n not in VIEWS)
+    assert counts == {"mul_": 1, "tensorwise_operand_cast": 3, "reciprocal": 3, "_scaled_mm": 3, "clone": 3,
+                      "add": 1, "sum": 1, "add_": 3}, counts  # fmt: skip
 
 
 @pytest.mark.parametrize("recipe", [DelayedScaling(), TensorwiseScaling(), MXFP8BlockScaling()])
