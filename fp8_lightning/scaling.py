@@ -84,20 +84,18 @@ def finite_or_zero(x_amax: torch.Tensor) -> torch.Tensor:
 
 
 class FusedCast(NamedTuple):
-    """A cast that also measured the input's amax in the same pass over it."""
+    """A CPU cast that also measured the input's amax in the same pass over it."""
 
     data: torch.Tensor
     amax: torch.Tensor
-    host_amax: float | None  # the amax read on the host, where that is free (CPU)
-    values: torch.Tensor | None  # the codes' float32 values, when made in the same pass (CPU)
+    host_amax: float  # the same amax as a Python float (reading it is free on CPU)
+    values: torch.Tensor  # the codes' float32 values, made in the same pass
 
 
 def _fused_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> FusedCast | None:
-    """The cast with a known (delayed) scale and the amax from one pass over ``x``: the Triton cast kernel on
-    CUDA, the C codec on CPU; None where neither applies."""
-    kernels, codec = cuda_kernels(x), cast_codec(x, scale)
-    if kernels is not None:
-        return FusedCast(*kernels.cast(x.detach(), scale, dtype, record_amax=True), None, None)
+    """The cast with a known (delayed) scale and the amax from one pass over a CPU ``x``: the C codec; None where
+    it does not apply (CUDA tensors take :meth:`OperandScaling._kernel_cast`)."""
+    codec = cast_codec(x, scale)
     if codec is not None:
         data, values, host_amax = codec.cast(x, scale.item(), dtype, with_amax=True)
         return FusedCast(data, torch.scalar_tensor(host_amax, dtype=torch.float32), host_amax, values)
@@ -144,9 +142,9 @@ class OperandScaling:
         ``record=False`` (evaluation) leaves the delayed amax history alone.
         """
         self._to(x.device)
-        kernels = None if self.delayed else cuda_kernels(x)
-        if kernels is not None:
-            return self._tensorwise_cast_kernel(kernels, x)
+        kernels = cuda_kernels(x)
+        if kernels is not None and (self.initialized or not self.delayed):
+            return self._kernel_cast(kernels, x, record)
         fused = _fused_cast(x, self.scale, self.dtype) if self.delayed and self.initialized else None
         x_amax, host_amax = amax_and_value(x) if fused is None else (fused.amax, fused.host_amax)
         finite = host_amax is not None and math.isfinite(host_amax)
@@ -159,16 +157,23 @@ class OperandScaling:
         in_range = finite and host_amax * scale.item() <= fp8_max(self.dtype) * (1 + 2**-20)
         return quantize_operand(x, scale, self.dtype, saturate=not in_range, nan_free=finite)
 
-    def _tensorwise_cast_kernel(self, kernels, x: torch.Tensor) -> Quantized:
-        """:meth:`quantize` for tensorwise scaling on CUDA: two Triton passes whose cast kernel also does the
-        bookkeeping of :meth:`book` and :meth:`scale_for` (same bits), instead of about ten scalar tensor
-        operations between them, each a kernel launch that costs more host time than it computes."""
-        r = self.recipe
-        data, self.scale, self.last_amax, self.nonfinite_count = kernels.tensorwise_operand_cast(
-            x.detach(), self.scale, self.nonfinite_count, self.dtype, r.eps, r.power_of_2_scales
-        )
+    def _kernel_cast(self, kernels, x: torch.Tensor, record: bool) -> Quantized:
+        """:meth:`quantize` on CUDA in Triton kernels that also do the bookkeeping of :meth:`book` and
+        :meth:`scale_for` (same bits): tensorwise in two passes, delayed (after its first, just-in-time scaled
+        cast) in one, instead of four to ten scalar tensor operations per cast, each a kernel launch that costs
+        more host time than it computes."""
+        r, y = self.recipe, x.detach()
+        if self.delayed:
+            data, self.last_amax, self.pending_amax, self.nonfinite_count = kernels.delayed_operand_cast(
+                y, self.scale, self.pending_amax, self.nonfinite_count, self.dtype, record
+            )
+            self.dirty = self.dirty or record
+        else:
+            data, self.scale, self.last_amax, self.nonfinite_count = kernels.tensorwise_operand_cast(
+                y, self.scale, self.nonfinite_count, self.dtype, r.eps, r.power_of_2_scales
+            )
+            self.initialized = True
         self.casts += 1
-        self.initialized = True
         return Quantized(data, self.scale, "tensor")
 
     def book(self, x_amax: torch.Tensor, record: bool, finite: bool = False) -> torch.Tensor:

@@ -9,6 +9,7 @@ kernel                       what it does                                    pur
                              (zero/non-finite amax keeps the last scale)
 ``cast``                     delayed scaling: cast with a given scale and    ``quantize.quantize_with_scale``
                              record the amax, one read, one write            + ``quantize.amax``
+``delayed_operand_cast``     the same, booking the amax in a scaling state   ``scaling.OperandScaling.quantize``
 ``cast_transpose``           the same, also writing the transposed copy      ``...`` + ``.t().contiguous()``
 ``mx_quantize``              MXFP8 rowwise and/or columnwise from one read   ``mx.quantize_mxfp8``
 ``mx_gemm``                  block-scaled FP8 GEMM for MX operands (sm8x/9x)  ``gemm`` emulation
@@ -58,6 +59,7 @@ __all__ = [
     "amax",
     "cast",
     "cast_transpose",
+    "delayed_operand_cast",
     "device_status",
     "disabled_by_env",
     "install_mx_gemm",
@@ -154,6 +156,18 @@ def tensorwise_operand_cast(
     _check_input(x, "tensorwise_operand_cast")
     _check_scale(prev_scale, x, "tensorwise_operand_cast")
     return _ops().tensorwise_operand_cast(x, prev_scale, count, fp8_dtype(fp8_format), float(eps), power_of_2)
+
+
+def delayed_operand_cast(
+    x: torch.Tensor, scale: torch.Tensor, pending: torch.Tensor, count: torch.Tensor, fp8_format="E4M3",
+    record: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A delayed-scaling state's cast with its bookkeeping, in one pass: ``(data, amax, pending, count)``: the
+    pending amax folded with this cast's amax (when ``record``; a non-finite amax never enters it) and ``count``
+    + 1 when the amax is not finite (``scaling.OperandScaling`` for ``DelayedScaling``, bit for bit)."""
+    _check_input(x, "delayed_operand_cast")
+    _check_scale(scale, x, "delayed_operand_cast")
+    return _ops().delayed_operand_cast(x, scale, pending, count, fp8_dtype(fp8_format), record)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -149,6 +149,33 @@ def _cast_kernel(
 
 
 @triton.jit
+def _delayed_cast_kernel(
+    x_ptr, scale_ptr, out_ptr, sync_ptr, pending_ptr, count_ptr, pending_out_ptr, count_out_ptr, n,
+    FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, NAN_BITS: tl.constexpr,
+    EXPLICIT_ROUNDING: tl.constexpr, RECORD: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """A delayed-scaling state's cast with its bookkeeping: each program casts its block and folds its amax into
+    ``sync[0]``; the last program to finish (``sync[1]`` counts them) books the tensor's amax: a non-finite one is
+    counted and never enters the pending amax (``OperandScaling.book``)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    scale = tl.load(scale_ptr)
+    y = _to_fp8_values(x.to(tl.float32) * scale, FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, NAN_BITS, EXPLICIT_ROUNDING)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.atomic_max(sync_ptr, _reduce_max(_abs_bits(x), 0))
+    finished = tl.atomic_add(sync_ptr + 1, 1)  # acq_rel: the last program sees every other program's max
+    if finished == tl.num_programs(0) - 1:
+        amax_bits = tl.atomic_max(sync_ptr, 0)  # read atomically
+        finite = amax_bits < 0x7F800000
+        pending = tl.load(pending_ptr)
+        if RECORD:
+            pending = tl.maximum(pending, tl.where(finite, amax_bits.to(tl.float32, bitcast=True), 0.0))
+        tl.store(pending_out_ptr, pending)
+        tl.store(count_out_ptr, tl.load(count_ptr) + tl.where(finite, 0, 1).to(tl.int64))
+
+
+@triton.jit
 def _tensorwise_cast_kernel(
     x_ptr, amax_bits_ptr, out_ptr, scale_out_ptr, prev_scale_ptr, count_ptr, count_out_ptr, n, eps,
     FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, NAN_BITS: tl.constexpr,
@@ -243,6 +270,23 @@ def cast(
             **format_constants(dtype), RECORD_AMAX=record_amax, BLOCK=BLOCK,
         )
     return out, _bits_to_amax(bits)
+
+
+def delayed_cast(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, pending: torch.Tensor, count: torch.Tensor, record: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A delayed-scaling state's cast in one pass: ``(data, amax, pending, count)``, where ``pending`` is the state's
+    pending amax folded with this amax (when ``record`` and finite) and ``count`` + 1 when it is not finite."""
+    n = x.numel()
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    sync = torch.zeros(2, dtype=torch.int32, device=x.device)  # amax bits, programs finished
+    pending_out = torch.empty((), dtype=torch.float32, device=x.device)
+    count_out = torch.empty((), dtype=torch.int64, device=x.device)
+    _delayed_cast_kernel[(max(1, triton.cdiv(n, BLOCK)),)](  # one program even when empty: it books
+        _flat(x), scale.reshape(1).float(), out.view(-1), sync, pending.float(), count, pending_out, count_out, n,
+        **format_constants(dtype), RECORD=record, BLOCK=BLOCK,
+    )  # fmt: skip
+    return out, _bits_to_amax(sync[:1]), pending_out, count_out
 
 
 def tensorwise_cast(

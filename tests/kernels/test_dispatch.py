@@ -46,7 +46,7 @@ def kernel_calls(monkeypatch):
 
         return wrapper
 
-    for name in ("amax", "cast", "tensorwise_cast", "tensorwise_operand_cast", "mx_quantize"):
+    for name in ("amax", "cast", "tensorwise_cast", "tensorwise_operand_cast", "delayed_operand_cast", "mx_quantize"):
         monkeypatch.setattr(kernels, name, counted(name))
 
     def route(x):
@@ -96,17 +96,21 @@ def test_operand_scaling_uses_the_fused_cast_with_identical_state(kernel_calls, 
     nan[3, 5], inf[0, 0] = float("nan"), float("inf")
     inputs = [torch.randn(16, 64) * 10.0**step for step in range(3)] + [torch.zeros(16, 64), nan, inf]
     inputs.append(torch.randn(16, 64).clamp(-1, 1).index_fill_(1, torch.tensor([7]), -1.7))  # amax 1.7
-    for x in inputs:  # zero and non-finite tensors keep the last scale and are counted; NaN casts to NaN
-        got, expected = fused.quantize(x), pure(reference.quantize, x)
+    big, big_nan = torch.randn(100, 128), torch.randn(100, 128)  # several programs; the amax in a later one
+    big[90, 3], big_nan[0, 1] = 40.0, float("nan")
+    inputs += [big, big_nan, big * 0.5]
+    for i, x in enumerate(inputs):  # zero and non-finite tensors keep the last scale and are counted; NaN casts
+        record = i != 2  # to NaN; one evaluation cast (no amax recorded)
+        got, expected = fused.quantize(x, record), pure(reference.quantize, x, record)
         assert_same_fp8(got.data, expected.data)
         assert torch.equal(got.scale, expected.scale)
         for name in OperandScaling._TENSORS:  # (NaN amaxes may differ in their payload bits)
             torch.testing.assert_close(getattr(fused, name), getattr(reference, name), rtol=0, atol=0, equal_nan=True)
         fused.update()
         reference.update()
-    assert fused.casts == reference.casts == len(inputs) and fused.nonfinite_count.item() == 2
+    assert fused.casts == reference.casts == len(inputs) and fused.nonfinite_count.item() == 3
     if isinstance(recipe, DelayedScaling):  # the first cast scales just in time (amax pass + cast), later ones
-        assert kernel_calls == {"amax": 1, "cast": len(inputs)}  # fuse cast and amax
+        assert kernel_calls == {"amax": 1, "cast": 1, "delayed_operand_cast": len(inputs) - 1}  # book in the cast
     else:  # two passes, the bookkeeping inside the cast kernel
         assert kernel_calls == {"tensorwise_operand_cast": len(inputs)}
 
@@ -126,14 +130,18 @@ class _Ops(TorchDispatchMode):
 VIEWS = {"detach", "t", "view", "transpose", "_unsafe_view", "reshape", "slice", "alias", "_reshape_alias"}
 
 
-def test_tensorwise_cast_on_cuda_is_one_op_with_no_scalar_bookkeeping_around_it(kernel_calls):
-    """The tensorwise state's cast must not add operations around its kernels (it used to run about ten: amax
-    cleaning, counting, the scale formula, keeping the last scale)."""
-    state, x = OperandScaling(TensorwiseScaling(), E4M3), torch.randn(16, 64)
-    state.quantize(x)
+@pytest.mark.parametrize("recipe, op", [(TensorwiseScaling(), "tensorwise_operand_cast"),
+                                        (DelayedScaling(), "delayed_operand_cast")])  # fmt: skip
+def test_a_cast_on_cuda_is_one_op_with_no_scalar_bookkeeping_around_it(kernel_calls, recipe, op):
+    """A scaling state's cast must not add operations around its kernels (they used to run four (delayed) to ten
+    (tensorwise): amax cleaning, counting, folding into the pending amax, the scale formula, keeping the last
+    scale)."""
+    state, x = OperandScaling(recipe, E4M3), torch.randn(16, 64)
+    state.quantize(x)  # delayed scaling's first cast is scaled just in time
+    state.update()
     with _Ops() as ops:
         state.quantize(x)
-    assert [n for n in ops.names if n not in VIEWS] == ["tensorwise_operand_cast"]
+    assert [n for n in ops.names if n not in VIEWS] == [op]
 
 
 def test_tensorwise_layer_step_on_cuda_runs_only_its_casts_gemms_and_transposes(kernel_calls, monkeypatch):
