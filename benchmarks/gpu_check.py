@@ -18,6 +18,7 @@ from fp8_lightning import DelayedScaling, FP8Linear, Format, MXFP8BlockScaling, 
 from fp8_lightning.gemm import fp8_gemm_support
 from fp8_lightning.mx import quantize_mxfp8
 from fp8_lightning.quantize import quantize_tensorwise
+from fp8_lightning.scaling import OperandScaling
 
 RECIPES = {
     "tensorwise": TensorwiseScaling(),
@@ -41,6 +42,31 @@ def check_casts() -> list[str]:
         for name, a, b in zip(("data", "scale"), cpu, gpu):
             if not torch.equal(a.view(torch.uint8), b.cpu().view(torch.uint8)):
                 failures.append(f"mxfp8 {rounding} {name}: bytes differ")
+    return failures
+
+
+def check_scaling_states() -> list[str]:
+    """Per-tensor scaling states on CUDA, whose cast kernels also do the bookkeeping, against CPU: several steps,
+    tensors spanning many programs, zero, NaN and inf tensors, one evaluation cast; casts and every state tensor
+    equal bit for bit (NaN amaxes as NaN)."""
+    gen = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(1000, 1024, generator=gen) * 10.0**k for k in (-3, 0, 3)]
+    nan, inf = torch.randn(1000, 1024, generator=gen), torch.randn(1000, 1024, generator=gen)
+    nan[999, 5], inf[0, 0] = float("nan"), float("-inf")
+    inputs += [torch.zeros(64, 64), nan, inf, torch.randn(3, 5, generator=gen)]
+    failures = []
+    for name, recipe in (("delayed", DelayedScaling(amax_history_len=4)), ("tensorwise", TensorwiseScaling())):
+        states = {d: OperandScaling(recipe, torch.float8_e5m2, d) for d in ("cpu", "cuda")}
+        for i, x in enumerate(inputs):
+            cpu, cuda = (states[d].quantize(x.to(d), record=i != 1) for d in ("cpu", "cuda"))
+            if not torch.equal(cpu.data.view(torch.uint8), cuda.data.cpu().view(torch.uint8)):
+                failures.append(f"{name} state, cast {i}: bytes differ")
+            for field in OperandScaling._TENSORS:
+                a, b = getattr(states["cpu"], field), getattr(states["cuda"], field).cpu()
+                if not torch.allclose(a, b, rtol=0, atol=0, equal_nan=True):
+                    failures.append(f"{name} state, cast {i}: {field} differs ({a} vs {b})")
+            for state in states.values():
+                state.update()
     return failures
 
 
@@ -75,7 +101,7 @@ def main() -> int:
     if not ok:
         print(f"gpu_check: {reason}")
         return 2
-    failures = check_casts()
+    failures = check_casts() + check_scaling_states()
     for name, recipe in RECIPES.items():
         failures += check_linear(name, recipe)
     print("\n".join(["FAILED: " + f for f in failures]) if failures else "all CUDA paths match the CPU reference")
