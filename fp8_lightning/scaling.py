@@ -162,19 +162,19 @@ class OperandScaling:
         :meth:`scale_for` (same bits): tensorwise in two passes, delayed (after its first, just-in-time scaled
         cast) in one, instead of four to ten scalar tensor operations per cast, each a kernel launch that costs
         more host time than it computes."""
-        r, y = self.recipe, x.detach()
+        r, y, inverse = self.recipe, x.detach(), None
         if self.delayed:
             data, self.last_amax, self.pending_amax, self.nonfinite_count = kernels.delayed_operand_cast(
                 y, self.scale, self.pending_amax, self.nonfinite_count, self.dtype, record
             )
             self.dirty = self.dirty or record
         else:
-            data, self.scale, self.last_amax, self.nonfinite_count = kernels.tensorwise_operand_cast(
+            data, self.scale, self.last_amax, self.nonfinite_count, inverse = kernels.tensorwise_operand_cast(
                 y, self.scale, self.nonfinite_count, self.dtype, r.eps, r.power_of_2_scales
             )
             self.initialized = True
         self.casts += 1
-        return Quantized(data, self.scale, "tensor")
+        return Quantized(data, self.scale, "tensor", inverse=inverse)
 
     def book(self, x_amax: torch.Tensor, record: bool, finite: bool = False) -> torch.Tensor:
         """Count one use of the operand with amax ``x_amax``; returns the amax with NaN/inf replaced by 0.

@@ -149,10 +149,11 @@ def tensorwise_cast(
 def tensorwise_operand_cast(
     x: torch.Tensor, prev_scale: torch.Tensor, count: torch.Tensor, fp8_format="E4M3", eps: float = 1e-12,
     power_of_2: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A tensorwise scaling state's cast in the same two passes, bookkeeping included: ``(data, scale, amax,
-    count)``, where a zero or non-finite amax keeps ``prev_scale`` and the returned ``count`` is ``count`` + 1
-    when the amax is not finite (``scaling.OperandScaling`` for ``TensorwiseScaling``, bit for bit)."""
+    count, 1 / scale)``, where a zero or non-finite amax keeps ``prev_scale`` and the returned ``count`` is
+    ``count`` + 1 when the amax is not finite (``scaling.OperandScaling`` for ``TensorwiseScaling``, bit for
+    bit); the scale's inverse is what a scaled GEMM takes."""
     _check_input(x, "tensorwise_operand_cast")
     _check_scale(prev_scale, x, "tensorwise_operand_cast")
     return _ops().tensorwise_operand_cast(x, prev_scale, count, fp8_dtype(fp8_format), float(eps), power_of_2)

@@ -10,7 +10,7 @@ plain tensors (E8M0 scales as ``uint8``); :mod:`fp8_lightning.kernels` wraps the
     torch.ops.fp8_lightning.cast_transpose(x, scale, dtype, record_amax) -> (data, data_t, amax)
     torch.ops.fp8_lightning.tensorwise_cast(x, dtype, eps, power_of_2)  -> (data, scale, amax)
     torch.ops.fp8_lightning.tensorwise_operand_cast(x, prev_scale, count, dtype, eps, power_of_2)
-                                                                        -> (data, scale, amax, count)
+                                                                        -> (data, scale, amax, count, 1 / scale)
     torch.ops.fp8_lightning.delayed_operand_cast(x, scale, pending, count, dtype, record)
                                                                         -> (data, amax, pending, count)
     torch.ops.fp8_lightning.mx_quantize(x, block_size, scale_rounding, dtype, rowwise, colwise)
@@ -128,7 +128,7 @@ def _(x, scale, pending, count, dtype, record):
 @custom_op(f"{NAMESPACE}::tensorwise_operand_cast", mutates_args=())
 def tensorwise_operand_cast(
     x: torch.Tensor, prev_scale: torch.Tensor, count: torch.Tensor, dtype: torch.dtype, eps: float, power_of_2: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     impl = _implementation("per_tensor", x)
 
     return impl.tensorwise_cast(x, dtype, eps, power_of_2, prev_scale.reshape(1).float(), count)
@@ -137,7 +137,7 @@ def tensorwise_operand_cast(
 @tensorwise_operand_cast.register_fake
 def _(x, prev_scale, count, dtype, eps, power_of_2):
     data = torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
-    return data, _scalar(x), _scalar(x), count.new_empty(())
+    return data, _scalar(x), _scalar(x), count.new_empty(()), _scalar(x)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -177,7 +177,7 @@ def _delayed_cast_kernel(
 
 @triton.jit
 def _tensorwise_cast_kernel(
-    x_ptr, amax_bits_ptr, out_ptr, scale_out_ptr, prev_scale_ptr, count_ptr, count_out_ptr, n, eps,
+    x_ptr, amax_bits_ptr, out_ptr, scale_out_ptr, prev_scale_ptr, count_ptr, count_out_ptr, inverse_out_ptr, n, eps,
     FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, NAN_BITS: tl.constexpr,
     EXPLICIT_ROUNDING: tl.constexpr, POWER_OF_2: tl.constexpr, KEEP_PREVIOUS: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -199,6 +199,7 @@ def _tensorwise_cast_kernel(
         tl.store(scale_out_ptr, scale)
         if KEEP_PREVIOUS:
             tl.store(count_out_ptr, tl.load(count_ptr) + tl.where(finite, 0, 1).to(tl.int64))
+            tl.store(inverse_out_ptr, tl.math.div_rn(1.0, scale))  # what dequantization multiplies by
 
 
 @triton.jit
@@ -292,11 +293,13 @@ def delayed_cast(
 def tensorwise_cast(
     x: torch.Tensor, dtype: torch.dtype, eps: float, power_of_2: bool,
     prev_scale: torch.Tensor | None = None, count: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Current scaling in two passes: ``(data, scale, amax, count)`` as ``quantize.tensorwise_scale`` defines them.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Current scaling in two passes: ``(data, scale, amax, count, 1 / scale)`` as ``quantize.tensorwise_scale``
+    defines them.
 
     With ``prev_scale`` and ``count`` (a scaling state's): a zero or non-finite amax keeps ``prev_scale``, and
-    ``count`` + 1 where the amax is not finite is returned (``OperandScaling``'s bookkeeping, in the cast kernel).
+    ``count`` + 1 where the amax is not finite is returned (``OperandScaling``'s bookkeeping, in the cast kernel),
+    with the scale's inverse; without them the last two are None.
     """
     flat = _flat(x)
     n = x.numel()
@@ -305,15 +308,16 @@ def tensorwise_cast(
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
     keep = prev_scale is not None
     count_out = torch.empty((), dtype=torch.int64, device=x.device) if keep else None
+    inverse = torch.empty((), dtype=torch.float32, device=x.device) if keep else None
     grid = (max(1, triton.cdiv(n, BLOCK)),)  # one program even when empty: it writes the scale
     if n:
         _amax_kernel[grid](flat, bits, n, BLOCK=BLOCK)
     _tensorwise_cast_kernel[grid](
         flat, bits, out.view(-1), scale, prev_scale if keep else scale, count if keep else bits,
-        count_out if keep else bits, n, eps,
+        count_out if keep else bits, inverse if keep else scale, n, eps,
         **format_constants(dtype), POWER_OF_2=power_of_2, KEEP_PREVIOUS=keep, BLOCK=BLOCK,
     )  # fmt: skip
-    return out, scale.reshape(()), _bits_to_amax(bits), count_out
+    return out, scale.reshape(()), _bits_to_amax(bits), count_out, inverse
 
 
 def cast_transpose(

@@ -103,7 +103,7 @@ def test_operand_scaling_uses_the_fused_cast_with_identical_state(kernel_calls, 
         record = i != 2  # to NaN; one evaluation cast (no amax recorded)
         got, expected = fused.quantize(x, record), pure(reference.quantize, x, record)
         assert_same_fp8(got.data, expected.data)
-        assert torch.equal(got.scale, expected.scale)
+        assert torch.equal(got.scale, expected.scale) and torch.equal(got.inverse_scale(), expected.scale.reciprocal())
         for name in OperandScaling._TENSORS:  # (NaN amaxes may differ in their payload bits)
             torch.testing.assert_close(getattr(fused, name), getattr(reference, name), rtol=0, atol=0, equal_nan=True)
         fused.update()
@@ -145,8 +145,8 @@ def test_a_cast_on_cuda_is_one_op_with_no_scalar_bookkeeping_around_it(kernel_ca
 
 
 def test_tensorwise_layer_step_on_cuda_runs_only_its_casts_gemms_and_transposes(kernel_calls, monkeypatch):
-    """A tensorwise FP8 layer's forward and backward on the CUDA branch (scaled GEMMs): three casts, three GEMMs,
-    one inverse scale per operand (kept for its second GEMM), the two FP8 transposes and the weight transpose the
+    """A tensorwise FP8 layer's forward and backward on the CUDA branch (scaled GEMMs): three casts (which also
+    give the inverse scales the GEMMs take), three GEMMs, the two FP8 transposes and the weight transpose the
     backward GEMMs need, the bias add and its gradient; the gradients' accumulation is autograd's."""
     monkeypatch.setenv("FP8_LIGHTNING_GEMM", "scaled_mm")  # torch._scaled_mm, as on CUDA
     layer = FP8Linear.from_linear(torch.nn.Linear(64, 32), TensorwiseScaling())
@@ -163,8 +163,8 @@ def test_tensorwise_layer_step_on_cuda_runs_only_its_casts_gemms_and_transposes(
     with _Ops() as ops:
         step()
     counts = collections.Counter(n for n in ops.names if n not in VIEWS)
-    assert counts == {"mul_": 1, "tensorwise_operand_cast": 3, "reciprocal": 3, "_scaled_mm": 3, "clone": 3,
-                      "add": 1, "sum": 1, "add_": 3}, counts  # fmt: skip
+    assert counts == {"mul_": 1, "tensorwise_operand_cast": 3, "_scaled_mm": 3, "clone": 3, "add": 1, "sum": 1,
+                      "add_": 3}, counts  # fmt: skip
 
 
 @pytest.mark.parametrize("recipe", [DelayedScaling(), TensorwiseScaling(), MXFP8BlockScaling()])
