@@ -133,17 +133,27 @@ def _amax_kernel(x_ptr, amax_bits_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _cast_block(
+    x_ptr, out_ptr, n, scale, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
+    NAN_BITS: tl.constexpr, EXPLICIT_ROUNDING: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """This program's block of the flat x cast with ``scale`` into out; returns the block (for its amax)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    y = _to_fp8_values(x.to(tl.float32) * scale, FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, NAN_BITS, EXPLICIT_ROUNDING)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    return x
+
+
+@triton.jit
 def _cast_kernel(
     x_ptr, scale_ptr, out_ptr, amax_bits_ptr, n,
     FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, NAN_BITS: tl.constexpr,
     EXPLICIT_ROUNDING: tl.constexpr, RECORD_AMAX: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    scale = tl.load(scale_ptr)
-    y = _to_fp8_values(x.to(tl.float32) * scale, FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, NAN_BITS, EXPLICIT_ROUNDING)
-    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    x = _cast_block(x_ptr, out_ptr, n, tl.load(scale_ptr), FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, NAN_BITS,
+                    EXPLICIT_ROUNDING, BLOCK)  # fmt: skip
     if RECORD_AMAX:
         tl.atomic_max(amax_bits_ptr, _reduce_max(_abs_bits(x), 0))
 
@@ -157,12 +167,8 @@ def _delayed_cast_kernel(
     """A delayed-scaling state's cast with its bookkeeping: each program casts its block and folds its amax into
     ``sync[0]``; the last program to finish (``sync[1]`` counts them) books the tensor's amax: a non-finite one is
     counted and never enters the pending amax (``OperandScaling.book``)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    scale = tl.load(scale_ptr)
-    y = _to_fp8_values(x.to(tl.float32) * scale, FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, NAN_BITS, EXPLICIT_ROUNDING)
-    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    x = _cast_block(x_ptr, out_ptr, n, tl.load(scale_ptr), FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, NAN_BITS,
+                    EXPLICIT_ROUNDING, BLOCK)  # fmt: skip
     tl.atomic_max(sync_ptr, _reduce_max(_abs_bits(x), 0))
     finished = tl.atomic_add(sync_ptr + 1, 1)  # acq_rel: the last program sees every other program's max
     if finished == tl.num_programs(0) - 1:
@@ -190,11 +196,7 @@ def _tensorwise_cast_kernel(
         scale = tl.where(clean > 0, _tensorwise_scale(clean, eps, FP8_MAX, POWER_OF_2), tl.load(prev_scale_ptr))
     else:
         scale = _tensorwise_scale(amax, eps, FP8_MAX, POWER_OF_2)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    y = _to_fp8_values(x.to(tl.float32) * scale, FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, NAN_BITS, EXPLICIT_ROUNDING)
-    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    _cast_block(x_ptr, out_ptr, n, scale, FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, NAN_BITS, EXPLICIT_ROUNDING, BLOCK)
     if pid == 0:
         tl.store(scale_out_ptr, scale)
         if KEEP_PREVIOUS:
