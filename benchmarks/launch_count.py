@@ -1,0 +1,98 @@
+"""Tensor operations per FP8 layer training step on the CUDA branch: the host's share of a GPU step.
+
+On a GPU every tensor operation is a kernel launch that costs the host several microseconds whatever its size,
+and a converted layer runs eagerly even under ``torch.compile``; a model of a hundred FP8 layers pays them a
+hundred times per step. This counts them without a GPU: the core's CUDA dispatch is pointed at the Triton
+kernels, which run in Triton's interpreter on CPU tensors, the per-tensor GEMMs go through ``torch._scaled_mm``
+(``FP8_LIGHTNING_GEMM=scaled_mm``, as on CUDA), and a ``TorchDispatchMode`` counts every operation that is not a
+view. One step = the weight changed by an optimizer (so it is cast again), forward, backward; ``sync_scales`` runs
+between steps, outside the count. The counts are the same on any machine.
+
+Usage::
+
+    python benchmarks/launch_count.py [--out FILE.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+os.environ["FP8_LIGHTNING_DISABLE_CPU_CODEC"] = "1"  # CUDA tensors never meet the CPU codec
+os.environ["FP8_LIGHTNING_GEMM"] = "scaled_mm"
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import fp8_lightning.mx as mx  # noqa: E402
+import fp8_lightning.quantize as quantize  # noqa: E402
+import fp8_lightning.scaling as scaling  # noqa: E402
+from fp8_lightning import DelayedScaling, FP8Linear, TensorwiseScaling, fp8_autocast, kernels, sync_scales  # noqa: E402
+
+VIEWS = {"view", "t", "transpose", "reshape", "_unsafe_view", "as_strided", "detach", "alias", "expand", "slice",
+         "_reshape_alias", "empty", "empty_strided"}  # fmt: skip
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ not in VIEWS:
+            self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count(recipe) -> collections.Counter:
+    """Operations of one training step of a 64 -> 64 FP8 layer (with bias) on 32 tokens."""
+    for module in (quantize, mx, scaling):  # the CUDA branch, for CPU tensors
+        module.cuda_kernels = lambda x: kernels if kernels.supports_input(x) else None
+    torch.manual_seed(0)
+    layer = FP8Linear.from_linear(torch.nn.Linear(64, 64), recipe)
+    x, grad_y = torch.randn(32, 64, requires_grad=True), torch.randn(32, 64)
+
+    def step():
+        with torch.no_grad():
+            layer.weight.mul_(1.0)  # stands in for the optimizer step
+        with fp8_autocast():
+            y = layer(x)
+        y.backward(grad_y)
+
+    for _ in range(2):  # past delayed scaling's first (just-in-time) casts
+        step()
+        sync_scales(layer)
+    with _Count() as counted:
+        step()
+    return counted.ops
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="markdown file to write (default: print only)")
+    args = parser.parse_args(argv)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
+    rows = {name: count(recipe) for name, recipe in (("delayed", DelayedScaling()), ("tensorwise", TensorwiseScaling()))}
+    lines = [f"# Tensor operations per FP8 layer training step on the CUDA branch (commit {commit or '?'})", "",
+             f"- command: `python benchmarks/launch_count.py{' --out ' + args.out if args.out else ''}`",
+             f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}", "",
+             "| recipe | operations | by name |", "|---|---:|---|"]  # fmt: skip
+    for name, ops in rows.items():
+        lines.append(f"| {name} | {sum(ops.values())} | " + ", ".join(f"{k} {v}" for k, v in ops.most_common()) + " |")
+    lines += ["", "Includes the stand-in optimizer's `mul_` and autograd's three gradient accumulations (`add_`)."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return {name: sum(ops.values()) for name, ops in rows.items()}
+
+
+if __name__ == "__main__":
+    sys.exit(main() and 0)
