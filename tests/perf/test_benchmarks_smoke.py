@@ -52,3 +52,16 @@ def test_memory_suite_counts_saved_bytes_optimizer_and_allgather(tmp_path):
     assert all(saved[p] < saved["fp32"] for p in saved if p.startswith("fp8"))  # 1-byte copies replace fp32 ones
     assert rows["optimizer"] and rows["allgather"]
     assert (tmp_path / "allgather_bytes.md").exists()
+
+
+def test_launch_count_reports_both_per_tensor_recipes(tmp_path):
+    """Runs in its own process: it turns on Triton's interpreter, which must happen before triton is imported."""
+    import os
+    import subprocess
+
+    out = tmp_path / "launches.md"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "benchmarks/launch_count.py", "--out", str(out)], check=True, env=env,
+                   cwd=Path(__file__).resolve().parents[2], capture_output=True, timeout=300)  # fmt: skip
+    rows = [line for line in out.read_text().splitlines() if line.startswith(("| delayed", "| tensorwise"))]
+    assert len(rows) == 2 and all("_scaled_mm 3" in row for row in rows)
