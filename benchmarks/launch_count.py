@@ -19,7 +19,6 @@ import argparse
 import collections
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -95,4 +94,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main() and 0)
+    main()
