@@ -162,9 +162,9 @@ class OperandScaling:
         :meth:`scale_for` (same bits): tensorwise in two passes, delayed (after its first, just-in-time scaled
         cast) in one, instead of four to ten scalar tensor operations per cast, each a kernel launch that costs
         more host time than it computes."""
-        r, y, inverse = self.recipe, x.detach(), None
+        r, y = self.recipe, x.detach()
         if self.delayed:
-            data, self.last_amax, self.pending_amax, self.nonfinite_count = kernels.delayed_operand_cast(
+            data, self.last_amax, self.pending_amax, self.nonfinite_count, inverse = kernels.delayed_operand_cast(
                 y, self.scale, self.pending_amax, self.nonfinite_count, self.dtype, record
             )
             self.dirty = self.dirty or record

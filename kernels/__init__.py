@@ -162,10 +162,10 @@ def tensorwise_operand_cast(
 def delayed_operand_cast(
     x: torch.Tensor, scale: torch.Tensor, pending: torch.Tensor, count: torch.Tensor, fp8_format="E4M3",
     record: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A delayed-scaling state's cast with its bookkeeping, in one pass: ``(data, amax, pending, count)``: the
-    pending amax folded with this cast's amax (when ``record``; a non-finite amax never enters it) and ``count``
-    + 1 when the amax is not finite (``scaling.OperandScaling`` for ``DelayedScaling``, bit for bit)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A delayed-scaling state's cast with its bookkeeping, in one pass: ``(data, amax, pending, count, 1 / scale)``:
+    the pending amax folded with this cast's amax (when ``record``; a non-finite amax never enters it) and
+    ``count`` + 1 when the amax is not finite (``scaling.OperandScaling`` for ``DelayedScaling``, bit for bit)."""
     _check_input(x, "delayed_operand_cast")
     _check_scale(scale, x, "delayed_operand_cast")
     return _ops().delayed_operand_cast(x, scale, pending, count, fp8_dtype(fp8_format), record)

@@ -12,7 +12,7 @@ plain tensors (E8M0 scales as ``uint8``); :mod:`fp8_lightning.kernels` wraps the
     torch.ops.fp8_lightning.tensorwise_operand_cast(x, prev_scale, count, dtype, eps, power_of_2)
                                                                         -> (data, scale, amax, count, 1 / scale)
     torch.ops.fp8_lightning.delayed_operand_cast(x, scale, pending, count, dtype, record)
-                                                                        -> (data, amax, pending, count)
+                                                                        -> (data, amax, pending, count, 1 / scale)
     torch.ops.fp8_lightning.mx_quantize(x, block_size, scale_rounding, dtype, rowwise, colwise)
                                                                         -> (row, row_scale, col, col_scale)
     torch.ops.fp8_lightning.mx_gemm(a, a_scale, b, b_scale, out_dtype)  -> out
@@ -113,7 +113,7 @@ def _(x, dtype, eps, power_of_2):
 @custom_op(f"{NAMESPACE}::delayed_operand_cast", mutates_args=())
 def delayed_operand_cast(
     x: torch.Tensor, scale: torch.Tensor, pending: torch.Tensor, count: torch.Tensor, dtype: torch.dtype, record: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     impl = _implementation("per_tensor", x)
 
     return impl.delayed_cast(x, scale, dtype, pending, count, record)
@@ -122,7 +122,7 @@ def delayed_operand_cast(
 @delayed_operand_cast.register_fake
 def _(x, scale, pending, count, dtype, record):
     data = torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
-    return data, _scalar(x), _scalar(x), count.new_empty(())
+    return data, _scalar(x), _scalar(x), count.new_empty(()), _scalar(x)
 
 
 @custom_op(f"{NAMESPACE}::tensorwise_operand_cast", mutates_args=())

@@ -160,18 +160,20 @@ def _cast_kernel(
 
 @triton.jit
 def _delayed_cast_kernel(
-    x_ptr, scale_ptr, out_ptr, sync_ptr, pending_ptr, count_ptr, pending_out_ptr, count_out_ptr, n,
+    x_ptr, scale_ptr, out_ptr, sync_ptr, pending_ptr, count_ptr, pending_out_ptr, count_out_ptr, inverse_out_ptr, n,
     FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, NAN_BITS: tl.constexpr,
     EXPLICIT_ROUNDING: tl.constexpr, RECORD: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """A delayed-scaling state's cast with its bookkeeping: each program casts its block and folds its amax into
     ``sync[0]``; the last program to finish (``sync[1]`` counts them) books the tensor's amax: a non-finite one is
-    counted and never enters the pending amax (``OperandScaling.book``)."""
-    x = _cast_block(x_ptr, out_ptr, n, tl.load(scale_ptr), FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, NAN_BITS,
-                    EXPLICIT_ROUNDING, BLOCK)  # fmt: skip
+    counted and never enters the pending amax (``OperandScaling.book``). It also writes ``1 / scale``."""
+    scale = tl.load(scale_ptr)
+    x = _cast_block(x_ptr, out_ptr, n, scale, FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, NAN_BITS, EXPLICIT_ROUNDING,
+                    BLOCK)  # fmt: skip
     tl.atomic_max(sync_ptr, _reduce_max(_abs_bits(x), 0))
     finished = tl.atomic_add(sync_ptr + 1, 1)  # acq_rel: the last program sees every other program's max
     if finished == tl.num_programs(0) - 1:
+        tl.store(inverse_out_ptr, tl.math.div_rn(1.0, scale))
         amax_bits = tl.atomic_max(sync_ptr, 0)  # read atomically
         finite = amax_bits < 0x7F800000
         pending = tl.load(pending_ptr)
@@ -277,19 +279,21 @@ def cast(
 
 def delayed_cast(
     x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, pending: torch.Tensor, count: torch.Tensor, record: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A delayed-scaling state's cast in one pass: ``(data, amax, pending, count)``, where ``pending`` is the state's
-    pending amax folded with this amax (when ``record`` and finite) and ``count`` + 1 when it is not finite."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A delayed-scaling state's cast in one pass: ``(data, amax, pending, count, 1 / scale)``, where ``pending`` is
+    the state's pending amax folded with this amax (when ``record`` and finite) and ``count`` + 1 when it is not
+    finite."""
     n = x.numel()
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     sync = torch.zeros(2, dtype=torch.int32, device=x.device)  # amax bits, programs finished
     pending_out = torch.empty((), dtype=torch.float32, device=x.device)
     count_out = torch.empty((), dtype=torch.int64, device=x.device)
+    inverse = torch.empty((), dtype=torch.float32, device=x.device)
     _delayed_cast_kernel[(max(1, triton.cdiv(n, BLOCK)),)](  # one program even when empty: it books
-        _flat(x), scale.reshape(1).float(), out.view(-1), sync, pending.float(), count, pending_out, count_out, n,
-        **format_constants(dtype), RECORD=record, BLOCK=BLOCK,
+        _flat(x), scale.reshape(1).float(), out.view(-1), sync, pending.float(), count, pending_out, count_out,
+        inverse, n, **format_constants(dtype), RECORD=record, BLOCK=BLOCK,
     )  # fmt: skip
-    return out, _bits_to_amax(sync[:1]), pending_out, count_out
+    return out, _bits_to_amax(sync[:1]), pending_out, count_out, inverse
 
 
 def tensorwise_cast(

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fp8_lightning.mx as mx
 import fp8_lightning.quantize as quantize
 import fp8_lightning.scaling as scaling
-from fp8_lightning import FP8Linear, fp8_autocast, kernels
+from fp8_lightning import FP8Linear, fp8_autocast, kernels, sync_scales
 from fp8_lightning.kernels import availability
 from fp8_lightning.recipes import DelayedScaling, MXFP8BlockScaling, TensorwiseScaling
 from fp8_lightning.scaling import OperandScaling
@@ -144,12 +144,14 @@ def test_a_cast_on_cuda_is_one_op_with_no_scalar_bookkeeping_around_it(kernel_ca
     assert [n for n in ops.names if n not in VIEWS] == [op]
 
 
-def test_tensorwise_layer_step_on_cuda_runs_only_its_casts_gemms_and_transposes(kernel_calls, monkeypatch):
-    """A tensorwise FP8 layer's forward and backward on the CUDA branch (scaled GEMMs): three casts (which also
+@pytest.mark.parametrize("recipe, cast", [(TensorwiseScaling(), "tensorwise_operand_cast"),
+                                          (DelayedScaling(), "delayed_operand_cast")])  # fmt: skip
+def test_layer_step_on_cuda_runs_only_its_casts_gemms_and_transposes(kernel_calls, monkeypatch, recipe, cast):
+    """A per-tensor FP8 layer's forward and backward on the CUDA branch (scaled GEMMs): three casts (which also
     give the inverse scales the GEMMs take), three GEMMs, the two FP8 transposes and the weight transpose the
     backward GEMMs need, the bias add and its gradient; the gradients' accumulation is autograd's."""
     monkeypatch.setenv("FP8_LIGHTNING_GEMM", "scaled_mm")  # torch._scaled_mm, as on CUDA
-    layer = FP8Linear.from_linear(torch.nn.Linear(64, 32), TensorwiseScaling())
+    layer = FP8Linear.from_linear(torch.nn.Linear(64, 32), recipe)
     x = torch.randn(48, 64, requires_grad=True)
     grad_y = torch.randn(48, 32)
 
@@ -159,12 +161,13 @@ def test_tensorwise_layer_step_on_cuda_runs_only_its_casts_gemms_and_transposes(
         with fp8_autocast():
             layer(x).backward(grad_y)
 
-    step()
+    for _ in range(2):  # past delayed scaling's first, just-in-time scaled casts
+        step()
+        sync_scales(layer)
     with _Ops() as ops:
         step()
     counts = collections.Counter(n for n in ops.names if n not in VIEWS)
-    assert counts == {"mul_": 1, "tensorwise_operand_cast": 3, "_scaled_mm": 3, "clone": 3, "add": 1, "sum": 1,
-                      "add_": 3}, counts  # fmt: skip
+    assert counts == {"mul_": 1, cast: 3, "_scaled_mm": 3, "clone": 3, "add": 1, "sum": 1, "add_": 3}, counts
 
 
 @pytest.mark.parametrize("recipe", [DelayedScaling(), TensorwiseScaling(), MXFP8BlockScaling()])
