@@ -95,10 +95,11 @@ class LayerScaling:
     ) -> tuple[Quantized, Quantized | None]:
         """FP8 copies of a 2-D operand: rowwise (K last) and, for MX when ``columnwise``, the copy of ``x.T``
         quantized along x's first dimension (zero-padded to whole blocks), from the same read of ``x``.
-        Per-tensor recipes have no columnwise copy (None): they transpose the rowwise bytes.
+        Per-tensor recipes have no columnwise copy (None): they transpose the rowwise bytes, which with
+        ``columnwise`` the cast kernels (CUDA) write in the same pass (``Quantized.transposed``).
         ``columnwise_f32=False``: the columnwise copy is only saved (see :func:`quantize_mx_operands`)."""
         if self.recipe.per_tensor:
-            return self.operands[role].quantize(x, record), None
+            return self.operands[role].quantize(x, record, transpose=columnwise), None
         dtype = self.backward_dtype if role == "grad_output" else self.forward_dtype
         recipe = self.recipe
         return quantize_mx_operands(x, recipe.block_size, recipe.scale_rounding, dtype, columnwise, columnwise_f32)
@@ -149,9 +150,10 @@ class _FP8LinearFunction(torch.autograd.Function):
         _observe(layer, "input", x2d, xq)
         _observe(layer, "weight", weight, wq)
         y = fp8_mm(xq, wq, out_dtype, emulate, bias)
-        # Save FP8 copies only: rowwise for per-tensor recipes (transposed in backward), columnwise for MX.
-        x_saved = xq if scaling.recipe.per_tensor else x_col
-        w_saved = wq if scaling.recipe.per_tensor else w_col
+        # Save the FP8 operands backward multiplies, x.T for wgrad and W.T for dgrad: for per-tensor recipes the
+        # transposed rowwise copies (contiguous where the cast wrote them, else views), for MX the columnwise ones.
+        x_saved = xq.t() if scaling.recipe.per_tensor else x_col
+        w_saved = wq.t() if scaling.recipe.per_tensor else w_col
         ctx.save_for_backward(x_saved.data, x_saved.scale, w_saved.data, w_saved.scale)
         ctx.meta = (layer, scaling, emulate, x2d.dtype, weight.dtype, None if bias is None else bias.dtype)
         # the cached FP8 weight in float32, when a CPU float GEMM made it (the weight cache keeps it for the step
@@ -174,14 +176,11 @@ class _FP8LinearFunction(torch.autograd.Function):
         grad_x = grad_w = grad_bias = None
         # ------------------------------------------------ dgrad ------------------------------------------------
         if ctx.needs_input_grad[0]:
-            w_t = w_saved.t() if kind == "tensor" else w_saved  # (K, N)
-            grad_x = fp8_mm(gq, w_t, x_dtype, emulate)
+            grad_x = fp8_mm(gq, w_saved, x_dtype, emulate)  # (M, N) @ (K, N).T
         # ------------------------------------------------ wgrad ------------------------------------------------
         if ctx.needs_input_grad[1]:
-            if kind == "tensor":
-                grad_w = fp8_mm(gq.t(), x_saved.t(), w_dtype, emulate)  # (N, M) @ (K, M).T
-            else:
-                grad_w = fp8_mm(g_col, x_saved, w_dtype, emulate)
+            g_t = gq.t() if kind == "tensor" else g_col  # (N, M)
+            grad_w = fp8_mm(g_t, x_saved, w_dtype, emulate)  # (N, M) @ (K, M).T
         if ctx.needs_input_grad[2]:
             grad_bias = g.sum(0).to(bias_dtype)
         return grad_x, grad_w, grad_bias, None, None, None, None, None

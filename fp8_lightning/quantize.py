@@ -286,6 +286,9 @@ class Quantized:
     f32: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
     nan_free: bool = dataclasses.field(default=False, repr=False, compare=False)  # known to hold no NaN code
     inverse: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)  # see inverse_scale
+    # ``data.T`` as a contiguous copy, when the cast wrote one (CUDA): the layout a scaled GEMM needs for the
+    # operand's transposed uses, which :meth:`t` then hands out instead of a view to copy.
+    transposed: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def inverse_scale(self) -> torch.Tensor:
         """``1 / scale`` (per-tensor: the dequantization factor a scaled GEMM takes), made on the first call and
@@ -311,12 +314,14 @@ class Quantized:
         return dequantize_mxfp8(self.data, self.scale)
 
     def t(self) -> "Quantized":
-        """``q.T`` as a view of the same FP8 bytes (per-tensor operands only; a GEMM copies it if it must).
+        """``q.T``: the contiguous transposed copy when there is one, else a view of the same FP8 bytes
+        (per-tensor operands only; a GEMM copies a view if it must).
         MX operands cannot be transposed: their block scales follow K, so quantize the high-precision tensor."""
         if self.kind == "mx":
             raise ValueError("An MX operand cannot be transposed: quantize the high-precision tensor along K.")
         f32 = None if self.f32 is None else self.f32.t()
-        return Quantized(self.data.t(), self.scale, self.kind, f32, self.nan_free, self.inverse)
+        data, transposed = (self.data.t(), None) if self.transposed is None else (self.transposed, self.data)
+        return Quantized(data, self.scale, self.kind, f32, self.nan_free, self.inverse, transposed)
 
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()

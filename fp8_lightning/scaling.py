@@ -136,15 +136,16 @@ class OperandScaling:
 
     # -- the hot path ---------------------------------------------------------------------------------------
 
-    def quantize(self, x: torch.Tensor, record: bool = True) -> Quantized:
+    def quantize(self, x: torch.Tensor, record: bool = True, transpose: bool = False) -> Quantized:
         """Cast ``x`` with this operand's scale; returns an FP8 operand.
 
-        ``record=False`` (evaluation) leaves the delayed amax history alone.
+        ``record=False`` (evaluation) leaves the delayed amax history alone. ``transpose`` (2-D x): the operand
+        will also be used transposed; where the cast kernels run (CUDA), they write that layout in the same pass.
         """
         self._to(x.device)
         kernels = cuda_kernels(x)
         if kernels is not None and (self.initialized or not self.delayed):
-            return self._kernel_cast(kernels, x, record)
+            return self._kernel_cast(kernels, x, record, transpose and x.dim() == 2)
         fused = _fused_cast(x, self.scale, self.dtype) if self.delayed and self.initialized else None
         x_amax, host_amax = amax_and_value(x) if fused is None else (fused.amax, fused.host_amax)
         finite = host_amax is not None and math.isfinite(host_amax)
@@ -157,24 +158,26 @@ class OperandScaling:
         in_range = finite and host_amax * scale.item() <= fp8_max(self.dtype) * (1 + 2**-20)
         return quantize_operand(x, scale, self.dtype, saturate=not in_range, nan_free=finite)
 
-    def _kernel_cast(self, kernels, x: torch.Tensor, record: bool) -> Quantized:
+    def _kernel_cast(self, kernels, x: torch.Tensor, record: bool, transpose: bool) -> Quantized:
         """:meth:`quantize` on CUDA in Triton kernels that also do the bookkeeping of :meth:`book` and
         :meth:`scale_for` (same bits): tensorwise in two passes, delayed (after its first, just-in-time scaled
         cast) in one, instead of four to ten scalar tensor operations per cast, each a kernel launch that costs
         more host time than it computes."""
         r, y = self.recipe, x.detach()
         if self.delayed:
-            data, self.last_amax, self.pending_amax, self.nonfinite_count, inverse = kernels.delayed_operand_cast(
-                y, self.scale, self.pending_amax, self.nonfinite_count, self.dtype, record
+            data, data_t, self.last_amax, self.pending_amax, self.nonfinite_count, inverse = (
+                kernels.delayed_operand_cast(
+                    y, self.scale, self.pending_amax, self.nonfinite_count, self.dtype, record, transpose
+                )
             )
             self.dirty = self.dirty or record
         else:
-            data, self.scale, self.last_amax, self.nonfinite_count, inverse = kernels.tensorwise_operand_cast(
-                y, self.scale, self.nonfinite_count, self.dtype, r.eps, r.power_of_2_scales
+            data, data_t, self.scale, self.last_amax, self.nonfinite_count, inverse = kernels.tensorwise_operand_cast(
+                y, self.scale, self.nonfinite_count, self.dtype, r.eps, r.power_of_2_scales, transpose
             )
             self.initialized = True
         self.casts += 1
-        return Quantized(data, self.scale, "tensor", inverse=inverse)
+        return Quantized(data, self.scale, "tensor", inverse=inverse, transposed=data_t if transpose else None)
 
     def book(self, x_amax: torch.Tensor, record: bool, finite: bool = False) -> torch.Tensor:
         """Count one use of the operand with amax ``x_amax``; returns the amax with NaN/inf replaced by 0.

@@ -146,29 +146,39 @@ def tensorwise_cast(
     return data, scale
 
 
+def _check_transpose(x: torch.Tensor, transpose: bool, what: str) -> None:
+    if transpose and x.dim() != 2:
+        raise ValueError(f"fp8_lightning.kernels.{what}: transpose needs a 2-D tensor; got shape {tuple(x.shape)}.")
+
+
 def tensorwise_operand_cast(
     x: torch.Tensor, prev_scale: torch.Tensor, count: torch.Tensor, fp8_format="E4M3", eps: float = 1e-12,
-    power_of_2: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A tensorwise scaling state's cast in the same two passes, bookkeeping included: ``(data, scale, amax,
-    count, 1 / scale)``, where a zero or non-finite amax keeps ``prev_scale`` and the returned ``count`` is
+    power_of_2: bool = False, transpose: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A tensorwise scaling state's cast in the same two passes, bookkeeping included: ``(data, data_t, scale,
+    amax, count, 1 / scale)``, where a zero or non-finite amax keeps ``prev_scale`` and the returned ``count`` is
     ``count`` + 1 when the amax is not finite (``scaling.OperandScaling`` for ``TensorwiseScaling``, bit for
-    bit); the scale's inverse is what a scaled GEMM takes."""
+    bit); the scale's inverse is what a scaled GEMM takes, and ``data_t`` the contiguous transpose of a 2-D x's
+    data, written by the same pass, when ``transpose`` (else empty)."""
     _check_input(x, "tensorwise_operand_cast")
     _check_scale(prev_scale, x, "tensorwise_operand_cast")
-    return _ops().tensorwise_operand_cast(x, prev_scale, count, fp8_dtype(fp8_format), float(eps), power_of_2)
+    _check_transpose(x, transpose, "tensorwise_operand_cast")
+    dtype = fp8_dtype(fp8_format)
+    return _ops().tensorwise_operand_cast(x, prev_scale, count, dtype, float(eps), power_of_2, transpose)
 
 
 def delayed_operand_cast(
     x: torch.Tensor, scale: torch.Tensor, pending: torch.Tensor, count: torch.Tensor, fp8_format="E4M3",
-    record: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A delayed-scaling state's cast with its bookkeeping, in one pass: ``(data, amax, pending, count, 1 / scale)``:
-    the pending amax folded with this cast's amax (when ``record``; a non-finite amax never enters it) and
-    ``count`` + 1 when the amax is not finite (``scaling.OperandScaling`` for ``DelayedScaling``, bit for bit)."""
+    record: bool = True, transpose: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A delayed-scaling state's cast with its bookkeeping, in one pass: ``(data, data_t, amax, pending, count,
+    1 / scale)``: the pending amax folded with this cast's amax (when ``record``; a non-finite amax never enters
+    it) and ``count`` + 1 when the amax is not finite (``scaling.OperandScaling`` for ``DelayedScaling``, bit for
+    bit); ``data_t`` as in :func:`tensorwise_operand_cast`."""
     _check_input(x, "delayed_operand_cast")
     _check_scale(scale, x, "delayed_operand_cast")
-    return _ops().delayed_operand_cast(x, scale, pending, count, fp8_dtype(fp8_format), record)
+    _check_transpose(x, transpose, "delayed_operand_cast")
+    return _ops().delayed_operand_cast(x, scale, pending, count, fp8_dtype(fp8_format), record, transpose)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -9,10 +9,10 @@ plain tensors (E8M0 scales as ``uint8``); :mod:`fp8_lightning.kernels` wraps the
     torch.ops.fp8_lightning.cast(x, scale, dtype, record_amax)          -> (data, amax)
     torch.ops.fp8_lightning.cast_transpose(x, scale, dtype, record_amax) -> (data, data_t, amax)
     torch.ops.fp8_lightning.tensorwise_cast(x, dtype, eps, power_of_2)  -> (data, scale, amax)
-    torch.ops.fp8_lightning.tensorwise_operand_cast(x, prev_scale, count, dtype, eps, power_of_2)
-                                                                        -> (data, scale, amax, count, 1 / scale)
-    torch.ops.fp8_lightning.delayed_operand_cast(x, scale, pending, count, dtype, record)
-                                                                        -> (data, amax, pending, count, 1 / scale)
+    torch.ops.fp8_lightning.tensorwise_operand_cast(x, prev_scale, count, dtype, eps, power_of_2, transpose)
+                                                                -> (data, data_t, scale, amax, count, 1 / scale)
+    torch.ops.fp8_lightning.delayed_operand_cast(x, scale, pending, count, dtype, record, transpose)
+                                                                -> (data, data_t, amax, pending, count, 1 / scale)
     torch.ops.fp8_lightning.mx_quantize(x, block_size, scale_rounding, dtype, rowwise, colwise)
                                                                         -> (row, row_scale, col, col_scale)
     torch.ops.fp8_lightning.mx_gemm(a, a_scale, b, b_scale, out_dtype)  -> out
@@ -102,7 +102,8 @@ def tensorwise_cast(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     impl = _implementation("per_tensor", x)
 
-    return impl.tensorwise_cast(x, dtype, eps, power_of_2)[:3]
+    data, _, scale, amax, _, _ = impl.tensorwise_cast(x, dtype, eps, power_of_2)
+    return data, scale, amax
 
 
 @tensorwise_cast.register_fake
@@ -112,32 +113,38 @@ def _(x, dtype, eps, power_of_2):
 
 @custom_op(f"{NAMESPACE}::delayed_operand_cast", mutates_args=())
 def delayed_operand_cast(
-    x: torch.Tensor, scale: torch.Tensor, pending: torch.Tensor, count: torch.Tensor, dtype: torch.dtype, record: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, scale: torch.Tensor, pending: torch.Tensor, count: torch.Tensor, dtype: torch.dtype, record: bool,
+    transpose: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     impl = _implementation("per_tensor", x)
 
-    return impl.delayed_cast(x, scale, dtype, pending, count, record)
+    return impl.delayed_cast(x, scale, dtype, pending, count, record, transpose)
+
+
+def _operand_outputs(x: torch.Tensor, dtype: torch.dtype, transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fake data and data_t of a scaling state's cast (data_t: the transpose of a 2-D x, or empty)."""
+    data = torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
+    return data, x.new_empty((x.shape[1], x.shape[0]) if transpose else (0,), dtype=dtype)
 
 
 @delayed_operand_cast.register_fake
-def _(x, scale, pending, count, dtype, record):
-    data = torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
-    return data, _scalar(x), _scalar(x), count.new_empty(()), _scalar(x)
+def _(x, scale, pending, count, dtype, record, transpose):
+    return *_operand_outputs(x, dtype, transpose), _scalar(x), _scalar(x), count.new_empty(()), _scalar(x)
 
 
 @custom_op(f"{NAMESPACE}::tensorwise_operand_cast", mutates_args=())
 def tensorwise_operand_cast(
-    x: torch.Tensor, prev_scale: torch.Tensor, count: torch.Tensor, dtype: torch.dtype, eps: float, power_of_2: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, prev_scale: torch.Tensor, count: torch.Tensor, dtype: torch.dtype, eps: float, power_of_2: bool,
+    transpose: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     impl = _implementation("per_tensor", x)
 
-    return impl.tensorwise_cast(x, dtype, eps, power_of_2, prev_scale.reshape(1).float(), count)
+    return impl.tensorwise_cast(x, dtype, eps, power_of_2, prev_scale.reshape(1).float(), count, transpose)
 
 
 @tensorwise_operand_cast.register_fake
-def _(x, prev_scale, count, dtype, eps, power_of_2):
-    data = torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
-    return data, _scalar(x), _scalar(x), count.new_empty(()), _scalar(x)
+def _(x, prev_scale, count, dtype, eps, power_of_2, transpose):
+    return *_operand_outputs(x, dtype, transpose), _scalar(x), _scalar(x), count.new_empty(()), _scalar(x)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -147,6 +147,49 @@ def _cast_block(
 
 
 @triton.jit
+def _cast_tile(
+    x_ptr, out_ptr, out_t_ptr, M, K, stride_xm, stride_xk, scale, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr,
+    MIN_NORMAL_EXP: tl.constexpr, NAN_BITS: tl.constexpr, EXPLICIT_ROUNDING: tl.constexpr, TILE: tl.constexpr,
+):
+    """This program's tile of a 2-D x (M, K), any strides, cast with ``scale`` into out (M, K) and its transpose
+    out_t (K, M), both contiguous; returns the tile's max |x| as float32 bits."""
+    rm = (tl.program_id(0) * TILE + tl.arange(0, TILE)).to(tl.int64)
+    rk = (tl.program_id(1) * TILE + tl.arange(0, TILE)).to(tl.int64)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=mask, other=0.0)
+    y = _to_fp8_values(x.to(tl.float32) * scale, FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, NAN_BITS, EXPLICIT_ROUNDING)
+    q = y.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rm[:, None] * K + rk[None, :], q, mask=mask)
+    tl.store(out_t_ptr + rk[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
+    return _reduce_max(_reduce_max(_abs_bits(x), 1), 0)
+
+
+@triton.jit
+def _cast_part(
+    x_ptr, out_ptr, out_t_ptr, M, K, scale, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr,
+    MIN_NORMAL_EXP: tl.constexpr, NAN_BITS: tl.constexpr, EXPLICIT_ROUNDING: tl.constexpr,
+    TRANSPOSE: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
+):
+    """This program's part of a contiguous x of M * K elements (a (M, K) matrix when ``TRANSPOSE``, whose
+    transpose goes to out_t) cast with ``scale``; returns its max |x| as float32 bits."""
+    if TRANSPOSE:
+        part_max = _cast_tile(x_ptr, out_ptr, out_t_ptr, M, K, K, 1, scale, FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP,
+                              NAN_BITS, EXPLICIT_ROUNDING, TILE)  # fmt: skip
+    else:
+        x = _cast_block(x_ptr, out_ptr, M * K, scale, FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, NAN_BITS,
+                        EXPLICIT_ROUNDING, BLOCK)  # fmt: skip
+        part_max = _reduce_max(_abs_bits(x), 0)
+    return part_max
+
+
+@triton.jit
+def _is_last_program(counter_ptr):
+    """True in the program that finishes last (the counter starts at 0): acq_rel atomics, so that program sees
+    everything the others wrote before they counted themselves."""
+    return tl.atomic_add(counter_ptr, 1) == tl.num_programs(0) * tl.num_programs(1) - 1
+
+
+@triton.jit
 def _cast_kernel(
     x_ptr, scale_ptr, out_ptr, amax_bits_ptr, n,
     FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, NAN_BITS: tl.constexpr,
@@ -160,19 +203,20 @@ def _cast_kernel(
 
 @triton.jit
 def _delayed_cast_kernel(
-    x_ptr, scale_ptr, out_ptr, sync_ptr, pending_ptr, count_ptr, pending_out_ptr, count_out_ptr, inverse_out_ptr, n,
+    x_ptr, scale_ptr, out_ptr, out_t_ptr, sync_ptr, pending_ptr, count_ptr, pending_out_ptr, count_out_ptr,
+    inverse_out_ptr, M, K,
     FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, NAN_BITS: tl.constexpr,
-    EXPLICIT_ROUNDING: tl.constexpr, RECORD: tl.constexpr, BLOCK: tl.constexpr,
+    EXPLICIT_ROUNDING: tl.constexpr, RECORD: tl.constexpr, TRANSPOSE: tl.constexpr, BLOCK: tl.constexpr,
+    TILE: tl.constexpr,
 ):
-    """A delayed-scaling state's cast with its bookkeeping: each program casts its block and folds its amax into
+    """A delayed-scaling state's cast with its bookkeeping: each program casts its part and folds its amax into
     ``sync[0]``; the last program to finish (``sync[1]`` counts them) books the tensor's amax: a non-finite one is
     counted and never enters the pending amax (``OperandScaling.book``). It also writes ``1 / scale``."""
     scale = tl.load(scale_ptr)
-    x = _cast_block(x_ptr, out_ptr, n, scale, FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, NAN_BITS, EXPLICIT_ROUNDING,
-                    BLOCK)  # fmt: skip
-    tl.atomic_max(sync_ptr, _reduce_max(_abs_bits(x), 0))
-    finished = tl.atomic_add(sync_ptr + 1, 1)  # acq_rel: the last program sees every other program's max
-    if finished == tl.num_programs(0) - 1:
+    part_max = _cast_part(x_ptr, out_ptr, out_t_ptr, M, K, scale, FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, NAN_BITS,
+                          EXPLICIT_ROUNDING, TRANSPOSE, BLOCK, TILE)  # fmt: skip
+    tl.atomic_max(sync_ptr, part_max)
+    if _is_last_program(sync_ptr + 1):
         tl.store(inverse_out_ptr, tl.math.div_rn(1.0, scale))
         amax_bits = tl.atomic_max(sync_ptr, 0)  # read atomically
         finite = amax_bits < 0x7F800000
@@ -185,11 +229,12 @@ def _delayed_cast_kernel(
 
 @triton.jit
 def _tensorwise_cast_kernel(
-    x_ptr, amax_bits_ptr, out_ptr, scale_out_ptr, prev_scale_ptr, count_ptr, count_out_ptr, inverse_out_ptr, n, eps,
+    x_ptr, amax_bits_ptr, out_ptr, out_t_ptr, scale_out_ptr, prev_scale_ptr, count_ptr, count_out_ptr,
+    inverse_out_ptr, M, K, eps,
     FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, NAN_BITS: tl.constexpr,
-    EXPLICIT_ROUNDING: tl.constexpr, POWER_OF_2: tl.constexpr, KEEP_PREVIOUS: tl.constexpr, BLOCK: tl.constexpr,
+    EXPLICIT_ROUNDING: tl.constexpr, POWER_OF_2: tl.constexpr, KEEP_PREVIOUS: tl.constexpr,
+    TRANSPOSE: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
     amax_bits = tl.load(amax_bits_ptr)
     amax = amax_bits.to(tl.float32, bitcast=True)
     if KEEP_PREVIOUS:  # OperandScaling's rule: a zero or non-finite amax keeps the previous scale and is counted
@@ -198,8 +243,9 @@ def _tensorwise_cast_kernel(
         scale = tl.where(clean > 0, _tensorwise_scale(clean, eps, FP8_MAX, POWER_OF_2), tl.load(prev_scale_ptr))
     else:
         scale = _tensorwise_scale(amax, eps, FP8_MAX, POWER_OF_2)
-    _cast_block(x_ptr, out_ptr, n, scale, FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, NAN_BITS, EXPLICIT_ROUNDING, BLOCK)
-    if pid == 0:
+    _cast_part(x_ptr, out_ptr, out_t_ptr, M, K, scale, FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, NAN_BITS,
+               EXPLICIT_ROUNDING, TRANSPOSE, BLOCK, TILE)  # fmt: skip
+    if tl.program_id(0) + tl.program_id(1) == 0:
         tl.store(scale_out_ptr, scale)
         if KEEP_PREVIOUS:
             tl.store(count_out_ptr, tl.load(count_ptr) + tl.where(finite, 0, 1).to(tl.int64))
@@ -210,19 +256,12 @@ def _tensorwise_cast_kernel(
 def _cast_transpose_kernel(
     x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_bits_ptr, M, K, stride_xm, stride_xk,
     FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, NAN_BITS: tl.constexpr,
-    EXPLICIT_ROUNDING: tl.constexpr, RECORD_AMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    EXPLICIT_ROUNDING: tl.constexpr, RECORD_AMAX: tl.constexpr, TILE: tl.constexpr,
 ):
-    rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    rk = (tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
-    mask = (rm[:, None] < M) & (rk[None, :] < K)
-    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=mask, other=0.0)
-    scale = tl.load(scale_ptr)
-    y = _to_fp8_values(x.to(tl.float32) * scale, FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, NAN_BITS, EXPLICIT_ROUNDING)
-    q = y.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rm[:, None] * K + rk[None, :], q, mask=mask)
-    tl.store(out_t_ptr + rk[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
+    tile_max = _cast_tile(x_ptr, out_ptr, out_t_ptr, M, K, stride_xm, stride_xk, tl.load(scale_ptr), FP8_MAX,
+                          MANTISSA_BITS, MIN_NORMAL_EXP, NAN_BITS, EXPLICIT_ROUNDING, TILE)  # fmt: skip
     if RECORD_AMAX:
-        tl.atomic_max(amax_bits_ptr, _reduce_max(_reduce_max(_abs_bits(x), 1), 0))
+        tl.atomic_max(amax_bits_ptr, tile_max)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -277,53 +316,67 @@ def cast(
     return out, _bits_to_amax(bits)
 
 
-def delayed_cast(
-    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, pending: torch.Tensor, count: torch.Tensor, record: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A delayed-scaling state's cast in one pass: ``(data, amax, pending, count, 1 / scale)``, where ``pending`` is
-    the state's pending amax folded with this amax (when ``record`` and finite) and ``count`` + 1 when it is not
-    finite."""
-    n = x.numel()
+def _operand_layout(x: torch.Tensor, dtype: torch.dtype, transpose: bool):
+    """(flat x, out, out_t, M, K, grid) for a scaling state's cast: 2-D tiles writing the transpose too when
+    ``transpose`` (x 2-D), else flat blocks (out_t empty); at least one program, which does the bookkeeping."""
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    if transpose:
+        m, k = x.shape
+        out_t = torch.empty((k, m), dtype=dtype, device=x.device)
+        grid = (max(1, triton.cdiv(m, TILE)), max(1, triton.cdiv(k, TILE)))
+    else:
+        m, k = 1, x.numel()
+        out_t = torch.empty(0, dtype=dtype, device=x.device)
+        grid = (max(1, triton.cdiv(k, BLOCK)), 1)
+    return _flat(x), out, out_t, m, k, grid
+
+
+def delayed_cast(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, pending: torch.Tensor, count: torch.Tensor, record: bool,
+    transpose: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A delayed-scaling state's cast in one pass: ``(data, data_t, amax, pending, count, 1 / scale)``, where
+    ``pending`` is the state's pending amax folded with this amax (when ``record`` and finite), ``count`` + 1 when
+    it is not finite, and ``data_t`` the contiguous transpose of a 2-D x's data when ``transpose`` (else empty)."""
+    flat, out, out_t, m, k, grid = _operand_layout(x, dtype, transpose)
     sync = torch.zeros(2, dtype=torch.int32, device=x.device)  # amax bits, programs finished
     pending_out = torch.empty((), dtype=torch.float32, device=x.device)
     count_out = torch.empty((), dtype=torch.int64, device=x.device)
     inverse = torch.empty((), dtype=torch.float32, device=x.device)
-    _delayed_cast_kernel[(max(1, triton.cdiv(n, BLOCK)),)](  # one program even when empty: it books
-        _flat(x), scale.reshape(1).float(), out.view(-1), sync, pending.float(), count, pending_out, count_out,
-        inverse, n, **format_constants(dtype), RECORD=record, BLOCK=BLOCK,
+    _delayed_cast_kernel[grid](
+        flat, scale.reshape(1).float(), out.view(-1), out_t, sync, pending.float(), count, pending_out, count_out,
+        inverse, m, k, **format_constants(dtype), RECORD=record, TRANSPOSE=transpose, BLOCK=BLOCK, TILE=TILE,
     )  # fmt: skip
-    return out, _bits_to_amax(sync[:1]), pending_out, count_out, inverse
+    return out, out_t, _bits_to_amax(sync[:1]), pending_out, count_out, inverse
 
 
 def tensorwise_cast(
     x: torch.Tensor, dtype: torch.dtype, eps: float, power_of_2: bool,
-    prev_scale: torch.Tensor | None = None, count: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Current scaling in two passes: ``(data, scale, amax, count, 1 / scale)`` as ``quantize.tensorwise_scale``
-    defines them.
+    prev_scale: torch.Tensor | None = None, count: torch.Tensor | None = None, transpose: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Current scaling in two passes: ``(data, data_t, scale, amax, count, 1 / scale)`` as
+    ``quantize.tensorwise_scale`` defines them; ``data_t`` is the contiguous transpose of a 2-D x's data when
+    ``transpose`` (else empty).
 
     With ``prev_scale`` and ``count`` (a scaling state's): a zero or non-finite amax keeps ``prev_scale``, and
     ``count`` + 1 where the amax is not finite is returned (``OperandScaling``'s bookkeeping, in the cast kernel),
     with the scale's inverse; without them the last two are None.
     """
-    flat = _flat(x)
+    flat, out, out_t, m, k, grid = _operand_layout(x, dtype, transpose)
     n = x.numel()
     bits = _amax_buffer(x.device)
-    out = torch.empty(x.shape, dtype=dtype, device=x.device)
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
     keep = prev_scale is not None
     count_out = torch.empty((), dtype=torch.int64, device=x.device) if keep else None
     inverse = torch.empty((), dtype=torch.float32, device=x.device) if keep else None
-    grid = (max(1, triton.cdiv(n, BLOCK)),)  # one program even when empty: it writes the scale
     if n:
-        _amax_kernel[grid](flat, bits, n, BLOCK=BLOCK)
+        _amax_kernel[(triton.cdiv(n, BLOCK),)](flat, bits, n, BLOCK=BLOCK)
     _tensorwise_cast_kernel[grid](
-        flat, bits, out.view(-1), scale, prev_scale if keep else scale, count if keep else bits,
-        count_out if keep else bits, inverse if keep else scale, n, eps,
-        **format_constants(dtype), POWER_OF_2=power_of_2, KEEP_PREVIOUS=keep, BLOCK=BLOCK,
+        flat, bits, out.view(-1), out_t, scale, prev_scale if keep else scale, count if keep else bits,
+        count_out if keep else bits, inverse if keep else scale, m, k, eps, **format_constants(dtype),
+        POWER_OF_2=power_of_2, KEEP_PREVIOUS=keep, TRANSPOSE=transpose, BLOCK=BLOCK, TILE=TILE,
     )  # fmt: skip
-    return out, scale.reshape(()), _bits_to_amax(bits), count_out, inverse
+    return out, out_t, scale.reshape(()), _bits_to_amax(bits), count_out, inverse
 
 
 def cast_transpose(
@@ -338,6 +391,6 @@ def cast_transpose(
         grid = (triton.cdiv(m, TILE), triton.cdiv(k, TILE))
         _cast_transpose_kernel[grid](
             x, scale.reshape(1).float(), out, out_t, bits, m, k, x.stride(0), x.stride(1),
-            **format_constants(dtype), RECORD_AMAX=record_amax, BLOCK_M=TILE, BLOCK_K=TILE,
+            **format_constants(dtype), RECORD_AMAX=record_amax, TILE=TILE,
         )
     return out, out_t, _bits_to_amax(bits)

@@ -101,8 +101,11 @@ def test_operand_scaling_uses_the_fused_cast_with_identical_state(kernel_calls, 
     inputs += [big, big_nan, big * 0.5]
     for i, x in enumerate(inputs):  # zero and non-finite tensors keep the last scale and are counted; NaN casts
         record = i != 2  # to NaN; one evaluation cast (no amax recorded)
-        got, expected = fused.quantize(x, record), pure(reference.quantize, x, record)
+        got, expected = fused.quantize(x, record, transpose=i % 2 == 0), pure(reference.quantize, x, record)
         assert_same_fp8(got.data, expected.data)
+        if i % 2 == 0 and (i > 0 or not fused.delayed):  # the transposed copy written by the same pass (not by
+            assert_same_fp8(got.transposed, expected.data.t().contiguous())  # delayed scaling's just-in-time cast)
+            assert got.t().data.is_contiguous() and got.t().transposed is got.data
         assert torch.equal(got.scale, expected.scale) and torch.equal(got.inverse_scale(), expected.scale.reciprocal())
         for name in OperandScaling._TENSORS:  # (NaN amaxes may differ in their payload bits)
             torch.testing.assert_close(getattr(fused, name), getattr(reference, name), rtol=0, atol=0, equal_nan=True)
@@ -146,10 +149,10 @@ def test_a_cast_on_cuda_is_one_op_with_no_scalar_bookkeeping_around_it(kernel_ca
 
 @pytest.mark.parametrize("recipe, cast", [(TensorwiseScaling(), "tensorwise_operand_cast"),
                                           (DelayedScaling(), "delayed_operand_cast")])  # fmt: skip
-def test_layer_step_on_cuda_runs_only_its_casts_gemms_and_transposes(kernel_calls, monkeypatch, recipe, cast):
+def test_layer_step_on_cuda_runs_only_its_casts_and_gemms(kernel_calls, monkeypatch, recipe, cast):
     """A per-tensor FP8 layer's forward and backward on the CUDA branch (scaled GEMMs): three casts (which also
-    give the inverse scales the GEMMs take), three GEMMs, the two FP8 transposes and the weight transpose the
-    backward GEMMs need, the bias add and its gradient; the gradients' accumulation is autograd's."""
+    write the transposed copies and the inverse scales the backward GEMMs take), three GEMMs, the bias add and its
+    gradient; the gradients' accumulation is autograd's."""
     monkeypatch.setenv("FP8_LIGHTNING_GEMM", "scaled_mm")  # torch._scaled_mm, as on CUDA
     layer = FP8Linear.from_linear(torch.nn.Linear(64, 32), recipe)
     x = torch.randn(48, 64, requires_grad=True)
@@ -167,7 +170,7 @@ def test_layer_step_on_cuda_runs_only_its_casts_gemms_and_transposes(kernel_call
     with _Ops() as ops:
         step()
     counts = collections.Counter(n for n in ops.names if n not in VIEWS)
-    assert counts == {"mul_": 1, cast: 3, "_scaled_mm": 3, "clone": 3, "add": 1, "sum": 1, "add_": 3}, counts
+    assert counts == {"mul_": 1, cast: 3, "_scaled_mm": 3, "add": 1, "sum": 1, "add_": 3}, counts
 
 
 @pytest.mark.parametrize("recipe", [DelayedScaling(), TensorwiseScaling(), MXFP8BlockScaling()])

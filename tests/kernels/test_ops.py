@@ -27,15 +27,17 @@ def _cases():
         (OPS.cast, (x, torch.tensor(3.0), E4M3, True)),
         (OPS.cast_transpose, (x, torch.tensor(3.0), E5M2, True)),
         (OPS.tensorwise_cast, (x.bfloat16(), E4M3, 1e-12, False)),
-        (OPS.tensorwise_operand_cast, (x, torch.tensor(3.0), torch.tensor(4), E5M2, 1e-12, True)),
-        (OPS.delayed_operand_cast, (x.half(), torch.tensor(3.0), torch.tensor(2.5), torch.tensor(4), E4M3, True)),
+        (OPS.tensorwise_operand_cast, (x, torch.tensor(3.0), torch.tensor(4), E5M2, 1e-12, True, False)),
+        (OPS.tensorwise_operand_cast, (x, torch.tensor(3.0), torch.tensor(4), E4M3, 1e-12, False, True)),
+        (OPS.delayed_operand_cast, (x.half(), torch.tensor(3.0), torch.tensor(2.5), torch.tensor(4), E4M3, True, False)),
+        (OPS.delayed_operand_cast, (x[:, :40], torch.tensor(3.0), torch.tensor(2.5), torch.tensor(4), E5M2, False, True)),
         (OPS.mx_quantize, (x[:, :40], 32, "floor", E4M3, True, True)),  # ragged: padded outputs
         (OPS.mx_quantize, (x, 32, "rceil", E5M2, False, True)),
         (OPS.mx_gemm, (a.data, a.scale.view(torch.uint8), b.data, b.scale.view(torch.uint8), torch.bfloat16)),
     ]
 
 
-@pytest.mark.parametrize("case", range(9))
+@pytest.mark.parametrize("case", range(11))
 def test_fake_implementations_match_the_kernels(case):
     op, args = _cases()[case]
     # The schema checker multiplies inputs to detect mutation, which float8 inputs (the GEMM's) do not support.
