@@ -9,6 +9,10 @@ The pure-torch twins live in :mod:`fp8_lightning.quantize` (``amax``, ``tensorwi
 * **delayed** scaling already knows its scale, so :func:`cast` reads once and writes once, and records the
   input's amax in the same pass (for the next step's history). :func:`cast_transpose` also writes the
   transposed FP8 copy (the wgrad/dgrad operand) from the same registers: one read, two writes.
+* **a layer's scaling state** (``OperandScaling``) casts through :func:`tensorwise_cast` (given the last scale and
+  the non-finite count) and :func:`delayed_cast`, whose kernels also do its bookkeeping (the last program to
+  finish books a delayed amax), write ``1 / scale`` and, for a 2-D operand, its transposed copy: one custom op
+  per cast and no scalar operation around it, each of which would be a launch.
 
 Why the numbers are bit-identical to the twins:
 
