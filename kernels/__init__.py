@@ -103,6 +103,15 @@ def _check_scale(scale: torch.Tensor, x: torch.Tensor, what: str) -> None:
         )
 
 
+def _check_transpose(x: torch.Tensor, transpose: bool, what: str) -> None:
+    """A transposed copy is written for 2-D tensors only."""
+    if transpose and x.dim() != 2:
+        raise ValueError(
+            f"fp8_lightning.kernels.{what} writes a transposed copy of 2-D tensors only; got shape "
+            f"{tuple(x.shape)}. Reshape to (-1, K) first."
+        )
+
+
 # --------------------------------------------------------------------------------------------------------
 # Per-tensor casts
 # --------------------------------------------------------------------------------------------------------
@@ -129,11 +138,7 @@ def cast_transpose(
     """For 2-D ``x`` (M, K): ``(data (M, K), data.T contiguous (K, M), max |x|)`` with one read."""
     _check_input(x, "cast_transpose")
     _check_scale(scale, x, "cast_transpose")
-    if x.dim() != 2:
-        raise ValueError(
-            f"fp8_lightning.kernels.cast_transpose needs a 2-D tensor; got shape {tuple(x.shape)}. "
-            "Reshape to (-1, K) first."
-        )
+    _check_transpose(x, True, "cast_transpose")
     return _ops().cast_transpose(x, scale, fp8_dtype(fp8_format), record_amax)
 
 
@@ -144,11 +149,6 @@ def tensorwise_cast(
     _check_input(x, "tensorwise_cast")
     data, scale, _ = _ops().tensorwise_cast(x, fp8_dtype(fp8_format), float(eps), power_of_2)
     return data, scale
-
-
-def _check_transpose(x: torch.Tensor, transpose: bool, what: str) -> None:
-    if transpose and x.dim() != 2:
-        raise ValueError(f"fp8_lightning.kernels.{what}: transpose needs a 2-D tensor; got shape {tuple(x.shape)}.")
 
 
 def tensorwise_operand_cast(
