@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.distributed._workers import Net, batches
+from tests.processes import end_worker
 
 ROWS = 64  # global batch
 
@@ -149,6 +150,7 @@ def strategy_worker(rank: int, world: int, port: int, tmpdir: str, out: dict) ->
     res.update(fit_gpt())
     if rank == 0:
         out.update(res)
+    end_worker()
 
 
 def fit_gpt() -> dict:

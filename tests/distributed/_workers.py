@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fp8_lightning import convert_to_fp8, fp8_autocast, recipe_from, sync_scales
+from tests.processes import end_worker
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WIDTH, HIDDEN, OUT = 64, 128, 32
@@ -174,4 +175,4 @@ def parity_worker(rank: int, world: int, port: int, steps: int, out: dict) -> No
     }
     if rank == 0:
         out.update(results)
-    dist.destroy_process_group()
+    end_worker()

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 from tests.distributed._lightning_workers import strategy_worker
 from tests.distributed._workers import batches, single_run
-from tests.ports import free_port
+from tests.processes import free_port
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore")]
 

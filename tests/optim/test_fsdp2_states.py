@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from fp8_lightning.optim import FP8Optimizer
+from tests.processes import end_worker, free_port
 
 WIDTH, HIDDEN, STEPS = 64, 128, 4
 
@@ -32,54 +33,47 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        results = {}
-        for preset in ("fp32", "default", "max_savings"):
-            sharded, reference = make_model(), make_model()
-            for layer in (sharded[0], sharded[2]):
-                fully_shard(layer)
-            fully_shard(sharded)
-            options = dict(min_quantize_numel=256)
-            opt = FP8Optimizer(torch.optim.AdamW(sharded.parameters(), lr=1e-2, foreach=False), preset, **options)
-            ref_opt = FP8Optimizer(torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=False), preset,
-                                   **options)
-            gen = torch.Generator().manual_seed(1)
-            for _ in range(STEPS):
-                x, y = torch.randn(16, WIDTH, generator=gen), torch.randn(16, WIDTH, generator=gen)
-                for model, optimizer in ((sharded, opt), (reference, ref_opt)):
-                    nn.functional.mse_loss(model(x), y).backward()
-                    optimizer.step()
-                    optimizer.zero_grad()
-            weight = sharded[0].weight
-            assert isinstance(weight, DTensor)
-            local = weight.to_local()
-            state = opt.state[weight]
-            max_diff = max(
-                (p.full_tensor() - q).abs().max().item() for p, q in zip(sharded.parameters(), reference.parameters())
-            )
-            results[preset] = {
-                "local_numel": local.numel(),
-                "full_numel": weight.numel(),
-                "state_shape": state["shape"].tolist(),
-                "exp_avg_numel": state["exp_avg"].numel(),
-                "exp_avg_dtype": str(state["exp_avg"].dtype),
-                "max_param_diff": max_diff,
-            }
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-    finally:
-        dist.destroy_process_group()
+    results = {}
+    for preset in ("fp32", "default", "max_savings"):
+        sharded, reference = make_model(), make_model()
+        for layer in (sharded[0], sharded[2]):
+            fully_shard(layer)
+        fully_shard(sharded)
+        options = dict(min_quantize_numel=256)
+        opt = FP8Optimizer(torch.optim.AdamW(sharded.parameters(), lr=1e-2, foreach=False), preset, **options)
+        ref_opt = FP8Optimizer(torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=False), preset,
+                               **options)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(STEPS):
+            x, y = torch.randn(16, WIDTH, generator=gen), torch.randn(16, WIDTH, generator=gen)
+            for model, optimizer in ((sharded, opt), (reference, ref_opt)):
+                nn.functional.mse_loss(model(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        weight = sharded[0].weight
+        assert isinstance(weight, DTensor)
+        local = weight.to_local()
+        state = opt.state[weight]
+        max_diff = max(
+            (p.full_tensor() - q).abs().max().item() for p, q in zip(sharded.parameters(), reference.parameters())
+        )
+        results[preset] = {
+            "local_numel": local.numel(),
+            "full_numel": weight.numel(),
+            "state_shape": state["shape"].tolist(),
+            "exp_avg_numel": state["exp_avg"].numel(),
+            "exp_avg_dtype": str(state["exp_avg"].dtype),
+            "max_param_diff": max_diff,
+        }
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    end_worker()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fsdp2_sharded_parameters_keep_states_per_local_shard(tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in (0, 1):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for preset, r in results.items():
