@@ -1,9 +1,10 @@
-"""Helpers for the 2-process tests: a free rendezvous port and a clean end for a spawned gloo worker."""
+"""Helpers for the 2-process tests: a free rendezvous port, and the start and clean end of a spawned gloo worker."""
 
 import os
 import socket
 import sys
 
+import torch
 import torch.distributed as dist
 
 
@@ -12,6 +13,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def init_gloo(rank: int, world: int, port: int) -> None:
+    """Join the gloo process group of ``world`` processes on the loopback rendezvous ``port``, one CPU thread."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
 def end_worker() -> None:

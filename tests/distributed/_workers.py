@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -10,7 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fp8_lightning import convert_to_fp8, fp8_autocast, recipe_from, sync_scales
-from tests.processes import end_worker
+from tests.processes import end_worker, init_gloo
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WIDTH, HIDDEN, OUT = 64, 128, 32
@@ -43,12 +42,6 @@ class Net(nn.Module):
 def batches(steps: int, rows: int = 64, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(rows, WIDTH, generator=g), torch.randn(rows, OUT, generator=g)) for _ in range(steps)]
-
-
-def init_gloo(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
 class AllGatherCounter:

@@ -11,12 +11,11 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
 from fp8_lightning.optim import FP8Optimizer
-from tests.processes import end_worker, free_port
+from tests.processes import end_worker, free_port, init_gloo
 
 WIDTH, HIDDEN, STEPS = 64, 128, 4
 
@@ -30,9 +29,7 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_gloo(rank, world, port)
     results = {}
     for preset in ("fp32", "default", "max_savings"):
         sharded, reference = make_model(), make_model()
