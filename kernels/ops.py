@@ -121,15 +121,17 @@ def delayed_operand_cast(
     return impl.delayed_cast(x, scale, dtype, pending, count, record, transpose)
 
 
-def _operand_outputs(x: torch.Tensor, dtype: torch.dtype, transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fake data and data_t of a scaling state's cast (data_t: the transpose of a 2-D x, or empty)."""
+def _operand_cast_outputs(x: torch.Tensor, count: torch.Tensor, dtype: torch.dtype, transpose: bool) -> tuple:
+    """Fake outputs of a scaling state's cast, both recipes: data, data_t (the transpose of a 2-D x, or empty),
+    two float32 scalars, the count, and the inverse scale."""
     data = torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
-    return data, x.new_empty((x.shape[1], x.shape[0]) if transpose else (0,), dtype=dtype)
+    data_t = x.new_empty((x.shape[1], x.shape[0]) if transpose else (0,), dtype=dtype)
+    return data, data_t, _scalar(x), _scalar(x), count.new_empty(()), _scalar(x)
 
 
 @delayed_operand_cast.register_fake
 def _(x, scale, pending, count, dtype, record, transpose):
-    return *_operand_outputs(x, dtype, transpose), _scalar(x), _scalar(x), count.new_empty(()), _scalar(x)
+    return _operand_cast_outputs(x, count, dtype, transpose)
 
 
 @custom_op(f"{NAMESPACE}::tensorwise_operand_cast", mutates_args=())
@@ -144,7 +146,7 @@ def tensorwise_operand_cast(
 
 @tensorwise_operand_cast.register_fake
 def _(x, prev_scale, count, dtype, eps, power_of_2, transpose):
-    return *_operand_outputs(x, dtype, transpose), _scalar(x), _scalar(x), count.new_empty(()), _scalar(x)
+    return _operand_cast_outputs(x, count, dtype, transpose)
 
 
 # --------------------------------------------------------------------------------------------------------
