@@ -44,6 +44,8 @@ from fp8_lightning.mx import quantize_mx_operands
 from fp8_lightning.quantize import Quantized
 from fp8_lightning.recipes import MXFP8BlockScaling, Recipe
 from fp8_lightning.scaling import OperandScaling, advance_histories
+from fp8_lightning.layer_ops import recipe_json
+from fp8_lightning.traced import TracedPlan, make_plan, traced_linear
 
 Observer = Callable[[nn.Module, str, torch.Tensor, Quantized], None]
 
@@ -76,10 +78,20 @@ class LayerScaling:
         self._weight_recorded = False  # whether the cached cast fed the weight amax history (training casts do)
         self._weight_cache: tuple[Quantized, Quantized | None] | None = None
         self.weight_casts = 0
+        self.recipe_json = recipe_json(recipe)  # made here, eagerly: JSON is not traceable
+
+    def plan(self, device: torch.device, out_dtype: torch.dtype, emulate: bool) -> TracedPlan:
+        """The traced step's constants for this layer (see :mod:`fp8_lightning.traced`)."""
+        return make_plan(self.recipe, self.recipe_json, device, out_dtype, emulate)
 
     @property
     def dirty(self) -> bool:
         return any(s.dirty for s in self.operands.values())
+
+    @property
+    def booked(self) -> bool:
+        """:attr:`dirty` as eager casts know it (no tensor read: the hot path's check)."""
+        return any(s._dirty for s in self.operands.values())
 
     def update(self) -> None:
         advance_histories(list(self.operands.values()))
@@ -221,6 +233,7 @@ class FP8Linear(nn.Linear):
         linear.fp8_disabled_reason = getattr(linear, "fp8_disabled_reason", None)
         linear._fp8_scalings = getattr(linear, "_fp8_scalings", {})
         linear._fp8_warned = getattr(linear, "_fp8_warned", set())
+        linear.fp8_scaling(recipe)  # made now, outside any graph a compiled forward traces
         return linear
 
     def to_linear(self) -> nn.Linear:
@@ -242,18 +255,39 @@ class FP8Linear(nn.Linear):
         """How many times the weight was cast to FP8 (once per optimizer step when training)."""
         return sum(s.weight_casts for s in self._fp8_scalings.values())
 
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         state = autocast_state()
         recipe = state.recipe or self.fp8_recipe
         if not state.enabled or self.fp8_disabled_reason is not None or self._runtime_fallback(x, recipe):
             return F.linear(x, self.weight, self.bias)
-        check_device(x.device, self.fp8_emulate)
         device_type = x.device.type
         autocasting = torch.is_autocast_enabled(device_type)
         out_dtype = torch.get_autocast_dtype(device_type) if autocasting else x.dtype
+        if torch.compiler.is_compiling() and self._traceable():
+            return self._traced_forward(x, recipe, out_dtype, autocasting)
+        return self._eager_forward(x, recipe, out_dtype, autocasting)
+
+    def _traceable(self) -> bool:
+        """Whether the traced step serves this call: not while an observer watches each cast (the stats monitor,
+        the guard) nor for weights all-gathered in FP8 (they arrive cast): those run the eager path as an island."""
+        return self.fp8_observer is None and not hasattr(self.weight, "fp8_weight_operands")
+
+    def _traced_forward(self, x: torch.Tensor, recipe: Recipe, out_dtype: torch.dtype, autocasting: bool):
+        """The layer step as one graph (:mod:`fp8_lightning.traced`)."""
+        check_device(x.device, self.fp8_emulate)
+        scaling = self._fp8_scalings[recipe]  # made when the layer was converted (or by an eager call)
+        plan = scaling.plan(x.device, out_dtype, self.fp8_emulate)
+        with torch.autocast(x.device.type, enabled=False) if autocasting else contextlib.nullcontext():
+            x2d = x.reshape(-1, x.shape[-1])
+            y = traced_linear(x2d, self.weight, self.bias, plan, scaling.operands, self.training)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @torch.compiler.disable
+    def _eager_forward(self, x: torch.Tensor, recipe: Recipe, out_dtype: torch.dtype, autocasting: bool):
+        check_device(x.device, self.fp8_emulate)
+        device_type = x.device.type
         scaling = self.fp8_scaling(recipe)
-        if self.training and scaling.dirty and scaling.step_boundary_passed(self.weight):
+        if self.training and scaling.booked and scaling.step_boundary_passed(self.weight):
             scaling.update()  # no one called update_scales() after the optimizer step: advance locally
         # the FP8 path picks its own dtypes: autocast stays out of it (entering the context costs a few us)
         with torch.autocast(device_type, enabled=False) if autocasting else contextlib.nullcontext():

@@ -129,10 +129,73 @@ class OperandScaling:
         self.pending_amax = torch.zeros((), dtype=torch.float32, device=device)
         self.last_amax = torch.zeros((), dtype=torch.float32, device=device)
         self.nonfinite_count = torch.zeros((), dtype=torch.int64, device=device)
-        self.initialized = False
-        self.dirty = False  # an amax was booked this step and waits for update() ("observed")
+        # The same two facts as tensors, [initialized, observed], for the traced layer step (fp8_lightning.traced),
+        # whose cast ops set them in place where a compiled graph cannot assign Python attributes.
+        self.flags = torch.zeros(2, dtype=torch.float32, device=device)
+        self._initialized = False
+        self._dirty = False  # an amax was booked this step and waits for update() ("observed")
         self.casts = 0
         self.generation = 0  # bumped by every update(): cached casts made before it are stale
+
+    _CAST_TENSORS = ("scale", "pending_amax", "last_amax", "nonfinite_count", "flags")  # what a cast updates
+
+    @classmethod
+    def over_tensors(
+        cls, recipe: Recipe, dtype: torch.dtype, scale: torch.Tensor, pending_amax: torch.Tensor,
+        last_amax: torch.Tensor, nonfinite_count: torch.Tensor, flags: torch.Tensor,
+    ) -> "OperandScaling":
+        """A state over existing tensors, for one cast: the traced cast op's view of a layer's state (no history:
+        casts do not read it). :meth:`write_back` then updates the given tensors in place."""
+        self = cls.__new__(cls)
+        self.recipe, self.dtype, self.delayed = recipe, dtype, isinstance(recipe, DelayedScaling)
+        self.amax_history = None
+        self.scale, self.pending_amax, self.last_amax, self.nonfinite_count, self.flags = (
+            scale, pending_amax, last_amax, nonfinite_count, flags
+        )
+        self._given = (scale, pending_amax, last_amax, nonfinite_count, flags)
+        self._initialized = not self.delayed or (not flags.is_cuda and bool(flags[0] > 0))
+        self._dirty, self.casts, self.generation = False, 0, 0
+        return self
+
+    def write_back(self) -> None:
+        """Copy what the cast changed into the tensors :meth:`over_tensors` was given."""
+        for name, given in zip(self._CAST_TENSORS, self._given):
+            current = getattr(self, name)
+            if current is not given:
+                given.copy_(current)
+        self._given[4][0] = 1.0  # flags: initialized, and observed when an amax was booked
+        if self._dirty:
+            self._given[4][1] = 1.0
+
+    def mark_initialized(self) -> None:
+        """The scale was set on the device (the flag too): no host-side write."""
+        self._initialized = True
+
+    # -- host-side flags, kept in step with ``flags`` -------------------------------------------------------
+
+    @property
+    def initialized(self) -> bool:
+        """Whether the operand has a scale (its first cast set one); read from ``flags`` until that is so."""
+        if not self._initialized and bool(self.flags[0] > 0):
+            self._initialized = True
+        return self._initialized
+
+    @initialized.setter
+    def initialized(self, value: bool) -> None:
+        if not (value and self._initialized):  # writes only on the first cast and on loading
+            self.flags[0] = float(value)
+        self._initialized = bool(value)
+
+    @property
+    def dirty(self) -> bool:
+        """Whether an amax was booked since the last update (by an eager cast, or a traced one: ``flags[1]``)."""
+        return self._dirty or bool(self.flags[1] > 0)
+
+    @dirty.setter
+    def dirty(self, value: bool) -> None:
+        self._dirty = bool(value)
+        if not value:
+            self.flags[1] = 0.0
 
     # -- the hot path ---------------------------------------------------------------------------------------
 
@@ -170,7 +233,7 @@ class OperandScaling:
                     y, self.scale, self.pending_amax, self.nonfinite_count, self.dtype, record, transpose
                 )
             )
-            self.dirty = self.dirty or record
+            self._dirty = self._dirty or record
         else:
             data, data_t, self.scale, self.last_amax, self.nonfinite_count, inverse = kernels.tensorwise_operand_cast(
                 y, self.scale, self.nonfinite_count, self.dtype, r.eps, r.power_of_2_scales, transpose
@@ -192,7 +255,7 @@ class OperandScaling:
         self.last_amax = x_amax
         if self.delayed and record:
             self.pending_amax = torch.maximum(self.pending_amax, clean_amax)
-            self.dirty = True
+            self._dirty = True
         self.casts += 1
         return clean_amax
 
@@ -225,7 +288,7 @@ class OperandScaling:
     @property
     def observed(self) -> torch.Tensor:
         """1.0 when an amax was booked this step (what the cross-rank reduction carries), else 0.0."""
-        return torch.tensor(float(self.dirty), device=self.scale.device)
+        return self.flags[1].clamp(min=float(self._dirty))  # no host read: either booking counts
 
     def update(self) -> None:
         """Advance the history with the step's (already reduced) pending amax and recompute the scale."""
@@ -256,7 +319,7 @@ class OperandScaling:
 
     def _to(self, device: torch.device) -> None:
         if self.scale.device != device:
-            for name in self._TENSORS:
+            for name in (*self._TENSORS, "flags"):
                 setattr(self, name, getattr(self, name).to(device))
 
 
@@ -300,9 +363,10 @@ def advance_histories(
             groups.setdefault((s.recipe, s.scale.device, s.amax_history.shape[0]), []).append(i)
     for (recipe, device, _), index in groups.items():
         members = [states[i] for i in index]
+        flags = torch.stack([s.flags for s in members])  # (initialized, observed by a traced cast)
         if pending is None:
             step_amax = torch.stack([s.pending_amax for s in members])
-            seen = torch.tensor([s.dirty for s in members], device=device)
+            seen = torch.tensor([s._dirty for s in members], device=device) | (flags[:, 1] > 0)
         else:
             rows = torch.tensor(index, device=pending.device)
             step_amax, seen = pending[rows].to(device), observed[rows].to(device) > 0
@@ -315,7 +379,8 @@ def advance_histories(
         )
         scale = torch.where(seen, fresh, prev_scale)
         zeros = torch.zeros_like(step_amax)
-        for s, h, sc, z in zip(members, history.unbind(0), scale.unbind(0), zeros.unbind(0)):
-            s.amax_history, s.scale, s.pending_amax = h, sc, z
-            s.dirty = False
+        flags[:, 1] = 0.0
+        for s, h, sc, z, f in zip(members, history.unbind(0), scale.unbind(0), zeros.unbind(0), flags.unbind(0)):
+            s.amax_history, s.scale, s.pending_amax, s.flags = h, sc, z, f
+            s._dirty = False
             s.generation += 1
