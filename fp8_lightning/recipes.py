@@ -43,6 +43,12 @@ class Recipe:
             object.__setattr__(self, "fp8_format", Format.parse(self.fp8_format))
         except ValueError as err:
             raise _invalid(type(self).__name__, "fp8_format", self.fp8_format, "E4M3, E5M2, HYBRID") from err
+        if self.fp8_format is Format.E5M2:  # both operands of every GEMM would be E5M2
+            raise _invalid(
+                type(self).__name__, "fp8_format", "E5M2",
+                "HYBRID (E4M3 forward, E5M2 gradients) or E4M3: with E5M2 every GEMM multiplies two E5M2 operands, "
+                "which CUDA refuses ('Multiplication of two Float8_e5m2 matrices is not supported')",
+            )
 
     def to_dict(self) -> dict:
         """Plain, YAML-friendly form; ``recipe_from(r.to_dict()) == r``."""
@@ -141,8 +147,6 @@ class MXFP8BlockScaling(Recipe):
             raise _invalid(cls, "block_size", self.block_size, f"one of {MX_BLOCK_SIZES} (OCP MX uses 32)")
         if self.scale_rounding not in SCALE_ROUNDINGS:
             raise _invalid(cls, "scale_rounding", self.scale_rounding, " or ".join(SCALE_ROUNDINGS))
-        if self.fp8_format is Format.E5M2:
-            raise _invalid(cls, "fp8_format", "E5M2", "E4M3 or HYBRID (MXFP8 data in the forward pass is E4M3)")
 
 
 RECIPES: dict[str, type[Recipe]] = {

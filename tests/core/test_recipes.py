@@ -24,6 +24,8 @@ def test_defaults_follow_the_documented_semantics():
         (lambda: MXFP8BlockScaling(block_size=24), "block_size", "24"),
         (lambda: MXFP8BlockScaling(scale_rounding="nearest"), "scale_rounding", "'nearest'"),
         (lambda: MXFP8BlockScaling(fp8_format="E5M2"), "fp8_format", "'E5M2'"),
+        (lambda: DelayedScaling(fp8_format="E5M2"), "fp8_format", "'E5M2'"),
+        (lambda: TensorwiseScaling(fp8_format="e5m2"), "fp8_format", "'E5M2'"),
     ],
 )
 def test_invalid_values_name_the_field_the_value_and_what_is_allowed(build, field, value):
@@ -31,6 +33,12 @@ def test_invalid_values_name_the_field_the_value_and_what_is_allowed(build, fiel
         build()
     message = str(err.value)
     assert f".{field}={value}" in message and "allowed" in message
+
+
+def test_e5m2_everywhere_is_refused_with_hybrid_named():
+    """Every GEMM would multiply two E5M2 operands, which CUDA's scaled GEMM refuses."""
+    with pytest.raises(ValueError, match="HYBRID.*Float8_e5m2"):
+        DelayedScaling(fp8_format="E5M2")
 
 
 def test_recipes_are_frozen_and_hashable():
