@@ -1,0 +1,121 @@
+"""Host time of one layer training step, eager and compiled, for each recipe, next to ``nn.Linear`` and torchao.
+
+At a tiny shape (16 tokens, 64 x 64 by default) the arithmetic costs next to nothing, so a step's time is what the
+host spends on Python, the dispatcher and the per-operation overheads: the part of a GPU step that does not shrink
+with a faster GPU and that a model of a hundred FP8 layers pays a hundred times. Each configuration is one layer's
+forward + backward; between steps the weight is changed in place (as an optimizer does, so the eager layer casts it
+again) and, for delayed scaling, ``sync_scales`` advances the histories (outside the timing). "compiled" is
+``torch.compile(layer, fullgraph=True)`` with inductor; the FP8 layers then run the traced step
+(:mod:`fp8_lightning.traced`). All rows of one run are interleaved (``bench_common.interleaved_medians``).
+
+Usage::
+
+    python benchmarks/host_time.py [--tokens 16] [--features 64] [--rounds 300] [--out FILE.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.bench_common import interleaved_medians, markdown_table, write_markdown_report  # noqa: E402
+from fp8_lightning import DelayedScaling, MXFP8BlockScaling, TensorwiseScaling, convert_to_fp8  # noqa: E402
+from fp8_lightning import fp8_autocast, sync_scales  # noqa: E402
+
+RECIPES = [DelayedScaling(), TensorwiseScaling(), MXFP8BlockScaling()]
+
+
+def _step(layer: nn.Module, run: nn.Module, x: torch.Tensor, fp8: bool):
+    """One timed training step of ``run`` (``layer`` or its compiled form) and the untimed work between steps."""
+
+    def step():
+        with fp8_autocast(enabled=fp8):
+            run(x).sum().backward()
+
+    def between():
+        with torch.no_grad():
+            layer.weight.mul_(1.0)  # an in-place update: a new weight version, as after an optimizer step
+        layer.weight.grad = None
+        if fp8:
+            sync_scales(layer)
+
+    return step, between
+
+
+def _torchao_layer(base: nn.Linear) -> nn.Module | None:
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except Exception:  # not installed (the GPU image has no torchao unless a wheel is brought)
+        return None
+    config = Float8LinearConfig.from_recipe_name("tensorwise")
+    config = Float8LinearConfig(**{**config.__dict__, "emulate": base.weight.device.type == "cpu"})
+    return convert_to_float8_training(nn.Sequential(copy.deepcopy(base)), config=config)
+
+
+def measure(tokens: int, features: int, rounds: int, device: torch.device) -> list[dict]:
+    torch.manual_seed(0)
+    base = nn.Linear(features, features).to(device)
+    x = torch.randn(tokens, features, device=device, requires_grad=True)
+    layers: dict[str, tuple[nn.Module, bool]] = {"nn.Linear": (copy.deepcopy(base), False)}
+    for recipe in RECIPES:
+        layer = copy.deepcopy(base)
+        convert_to_fp8(layer, recipe)  # in place (returns a report)
+        layers[f"ours {recipe.name}"] = (layer, True)
+    torchao = _torchao_layer(base)
+    if torchao is not None:
+        layers["torchao.float8 tensorwise"] = (torchao, False)
+    fns, between = {}, {}
+    for name, (layer, fp8) in layers.items():
+        for mode in ("eager", "compiled"):
+            run = torch.compile(layer, fullgraph=True) if mode == "compiled" else layer
+            module = layer if isinstance(layer, nn.Linear) else next(m for m in layer.modules() if isinstance(m, nn.Linear))
+            step, after = _step(module, run, x, fp8)
+            fns[(name, mode)], between[(name, mode)] = step, after
+
+    def timed(key):
+        def fn():
+            fns[key]()
+            between[key]()  # tiny next to the step; keeps every configuration's loop the same shape
+        return fn
+
+    medians = interleaved_medians({k: timed(k) for k in fns}, device, warmup=5, rounds=rounds)
+    linear = medians[("nn.Linear", "eager")]
+    rows = []
+    for name in layers:
+        row = {"layer": name}
+        for mode in ("eager", "compiled"):
+            row[f"{mode}_us"] = medians[(name, mode)] * 1e6
+            row[f"{mode}_x"] = medians[(name, mode)] / linear
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--features", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=300)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    rows = measure(args.tokens, args.features, args.rounds, device)
+    columns = [("layer", "layer step", "{}"), ("eager_us", "eager us", "{:.0f}"),
+               ("eager_x", "eager / nn.Linear", "{:.2f}"), ("compiled_us", "compiled us", "{:.0f}"),
+               ("compiled_x", "compiled / nn.Linear eager", "{:.2f}")]  # fmt: skip
+    text = (f"One layer's forward + backward, {args.tokens} tokens, {args.features} x {args.features}, on "
+            f"{device.type}; medians of {args.rounds} interleaved rounds.\n\n{markdown_table(columns, rows)}\n")
+    print(text)
+    if args.out:
+        write_markdown_report(args.out, "Host time per layer step", "host_time.py", argv, text)
+
+
+if __name__ == "__main__":
+    main()
