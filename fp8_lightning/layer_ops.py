@@ -1,8 +1,5 @@
-"""The FP8 layer's three hot operations as ``torch.library`` custom ops: the seam a traced layer step calls.
+"""The FP8 layer's opaque hot operations as ``torch.library`` custom ops: the seam a traced layer step calls.
 
-    torch.ops.fp8_lightning.operand_cast(x, scale, pending, last_amax, count, flags, recipe, dtype, record,
-                                         transpose) -> (data, data_t, scale_used)
-        a per-tensor (delayed or tensorwise) cast with its scaling state's bookkeeping, the state updated in place
     torch.ops.fp8_lightning.mx_operand_cast(x, block_size, scale_rounding, dtype, columnwise)
                                          -> (row, row_scale, col, col_scale)
         MXFP8 rowwise and (optionally) columnwise copies of a 2-D tensor from one read
@@ -10,91 +7,31 @@
         ``a @ b.T (+ bias)`` for FP8 operands with K last
 
 Why ops: ``torch.compile`` traces a call to each as one opaque node with a fake (meta) implementation that gives
-its output shapes, so the layer step becomes one graph, and the scaling state, held in tensors the op updates in
-place (declared in ``mutates_args``), is functionalized by the compiler instead of being a Python side effect it
-refuses. The dispatcher runs the op's implementation for the tensor's device, and each implementation is the eager
-layer's own code (:meth:`fp8_lightning.scaling.OperandScaling.quantize`,
-:func:`fp8_lightning.mx.quantize_mx_operands`, :func:`fp8_lightning.gemm.fp8_mm`): on CPU the C codec and the
-float GEMM, on CUDA the Triton casts and cuBLAS ``_scaled_mm``. A compiled step therefore computes the same bits
-as an eager one.
+its output shapes, so the layer step stays one graph. The dispatcher runs the op's implementation for the tensor's
+device, and each implementation is the eager layer's own code (:func:`fp8_lightning.mx.quantize_mx_operands`,
+:func:`fp8_lightning.gemm.fp8_mm`): on CPU the C codec and the float GEMM, on CUDA the Triton MX kernel, cuBLAS
+``_scaled_mm`` or the Triton MX GEMM. A compiled step therefore computes the same bits as an eager one.
 
-One difference on CUDA: a delayed cast's first use scales just in time from the tensor's own amax, and whether
-the state was initialized is a flag on the GPU. Reading it would synchronize, so the op computes the amax, picks
-the scale on the device and then casts: two reads of the tensor per delayed cast inside a compiled graph on
-CUDA, one in eager mode. Tensorwise scaling reads twice in both modes.
+Per-tensor casts are not ops: the traced step writes them as plain tensor operations
+(:func:`fp8_lightning.traced.traced_cast`), which the compiler fuses with their neighbours.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 from typing import Optional
 
 import torch
 from torch.library import custom_op
 
-from fp8_lightning.formats import fp8_max
-from fp8_lightning.mx import quantize_mx_operands
-from fp8_lightning.quantize import Quantized, amax
-from fp8_lightning.recipes import DelayedScaling, Recipe, recipe_from
-from fp8_lightning.scaling import OperandScaling, delayed_scale, finite_or_zero
 from fp8_lightning.gemm import fp8_mm
+from fp8_lightning.mx import E8M0_DTYPE, quantize_mx_operands
+from fp8_lightning.quantize import Quantized
 
 NAMESPACE = "fp8_lightning"
 
 
-@functools.lru_cache(maxsize=None)
-def recipe_of(recipe_json: str) -> Recipe:
-    """The recipe an op was given as JSON (ops take strings, not Python objects); parsed once per recipe."""
-    return recipe_from(json.loads(recipe_json))
-
-
-def recipe_json(recipe: Recipe) -> str:
-    return json.dumps(recipe.to_dict(), sort_keys=True)
-
-
-def _scalar(x: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((), dtype=torch.float32)
-
-
-# --------------------------------------------------------------------------------------------------------
-# Per-tensor casts with their scaling state
-# --------------------------------------------------------------------------------------------------------
-
-
-@custom_op(f"{NAMESPACE}::operand_cast", mutates_args=("scale", "pending", "last_amax", "count", "flags"))
-def operand_cast(
-    x: torch.Tensor, scale: torch.Tensor, pending: torch.Tensor, last_amax: torch.Tensor, count: torch.Tensor,
-    flags: torch.Tensor, recipe: str, dtype: torch.dtype, record: bool, transpose: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    state = OperandScaling.over_tensors(recipe_of(recipe), dtype, scale, pending, last_amax, count, flags)
-    if state.delayed and x.is_cuda:
-        _initialize_on_device(state, x)
-    q = state.quantize(x, record, transpose)
-    state.write_back()
-    data_t = q.transposed if q.transposed is not None else q.data.t().contiguous() if transpose else _empty(x, dtype)
-    return q.data, data_t, q.scale.clone()
-
-
-def _initialize_on_device(state: OperandScaling, x: torch.Tensor) -> None:
-    """The just-in-time first scale of a delayed state, chosen on the device (see the module docstring)."""
-    r, clean = state.recipe, finite_or_zero(amax(x))
-    assert isinstance(r, DelayedScaling)
-    fresh = delayed_scale(clean.reshape(1), state.scale, fp8_max(state.dtype), r.margin, "max", r.power_of_2_scales)
-    state.scale.copy_(torch.where(state.flags[0] > 0, state.scale, fresh))
-    state.flags[0] = 1.0
-    state.mark_initialized()
-
-
 def _empty(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.new_empty((0,), dtype=dtype)
-
-
-@operand_cast.register_fake
-def _(x, scale, pending, last_amax, count, flags, recipe, dtype, record, transpose):
-    data = torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
-    data_t = x.new_empty((x.shape[1], x.shape[0]), dtype=dtype) if transpose else _empty(x, dtype)
-    return data, data_t, _scalar(x)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -131,8 +68,6 @@ def _in_layout(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 @mx_operand_cast.register_fake
 def _(x, block_size, scale_rounding, dtype, columnwise):
-    from fp8_lightning.mx import E8M0_DTYPE
-
     m, k = x.shape
     row, row_scale = x.new_empty((m, k), dtype=dtype), x.new_empty((m, k // block_size), dtype=E8M0_DTYPE)
     if not columnwise:

@@ -44,7 +44,6 @@ from fp8_lightning.mx import quantize_mx_operands
 from fp8_lightning.quantize import Quantized
 from fp8_lightning.recipes import MXFP8BlockScaling, Recipe
 from fp8_lightning.scaling import OperandScaling, advance_histories
-from fp8_lightning.layer_ops import recipe_json
 from fp8_lightning.traced import TracedPlan, make_plan, traced_linear
 
 Observer = Callable[[nn.Module, str, torch.Tensor, Quantized], None]
@@ -78,11 +77,10 @@ class LayerScaling:
         self._weight_recorded = False  # whether the cached cast fed the weight amax history (training casts do)
         self._weight_cache: tuple[Quantized, Quantized | None] | None = None
         self.weight_casts = 0
-        self.recipe_json = recipe_json(recipe)  # made here, eagerly: JSON is not traceable
 
     def plan(self, device: torch.device, out_dtype: torch.dtype, emulate: bool) -> TracedPlan:
         """The traced step's constants for this layer (see :mod:`fp8_lightning.traced`)."""
-        return make_plan(self.recipe, self.recipe_json, device, out_dtype, emulate)
+        return make_plan(self.recipe, device, out_dtype, emulate)
 
     @property
     def dirty(self) -> bool:

@@ -33,7 +33,8 @@ from fp8_lightning.formats import Format, fp8_dtype, fp8_max
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
-def _wide(x: torch.Tensor) -> torch.Tensor:
+def wide(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32, or float64 when it is float64: the precision every cast computes in."""
     return x if x.dtype == torch.float64 else x.float()
 
 
@@ -170,7 +171,7 @@ def quantize_with_scale(
         return kernels.cast(x.detach(), scale.to(x.device), dtype, record_amax=False)[0]
     if codec is not None:
         return codec.cast(x, scale.item(), dtype)[0]  # saturates always: equal bits when the caller skips it
-    scaled = _wide(x) * scale
+    scaled = wide(x) * scale
     return to_fp8_saturated(scaled, dtype) if saturate else scaled.to(dtype)
 
 

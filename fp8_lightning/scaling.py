@@ -137,40 +137,6 @@ class OperandScaling:
         self.casts = 0
         self.generation = 0  # bumped by every update(): cached casts made before it are stale
 
-    _CAST_TENSORS = ("scale", "pending_amax", "last_amax", "nonfinite_count", "flags")  # what a cast updates
-
-    @classmethod
-    def over_tensors(
-        cls, recipe: Recipe, dtype: torch.dtype, scale: torch.Tensor, pending_amax: torch.Tensor,
-        last_amax: torch.Tensor, nonfinite_count: torch.Tensor, flags: torch.Tensor,
-    ) -> "OperandScaling":
-        """A state over existing tensors, for one cast: the traced cast op's view of a layer's state (no history:
-        casts do not read it). :meth:`write_back` then updates the given tensors in place."""
-        self = cls.__new__(cls)
-        self.recipe, self.dtype, self.delayed = recipe, dtype, isinstance(recipe, DelayedScaling)
-        self.amax_history = None
-        self.scale, self.pending_amax, self.last_amax, self.nonfinite_count, self.flags = (
-            scale, pending_amax, last_amax, nonfinite_count, flags
-        )
-        self._given = (scale, pending_amax, last_amax, nonfinite_count, flags)
-        self._initialized = not self.delayed or (not flags.is_cuda and bool(flags[0] > 0))
-        self._dirty, self.casts, self.generation = False, 0, 0
-        return self
-
-    def write_back(self) -> None:
-        """Copy what the cast changed into the tensors :meth:`over_tensors` was given."""
-        for name, given in zip(self._CAST_TENSORS, self._given):
-            current = getattr(self, name)
-            if current is not given:
-                given.copy_(current)
-        self._given[4][0] = 1.0  # flags: initialized, and observed when an amax was booked
-        if self._dirty:
-            self._given[4][1] = 1.0
-
-    def mark_initialized(self) -> None:
-        """The scale was set on the device (the flag too): no host-side write."""
-        self._initialized = True
-
     # -- host-side flags, kept in step with ``flags`` -------------------------------------------------------
 
     @property

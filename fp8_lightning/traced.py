@@ -2,17 +2,20 @@
 
 :class:`~fp8_lightning.linear.FP8Linear` runs this path while it is being compiled (``torch.compile(model)``, with
 ``fullgraph=True`` too), and its tuned eager path otherwise. Both compute the same bits: the casts and GEMMs here
-are the custom ops of :mod:`fp8_lightning.layer_ops`, whose implementations are the eager layer's own code.
+are the eager layer's math: plain tensor operations for per-tensor casts, and custom ops whose implementations are
+the eager layer's own code for MX casts and GEMMs.
 
 What makes it traceable:
 
 * **State as tensors.** The operand scaling states' tensors (scale, pending amax, last amax, non-finite count and
-  the ``[initialized, observed]`` flags) enter the graph as inputs and are updated in place by the cast op, which
-  declares them mutated; the compiler functionalizes that. Nothing is assigned to a Python object inside the
-  graph, so the step compiles once and is never recompiled as scales move.
+  the ``[initialized, observed]`` flags) enter the graph as inputs and are updated in place by
+  :func:`traced_cast` (plain tensor operations, the reference math of ``quantize`` and ``scaling``, which the
+  compiler fuses with the layer's neighbours; it functionalizes the in-place updates). Nothing is assigned to a
+  Python object inside the graph, so the step compiles once and is never recompiled as scales move. MX casts and
+  every GEMM are the custom ops of :mod:`fp8_lightning.layer_ops` (the C codec, Triton or cuBLAS behind them).
 * **A frozen plan.** The autograd Function gets tensors and a hashable :class:`TracedPlan` (recipe, formats,
   output dtype), never a module or a state object. The output gradient's state is among its tensor inputs and
-  its cast op updates it in backward (delayed scaling books the gradient amax there).
+  is updated in backward (delayed scaling books the gradient amax there).
 * **No cache.** The weight is cast at every forward (under eager mode it is cast once per optimizer step and kept).
 
 Between graphs, eagerly: ``sync_scales`` / the Lightning plugin advance the delayed histories once per optimizer
@@ -27,16 +30,21 @@ from typing import NamedTuple
 
 import torch
 
-from fp8_lightning.layer_ops import mx_operand_cast, operand_cast, scaled_gemm
-from fp8_lightning.recipes import Recipe
-from fp8_lightning.scaling import OperandScaling
+from fp8_lightning.formats import fp8_max
+from fp8_lightning.layer_ops import mx_operand_cast, scaled_gemm
+from fp8_lightning.quantize import tensorwise_scale, to_fp8_saturated, wide
+from fp8_lightning.recipes import DelayedScaling, Recipe
+from fp8_lightning.scaling import OperandScaling, delayed_scale, finite_or_zero
 
 
 class TracedPlan(NamedTuple):
     """What the traced step needs besides tensors, in plain values: hashable, a constant to the compiler."""
 
     kind: str  # "tensor" (per-tensor recipes) or "mx"
-    recipe_json: str  # the recipe, for the cast op (ops take strings, not objects)
+    delayed: bool
+    margin: int  # delayed only
+    power_of_2: bool  # per-tensor: scales rounded down to powers of two
+    eps: float  # tensorwise only
     block_size: int  # MX only
     scale_rounding: str  # MX only
     forward_dtype: torch.dtype
@@ -46,15 +54,14 @@ class TracedPlan(NamedTuple):
     transpose: bool  # the cast kernels write the transposed copies the backward GEMMs read (CUDA)
 
 
-def make_plan(
-    recipe: Recipe, recipe_json: str, device: torch.device, out_dtype: torch.dtype, emulate: bool
-) -> TracedPlan:
-    """The plan of one call; ``recipe_json`` (:func:`fp8_lightning.layer_ops.recipe_json`) is made eagerly."""
+def make_plan(recipe: Recipe, device: torch.device, out_dtype: torch.dtype, emulate: bool) -> TracedPlan:
+    """The plan of one call, from the recipe's fields."""
     fmt = recipe.fp8_format
     kind = "tensor" if recipe.per_tensor else "mx"
-    block, rounding = (0, "") if recipe.per_tensor else (recipe.block_size, recipe.scale_rounding)
+    delayed = isinstance(recipe, DelayedScaling)
     return TracedPlan(
-        kind, recipe_json, block, rounding, fmt.forward_dtype, fmt.backward_dtype, out_dtype, emulate,
+        kind, delayed, getattr(recipe, "margin", 0), getattr(recipe, "power_of_2_scales", False),
+        getattr(recipe, "eps", 0.0), getattr(recipe, "block_size", 0), getattr(recipe, "scale_rounding", ""), fmt.forward_dtype, fmt.backward_dtype, out_dtype, emulate,
         device.type == "cuda",
     )
 
@@ -63,10 +70,36 @@ def _state_tensors(state: OperandScaling) -> tuple[torch.Tensor, ...]:
     return state.scale, state.pending_amax, state.last_amax, state.nonfinite_count, state.flags
 
 
-def _cast(x: torch.Tensor, state_tensors, plan: TracedPlan, dtype: torch.dtype, record: bool):
-    """(operand (K last), operand of x.T, their scale) of a 2-D ``x`` under a per-tensor recipe."""
-    data, data_t, scale = operand_cast(x, *state_tensors, plan.recipe_json, dtype, record, plan.transpose)
-    return data, (data_t if plan.transpose else data.t()), scale
+def amax_of(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a float32 scalar (NaN when x holds NaN; 0 for an empty x), in plain tensor operations."""
+    if x.numel() == 0:
+        return x.new_zeros((), dtype=torch.float32)
+    return x.abs().amax().float()
+
+
+def traced_cast(x: torch.Tensor, state_tensors, plan: TracedPlan, dtype: torch.dtype, record: bool):
+    """(operand (K last), operand of x.T, their scale) of a 2-D ``x`` under a per-tensor recipe: the reference
+    math in plain tensor operations, which the compiler fuses (amax, scale and cast in one or two kernels), with
+    the scaling state updated in place as :meth:`fp8_lightning.scaling.OperandScaling.quantize` updates it."""
+    scale, pending, last_amax, count, flags = state_tensors
+    x_amax = amax_of(x)
+    clean = finite_or_zero(x_amax)
+    max_value = fp8_max(dtype)
+    if plan.delayed:  # the stored scale; the first use scales just in time
+        fresh = delayed_scale(clean.reshape(1), scale, max_value, plan.margin, "max", plan.power_of_2)
+        used = torch.where(flags[0] > 0, scale, fresh)
+    else:  # the current scale; an all-zero or non-finite tensor keeps the previous one
+        used = torch.where(clean > 0, tensorwise_scale(clean, dtype, plan.eps, plan.power_of_2), scale)
+    data = to_fp8_saturated(wide(x) * used, dtype)
+    with torch.no_grad():
+        scale.copy_(used)
+        last_amax.copy_(x_amax)
+        count.add_((clean != x_amax).to(count.dtype))
+        flags[0] = 1.0
+        if plan.delayed and record:
+            pending.copy_(torch.maximum(pending, clean))
+            flags[1] = 1.0
+    return data, (data.t().contiguous() if plan.transpose else data.t()), used
 
 
 def _mx_cast(x: torch.Tensor, plan: TracedPlan, dtype: torch.dtype, columnwise: bool):
@@ -82,8 +115,8 @@ def traced_linear(
     updated in place) and hands the FP8 operands to the autograd Function."""
     x, w = x2d.detach(), weight.detach()
     if plan.kind == "tensor":
-        x_row, x_col, x_scale = _cast(x, _state_tensors(states["input"]), plan, plan.forward_dtype, record)
-        w_row, w_col, w_scale = _cast(w, _state_tensors(states["weight"]), plan, plan.forward_dtype, record)
+        x_row, x_col, x_scale = traced_cast(x, _state_tensors(states["input"]), plan, plan.forward_dtype, record)
+        w_row, w_col, w_scale = traced_cast(w, _state_tensors(states["weight"]), plan, plan.forward_dtype, record)
         x_col_scale = w_col_scale = None  # the same scales (a tensor may enter the Function only once)
         grad_state = _state_tensors(states["grad_output"])
     else:
@@ -116,7 +149,7 @@ class _TracedFP8Function(torch.autograd.Function):
         plan, (x_dtype, w_dtype, bias_dtype) = ctx.plan, ctx.dtypes
         g = grad_y.contiguous()
         if plan.kind == "tensor":
-            g_row, g_col, g_scale = _cast(g, grad_state, plan, plan.backward_dtype, True)
+            g_row, g_col, g_scale = traced_cast(g, grad_state, plan, plan.backward_dtype, True)
             g_col_scale = g_scale
         else:
             g_row, g_scale, g_col, g_col_scale = _mx_cast(g, plan, plan.backward_dtype, ctx.needs_input_grad[1])
