@@ -16,12 +16,10 @@ output and everything outside the GEMMs stay in high precision (the autocast dty
 Within one optimizer step the FP8 weight is cast once and reused across micro-batches: the cache is keyed on
 the parameter's version counter, which every in-place optimizer update bumps.
 
-Under ``torch.compile`` the layer's forward is an eager island (``torch.compiler.disable``): the graph breaks
-around it and the rest of the model compiles. The scaling state (amax histories, scales, the weight cache and
-its host-side flags) is Python-side and mutated on every call; traced, it would either be refused as a side
-effect inside the autograd Function or become guards that change every step (recompiling each time). Outside
-the graphs it is updated between them, so every recipe, delayed scaling included, compiles once and never
-recompiles; ``tests/perf/test_compile.py`` counts the compilations.
+Under ``torch.compile`` the layer traces into the model's graph (:mod:`fp8_lightning.traced`: the same math with
+the scaling state as tensors updated in place and a frozen plan, one graph, no recompilation as scales move);
+``tests/perf/test_compile.py`` counts the frames and compares with eager runs bit for bit. A layer watched by an
+observer (stats monitor, divergence guard) or fed an FP8-gathered weight runs this eager path as an island.
 
 A converted layer *is* the original module (its class is swapped in place), so its parameters, hooks and
 ``state_dict`` keys, shapes and dtypes are exactly those of the ``nn.Linear`` it was. Scaling state is kept
