@@ -25,7 +25,7 @@ from torch.library import custom_op
 
 from fp8_lightning.gemm import fp8_mm
 from fp8_lightning.mx import E8M0_DTYPE, quantize_mx_operands
-from fp8_lightning.quantize import Quantized
+from fp8_lightning.quantize import Quantized, is_transposed_2d
 
 NAMESPACE = "fp8_lightning"
 
@@ -60,8 +60,7 @@ def mx_operand_cast(
 def _in_layout(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """``t`` in the layout :func:`_columns_layout` promises for ``x``'s device (a copy only where it differs)."""
     want_transposed = x.device.type == "cpu"
-    is_transposed = not t.is_contiguous() and t.t().is_contiguous()
-    if want_transposed == is_transposed:
+    if want_transposed == is_transposed_2d(t):
         return t
     return t.t().contiguous().t() if want_transposed else t.contiguous()
 

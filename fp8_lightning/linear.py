@@ -42,7 +42,7 @@ from fp8_lightning.mx import quantize_mx_operands
 from fp8_lightning.quantize import Quantized
 from fp8_lightning.recipes import MXFP8BlockScaling, Recipe
 from fp8_lightning.scaling import OperandScaling, advance_histories
-from fp8_lightning.traced import TracedPlan, make_plan, traced_linear
+from fp8_lightning.traced import make_plan, traced_linear
 
 Observer = Callable[[nn.Module, str, torch.Tensor, Quantized], None]
 
@@ -75,10 +75,6 @@ class LayerScaling:
         self._weight_recorded = False  # whether the cached cast fed the weight amax history (training casts do)
         self._weight_cache: tuple[Quantized, Quantized | None] | None = None
         self.weight_casts = 0
-
-    def plan(self, device: torch.device, out_dtype: torch.dtype, emulate: bool) -> TracedPlan:
-        """The traced step's constants for this layer (see :mod:`fp8_lightning.traced`)."""
-        return make_plan(self.recipe, device, out_dtype, emulate)
 
     @property
     def dirty(self) -> bool:
@@ -272,7 +268,7 @@ class FP8Linear(nn.Linear):
         """The layer step as one graph (:mod:`fp8_lightning.traced`)."""
         check_device(x.device, self.fp8_emulate)
         scaling = self._fp8_scalings[recipe]  # made when the layer was converted (or by an eager call)
-        plan = scaling.plan(x.device, out_dtype, self.fp8_emulate)
+        plan = make_plan(recipe, x.device, out_dtype, self.fp8_emulate)
         with torch.autocast(x.device.type, enabled=False) if autocasting else contextlib.nullcontext():
             x2d = x.reshape(-1, x.shape[-1])
             y = traced_linear(x2d, self.weight, self.bias, plan, scaling.operands, self.training)

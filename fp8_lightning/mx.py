@@ -26,6 +26,7 @@ from fp8_lightning.quantize import (
     cpu_codec,
     cuda_kernels,
     fp8_to_float32,
+    is_transposed_2d,
     pad_dim,
     to_fp8_saturated,
 )
@@ -206,7 +207,7 @@ def dequantize_mxfp8(data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.d
             f"dequantize_mxfp8: scale shape {tuple(scale.shape)} does not match data shape {tuple(data.shape)}."
         )
     block_size = k // n_blocks
-    columnwise = data.dim() == 2 and not data.is_contiguous() and data.t().is_contiguous()  # blocks down base rows
+    columnwise = is_transposed_2d(data)  # blocks down base rows
     codec = cpu_codec() if data.device.type == "cpu" and data.numel() > 0 else None
     if codec is not None and data.dtype in codec.FORMATS:
         if columnwise:

@@ -83,17 +83,30 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     return amax_and_value(x)[0]
 
 
+def amax_reference(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a float32 scalar (NaN when x holds NaN; 0 for an empty x) in plain tensor operations: what a
+    traced step writes and what devices without a kernel compute."""
+    if x.numel() == 0:
+        return x.new_zeros((), dtype=torch.float32)
+    return x.detach().abs().amax().float()
+
+
+def is_transposed_2d(t: torch.Tensor) -> bool:
+    """Whether ``t`` is the transposed view of a contiguous 2-D tensor (a columnwise copy quantized in place)."""
+    return t.dim() == 2 and not t.is_contiguous() and t.t().is_contiguous()
+
+
 def amax_and_value(x: torch.Tensor) -> tuple[torch.Tensor, float | None]:
     """:func:`amax`, and its value as a Python float where reading it costs no device synchronisation (CPU; else
     None). On CPU one ``aminmax`` pass gives both ends; the larger magnitude is picked on the host."""
     on_cpu = x.device.type == "cpu"
     if x.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=x.device), (0.0 if on_cpu else None)
+        return amax_reference(x), (0.0 if on_cpu else None)
     kernels = cuda_kernels(x)
     if kernels is not None:
         return kernels.amax(x.detach()), None
     if not on_cpu:
-        return x.detach().abs().amax().float(), None
+        return amax_reference(x), None
     low, high = torch.aminmax(x.detach())
     lo, hi = low.item(), high.item()
     top, value = (high, hi) if math.isnan(hi) or hi >= -lo else (low.neg(), -lo)  # NaN anywhere: both ends NaN
@@ -218,7 +231,7 @@ def fp8_to_float32(data: torch.Tensor, nan_free: bool = False) -> torch.Tensor:
     """
     if data.device.type != "cpu" or data.dtype.itemsize != 1 or not data.is_floating_point():
         return data.float()
-    if data.dim() == 2 and not data.is_contiguous() and data.t().is_contiguous():
+    if is_transposed_2d(data):
         return fp8_to_float32(data.t(), nan_free).t()
     codec = cpu_codec()
     if codec is not None and data.dtype in codec.FORMATS:

@@ -32,7 +32,7 @@ import torch
 
 from fp8_lightning.formats import fp8_max
 from fp8_lightning.layer_ops import mx_operand_cast, scaled_gemm
-from fp8_lightning.quantize import tensorwise_scale, to_fp8_saturated, wide
+from fp8_lightning.quantize import amax_reference, tensorwise_scale, to_fp8_saturated, wide
 from fp8_lightning.recipes import DelayedScaling, Recipe
 from fp8_lightning.scaling import OperandScaling, delayed_scale, finite_or_zero
 
@@ -61,8 +61,8 @@ def make_plan(recipe: Recipe, device: torch.device, out_dtype: torch.dtype, emul
     delayed = isinstance(recipe, DelayedScaling)
     return TracedPlan(
         kind, delayed, getattr(recipe, "margin", 0), getattr(recipe, "power_of_2_scales", False),
-        getattr(recipe, "eps", 0.0), getattr(recipe, "block_size", 0), getattr(recipe, "scale_rounding", ""), fmt.forward_dtype, fmt.backward_dtype, out_dtype, emulate,
-        device.type == "cuda",
+        getattr(recipe, "eps", 0.0), getattr(recipe, "block_size", 0), getattr(recipe, "scale_rounding", ""),
+        fmt.forward_dtype, fmt.backward_dtype, out_dtype, emulate, device.type == "cuda",
     )
 
 
@@ -70,19 +70,12 @@ def _state_tensors(state: OperandScaling) -> tuple[torch.Tensor, ...]:
     return state.scale, state.pending_amax, state.last_amax, state.nonfinite_count, state.flags
 
 
-def amax_of(x: torch.Tensor) -> torch.Tensor:
-    """max |x| as a float32 scalar (NaN when x holds NaN; 0 for an empty x), in plain tensor operations."""
-    if x.numel() == 0:
-        return x.new_zeros((), dtype=torch.float32)
-    return x.abs().amax().float()
-
-
 def traced_cast(x: torch.Tensor, state_tensors, plan: TracedPlan, dtype: torch.dtype, record: bool):
     """(operand (K last), operand of x.T, their scale) of a 2-D ``x`` under a per-tensor recipe: the reference
     math in plain tensor operations, which the compiler fuses (amax, scale and cast in one or two kernels), with
     the scaling state updated in place as :meth:`fp8_lightning.scaling.OperandScaling.quantize` updates it."""
     scale, pending, last_amax, count, flags = state_tensors
-    x_amax = amax_of(x)
+    x_amax = amax_reference(x)
     clean = finite_or_zero(x_amax)
     max_value = fp8_max(dtype)
     if plan.delayed:  # the stored scale; the first use scales just in time

@@ -94,7 +94,7 @@ def test_gradient_accumulation_compiles_once_and_matches_eager(recipe):
     assert all(torch.equal(a, b) for a, b in zip(state, eager_state))
 
 
-def test_compiled_delayed_state_moves_like_eager_state():
+def test_compiled_delayed_state_moves_between_steps():
     """The traced casts really update the scaling state: histories fill, scales change, flags are reset by sync."""
     _, _, _, state = _train(DelayedScaling(amax_history_len=4), backend="aot_eager", steps=3)
     _, _, _, first = _train(DelayedScaling(amax_history_len=4), backend="aot_eager", steps=1)
