@@ -36,6 +36,7 @@ import torch
 
 from fp8_lightning import kernels
 from fp8_lightning.kernels.availability import DISABLE_ENV, EXPLICIT_ROUNDING_ENV, device_status
+from fp8_lightning.settings import reload_settings
 from fp8_lightning.mx import quantize_mx_operand, quantize_mxfp8
 from fp8_lightning.quantize import amax, quantize_tensorwise, quantize_with_scale
 
@@ -58,6 +59,7 @@ def refusal() -> str | None:
 def environment(**values: str):
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
+    reload_settings()  # the library reads FP8_LIGHTNING_* once
     try:
         yield
     finally:
@@ -66,6 +68,7 @@ def environment(**values: str):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        reload_settings()
 
 
 def pure(fn, *args, **kwargs):

@@ -28,16 +28,16 @@ Device checks return ``(ok, reason)`` so that the same reason feeds errors and t
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
 
 from fp8_lightning.quantize import Quantized, pad_dim
+from fp8_lightning.settings import GEMM_BACKENDS as BACKENDS
+from fp8_lightning.settings import settings
 
 GEMM_ENV = "FP8_LIGHTNING_GEMM"
 EMULATE_ENV = "FP8_LIGHTNING_EMULATE"
-BACKENDS = ("auto", "scaled_mm", "emulate")
 LAYOUT_MULTIPLE = 16
 
 # A block-scaled GEMM for MX operands on CUDA (set by fp8_lightning.kernels when Triton is usable).
@@ -64,14 +64,11 @@ def _registered_mx_gemm() -> Callable[[Quantized, Quantized, torch.dtype], torch
 
 
 def emulation_requested() -> bool:
-    return os.environ.get(EMULATE_ENV, "0").lower() in ("1", "true", "yes")
+    return settings().emulate
 
 
 def requested_backend() -> str:
-    backend = os.environ.get(GEMM_ENV, "auto").lower()
-    if backend not in BACKENDS:
-        raise ValueError(f"{GEMM_ENV}={backend!r} is invalid; allowed: {', '.join(BACKENDS)}.")
-    return backend
+    return settings().gemm
 
 
 def fp8_gemm_support(device: torch.device | str) -> tuple[bool, str]:

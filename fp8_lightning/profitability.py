@@ -19,7 +19,7 @@ The decision is a roofline model of one layer's forward and backward (fprop, dgr
 The device numbers (dense bf16 and FP8 peaks, memory bandwidth, launch latency) come from a table of known
 GPUs (datasheet values times an achievable fraction), or, for another CUDA device, are *measured once* (a large
 bf16 matmul, a large FP8 ``torch._scaled_mm`` and a large copy) and cached in
-``~/.cache/fp8_lightning/roofline.json`` (``FP8_LIGHTNING_CACHE_DIR`` moves it). ``M`` is not known when a model
+``~/.cache/fp8_lightning/roofline.json`` (``FP8_LIGHTNING_CACHE`` moves it). ``M`` is not known when a model
 is converted: the gate assumes ``tokens`` tokens per micro-batch (8192 by default; pass your own).
 
 Default policy (``profitability="auto"``): on CUDA the gate is on; on CPU it is off and every eligible layer is
@@ -35,7 +35,6 @@ import contextlib
 import contextvars
 import dataclasses
 import json
-import os
 import pathlib
 import time
 from typing import Iterator, Union
@@ -44,6 +43,7 @@ import torch
 import torch.nn as nn
 
 from fp8_lightning.recipes import DelayedScaling, MXFP8BlockScaling, Recipe
+from fp8_lightning.settings import settings
 
 ACHIEVABLE = 0.7  # fraction of datasheet peaks that large GEMMs and copies reach in practice
 
@@ -126,8 +126,7 @@ def layer_cost(m: int, k: int, n: int, recipe: Recipe, device: DeviceRoofline) -
 
 
 def _cache_file() -> pathlib.Path:
-    root = os.environ.get("FP8_LIGHTNING_CACHE_DIR") or os.path.join(pathlib.Path.home(), ".cache", "fp8_lightning")
-    return pathlib.Path(root) / "roofline.json"
+    return settings().cache / "roofline.json"
 
 
 def _timed(fn, repeats: int = 10) -> float:

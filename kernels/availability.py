@@ -8,7 +8,7 @@ runs on machines without it:
 * :func:`device_status` -- can the kernels run on a given device: CUDA with FP8 conversions (sm89+), or any
   device when the Triton interpreter is on?
 * :func:`kernels_for` -- should the *core* use the kernels for this tensor? Only for CUDA tensors, only when
-  the device supports them, and never when ``FP8_LIGHTNING_DISABLE_TRITON=1`` asks for the pure-torch path.
+  the device supports them, and never when ``FP8_LIGHTNING_DISABLE_TRITON=1`` asked for the pure-torch path.
   The core never sends CPU tensors here, so CPU behaviour is untouched.
 
 Every check returns ``(ok, reason)``; the same reason feeds errors (:func:`require_triton`) and test skips.
@@ -22,24 +22,22 @@ import os
 
 import torch
 
+from fp8_lightning.settings import settings
+
 DISABLE_ENV = "FP8_LIGHTNING_DISABLE_TRITON"
 INTERPRET_ENV = "TRITON_INTERPRET"
 EXPLICIT_ROUNDING_ENV = "FP8_LIGHTNING_TRITON_EXPLICIT_ROUNDING"
 MIN_CAPABILITY = (8, 9)  # hardware FP8 conversions (Ada, Hopper, Blackwell)
 
 
-def _truthy(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
-
-
 def disabled_by_env() -> bool:
-    """True when ``FP8_LIGHTNING_DISABLE_TRITON`` forces the pure-torch path (read on every call)."""
-    return _truthy(DISABLE_ENV)
+    """True when ``FP8_LIGHTNING_DISABLE_TRITON`` forces the pure-torch path (:mod:`fp8_lightning.settings`)."""
+    return settings().disable_triton
 
 
 def interpreting() -> bool:
-    """True when Triton's CPU interpreter is on (``TRITON_INTERPRET=1``)."""
-    return _truthy(INTERPRET_ENV)
+    """True when Triton's CPU interpreter is on (``TRITON_INTERPRET=1``, Triton's own variable, read per call)."""
+    return os.environ.get(INTERPRET_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def explicit_rounding() -> bool:
@@ -51,7 +49,7 @@ def explicit_rounding() -> bool:
     the extra arithmetic is skipped there unless ``FP8_LIGHTNING_TRITON_EXPLICIT_ROUNDING=1`` asks for it (the
     GPU check verifies both settings bit for bit).
     """
-    return interpreting() or _truthy(EXPLICIT_ROUNDING_ENV)
+    return interpreting() or settings().triton_explicit_rounding
 
 
 @functools.lru_cache(maxsize=1)
@@ -104,8 +102,8 @@ def kernels_for(x: torch.Tensor):
 def cuda_kernels_enabled(index: int | None) -> bool:
     """Whether the core uses the kernels on CUDA device ``index``: usable there and not disabled.
 
-    Eager code reads ``FP8_LIGHTNING_DISABLE_TRITON`` on every call; ``torch.compile`` evaluates this once while
-    tracing and keeps the answer in the compiled graph (set the variable before compiling).
+    ``torch.compile`` evaluates this once while tracing and keeps the answer in the compiled graph; the settings it
+    reads are fixed for the process anyway (:mod:`fp8_lightning.settings`).
     """
     return not disabled_by_env() and _cuda_usable(index)
 

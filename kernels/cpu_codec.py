@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from fp8_lightning.settings import settings
+
 DISABLE_ENV = "FP8_LIGHTNING_DISABLE_CPU_CODEC"
 CACHE_ENV = "FP8_LIGHTNING_CACHE"
 SOURCE = Path(__file__).with_name("cpu_codec.c")
@@ -55,7 +57,8 @@ _SIGNATURES = {
 
 
 def disabled_by_env() -> bool:
-    return os.environ.get(DISABLE_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+    """Whether ``FP8_LIGHTNING_DISABLE_CPU_CODEC`` asked for the pure-torch path (:mod:`fp8_lightning.settings`)."""
+    return settings().disable_cpu_codec
 
 
 def status() -> tuple[bool, str]:
@@ -86,7 +89,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         source = SOURCE.read_bytes()
     except OSError as err:
         return None, f"the codec's source is missing ({err}); reinstall fp8-lightning"
-    folder = Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "fp8_lightning"))
+    folder = settings().cache
     errors = []
     for flags in (["-O3", "-march=native"], ["-O3"]):
         key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), compiler.encode(),

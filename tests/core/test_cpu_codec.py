@@ -17,6 +17,7 @@ import torch
 from fp8_lightning import mx
 from fp8_lightning import quantize as q
 from fp8_lightning.kernels import cpu_codec
+from tests.environment import set_env
 
 pytestmark = pytest.mark.skipif(
     not cpu_codec.status()[0], reason=f"the CPU codec is not built here: {cpu_codec.status()[1]}"
@@ -31,7 +32,7 @@ def reference(monkeypatch):
 
     def run(fn, *args, **kwargs):
         with monkeypatch.context() as patch:
-            patch.setenv(cpu_codec.DISABLE_ENV, "1")
+            set_env(patch, **{cpu_codec.DISABLE_ENV: "1"})
             assert q.cpu_codec() is None
             return fn(*args, **kwargs)
 
@@ -179,7 +180,7 @@ def test_a_layer_trains_bit_for_bit_as_on_the_reference_path(recipe, monkeypatch
     from fp8_lightning import convert_to_fp8, fp8_autocast, sync_scales
 
     def train(codec_off: bool):
-        monkeypatch.setenv(cpu_codec.DISABLE_ENV, "1" if codec_off else "0")
+        set_env(monkeypatch, **{cpu_codec.DISABLE_ENV: "1" if codec_off else "0"})
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 32))
         convert_to_fp8(model, recipe, profitability=False)
@@ -218,7 +219,7 @@ class _Wrapper(torch.Tensor):
 
 def test_no_compiler_means_the_reference_path_with_the_reason(monkeypatch, tmp_path, reference):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv(cpu_codec.CACHE_ENV, str(tmp_path))
+    set_env(monkeypatch, **{cpu_codec.CACHE_ENV: str(tmp_path)})
     cpu_codec._load.cache_clear()
     try:
         ok, reason = cpu_codec.status()
@@ -238,7 +239,7 @@ def test_no_compiler_means_the_reference_path_with_the_reason(monkeypatch, tmp_p
 def test_an_unwritable_cache_falls_back_with_the_reason(monkeypatch, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    monkeypatch.setenv(cpu_codec.CACHE_ENV, str(blocker / "cache"))  # cannot be created under a file
+    set_env(monkeypatch, **{cpu_codec.CACHE_ENV: str(blocker / "cache")})  # cannot be created under a file
     cpu_codec._load.cache_clear()
     try:
         ok, reason = cpu_codec.status()
@@ -250,7 +251,7 @@ def test_an_unwritable_cache_falls_back_with_the_reason(monkeypatch, tmp_path):
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler (cc) to build the codec")
 def test_a_fresh_cache_builds_the_library_once(monkeypatch, tmp_path):
-    monkeypatch.setenv(cpu_codec.CACHE_ENV, str(tmp_path))
+    set_env(monkeypatch, **{cpu_codec.CACHE_ENV: str(tmp_path)})
     cpu_codec._load.cache_clear()
     try:
         ok, path = cpu_codec.status()

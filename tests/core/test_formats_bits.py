@@ -8,6 +8,7 @@ import torch
 from fp8_lightning.formats import Format, fp8_emax, fp8_max, fp8_min_normal, fp8_min_subnormal
 from fp8_lightning.quantize import dequantize_with_scale, fp8_to_float32, quantize_with_scale, to_fp8_saturated
 from tests.core.fp8_reference import decode, finite_table, round_saturate
+from tests.environment import set_env
 
 DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
 
@@ -27,7 +28,7 @@ def test_all_256_patterns_decode_like_the_reference(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("codec", ["C codec", "pure torch"])
 def test_fast_cpu_decode_matches_the_reference_bit_for_bit(dtype, codec, monkeypatch):
-    monkeypatch.setenv("FP8_LIGHTNING_DISABLE_CPU_CODEC", "1" if codec == "pure torch" else "0")
+    set_env(monkeypatch, FP8_LIGHTNING_DISABLE_CPU_CODEC="1" if codec == "pure torch" else "0")
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     finite = [c for c in range(256) if not math.isnan(decode(c, dtype)) and not math.isinf(decode(c, dtype))]
     # E4M3: finite codes in a large tensor take the integer (float16) path; NaN codes, or a small tensor, the table

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tests.conftest import requires_cuda_fp8
+from tests.environment import set_env
 
 
 @requires_cuda_fp8
@@ -32,5 +33,5 @@ def test_device_without_fp8_is_refused_with_its_capability_named(monkeypatch):
     with pytest.raises(RuntimeError, match="emulate=True"):
         gemm.check_device("cuda")
     gemm.check_device("cuda", emulate=True)  # opt-in emulation passes
-    monkeypatch.setenv(gemm.EMULATE_ENV, "1")
+    set_env(monkeypatch, **{gemm.EMULATE_ENV: "1"})
     gemm.check_device("cuda")

@@ -9,6 +9,7 @@ from fp8_lightning import dequantize_mxfp8, dequantize_tensorwise, quantize_mxfp
 from fp8_lightning.mx import e8m0_to_float, quantize_mx_columns, quantize_mx_operands
 from fp8_lightning.quantize import amax_and_value, pad_dim, tensorwise_scale, tensorwise_scale_value
 from tests.core.fp8_reference import round_saturate
+from tests.environment import set_env
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -16,7 +17,7 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 @pytest.fixture(autouse=True, params=["C codec", "pure torch"])
 def cpu_path(request, monkeypatch):
     """Every test runs on both CPU paths: the C codec (where it is built) and the pure-torch code."""
-    monkeypatch.setenv("FP8_LIGHTNING_DISABLE_CPU_CODEC", "1" if request.param == "pure torch" else "0")
+    set_env(monkeypatch, FP8_LIGHTNING_DISABLE_CPU_CODEC="1" if request.param == "pure torch" else "0")
     return request.param
 
 

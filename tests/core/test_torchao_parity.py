@@ -30,6 +30,7 @@ from torchao.prototype.mx_formats.config import (  # noqa: E402
 )
 from torchao.prototype.mx_formats.mx_tensor import to_mx  # noqa: E402
 from torchao.quantization.quantize_.common.kernel_preference import KernelPreference  # noqa: E402
+from tests.environment import set_env
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 U = 2.0**-24  # float32 unit roundoff
@@ -37,7 +38,7 @@ U = 2.0**-24  # float32 unit roundoff
 
 @pytest.fixture(autouse=True, params=["C codec", "pure torch"])
 def cpu_path(request, monkeypatch):
-    monkeypatch.setenv("FP8_LIGHTNING_DISABLE_CPU_CODEC", "1" if request.param == "pure torch" else "0")
+    set_env(monkeypatch, FP8_LIGHTNING_DISABLE_CPU_CODEC="1" if request.param == "pure torch" else "0")
 
 
 def _inputs() -> list[torch.Tensor]:

@@ -27,6 +27,7 @@ from fp8_lightning.kernels import availability
 from fp8_lightning.recipes import DelayedScaling, MXFP8BlockScaling, TensorwiseScaling
 from fp8_lightning.scaling import OperandScaling
 from tests.kernels.references import assert_same_fp8
+from tests.environment import set_env
 
 REPO = Path(__file__).resolve().parents[2]
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -52,7 +53,7 @@ def kernel_calls(monkeypatch):
     def route(x):
         return kernels if kernels.supports_input(x) else None
 
-    monkeypatch.setenv("FP8_LIGHTNING_DISABLE_CPU_CODEC", "1")  # CUDA tensors never meet the CPU codec
+    set_env(monkeypatch, FP8_LIGHTNING_DISABLE_CPU_CODEC="1")  # CUDA tensors never meet the CPU codec
 
     for module in (quantize, mx, scaling):
         monkeypatch.setattr(module, "cuda_kernels", route)
@@ -153,7 +154,7 @@ def test_layer_step_on_cuda_runs_only_its_casts_and_gemms(kernel_calls, monkeypa
     """A per-tensor FP8 layer's forward and backward on the CUDA branch (scaled GEMMs): three casts (which also
     write the transposed copies and the inverse scales the backward GEMMs take), three GEMMs, the bias add and its
     gradient; the gradients' accumulation is autograd's."""
-    monkeypatch.setenv("FP8_LIGHTNING_GEMM", "scaled_mm")  # torch._scaled_mm, as on CUDA
+    set_env(monkeypatch, FP8_LIGHTNING_GEMM="scaled_mm")  # torch._scaled_mm, as on CUDA
     layer = FP8Linear.from_linear(torch.nn.Linear(64, 32), recipe)
     x = torch.randn(48, 64, requires_grad=True)
     grad_y = torch.randn(48, 32)
@@ -204,7 +205,7 @@ def test_core_functions_compile_into_one_graph_with_the_kernels(kernel_calls):
 
 def test_dispatch_decision_is_a_compile_time_constant(monkeypatch):
     monkeypatch.setattr(availability, "_cuda_usable", lambda index: True)
-    monkeypatch.delenv(availability.DISABLE_ENV, raising=False)
+    set_env(monkeypatch, **{availability.DISABLE_ENV: None})
     torch._dynamo.reset()
     fn = torch.compile(lambda x: x + (1 if availability.cuda_kernels_enabled(0) else 2), backend="aot_eager",
                        fullgraph=True)
@@ -221,11 +222,11 @@ def test_cpu_tensors_never_reach_the_kernels(monkeypatch):
 def test_kernels_for_honours_device_and_disable_variable(monkeypatch):
     fake_cuda = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
     monkeypatch.setattr(availability, "_cuda_usable", lambda index: True)
-    monkeypatch.delenv(availability.DISABLE_ENV, raising=False)
+    set_env(monkeypatch, **{availability.DISABLE_ENV: None})
     assert availability.kernels_for(fake_cuda) is kernels
-    monkeypatch.setenv(availability.DISABLE_ENV, "1")
+    set_env(monkeypatch, **{availability.DISABLE_ENV: "1"})
     assert availability.kernels_for(fake_cuda) is None
-    monkeypatch.setenv(availability.DISABLE_ENV, "0")
+    set_env(monkeypatch, **{availability.DISABLE_ENV: "0"})
     monkeypatch.setattr(availability, "_cuda_usable", lambda index: False)
     assert availability.kernels_for(fake_cuda) is None
 

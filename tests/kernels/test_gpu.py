@@ -13,6 +13,7 @@ from fp8_lightning import FP8Linear, fp8_autocast
 from fp8_lightning.kernels.availability import DISABLE_ENV
 from fp8_lightning.recipes import DelayedScaling
 from tests.kernels.conftest import requires_cuda_kernels
+from tests.environment import set_env
 
 pytestmark = [pytest.mark.gpu, requires_cuda_kernels]
 
@@ -34,7 +35,7 @@ def test_delayed_fp8_linear_steps_are_identical_with_and_without_the_kernels(mon
         return layer.weight.grad, x.grad
 
     with_kernels = steps()
-    monkeypatch.setenv(DISABLE_ENV, "1")
+    set_env(monkeypatch, **{DISABLE_ENV: "1"})
     without = steps()
     for a, b in zip(with_kernels, without):
         assert torch.equal(a, b)

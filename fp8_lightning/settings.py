@@ -1,0 +1,99 @@
+"""Every ``FP8_LIGHTNING_*`` environment variable, read once into one frozen object.
+
+The library's backend choices (Triton kernels or pure torch on CUDA, the C codec or pure torch on CPU, which GEMM)
+used to read the environment on every call, from several modules. They now read :func:`settings`: the variables
+are parsed and validated the first time it is called, and the answer stays the same for the life of the process,
+so a compiled graph and the eager code never disagree about it. A bad value fails at that first read with the
+variable, the value and what is allowed.
+
+==========================================  =========  ============================================================
+variable                                    default    effect
+==========================================  =========  ============================================================
+``FP8_LIGHTNING_GEMM``                      ``auto``   ``auto``: the fastest exact GEMM for the device (float matmul
+                                                       of the FP8 values on CPU, ``torch._scaled_mm`` on CUDA);
+                                                       ``scaled_mm``: ``torch._scaled_mm`` everywhere (also CPU);
+                                                       ``emulate``: dequantize and matmul in float32
+``FP8_LIGHTNING_EMULATE``                   ``0``      ``1``: run FP8 numerics in float32 on devices without FP8
+                                                       GEMMs instead of refusing (as ``emulate=True``)
+``FP8_LIGHTNING_DISABLE_TRITON``            ``0``      ``1``: CUDA tensors take the pure-torch path, not the Triton
+                                                       kernels
+``FP8_LIGHTNING_TRITON_EXPLICIT_ROUNDING``  ``0``      ``1``: the Triton cast kernels round to the FP8 grid in float32
+                                                       before converting (always on under ``TRITON_INTERPRET=1``)
+``FP8_LIGHTNING_DISABLE_CPU_CODEC``         ``0``      ``1``: CPU tensors take the pure-torch path, not the C codec
+``FP8_LIGHTNING_CACHE``                     ``~/.cache/fp8_lightning``  where the C codec is built and the
+                                                       measured GPU roofline is kept (``FP8_LIGHTNING_CACHE_DIR`` is
+                                                       read as its older name)
+==========================================  =========  ============================================================
+
+Booleans accept ``1/0``, ``true/false``, ``yes/no``, ``on/off`` (any case). Code that changes a variable after the
+first read (tests, a notebook) calls :func:`reload_settings`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Mapping
+
+PREFIX = "FP8_LIGHTNING_"
+GEMM_BACKENDS = ("auto", "scaled_mm", "emulate")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The parsed environment (see the module docstring for each field's variable)."""
+
+    gemm: str = "auto"
+    emulate: bool = False
+    disable_triton: bool = False
+    triton_explicit_rounding: bool = False
+    disable_cpu_codec: bool = False
+    cache: Path = Path.home() / ".cache" / "fp8_lightning"
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> "Settings":
+        """Parse ``environ``; raise ``ValueError`` naming the variable for a value that is not allowed."""
+        gemm = environ.get(PREFIX + "GEMM", "auto").strip().lower()
+        if gemm not in GEMM_BACKENDS:
+            raise ValueError(
+                f"{PREFIX}GEMM={environ[PREFIX + 'GEMM']!r} is not allowed; use one of {', '.join(GEMM_BACKENDS)} "
+                "(or unset it for auto)."
+            )
+        cache = environ.get(PREFIX + "CACHE") or environ.get(PREFIX + "CACHE_DIR")
+        return cls(
+            gemm=gemm,
+            emulate=_flag(environ, "EMULATE"),
+            disable_triton=_flag(environ, "DISABLE_TRITON"),
+            triton_explicit_rounding=_flag(environ, "TRITON_EXPLICIT_ROUNDING"),
+            disable_cpu_codec=_flag(environ, "DISABLE_CPU_CODEC"),
+            cache=Path(cache).expanduser() if cache else cls.cache,
+        )
+
+
+def _flag(environ: Mapping[str, str], name: str) -> bool:
+    value = environ.get(PREFIX + name, "0").strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise ValueError(
+            f"{PREFIX}{name}={environ[PREFIX + name]!r} is not a boolean; use 1 or 0 (true/false, yes/no, on/off)."
+        )
+    return value in _TRUE
+
+
+_current: Settings | None = None
+
+
+def settings() -> Settings:
+    """The process's settings, read from the environment on the first call."""
+    global _current
+    if _current is None:
+        _current = Settings.from_environ()
+    return _current
+
+
+def reload_settings() -> Settings:
+    """Read the environment again (after changing a variable) and return the new settings."""
+    global _current
+    _current = Settings.from_environ()
+    return _current
