@@ -8,7 +8,8 @@ Backends, chosen per call:
 
 * ``scaled_mm``: ``torch._scaled_mm`` with per-tensor scales, on CUDA sm89+ (and on CPU when requested with
   ``FP8_LIGHTNING_GEMM=scaled_mm``). CUDA needs K and N divisible by 16; operands are zero-padded when they are
-  not (zeros add nothing to a sum).
+  not (zeros add nothing to a sum). The bias rides in the epilogue where cuBLAS takes it (bf16/fp16 output) and
+  fast accumulation is chosen per GEMM (the recipe's ``fprop_fast_accum`` / ``grad_fast_accum``).
 * ``float matmul`` (CPU, the default there): per-tensor scales, ``(A @ B.T) / (scale_a * scale_b) + bias`` in
   one ``addmm``, where A and B hold the FP8 codes' exact values in float32. It is the same arithmetic as CPU
   ``torch._scaled_mm`` (which converts both operands to float32 and multiplies) up to float32 summation order,
@@ -99,19 +100,36 @@ def check_device(device: torch.device | str, emulate: bool = False) -> None:
         )
 
 
-def _scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
-    n = b.data.shape[0]
-    a_data = pad_dim(a.data.contiguous(), -1, LAYOUT_MULTIPLE)  # row-major a, column-major b.T
-    b_data = pad_dim(pad_dim(b.data.contiguous(), -1, LAYOUT_MULTIPLE), 0, LAYOUT_MULTIPLE)
+def scaled_mm(
+    a: torch.Tensor, a_inverse: torch.Tensor, b: torch.Tensor, b_inverse: torch.Tensor, out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None, fast_accum: bool = False,
+) -> torch.Tensor:
+    """``torch._scaled_mm`` of per-tensor FP8 operands with K last (``a``: (M, K), ``b``: (N, K)) and their inverse
+    scales, in the layout cuBLAS wants: ``a`` row-major, ``b.T`` column-major, K and N zero-padded to multiples of
+    16. Plain tensor operations: the eager layer calls it and a compiled graph holds it as is (inductor then calls
+    cuBLAS with no Python in between).
+
+    ``bias`` rides in the GEMM's epilogue where cuBLAS takes it, a bias in the output dtype with a bf16 or fp16
+    output (``_scaled_mm`` refuses one with float32 output and needs a bf16 bias for bf16 output), one rounding
+    instead of two; otherwise it is added afterwards. ``fast_accum``: Hopper's faster, less precise accumulation
+    of FP8 products (``use_fast_accum``).
+    """
+    n = b.shape[0]
+    a_data = pad_dim(a.contiguous(), -1, LAYOUT_MULTIPLE)
+    b_data = pad_dim(pad_dim(b.contiguous(), -1, LAYOUT_MULTIPLE), 0, LAYOUT_MULTIPLE)
     mm_dtype = out_dtype if out_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    fused = bias is not None and mm_dtype != torch.float32 and bias.dtype == mm_dtype
     out = torch._scaled_mm(
         a_data,
         b_data.t(),
-        scale_a=a.inverse_scale(),
-        scale_b=b.inverse_scale(),
+        scale_a=a_inverse,
+        scale_b=b_inverse,
+        bias=pad_dim(bias, 0, LAYOUT_MULTIPLE) if fused else None,
         out_dtype=mm_dtype,
+        use_fast_accum=fast_accum,
     )
-    return out[:, :n].to(out_dtype)
+    out = out[:, :n].to(out_dtype)
+    return out if fused else _add_bias(out, bias)
 
 
 def _float_matmul(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
@@ -175,9 +193,11 @@ def _emulated(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tenso
 
 
 def fp8_mm(
-    a: Quantized, b: Quantized, out_dtype: torch.dtype, emulate: bool = False, bias: torch.Tensor | None = None
+    a: Quantized, b: Quantized, out_dtype: torch.dtype, emulate: bool = False, bias: torch.Tensor | None = None,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
-    """``a @ b.T (+ bias)`` for FP8 operands with K last: ``a`` is (M, K), ``b`` is (N, K); returns (M, N)."""
+    """``a @ b.T (+ bias)`` for FP8 operands with K last: ``a`` is (M, K), ``b`` is (N, K); returns (M, N).
+    ``fast_accum`` asks cuBLAS's per-tensor GEMM for fast accumulation (other backends accumulate in float32)."""
     if a.data.shape[-1] != b.data.shape[-1]:
         raise ValueError(f"fp8_mm: K differs: a is {tuple(a.data.shape)}, b is {tuple(b.data.shape)}.")
     if a.kind != b.kind:
@@ -194,4 +214,4 @@ def fp8_mm(
         return _add_bias(_emulated(a, b, out_dtype), bias)
     if backend == "emulate" or (backend == "auto" and not fp8_gemm_support(a.data.device)[0]):
         return _add_bias(_emulated(a, b, out_dtype), bias)
-    return _add_bias(_scaled_mm(a, b, out_dtype), bias)
+    return scaled_mm(a.data, a.inverse_scale(), b.data, b.inverse_scale(), out_dtype, bias, fast_accum)

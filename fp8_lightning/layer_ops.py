@@ -3,8 +3,8 @@
     torch.ops.fp8_lightning.mx_operand_cast(x, block_size, scale_rounding, dtype, columnwise)
                                          -> (row, row_scale, col, col_scale)
         MXFP8 rowwise and (optionally) columnwise copies of a 2-D tensor from one read
-    torch.ops.fp8_lightning.scaled_gemm(a, a_scale, b, b_scale, bias, kind, out_dtype, emulate) -> out
-        ``a @ b.T (+ bias)`` for FP8 operands with K last
+    torch.ops.fp8_lightning.scaled_gemm(a, a_scale, b, b_scale, bias, kind, out_dtype, emulate, fast_accum) -> out
+        ``a @ b.T (+ bias)`` for FP8 operands with K last (the CPU float GEMM, MX GEMMs)
 
 Why ops: ``torch.compile`` traces a call to each as one opaque node with a fake (meta) implementation that gives
 its output shapes, so the layer step stays one graph. The dispatcher runs the op's implementation for the tensor's
@@ -13,7 +13,8 @@ device, and each implementation is the eager layer's own code (:func:`fp8_lightn
 ``_scaled_mm`` or the Triton MX GEMM. A compiled step therefore computes the same bits as an eager one.
 
 Per-tensor casts are not ops: the traced step writes them as plain tensor operations
-(:func:`fp8_lightning.traced.traced_cast`), which the compiler fuses with their neighbours.
+(:func:`fp8_lightning.traced.traced_cast`), which the compiler fuses with their neighbours. Nor is the per-tensor
+GEMM where it is ``torch._scaled_mm`` (CUDA): the graph holds that aten op itself (:func:`fp8_lightning.gemm.scaled_mm`).
 """
 
 from __future__ import annotations
@@ -85,11 +86,11 @@ def _(x, block_size, scale_rounding, dtype, columnwise):
 @custom_op(f"{NAMESPACE}::scaled_gemm", mutates_args=())
 def scaled_gemm(
     a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, bias: Optional[torch.Tensor],
-    kind: str, out_dtype: torch.dtype, emulate: bool,
+    kind: str, out_dtype: torch.dtype, emulate: bool, fast_accum: bool,
 ) -> torch.Tensor:
-    return fp8_mm(Quantized(a, a_scale, kind), Quantized(b, b_scale, kind), out_dtype, emulate, bias)
+    return fp8_mm(Quantized(a, a_scale, kind), Quantized(b, b_scale, kind), out_dtype, emulate, bias, fast_accum)
 
 
 @scaled_gemm.register_fake
-def _(a, a_scale, b, b_scale, bias, kind, out_dtype, emulate):
+def _(a, a_scale, b, b_scale, bias, kind, out_dtype, emulate, fast_accum):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)

@@ -153,7 +153,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         wq, w_col = scaling.weight_operands(weight, record, getattr(layer, "_is_fsdp_managed_module", False))
         _observe(layer, "input", x2d, xq)
         _observe(layer, "weight", weight, wq)
-        y = fp8_mm(xq, wq, out_dtype, emulate, bias)
+        y = fp8_mm(xq, wq, out_dtype, emulate, bias, scaling.recipe.fprop_fast_accum)
         # Save the FP8 operands backward multiplies, x.T for wgrad and W.T for dgrad: for per-tensor recipes the
         # transposed rowwise copies (contiguous where the cast wrote them, else views), for MX the columnwise ones.
         x_saved = xq.t() if scaling.recipe.per_tensor else x_col
@@ -178,13 +178,14 @@ class _FP8LinearFunction(torch.autograd.Function):
         gq, g_col = scaling.cast("grad_output", g, record=True, columnwise=ctx.needs_input_grad[1])
         _observe(layer, "grad_output", g, gq)
         grad_x = grad_w = grad_bias = None
+        fast = scaling.recipe.grad_fast_accum
         # ------------------------------------------------ dgrad ------------------------------------------------
         if ctx.needs_input_grad[0]:
-            grad_x = fp8_mm(gq, w_saved, x_dtype, emulate)  # (M, N) @ (K, N).T
+            grad_x = fp8_mm(gq, w_saved, x_dtype, emulate, fast_accum=fast)  # (M, N) @ (K, N).T
         # ------------------------------------------------ wgrad ------------------------------------------------
         if ctx.needs_input_grad[1]:
             g_t = gq.t() if kind == "tensor" else g_col  # (N, M)
-            grad_w = fp8_mm(g_t, x_saved, w_dtype, emulate)  # (N, M) @ (K, M).T
+            grad_w = fp8_mm(g_t, x_saved, w_dtype, emulate, fast_accum=fast)  # (N, M) @ (K, M).T
         if ctx.needs_input_grad[2]:
             grad_bias = g.sum(0).to(bias_dtype)
         return grad_x, grad_w, grad_bias, None, None, None, None, None

@@ -31,18 +31,29 @@ def _invalid(cls_name: str, field: str, value: Any, allowed: str) -> ValueError:
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    """Base class: common construction from names and dicts."""
+    """Base class: common construction from names and dicts.
+
+    ``fprop_fast_accum`` / ``grad_fast_accum``: cuBLAS's fast accumulation for the forward GEMM and for the two
+    backward GEMMs (dgrad, wgrad) of per-tensor recipes on CUDA (``torch._scaled_mm(use_fast_accum=)``). It is
+    faster on Hopper and accumulates FP8 products less precisely; the defaults follow torchao.float8 (forward on,
+    gradients off). Other GEMMs (CPU, MX block-scaled) always accumulate in float32 and ignore them.
+    """
 
     name: ClassVar[str] = ""
     per_tensor: ClassVar[bool] = True
 
     fp8_format: Format = Format.HYBRID
+    fprop_fast_accum: bool = True
+    grad_fast_accum: bool = False
 
     def __post_init__(self) -> None:
         try:
             object.__setattr__(self, "fp8_format", Format.parse(self.fp8_format))
         except ValueError as err:
             raise _invalid(type(self).__name__, "fp8_format", self.fp8_format, "E4M3, E5M2, HYBRID") from err
+        for flag in ("fprop_fast_accum", "grad_fast_accum"):
+            if not isinstance(getattr(self, flag), bool):
+                raise _invalid(type(self).__name__, flag, getattr(self, flag), "True or False")
         if self.fp8_format is Format.E5M2:  # both operands of every GEMM would be E5M2
             raise _invalid(
                 type(self).__name__, "fp8_format", "E5M2",

@@ -11,8 +11,10 @@ What makes it traceable:
   the ``[initialized, observed]`` flags) enter the graph as inputs and are updated in place by
   :func:`traced_cast` (plain tensor operations, the reference math of ``quantize`` and ``scaling``, which the
   compiler fuses with the layer's neighbours; it functionalizes the in-place updates). Nothing is assigned to a
-  Python object inside the graph, so the step compiles once and is never recompiled as scales move. MX casts and
-  every GEMM are the custom ops of :mod:`fp8_lightning.layer_ops` (the C codec, Triton or cuBLAS behind them).
+  Python object inside the graph, so the step compiles once and is never recompiled as scales move. Per-tensor
+  GEMMs on CUDA are ``torch._scaled_mm`` in the graph (bias in its epilogue, fast accumulation per GEMM as the
+  recipe says); MX casts and the other GEMMs are the custom ops of :mod:`fp8_lightning.layer_ops` (the C codec,
+  the CPU float GEMM, Triton or cuBLAS behind them).
 * **A frozen plan.** The autograd Function gets tensors and a hashable :class:`TracedPlan` (recipe, formats,
   output dtype), never a module or a state object. The output gradient's state is among its tensor inputs and
   is updated in backward (delayed scaling books the gradient amax there).
@@ -31,10 +33,12 @@ from typing import NamedTuple
 import torch
 
 from fp8_lightning.formats import fp8_max
+from fp8_lightning.gemm import scaled_mm
 from fp8_lightning.layer_ops import mx_operand_cast, scaled_gemm
 from fp8_lightning.quantize import amax_reference, tensorwise_scale, to_fp8_saturated, wide
 from fp8_lightning.recipes import DelayedScaling, Recipe
 from fp8_lightning.scaling import OperandScaling, delayed_scale, finite_or_zero
+from fp8_lightning.settings import settings
 
 
 class TracedPlan(NamedTuple):
@@ -52,6 +56,9 @@ class TracedPlan(NamedTuple):
     out_dtype: torch.dtype
     emulate: bool
     transpose: bool  # the cast kernels write the transposed copies the backward GEMMs read (CUDA)
+    scaled_mm: bool  # per-tensor GEMMs are torch._scaled_mm itself in the graph (CUDA, or FP8_LIGHTNING_GEMM=scaled_mm)
+    fprop_fast_accum: bool
+    grad_fast_accum: bool
 
 
 def make_plan(recipe: Recipe, device: torch.device, out_dtype: torch.dtype, emulate: bool) -> TracedPlan:
@@ -59,11 +66,22 @@ def make_plan(recipe: Recipe, device: torch.device, out_dtype: torch.dtype, emul
     fmt = recipe.fp8_format
     kind = "tensor" if recipe.per_tensor else "mx"
     delayed = isinstance(recipe, DelayedScaling)
+    backend = "emulate" if emulate else settings().gemm
+    scaled_mm = kind == "tensor" and (backend == "scaled_mm" or (backend == "auto" and device.type == "cuda"))
     return TracedPlan(
         kind, delayed, getattr(recipe, "margin", 0), getattr(recipe, "power_of_2_scales", False),
         getattr(recipe, "eps", 0.0), getattr(recipe, "block_size", 0), getattr(recipe, "scale_rounding", ""),
-        fmt.forward_dtype, fmt.backward_dtype, out_dtype, emulate, device.type == "cuda",
+        fmt.forward_dtype, fmt.backward_dtype, out_dtype, emulate, device.type == "cuda", scaled_mm,
+        recipe.fprop_fast_accum, recipe.grad_fast_accum,
     )
+
+
+def _gemm(plan: TracedPlan, a, a_scale, b, b_scale, bias, out_dtype: torch.dtype, fast_accum: bool):
+    """``a @ b.T (+ bias)`` of FP8 operands: ``torch._scaled_mm`` in the graph for per-tensor operands where it is
+    the GEMM, else the custom op (the eager layer's GEMM: CPU float GEMM, MX GEMMs)."""
+    if plan.scaled_mm:
+        return scaled_mm(a, a_scale.reciprocal(), b, b_scale.reciprocal(), out_dtype, bias, fast_accum)
+    return scaled_gemm(a, a_scale, b, b_scale, bias, plan.kind, out_dtype, plan.emulate, fast_accum)
 
 
 def _state_tensors(state: OperandScaling) -> tuple[torch.Tensor, ...]:
@@ -128,7 +146,7 @@ class _TracedFP8Function(torch.autograd.Function):
     def forward(ctx, x2d, weight, bias, plan, x_row, x_scale, w_row, w_scale, x_col, x_col_scale, w_col,
                 w_col_scale, *grad_state):
         # ------------------------------------------------ fprop ------------------------------------------------
-        y = scaled_gemm(x_row, x_scale, w_row, w_scale, bias, plan.kind, plan.out_dtype, plan.emulate)
+        y = _gemm(plan, x_row, x_scale, w_row, w_scale, bias, plan.out_dtype, plan.fprop_fast_accum)
         x_col_scale = x_scale if x_col_scale is None else x_col_scale
         w_col_scale = w_scale if w_col_scale is None else w_col_scale
         ctx.save_for_backward(x_col, x_col_scale, w_col, w_col_scale, *grad_state)
@@ -149,10 +167,10 @@ class _TracedFP8Function(torch.autograd.Function):
         grad_x = grad_w = grad_bias = None
         # ------------------------------------------------ dgrad ------------------------------------------------
         if ctx.needs_input_grad[0]:
-            grad_x = scaled_gemm(g_row, g_scale, w_col, w_col_scale, None, plan.kind, x_dtype, plan.emulate)
+            grad_x = _gemm(plan, g_row, g_scale, w_col, w_col_scale, None, x_dtype, plan.grad_fast_accum)
         # ------------------------------------------------ wgrad ------------------------------------------------
         if ctx.needs_input_grad[1]:
-            grad_w = scaled_gemm(g_col, g_col_scale, x_col, x_col_scale, None, plan.kind, w_dtype, plan.emulate)
+            grad_w = _gemm(plan, g_col, g_col_scale, x_col, x_col_scale, None, w_dtype, plan.grad_fast_accum)
         if ctx.needs_input_grad[2]:
             grad_bias = g.sum(0).to(bias_dtype)
         return (grad_x, grad_w, grad_bias) + (None,) * (9 + len(grad_state))
