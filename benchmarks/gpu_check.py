@@ -16,8 +16,7 @@ import torch.nn as nn
 
 from fp8_lightning import DelayedScaling, FP8Linear, Format, MXFP8BlockScaling, TensorwiseScaling, fp8_autocast
 from fp8_lightning.gemm import fp8_gemm_support
-from fp8_lightning.mx import quantize_mxfp8
-from fp8_lightning.quantize import quantize_tensorwise
+from fp8_lightning.backends import quantize_mxfp8, quantize_tensorwise
 from fp8_lightning.scaling import OperandScaling
 
 RECIPES = {

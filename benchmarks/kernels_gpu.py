@@ -37,8 +37,15 @@ import torch
 from fp8_lightning import kernels
 from fp8_lightning.kernels.availability import DISABLE_ENV, EXPLICIT_ROUNDING_ENV, device_status
 from fp8_lightning.settings import reload_settings
-from fp8_lightning.mx import quantize_mx_operand, quantize_mxfp8
-from fp8_lightning.quantize import amax, quantize_tensorwise, quantize_with_scale
+from fp8_lightning.backends import (
+    amax,
+    dequantize_operand,
+    quantize_mx_operand,
+    quantize_mxfp8,
+    quantize_tensorwise,
+    quantize_with_scale,
+)
+from fp8_lightning.gemm import fp8_mm
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 MB = 2**20
@@ -153,7 +160,7 @@ def check_gemm() -> bool:
     a = quantize_mx_operand(torch.randn(520, 2048, generator=g).cuda(), 32, "rceil", E4M3)
     b = quantize_mx_operand(torch.randn(1000, 2048, generator=g).cuda(), 32, "rceil", E5M2)
     out = kernels.mx_gemm(a, b, torch.float32).double()
-    a64, b64 = a.dequantize().double(), b.dequantize().double()
+    a64, b64 = dequantize_operand(a).double(), dequantize_operand(b).double()
     bound = 2048 * 2.0**-23 * (a64.abs() @ b64.abs().t())
     return bool(((out - a64 @ b64.t()).abs() <= bound).all())
 
@@ -227,7 +234,7 @@ def bench_gemm() -> list[dict]:
         kernels.mx_gemm(a, b, torch.bfloat16)  # autotune outside the timed region
         t_bf16 = seconds(lambda: torch.matmul(a_hp, b_hp.t()))
         t_mx = seconds(lambda: kernels.mx_gemm(a, b, torch.bfloat16))
-        t_pure = seconds(lambda: pure(kernels._core_mx_gemm, a, b, torch.bfloat16))
+        t_pure = seconds(lambda: pure(fp8_mm, a, b, torch.bfloat16))
         rows.append({
             "n": n, "bf16_tflops": flops / t_bf16 / 1e12, "mx_triton_tflops": flops / t_mx / 1e12,
             "pure_torch_tflops": flops / t_pure / 1e12, "mx_over_bf16": t_bf16 / t_mx,

@@ -29,9 +29,7 @@ os.environ["FP8_LIGHTNING_GEMM"] = "scaled_mm"
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-import fp8_lightning.mx as mx  # noqa: E402
-import fp8_lightning.quantize as quantize  # noqa: E402
-import fp8_lightning.scaling as scaling  # noqa: E402
+import fp8_lightning.backends as backends  # noqa: E402
 from fp8_lightning import DelayedScaling, FP8Linear, TensorwiseScaling, fp8_autocast, kernels, sync_scales  # noqa: E402
 
 VIEWS = {"view", "t", "transpose", "reshape", "_unsafe_view", "as_strided", "detach", "alias", "expand", "slice",
@@ -51,8 +49,7 @@ class _Count(TorchDispatchMode):
 
 def count(recipe) -> collections.Counter:
     """Operations of one training step of a 64 -> 64 FP8 layer (with bias) on 32 tokens."""
-    for module in (quantize, mx, scaling):  # the CUDA branch, for CPU tensors
-        module.cuda_kernels = lambda x: kernels if kernels.supports_input(x) else None
+    backends.cuda_kernels = lambda x: kernels if kernels.supports_input(x) else None  # the CUDA branch, on CPU
     torch.manual_seed(0)
     layer = FP8Linear.from_linear(torch.nn.Linear(64, 64), recipe)
     x, grad_y = torch.randn(32, 64, requires_grad=True), torch.randn(32, 64)

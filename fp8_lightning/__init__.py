@@ -5,6 +5,7 @@ Lightning; the Lightning adapters live in ``fp8_lightning.lightning``.
 """
 
 from fp8_lightning.autocast import fp8_autocast, is_fp8_enabled
+from fp8_lightning.backends import dequantize_mxfp8, dequantize_tensorwise, quantize_mxfp8, quantize_tensorwise
 from fp8_lightning.convert import (
     ConversionReport,
     convert_to_fp8,
@@ -16,10 +17,9 @@ from fp8_lightning.convert import (
 from fp8_lightning.formats import Format, fp8_max
 from fp8_lightning.gemm import fp8_gemm_support, fp8_mm
 from fp8_lightning.linear import FP8Linear
-from fp8_lightning.mx import dequantize_mxfp8, quantize_mxfp8
 from fp8_lightning.optim import FP8Optimizer
 from fp8_lightning.profitability import ProfitabilityGate
-from fp8_lightning.quantize import Quantized, dequantize_tensorwise, quantize_tensorwise
+from fp8_lightning.quantize import Quantized
 from fp8_lightning.recipes import DelayedScaling, MXFP8BlockScaling, Recipe, TensorwiseScaling, recipe_from
 from fp8_lightning.guard import DivergenceGuard
 from fp8_lightning.lightning import (

@@ -21,18 +21,19 @@ Backends, chosen per call:
   GPUs without FP8 tensor cores.
 * MX operands with 32-element blocks on sm100+ (Blackwell) use cuBLAS's native MX GEMM through
   ``torch._scaled_mm`` with E8M0 scales in its swizzled layout (:func:`swizzle_mx_scales`).
-* Other MX operands on CUDA go to the function registered with :func:`register_mx_gemm`; on first use the Triton
-  block-scaled GEMM of ``fp8_lightning.kernels`` registers itself there when Triton imports.
+* Other MX operands on CUDA go to the Triton block-scaled GEMM of ``fp8_lightning.kernels`` where it runs
+  (``kernels.mx_gemm``; block sizes 32, 64 and 128), else to the emulation.
 
 Device checks return ``(ok, reason)`` so that the same reason feeds errors and test skips.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
+from fp8_lightning import kernels
+from fp8_lightning.backends import dequantize_operand, operand_f32
+from fp8_lightning.kernels.availability import kernels_for
 from fp8_lightning.quantize import Quantized, pad_dim
 from fp8_lightning.settings import GEMM_BACKENDS as BACKENDS
 from fp8_lightning.settings import settings
@@ -40,29 +41,6 @@ from fp8_lightning.settings import settings
 GEMM_ENV = "FP8_LIGHTNING_GEMM"
 EMULATE_ENV = "FP8_LIGHTNING_EMULATE"
 LAYOUT_MULTIPLE = 16
-
-# A block-scaled GEMM for MX operands on CUDA (set by fp8_lightning.kernels when Triton is usable).
-_mx_gemm_impl: Callable[[Quantized, Quantized, torch.dtype], torch.Tensor] | None = None
-
-
-_mx_gemm_probed = False
-
-
-def register_mx_gemm(fn: Callable[[Quantized, Quantized, torch.dtype], torch.Tensor] | None) -> None:
-    """Install (or remove, with None) the accelerated MX GEMM used on CUDA."""
-    global _mx_gemm_impl, _mx_gemm_probed
-    _mx_gemm_impl, _mx_gemm_probed = fn, True
-
-
-def _registered_mx_gemm() -> Callable[[Quantized, Quantized, torch.dtype], torch.Tensor] | None:
-    """The registered MX GEMM; the first call lets the Triton kernel register itself (CUDA callers only)."""
-    if not _mx_gemm_probed:
-        from fp8_lightning.kernels import install_mx_gemm
-
-        if not install_mx_gemm():
-            register_mx_gemm(None)
-    return _mx_gemm_impl
-
 
 def emulation_requested() -> bool:
     return settings().emulate
@@ -109,22 +87,22 @@ def scaled_mm(
     16. Plain tensor operations: the eager layer calls it and a compiled graph holds it as is (inductor then calls
     cuBLAS with no Python in between).
 
-    ``bias`` rides in the GEMM's epilogue where cuBLAS takes it, a bias in the output dtype with a bf16 or fp16
-    output (``_scaled_mm`` refuses one with float32 output and needs a bf16 bias for bf16 output), one rounding
-    instead of two; otherwise it is added afterwards. ``fast_accum``: Hopper's faster, less precise accumulation
+    ``bias`` rides in the GEMM's epilogue, in the output dtype, where cuBLAS takes it: with a bf16 or fp16 output
+    (``_scaled_mm`` refuses a bias with float32 output and wants it in the output's dtype). The sum is then rounded
+    once, where adding it afterwards rounds the product and the sum; with float32 output it is added afterwards. ``fast_accum``: Hopper's faster, less precise accumulation
     of FP8 products (``use_fast_accum``).
     """
     n = b.shape[0]
     a_data = pad_dim(a.contiguous(), -1, LAYOUT_MULTIPLE)
     b_data = pad_dim(pad_dim(b.contiguous(), -1, LAYOUT_MULTIPLE), 0, LAYOUT_MULTIPLE)
     mm_dtype = out_dtype if out_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
-    fused = bias is not None and mm_dtype != torch.float32 and bias.dtype == mm_dtype
+    fused = bias is not None and mm_dtype != torch.float32
     out = torch._scaled_mm(
         a_data,
         b_data.t(),
         scale_a=a_inverse,
         scale_b=b_inverse,
-        bias=pad_dim(bias, 0, LAYOUT_MULTIPLE) if fused else None,
+        bias=pad_dim(bias.to(mm_dtype), 0, LAYOUT_MULTIPLE) if fused else None,
         out_dtype=mm_dtype,
         use_fast_accum=fast_accum,
     )
@@ -133,13 +111,13 @@ def scaled_mm(
 
 
 def _float_matmul(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
-    """The FP8 GEMM on CPU, one ``addmm`` of the operands' float32 forms (:meth:`Quantized.gemm_f32`) that, in
+    """The FP8 GEMM on CPU, one ``addmm`` of the operands' float32 forms (``backends.operand_f32``) that, in
     float32, also adds the bias. Per-tensor operands are the exact FP8 values and ``alpha`` applies both inverse
     scales (reading a CPU scalar costs nothing); MX operands are already dequantized."""
     alpha = 1.0 / (a.scale.item() * b.scale.item()) if a.kind == "tensor" else 1.0
     fused_bias = bias is not None and bias.dtype == out_dtype == torch.float32
     start = bias if fused_bias else _ZERO
-    out = torch.addmm(start, a.gemm_f32(), b.gemm_f32().t(), beta=int(fused_bias), alpha=alpha)
+    out = torch.addmm(start, operand_f32(a), operand_f32(b).t(), beta=int(fused_bias), alpha=alpha)
     return out if fused_bias else _add_bias(out.to(out_dtype), bias)
 
 
@@ -188,8 +166,8 @@ def _native_mx_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.T
 
 def _emulated(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
     if a.kind == "mx":  # dequantized values, kept on the operands for their other GEMMs
-        return (a.gemm_f32() @ b.gemm_f32().t()).to(out_dtype)
-    return (a.dequantize(torch.float32) @ b.dequantize(torch.float32).t()).to(out_dtype)
+        return (operand_f32(a) @ operand_f32(b).t()).to(out_dtype)
+    return (dequantize_operand(a) @ dequantize_operand(b).t()).to(out_dtype)
 
 
 def fp8_mm(
@@ -209,8 +187,8 @@ def fp8_mm(
         block_32 = a.data.shape[-1] == 32 * a.scale.shape[-1]
         if backend != "emulate" and block_32 and native_mx_gemm_support(a.data.device)[0]:
             return _add_bias(_native_mx_mm(a, b, out_dtype), bias)
-        if backend != "emulate" and a.data.is_cuda and _registered_mx_gemm() is not None:
-            return _add_bias(_mx_gemm_impl(a, b, out_dtype), bias)
+        if backend != "emulate" and kernels_for(a.data) is not None and kernels.mx_gemm_supported(a, b, out_dtype)[0]:
+            return _add_bias(kernels.mx_gemm(a, b, out_dtype), bias)
         return _add_bias(_emulated(a, b, out_dtype), bias)
     if backend == "emulate" or (backend == "auto" and not fp8_gemm_support(a.data.device)[0]):
         return _add_bias(_emulated(a, b, out_dtype), bias)

@@ -8,7 +8,7 @@
 
 Why ops: ``torch.compile`` traces a call to each as one opaque node with a fake (meta) implementation that gives
 its output shapes, so the layer step stays one graph. The dispatcher runs the op's implementation for the tensor's
-device, and each implementation is the eager layer's own code (:func:`fp8_lightning.mx.quantize_mx_operands`,
+device, and each implementation is the eager layer's own code (:func:`fp8_lightning.backends.quantize_mx_operands`,
 :func:`fp8_lightning.gemm.fp8_mm`): on CPU the C codec and the float GEMM, on CUDA the Triton MX kernel, cuBLAS
 ``_scaled_mm`` or the Triton MX GEMM. A compiled step therefore computes the same bits as an eager one.
 
@@ -25,7 +25,8 @@ import torch
 from torch.library import custom_op
 
 from fp8_lightning.gemm import fp8_mm
-from fp8_lightning.mx import E8M0_DTYPE, quantize_mx_operands
+from fp8_lightning.backends import quantize_mx_operands
+from fp8_lightning.mx import E8M0_DTYPE
 from fp8_lightning.quantize import Quantized, is_transposed_2d
 
 NAMESPACE = "fp8_lightning"

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from fp8_lightning.autocast import autocast_state
 from fp8_lightning.gemm import check_device, fp8_mm
-from fp8_lightning.mx import quantize_mx_operands
+from fp8_lightning.backends import quantize_mx_operands
 from fp8_lightning.quantize import Quantized
 from fp8_lightning.recipes import MXFP8BlockScaling, Recipe
 from fp8_lightning.scaling import OperandScaling, advance_histories

@@ -10,9 +10,8 @@ OCP Microscaling, blocks of ``block_size`` consecutive elements along the reduct
 A GEMM operand needs its blocks along its own reduction dimension, so an operand used by two GEMMs has a rowwise
 and a columnwise copy, both quantized from the high-precision tensor (:func:`quantize_mx_operands`).
 
-On CUDA the quantizers hand float32/bf16/fp16 tensors to the Triton ``mx_quantize`` kernel of
-``fp8_lightning.kernels`` when it can run; on CPU, float32/bf16 tensors go to the C codec
-(``fp8_lightning.kernels.cpu_codec``), which also dequantizes. Same bits either way; the code below is the reference.
+Plain PyTorch with no device or backend branches: :mod:`fp8_lightning.backends` runs the same operations on the
+Triton ``mx_quantize`` kernel (CUDA) or the C codec (CPU), with the same bits, and is what the layer calls.
 """
 
 from __future__ import annotations
@@ -20,11 +19,11 @@ from __future__ import annotations
 import torch
 
 from fp8_lightning.formats import Format, fp8_dtype, fp8_emax, fp8_max
+from typing import Callable
+
 from fp8_lightning.quantize import (
     Quantized,
     _check_floating,
-    cpu_codec,
-    cuda_kernels,
     fp8_to_float32,
     is_transposed_2d,
     pad_dim,
@@ -110,25 +109,24 @@ def quantize_mxfp8(
     Returns ``(data, scale)``: ``data`` in the float8 dtype with ``x``'s shape, ``scale`` in
     ``torch.float8_e8m0fnu`` with shape ``(..., K // block_size)``, such that ``x ~= data * scale`` per block.
     """
-    _check_floating(x, "quantize_mxfp8")
+    k = check_mx_input(x, block_size, "quantize_mxfp8")
     dtype = fp8_dtype(fp8_format)
-    k = x.shape[-1] if x.dim() else 0
-    if x.dim() == 0 or k % block_size != 0:
-        raise ValueError(
-            f"quantize_mxfp8 needs the last dimension divisible by block_size={block_size}; got shape "
-            f"{tuple(x.shape)}. Pad the last dimension or pick a block size that divides it."
-        )
-    kernels = cuda_kernels(x)
-    if kernels is not None and block_size in kernels.MX_BLOCK_SIZES and x.numel() > 0:
-        rows, _ = kernels.mx_quantize(x.detach().reshape(-1, k), block_size, scale_rounding, dtype)
-        return rows.data.reshape(x.shape), rows.scale.reshape(*x.shape[:-1], k // block_size)
-    codec = cpu_codec(x)
-    if codec is not None and x.numel() > 0:
-        data, scale, _ = codec.mx_quantize(x.reshape(-1, k), block_size, scale_rounding, dtype)[0]
-        return data.reshape(x.shape), scale.reshape(*x.shape[:-1], k // block_size)
     blocks = x.float().reshape(*x.shape[:-1], k // block_size, block_size)
     data, scale = _quantize_blocks(blocks, -1, scale_rounding, dtype)
     return data.reshape(x.shape), scale
+
+
+def check_mx_input(x: torch.Tensor, block_size: int, what: str) -> int:
+    """The size K of ``x``'s last dimension, after checking ``x`` is floating point with K a whole number of
+    blocks."""
+    _check_floating(x, what)
+    k = x.shape[-1] if x.dim() else 0
+    if x.dim() == 0 or k % block_size != 0:
+        raise ValueError(
+            f"{what} needs the last dimension divisible by block_size={block_size}; got shape "
+            f"{tuple(x.shape)}. Pad the last dimension or pick a block size that divides it."
+        )
+    return k
 
 
 def _quantize_blocks(
@@ -148,19 +146,9 @@ def quantize_mx_operands(
     scale_rounding: str,
     dtype: torch.dtype,
     columnwise: bool = True,
-    columnwise_f32: bool = True,
 ) -> tuple[Quantized, Quantized | None]:
     """The MX operands of a 2-D ``x`` (M, K) from one read: rowwise (blocks along K; K must be a whole number of
-    blocks) and, when ``columnwise``, the operand of ``x.T`` (see :func:`quantize_mx_columns`), else None.
-    ``columnwise_f32=False``: the columnwise copy is only kept for later (saved for backward), so the CPU codec
-    does not make its float32 GEMM form now (:meth:`Quantized.gemm_f32` makes it on use)."""
-    kernels = cuda_kernels(x)
-    if kernels is not None and block_size in kernels.MX_BLOCK_SIZES and x.numel() > 0:
-        return kernels.mx_quantize(x.detach(), block_size, scale_rounding, dtype, rowwise=True, columnwise=columnwise)
-    codec = cpu_codec(x)
-    if codec is not None and x.numel() > 0:
-        row, col = codec.mx_quantize(x, block_size, scale_rounding, dtype, True, columnwise, columnwise_f32)
-        return Quantized(row[0], row[1], "mx", row[2]), (None if col is None else _transposed_operand(*col))
+    blocks) and, when ``columnwise``, the operand of ``x.T`` (see :func:`quantize_mx_columns`), else None."""
     x32 = x.detach().float()
     magnitude = x32.abs()  # shared by both block layouts
     (m, k), blocks = x32.shape, (x32.shape[0], x32.shape[1] // block_size, block_size)
@@ -172,22 +160,11 @@ def quantize_mx_operands(
 def quantize_mx_columns(x: torch.Tensor, block_size: int, scale_rounding: str, dtype: torch.dtype) -> Quantized:
     """The MX operand of ``x.T`` for a 2-D ``x`` (M, K): blocks run along M, which is zero-padded to whole blocks.
 
-    Its data is (K, M_pad) and its scales (K, M_pad // block_size). Without the Triton kernels both are transposed
-    views of tensors quantized in ``x``'s own layout (no transposed copy of ``x`` is made); the GEMMs read them as
-    they are or copy them where a layout demands it.
+    Its data is (K, M_pad) and its scales (K, M_pad // block_size), transposed views of tensors quantized in
+    ``x``'s own layout (no transposed copy of ``x`` is made; the Triton kernel writes them contiguous); the GEMMs
+    read them as they are or copy them where a layout demands it.
     """
-    kernels = cuda_kernels(x)
-    if kernels is not None and block_size in kernels.MX_BLOCK_SIZES and x.numel() > 0:
-        return kernels.mx_quantize(x.detach(), block_size, scale_rounding, dtype, rowwise=False, columnwise=True)[1]
-    codec = cpu_codec(x)
-    if codec is not None and x.numel() > 0:
-        return _transposed_operand(*codec.mx_quantize(x, block_size, scale_rounding, dtype, False, True)[1])
     return _mx_columns(x.detach().float(), None, block_size, scale_rounding, dtype)
-
-
-def _transposed_operand(data: torch.Tensor, scale: torch.Tensor, values: torch.Tensor | None) -> Quantized:
-    """The MX operand of x.T from columnwise blocks quantized in x's layout (views, no copy)."""
-    return Quantized(data.t(), scale.t(), "mx", None if values is None else values.t())
 
 
 def _mx_columns(x32, magnitude, block_size: int, scale_rounding: str, dtype: torch.dtype) -> Quantized:
@@ -198,28 +175,31 @@ def _mx_columns(x32, magnitude, block_size: int, scale_rounding: str, dtype: tor
     return Quantized(data.reshape(m, k).t(), scale.t(), "mx")
 
 
-def dequantize_mxfp8(data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of :func:`quantize_mxfp8`: ``data * scale`` with each scale repeated over its block (along the last
-    dimension). The transposed views made by :func:`quantize_mx_columns` are decoded in their base layout."""
+def check_mx_scales(data: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
+    """(K, blocks per row) of MX ``data`` and ``scale``, after checking that they belong together."""
     k, n_blocks = data.shape[-1], scale.shape[-1]
     if n_blocks == 0 or k % n_blocks != 0 or scale.shape[:-1] != data.shape[:-1]:
         raise ValueError(
             f"dequantize_mxfp8: scale shape {tuple(scale.shape)} does not match data shape {tuple(data.shape)}."
         )
+    return k, n_blocks
+
+
+def dequantize_mxfp8(
+    data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32,
+    decode: Callable[[torch.Tensor], torch.Tensor] = fp8_to_float32,
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_mxfp8`: ``data * scale`` with each scale repeated over its block (along the last
+    dimension). The transposed views made by :func:`quantize_mx_columns` are decoded in their base layout.
+    ``decode`` turns float8 codes into float32 (any exact decoder)."""
+    k, n_blocks = check_mx_scales(data, scale)
     block_size = k // n_blocks
-    columnwise = is_transposed_2d(data)  # blocks down base rows
-    codec = cpu_codec() if data.device.type == "cpu" and data.numel() > 0 else None
-    if codec is not None and data.dtype in codec.FORMATS:
-        if columnwise:
-            return codec.mx_decode(data.t(), scale.t(), True).to(out_dtype).t()
-        values = codec.mx_decode(data.reshape(-1, k), scale.reshape(-1, n_blocks), False)
-        return values.view(data.shape).to(out_dtype)
-    if columnwise:
+    if is_transposed_2d(data):  # blocks down base rows
         base = data.t()
-        blocks = fp8_to_float32(base).view(n_blocks, block_size, base.shape[1])
+        blocks = decode(base).view(n_blocks, block_size, base.shape[1])
         values = blocks * e8m0_to_float(scale.t()).unsqueeze(1)
         return values.view(base.shape).to(out_dtype).t()
-    blocks = fp8_to_float32(data).reshape(*data.shape[:-1], n_blocks, block_size)
+    blocks = decode(data).reshape(*data.shape[:-1], n_blocks, block_size)
     return (blocks * e8m0_to_float(scale).unsqueeze(-1)).reshape(data.shape).to(out_dtype)
 
 

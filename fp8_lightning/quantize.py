@@ -11,12 +11,8 @@ Saturation is explicit because casts disagree on overflow: the CPU cast saturate
 values into inf, and the Triton interpreter produces NaN. Every function computes in float32 (float64 inputs
 stay float64) so that the result does not depend on the input dtype's rounding.
 
-On CUDA, ``amax``, ``quantize_with_scale`` and ``quantize_tensorwise`` hand float32/bf16/fp16 tensors to the Triton
-kernels of ``fp8_lightning.kernels`` (same bits, fewer passes) when Triton is usable and
-``FP8_LIGHTNING_DISABLE_TRITON`` is not set (:func:`cuda_kernels`). On CPU the casts and decoding of float32/bf16
-tensors go to the fused C functions of ``fp8_lightning.kernels.cpu_codec`` (same bits, one pass) when a C compiler
-built them and ``FP8_LIGHTNING_DISABLE_CPU_CODEC`` is not set (:func:`cpu_codec`). The code below is the reference
-for both.
+Plain PyTorch with no device or backend branches: :mod:`fp8_lightning.backends` runs the same operations on the
+Triton kernels (CUDA) or the C codec (CPU), with the same bits, and is what the layer calls.
 """
 
 from __future__ import annotations
@@ -38,54 +34,14 @@ def wide(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
-def cuda_kernels(x: torch.Tensor):
-    """``fp8_lightning.kernels`` for a CUDA tensor the Triton kernels take, else None (always None on CPU)."""
-    if not x.is_cuda:
-        return None
-    from fp8_lightning.kernels.availability import kernels_for
-
-    kernels = kernels_for(x)
-    return kernels if kernels is not None and kernels.supports_input(x) else None
-
-
-_codec_module = None  # fp8_lightning.kernels.cpu_codec, imported on first use (the kernels package imports this one)
-
-
-def cpu_codec(x: torch.Tensor | None = None):
-    """``fp8_lightning.kernels.cpu_codec`` when it is built and enabled, for a CPU tensor ``x`` it takes
-    (float32/bf16 input to quantize; any tensor with ``x=None``), else None. Never while ``torch.compile`` traces
-    (the codec reads raw memory), nor for tensor subclasses (FSDP2's FP8 weights, DTensor), which may have no
-    memory of their own to read."""
-    global _codec_module
-    if x is not None and x.device.type != "cpu" or torch.compiler.is_compiling():
-        return None
-    if _codec_module is None:
-        from fp8_lightning.kernels import cpu_codec as _codec_module
-    codec = _codec_module
-    if x is not None and (type(x) not in codec.PLAIN_TYPES or x.dtype not in codec.INPUT_DTYPES):
-        return None
-    return codec if codec.enabled() else None
-
-
 def to_fp8_saturated(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Clamp to the finite range of ``dtype`` and cast (round to nearest even). NaN stays NaN.
-
-    The CPU cast to E4M3 saturates by itself (infinities included; ``tests/core/test_formats_bits.py`` holds it to
-    that), so the clamp, a full pass over the tensor, is skipped there."""
-    if dtype == torch.float8_e4m3fn and x.device.type == "cpu":
-        return x.to(dtype)
+    """Clamp to the finite range of ``dtype`` and cast (round to nearest even). NaN stays NaN."""
     limit = fp8_max(dtype)
     return x.clamp(-limit, limit).to(dtype)
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
-    """Max of |x| as a float32 scalar tensor (0 for an empty tensor). NaN in x gives NaN."""
-    return amax_and_value(x)[0]
-
-
-def amax_reference(x: torch.Tensor) -> torch.Tensor:
-    """max |x| as a float32 scalar (NaN when x holds NaN; 0 for an empty x) in plain tensor operations: what a
-    traced step writes and what devices without a kernel compute."""
+    """max |x| as a float32 scalar (NaN when x holds NaN; 0 for an empty x)."""
     if x.numel() == 0:
         return x.new_zeros((), dtype=torch.float32)
     return x.detach().abs().amax().float()
@@ -94,26 +50,6 @@ def amax_reference(x: torch.Tensor) -> torch.Tensor:
 def is_transposed_2d(t: torch.Tensor) -> bool:
     """Whether ``t`` is the transposed view of a contiguous 2-D tensor (a columnwise copy quantized in place)."""
     return t.dim() == 2 and not t.is_contiguous() and t.t().is_contiguous()
-
-
-def amax_and_value(x: torch.Tensor) -> tuple[torch.Tensor, float | None]:
-    """:func:`amax`, and its value as a Python float where reading it costs no device synchronisation (CPU; else
-    None). On CPU one ``aminmax`` pass gives both ends; the larger magnitude is picked on the host."""
-    on_cpu = x.device.type == "cpu"
-    if x.numel() == 0:
-        return amax_reference(x), (0.0 if on_cpu else None)
-    kernels = cuda_kernels(x)
-    if kernels is not None:
-        return kernels.amax(x.detach()), None
-    if not on_cpu:
-        return amax_reference(x), None
-    low, high = torch.aminmax(x.detach())
-    lo, hi = low.item(), high.item()
-    top, value = (high, hi) if math.isnan(hi) or hi >= -lo else (low.neg(), -lo)  # NaN anywhere: both ends NaN
-    if top.dtype != torch.float32:
-        top = top.float()
-        value = top.item()
-    return top, value
 
 
 def round_scale_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
@@ -164,88 +100,18 @@ def _float32(value: float) -> float:
         return math.copysign(math.inf, value)
 
 
-def _one_float32_scale(scale) -> bool:
-    return torch.is_tensor(scale) and scale.dtype == torch.float32 and scale.numel() == 1
-
-
-def cast_codec(x: torch.Tensor, scale):
-    """The CPU codec when it can cast ``x`` with ``scale`` (a float32/bf16 CPU tensor, one float32 CPU scale),
-    else None."""
-    return cpu_codec(x) if _one_float32_scale(scale) and scale.device.type == "cpu" else None
-
-
 def quantize_with_scale(
     x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, saturate: bool = True
 ) -> torch.Tensor:
     """``saturate(x * scale)`` in the float8 ``dtype``. ``saturate=False``: the caller knows no value exceeds the
     format's range by more than the cast rounds away (the clamp is skipped)."""
-    kernels, codec = cuda_kernels(x), cast_codec(x, scale)
-    if kernels is not None and _one_float32_scale(scale):
-        return kernels.cast(x.detach(), scale.to(x.device), dtype, record_amax=False)[0]
-    if codec is not None:
-        return codec.cast(x, scale.item(), dtype)[0]  # saturates always: equal bits when the caller skips it
     scaled = wide(x) * scale
     return to_fp8_saturated(scaled, dtype) if saturate else scaled.to(dtype)
 
 
-def quantize_operand(
-    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, saturate: bool = True, nan_free: bool = False
-) -> "Quantized":
-    """:func:`quantize_with_scale` as a GEMM operand. On CPU with the codec, the codes' float32 values (what the
-    CPU GEMM multiplies) come from the same pass and ride on the operand."""
-    codec = cast_codec(x, scale)
-    if codec is not None:
-        data, values, _ = codec.cast(x, scale.item(), dtype)
-        return Quantized(data, scale, "tensor", values, nan_free)
-    return Quantized(quantize_with_scale(x, scale, dtype, saturate), scale, "tensor", nan_free=nan_free)
-
-
-_DECODE_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-_TABLE_DECODE_BELOW = 16384  # elements; measured crossover of the two E4M3 decodes on one CPU thread
-
-
-def _decode_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The float32 value of each of the 256 codes of a float8 ``dtype`` (built once per dtype and device)."""
-    key = (dtype, device)
-    if key not in _DECODE_TABLES:
-        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
-        _DECODE_TABLES[key] = codes.float().to(device)
-    return _DECODE_TABLES[key]
-
-
-def fp8_to_float32(data: torch.Tensor, nan_free: bool = False) -> torch.Tensor:
-    """``data.float()``, bit for bit, for any tensor; float8 on CPU is decoded with vectorized integer operations.
-
-    The CPU cast from float8 converts element by element (about 4 ns each, more than a float32 matmul of the
-    same operand at small sizes). Both common formats are a float16 in disguise:
-
-    * E5M2 is the upper byte of a float16 (same exponent bias): shift it up by 8 bits.
-    * E4M3 ``s eeee mmm`` shifted up by 7 bits is the float16 ``s 0eeee mmm0000000``, whose value is the E4M3
-      value times 2**-8 (float16's exponent bias is 15, E4M3's 7; the subnormals line up as well). E4M3 has no
-      infinity and its NaN codes (0x7F, 0xFF) would decode as 480: data holding them goes through a 256-entry
-      table instead, as do tensors under 16K elements (one gather beats five small operations there).
-      ``nan_free=True`` (the caller knows there are none) skips looking for NaN codes.
-
-    Both give exactly the values of ``data.float()`` several times faster; the CPU codec (when built) does it in
-    one pass. A transposed 2-D view is decoded through its contiguous base and stays a transposed view.
-    """
-    if data.device.type != "cpu" or data.dtype.itemsize != 1 or not data.is_floating_point():
-        return data.float()
-    if is_transposed_2d(data):
-        return fp8_to_float32(data.t(), nan_free).t()
-    codec = cpu_codec()
-    if codec is not None and data.dtype in codec.FORMATS:
-        return codec.decode(data)  # one vectorized pass, any size
-    codes = data.contiguous().view(torch.uint8)
-    if data.dtype == torch.float8_e5m2:
-        return codes.to(torch.int16).mul_(256).view(torch.float16).float()
-    small = codes.numel() < _TABLE_DECODE_BELOW  # a gather costs fewer operations; the shifts win on more data
-    if data.dtype == torch.float8_e4m3fn and not small and (nan_free or (codes & 0x7F).max() < 0x7F):
-        sign_extended = codes.view(torch.int8).to(torch.int16)  # bits 15..8 all copy the sign bit
-        half = sign_extended.bitwise_left_shift_(7).bitwise_and_(~0x4000)  # drop the copy that lands in bit 14
-        return half.view(torch.float16).float().mul_(256.0)
-    flat = codes.reshape(-1).to(torch.int64)  # int64 indices: index_select slows down badly with int32 ones
-    return _decode_table(data.dtype, data.device).index_select(0, flat).view(data.shape)
+def fp8_to_float32(data: torch.Tensor) -> torch.Tensor:
+    """The float32 value of each float8 code (exact: every float8 value is a float32 value)."""
+    return data.float()
 
 
 def dequantize_with_scale(
@@ -264,9 +130,6 @@ def quantize_tensorwise(
     """
     _check_floating(x, "quantize_tensorwise")
     dtype = fp8_dtype(fp8_format)
-    kernels = cuda_kernels(x)
-    if kernels is not None:
-        return kernels.tensorwise_cast(x.detach(), dtype, eps)
     scale = tensorwise_scale(amax(x), dtype, eps)
     return quantize_with_scale(x, scale, dtype), scale
 
@@ -294,9 +157,9 @@ class Quantized:
     data: torch.Tensor
     scale: torch.Tensor
     kind: str = "tensor"
-    # The float32 matrix a CPU float GEMM multiplies, made by the CPU codec's cast or on first use, and kept for the
-    # operand's other GEMMs: the codes' exact values for per-tensor scaling (the scales multiply the product), the
-    # dequantized values for MX.
+    # The float32 matrix a CPU float GEMM multiplies, made by the CPU codec's cast or on first use
+    # (``backends.operand_f32``), and kept for the operand's other GEMMs: the codes' exact values for per-tensor
+    # scaling (the scales multiply the product), the dequantized values for MX.
     f32: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
     nan_free: bool = dataclasses.field(default=False, repr=False, compare=False)  # known to hold no NaN code
     inverse: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)  # see inverse_scale
@@ -310,22 +173,6 @@ class Quantized:
         if self.inverse is None:
             self.inverse = self.scale.reciprocal()
         return self.inverse
-
-    def gemm_f32(self) -> torch.Tensor:
-        """The operand in float32 for a float GEMM (see ``f32``), made on the first call."""
-        if self.f32 is None:
-            self.f32 = fp8_to_float32(self.data, self.nan_free) if self.kind == "tensor" else self._mx_values()
-        return self.f32
-
-    def dequantize(self, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        if self.kind == "mx":
-            return (self.f32 if self.f32 is not None else self._mx_values()).to(out_dtype)
-        return dequantize_with_scale(self.data, self.scale, out_dtype)
-
-    def _mx_values(self) -> torch.Tensor:
-        from fp8_lightning.mx import dequantize_mxfp8  # mx builds on this module
-
-        return dequantize_mxfp8(self.data, self.scale)
 
     def t(self) -> "Quantized":
         """``q.T``: the contiguous transposed copy when there is one, else a view of the same FP8 bytes

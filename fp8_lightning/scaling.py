@@ -26,19 +26,16 @@ kernels.
 from __future__ import annotations
 
 import math
-from typing import Iterable, NamedTuple
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
 
+from fp8_lightning import backends
 from fp8_lightning.formats import fp8_max
 from fp8_lightning.quantize import (
     Quantized,
-    amax_and_value,
-    cast_codec,
-    cuda_kernels,
     max_over_amax,
-    quantize_operand,
     round_scale_to_power_of_2,
     tensorwise_scale,
     tensorwise_scale_value,
@@ -81,25 +78,6 @@ def delayed_scale(
 def finite_or_zero(x_amax: torch.Tensor) -> torch.Tensor:
     """The amax with NaN and inf replaced by 0 (an amax is >= 0, inf or NaN): what may enter a history."""
     return torch.nan_to_num(x_amax, nan=0.0, posinf=0.0)
-
-
-class FusedCast(NamedTuple):
-    """A CPU cast that also measured the input's amax in the same pass over it."""
-
-    data: torch.Tensor
-    amax: torch.Tensor
-    host_amax: float  # the same amax as a Python float (reading it is free on CPU)
-    values: torch.Tensor  # the codes' float32 values, made in the same pass
-
-
-def _fused_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> FusedCast | None:
-    """The cast with a known (delayed) scale and the amax from one pass over a CPU ``x``: the C codec; None where
-    it does not apply (CUDA tensors take :meth:`OperandScaling._kernel_cast`)."""
-    codec = cast_codec(x, scale)
-    if codec is not None:
-        data, values, host_amax = codec.cast(x, scale.item(), dtype, with_amax=True)
-        return FusedCast(data, torch.scalar_tensor(host_amax, dtype=torch.float32), host_amax, values)
-    return None
 
 
 def roll_history(amax_history: torch.Tensor, new_amax: torch.Tensor) -> torch.Tensor:
@@ -172,11 +150,12 @@ class OperandScaling:
         will also be used transposed; where the cast kernels run (CUDA), they write that layout in the same pass.
         """
         self._to(x.device)
-        kernels = cuda_kernels(x)
-        if kernels is not None and (self.initialized or not self.delayed):
-            return self._kernel_cast(kernels, x, record, transpose and x.dim() == 2)
-        fused = _fused_cast(x, self.scale, self.dtype) if self.delayed and self.initialized else None
-        x_amax, host_amax = amax_and_value(x) if fused is None else (fused.amax, fused.host_amax)
+        transpose = transpose and x.dim() == 2
+        outputs = backends.operand_state_cast(self, x, record, transpose)
+        if outputs is not None:
+            return self._book_state_cast(outputs, record, transpose)
+        fused = backends.fused_cast(x, self.scale, self.dtype) if self.delayed and self.initialized else None
+        x_amax, host_amax = backends.amax_and_value(x) if fused is None else (fused.amax, fused.host_amax)
         finite = host_amax is not None and math.isfinite(host_amax)
         clean_amax = self.book(x_amax, record, finite)
         scale = self.scale_for(clean_amax, host_amax if finite else None)
@@ -185,25 +164,16 @@ class OperandScaling:
         # a finite amax known on the host tells whether any value can reach the clamp (the cast rounds values a
         # hair above fp8_max down to it)
         in_range = finite and host_amax * scale.item() <= fp8_max(self.dtype) * (1 + 2**-20)
-        return quantize_operand(x, scale, self.dtype, saturate=not in_range, nan_free=finite)
+        return backends.quantize_operand(x, scale, self.dtype, saturate=not in_range, nan_free=finite)
 
-    def _kernel_cast(self, kernels, x: torch.Tensor, record: bool, transpose: bool) -> Quantized:
-        """:meth:`quantize` on CUDA in Triton kernels that also do the bookkeeping of :meth:`book` and
-        :meth:`scale_for` (same bits): tensorwise in two passes, delayed (after its first, just-in-time scaled
-        cast) in one, instead of four to ten scalar tensor operations per cast, each a kernel launch that costs
-        more host time than it computes."""
-        r, y = self.recipe, x.detach()
+    def _book_state_cast(self, outputs: tuple, record: bool, transpose: bool) -> Quantized:
+        """Take the results of a cast that did the bookkeeping of :meth:`book` and :meth:`scale_for` itself (same
+        bits; :func:`fp8_lightning.backends.operand_state_cast`)."""
         if self.delayed:
-            data, data_t, self.last_amax, self.pending_amax, self.nonfinite_count, inverse = (
-                kernels.delayed_operand_cast(
-                    y, self.scale, self.pending_amax, self.nonfinite_count, self.dtype, record, transpose
-                )
-            )
+            data, data_t, self.last_amax, self.pending_amax, self.nonfinite_count, inverse = outputs
             self._dirty = self._dirty or record
         else:
-            data, data_t, self.scale, self.last_amax, self.nonfinite_count, inverse = kernels.tensorwise_operand_cast(
-                y, self.scale, self.nonfinite_count, self.dtype, r.eps, r.power_of_2_scales, transpose
-            )
+            data, data_t, self.scale, self.last_amax, self.nonfinite_count, inverse = outputs
             self.initialized = True
         self.casts += 1
         return Quantized(data, self.scale, "tensor", inverse=inverse, transposed=data_t if transpose else None)

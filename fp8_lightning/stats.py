@@ -32,7 +32,8 @@ import torch.nn as nn
 from fp8_lightning.convert import fp8_modules
 from fp8_lightning.formats import fp8_max
 from fp8_lightning.mx import e8m0_to_float
-from fp8_lightning.quantize import Quantized, amax
+from fp8_lightning.backends import amax
+from fp8_lightning.quantize import Quantized
 
 ROLES = ("input", "weight", "grad_output")
 _FIELDS = ("seen", "amax", "overflow", "underflow", "nonfinite", "scale", "order")  # columns of the packed step tensor

@@ -35,7 +35,7 @@ import torch
 from fp8_lightning.formats import fp8_max
 from fp8_lightning.gemm import scaled_mm
 from fp8_lightning.layer_ops import mx_operand_cast, scaled_gemm
-from fp8_lightning.quantize import amax_reference, tensorwise_scale, to_fp8_saturated, wide
+from fp8_lightning.quantize import amax, tensorwise_scale, to_fp8_saturated, wide
 from fp8_lightning.recipes import DelayedScaling, Recipe
 from fp8_lightning.scaling import OperandScaling, delayed_scale, finite_or_zero
 from fp8_lightning.settings import settings
@@ -93,7 +93,7 @@ def traced_cast(x: torch.Tensor, state_tensors, plan: TracedPlan, dtype: torch.d
     math in plain tensor operations, which the compiler fuses (amax, scale and cast in one or two kernels), with
     the scaling state updated in place as :meth:`fp8_lightning.scaling.OperandScaling.quantize` updates it."""
     scale, pending, last_amax, count, flags = state_tensors
-    x_amax = amax_reference(x)
+    x_amax = amax(x)
     clean = finite_or_zero(x_amax)
     max_value = fp8_max(dtype)
     if plan.delayed:  # the stored scale; the first use scales just in time

@@ -62,7 +62,6 @@ __all__ = [
     "delayed_operand_cast",
     "device_status",
     "disabled_by_env",
-    "install_mx_gemm",
     "kernels_for",
     "mx_gemm",
     "mx_gemm_supported",
@@ -241,25 +240,3 @@ def mx_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype = torch.bfloat16)
         raise ValueError(f"fp8_lightning.kernels.mx_gemm: {reason}. Use fp8_lightning.fp8_mm (it emulates).")
     dense = [t.contiguous() for t in (a.data, a.scale.view(torch.uint8), b.data, b.scale.view(torch.uint8))]
     return _ops().mx_gemm(*dense, out_dtype)
-
-
-def _core_mx_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
-    """What ``fp8_lightning.gemm`` calls for MX operands on CUDA: the kernel when it applies, else emulation."""
-    if kernels_for(a.data) is not None and mx_gemm_supported(a, b, out_dtype)[0]:
-        return mx_gemm(a, b, out_dtype)
-    from fp8_lightning.gemm import _emulated
-
-    return _emulated(a, b, out_dtype)
-
-
-def install_mx_gemm() -> bool:
-    """Register the MX GEMM kernel with ``fp8_lightning.gemm`` when Triton is importable; returns whether it was.
-
-    The registered function re-checks the device and ``FP8_LIGHTNING_DISABLE_TRITON`` on every call.
-    """
-    from fp8_lightning.gemm import register_mx_gemm
-
-    if not triton_status()[0]:
-        return False
-    register_mx_gemm(_core_mx_gemm)
-    return True

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fp8_lightning.quantize import amax
+from fp8_lightning.backends import amax
 
 
 def local_shard(weight: torch.Tensor) -> torch.Tensor:

@@ -45,8 +45,15 @@ import torch
 import torch.utils._pytree as pytree
 
 from fp8_lightning.formats import fp8_dtype
-from fp8_lightning.mx import E8M0_DTYPE, quantize_mx_columns, quantize_mx_operand
-from fp8_lightning.quantize import Quantized, quantize_with_scale
+from fp8_lightning.backends import (
+    dequantize_operand,
+    operand_f32,
+    quantize_mx_columns,
+    quantize_mx_operand,
+    quantize_with_scale,
+)
+from fp8_lightning.mx import E8M0_DTYPE
+from fp8_lightning.quantize import Quantized
 from fp8_lightning.recipes import MXFP8BlockScaling, Recipe
 from fp8_lightning.scaling import finite_or_zero
 
@@ -249,7 +256,7 @@ class FP8GatheredWeight(torch.Tensor):
 
     def dequantize(self) -> torch.Tensor:
         """The weight's value as gathered (FP8-rounded), in the weight's dtype."""
-        return self._q.dequantize(self.dtype)
+        return dequantize_operand(self._q, self.dtype)
 
     def fp8_weight_operands(self, scaling, record: bool) -> tuple[Quantized, Quantized | None]:
         """(rowwise W, columnwise W for MX) for ``scaling`` (a LayerScaling) without quantizing W again.
@@ -258,7 +265,7 @@ class FP8GatheredWeight(torch.Tensor):
         """
         recipe = scaling.recipe
         if recipe != self._recipe:
-            w = self._q.dequantize(torch.float32)
+            w = dequantize_operand(self._q, torch.float32)
             return scaling.cast("weight", w, record, columnwise=True)
         if recipe.per_tensor:
             scaling.operands["weight"].book(self._amax, record)  # counted as a local cast counts itself
@@ -266,5 +273,5 @@ class FP8GatheredWeight(torch.Tensor):
         # rows of the gathered buffer interleave data and scales: make the operands dense for the GEMM
         row = Quantized(self._q.data.contiguous(), self._q.scale.contiguous(), "mx")
         # dgrad's columnwise copy, quantized along N from the exactly dequantized gathered weight
-        values = row.gemm_f32()
+        values = operand_f32(row)
         return row, quantize_mx_columns(values, recipe.block_size, recipe.scale_rounding, row.data.dtype)

@@ -33,7 +33,8 @@ import math
 
 import torch
 
-from fp8_lightning.quantize import fp8_to_float32, max_over_amax, to_fp8_saturated
+from fp8_lightning.backends import fp8_to_float32, to_fp8_saturated
+from fp8_lightning.quantize import max_over_amax
 
 _DTYPES = {
     "float32": torch.float32,
@@ -146,7 +147,7 @@ def block_scales(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Clamp to ``dtype``'s finite range, then cast (round to nearest even). NaN stays NaN. FP8 dtypes take the
-    core's cast (:func:`~fp8_lightning.quantize.to_fp8_saturated`, which skips the clamp where the cast
+    core's cast (:func:`~fp8_lightning.backends.to_fp8_saturated`, which skips the clamp where the cast
     saturates by itself)."""
     if dtype.itemsize == 1:
         return to_fp8_saturated(x, dtype)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fp8_lightning.formats import Format, fp8_emax, fp8_max, fp8_min_normal, fp8_min_subnormal
-from fp8_lightning.quantize import dequantize_with_scale, fp8_to_float32, quantize_with_scale, to_fp8_saturated
+from fp8_lightning.backends import dequantize_with_scale, fp8_to_float32, quantize_with_scale, to_fp8_saturated
 from tests.core.fp8_reference import decode, finite_table, round_saturate
 from tests.environment import set_env
 

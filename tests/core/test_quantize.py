@@ -6,8 +6,15 @@ import pytest
 import torch
 
 from fp8_lightning import dequantize_mxfp8, dequantize_tensorwise, quantize_mxfp8, quantize_tensorwise
-from fp8_lightning.mx import e8m0_to_float, quantize_mx_columns, quantize_mx_operands
-from fp8_lightning.quantize import amax_and_value, pad_dim, tensorwise_scale, tensorwise_scale_value
+from fp8_lightning.backends import (
+    amax_and_value,
+    dequantize_operand,
+    operand_f32,
+    quantize_mx_columns,
+    quantize_mx_operands,
+)
+from fp8_lightning.mx import e8m0_to_float
+from fp8_lightning.quantize import pad_dim, tensorwise_scale, tensorwise_scale_value
 from tests.core.fp8_reference import round_saturate
 from tests.environment import set_env
 
@@ -129,8 +136,8 @@ def test_columnwise_mx_operand_equals_quantizing_the_padded_transpose(rounding, 
     assert torch.equal(col.data.contiguous().view(torch.uint8), want_data.view(torch.uint8))
     assert torch.equal(col.scale.contiguous().view(torch.uint8), want_scale.view(torch.uint8))
     want = dequantize_mxfp8(want_data, want_scale)
-    torch.testing.assert_close(col.dequantize(), want, rtol=0, atol=0, equal_nan=True)
-    torch.testing.assert_close(col.gemm_f32(), want, rtol=0, atol=0, equal_nan=True)  # what a CPU GEMM multiplies
+    torch.testing.assert_close(dequantize_operand(col), want, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(operand_f32(col), want, rtol=0, atol=0, equal_nan=True)  # what a CPU GEMM multiplies
     # both copies from one read of x: the same bytes as quantizing each layout on its own
     row, col_too = quantize_mx_operands(x, 32, rounding, dtype)
     want_row, want_row_scale = quantize_mxfp8(x, scale_rounding=rounding, fp8_format=dtype)

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from fp8_lightning import FP8Linear, MXFP8BlockScaling, TensorwiseScaling, fp8_autocast
-from fp8_lightning.mx import quantize_mx_operands, quantize_mxfp8
-from fp8_lightning.quantize import amax, quantize_tensorwise, quantize_with_scale, tensorwise_scale
+from fp8_lightning.backends import amax, quantize_mx_operands, quantize_mxfp8, quantize_tensorwise, quantize_with_scale
+from fp8_lightning.quantize import tensorwise_scale
 
 pytest.importorskip("torchao.float8", reason="torchao.float8 (the peer) is not installed: pip install -e '.[peer]'")
 from torchao.float8 import convert_to_float8_training  # noqa: E402

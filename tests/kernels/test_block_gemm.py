@@ -13,8 +13,9 @@ import torch
 
 from fp8_lightning import gemm, kernels
 from fp8_lightning.kernels.block_gemm import mx_gemm_configs
-from fp8_lightning.mx import quantize_mx_operand
+from fp8_lightning.backends import dequantize_operand, quantize_mx_operand
 from fp8_lightning.quantize import Quantized
+from tests.environment import set_env
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -29,7 +30,7 @@ def mx_operand(
 
 
 def check(out: torch.Tensor, a: Quantized, b: Quantized, out_dtype: torch.dtype) -> None:
-    a64, b64 = a.dequantize().double(), b.dequantize().double()
+    a64, b64 = dequantize_operand(a).double(), dequantize_operand(b).double()
     ref = a64 @ b64.t()
     k = a.data.shape[1]
     bound = k * 2.0**-23 * (a64.abs() @ b64.abs().t())
@@ -84,24 +85,16 @@ def test_unsupported_operands_are_refused_with_the_reason():
     assert not kernels.mx_gemm_supported(per_tensor, per_tensor, torch.float32)[0]
 
 
-def test_core_entry_uses_the_kernel_when_usable_and_emulates_otherwise(monkeypatch):
+def test_the_gemm_hands_mx_operands_to_the_kernel_where_it_runs_and_emulates_otherwise(monkeypatch):
+    set_env(monkeypatch, FP8_LIGHTNING_GEMM="scaled_mm")  # the CUDA route, on CPU tensors
     a, b = mx_operand(16, 64, E4M3), mx_operand(24, 64, E5M2, seed=1)
-    emulated = (a.dequantize() @ b.dequantize().t()).to(torch.bfloat16)
-    # CPU tensors: the core never gets the kernels, so this is the emulation, bit for bit.
-    assert torch.equal(kernels._core_mx_gemm(a, b, torch.bfloat16), emulated)
+    emulated = (dequantize_operand(a) @ dequantize_operand(b).t()).to(torch.bfloat16)
+    assert torch.equal(gemm.fp8_mm(a, b, torch.bfloat16), emulated)  # no kernel for CPU tensors: the emulation
     calls = []
-    monkeypatch.setattr(kernels, "kernels_for", lambda t: kernels)
+    monkeypatch.setattr(gemm, "kernels_for", lambda t: kernels)
     monkeypatch.setattr(kernels, "mx_gemm", lambda *args: calls.append(args) or emulated)
-    kernels._core_mx_gemm(a, b, torch.bfloat16)
+    gemm.fp8_mm(a, b, torch.bfloat16)
     assert len(calls) == 1
     c16, d16 = mx_operand(16, 64, E4M3, block_size=16), mx_operand(8, 64, E4M3, block_size=16)
-    kernels._core_mx_gemm(c16, d16, torch.float32)  # block size 16: emulated even where the kernel runs
+    gemm.fp8_mm(c16, d16, torch.float32)  # block size 16: emulated even where the kernel runs
     assert len(calls) == 1
-
-
-def test_install_registers_with_the_gemm_dispatcher(monkeypatch):
-    monkeypatch.setattr(gemm, "_mx_gemm_impl", None)
-    monkeypatch.setattr(gemm, "_mx_gemm_probed", False)
-    assert gemm._registered_mx_gemm() is kernels._core_mx_gemm
-    gemm.register_mx_gemm(None)  # an explicit removal sticks: no re-registration on the next call
-    assert gemm._registered_mx_gemm() is None

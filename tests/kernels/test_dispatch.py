@@ -1,7 +1,7 @@
 """How the core uses the kernels: CUDA only, same bits as its pure-torch code, off by environment variable,
 optional at import time, and clear errors on explicit requests that cannot run.
 
-The core's CUDA branch is exercised on CPU by pointing its dispatch hook (``cuda_kernels``) at the kernels,
+The core's CUDA branch is exercised on CPU by pointing its dispatch hook (``backends.cuda_kernels``) at the kernels,
 which then run in Triton's interpreter: the results must equal the untouched pure-torch path bit for bit.
 """
 
@@ -19,9 +19,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import fp8_lightning.mx as mx
-import fp8_lightning.quantize as quantize
-import fp8_lightning.scaling as scaling
+import fp8_lightning.backends as backends
 from fp8_lightning import FP8Linear, fp8_autocast, kernels, sync_scales
 from fp8_lightning.kernels import availability
 from fp8_lightning.recipes import DelayedScaling, MXFP8BlockScaling, TensorwiseScaling
@@ -55,36 +53,34 @@ def kernel_calls(monkeypatch):
 
     set_env(monkeypatch, FP8_LIGHTNING_DISABLE_CPU_CODEC="1")  # CUDA tensors never meet the CPU codec
 
-    for module in (quantize, mx, scaling):
-        monkeypatch.setattr(module, "cuda_kernels", route)
+    monkeypatch.setattr(backends, "cuda_kernels", route)
     return calls
 
 
 def pure(fn, *args, **kwargs):
     """Run ``fn`` with the dispatch hook restored to its real (CPU: never the kernels) behaviour."""
     with pytest.MonkeyPatch.context() as mp:
-        for module in (quantize, mx, scaling):
-            mp.setattr(module, "cuda_kernels", lambda x: None)
+        mp.setattr(backends, "cuda_kernels", lambda x: None)
         return fn(*args, **kwargs)
 
 
 def test_quantize_functions_dispatch_and_keep_their_bits(kernel_calls):
     x = torch.randn(64, 96) * 7
-    assert quantize.amax(x).item() == pure(quantize.amax, x).item()
+    assert backends.amax(x).item() == pure(backends.amax, x).item()
     scale = torch.tensor(11.0)
-    assert_same_fp8(quantize.quantize_with_scale(x, scale, E5M2), pure(quantize.quantize_with_scale, x, scale, E5M2))
-    data, s = quantize.quantize_tensorwise(x.bfloat16(), "E4M3")
-    ref_data, ref_s = pure(quantize.quantize_tensorwise, x.bfloat16(), "E4M3")
+    assert_same_fp8(backends.quantize_with_scale(x, scale, E5M2), pure(backends.quantize_with_scale, x, scale, E5M2))
+    data, s = backends.quantize_tensorwise(x.bfloat16(), "E4M3")
+    ref_data, ref_s = pure(backends.quantize_tensorwise, x.bfloat16(), "E4M3")
     assert_same_fp8(data, ref_data)
     assert s.item() == ref_s.item()
     for source in (x.reshape(2, 32, 96), x.t()):  # leading dims, and a transposed view read in place
-        data, sc = mx.quantize_mxfp8(source, scale_rounding="floor")
-        ref_data, ref_sc = pure(mx.quantize_mxfp8, source, scale_rounding="floor")
+        data, sc = backends.quantize_mxfp8(source, scale_rounding="floor")
+        ref_data, ref_sc = pure(backends.quantize_mxfp8, source, scale_rounding="floor")
         assert_same_fp8(data, ref_data)
         assert torch.equal(sc.view(torch.uint8), ref_sc.view(torch.uint8)) and sc.shape == ref_sc.shape
     assert kernel_calls == {"amax": 1, "cast": 1, "tensorwise_cast": 1, "mx_quantize": 2}
     # float64 stays on the pure-torch path (the kernels take float32/bf16/fp16).
-    quantize.amax(x.double())
+    backends.amax(x.double())
     assert kernel_calls["amax"] == 1
 
 
@@ -191,7 +187,7 @@ def test_fp8_linear_training_step_is_unchanged_by_the_kernels(kernel_calls, reci
 
 def test_core_functions_compile_into_one_graph_with_the_kernels(kernel_calls):
     def casts(x):
-        return quantize.quantize_tensorwise(x), mx.quantize_mxfp8(x), quantize.amax(x)
+        return backends.quantize_tensorwise(x), backends.quantize_mxfp8(x), backends.amax(x)
 
     x = torch.randn(32, 64)
     torch._dynamo.reset()
@@ -214,9 +210,9 @@ def test_dispatch_decision_is_a_compile_time_constant(monkeypatch):
 
 def test_cpu_tensors_never_reach_the_kernels(monkeypatch):
     assert os.environ.get("TRITON_INTERPRET") == "1"  # even with the kernels runnable on CPU
-    assert quantize.cuda_kernels(torch.randn(4)) is None
+    assert backends.cuda_kernels(torch.randn(4)) is None
     monkeypatch.setattr(kernels, "amax", lambda x: pytest.fail("the CPU path called a kernel"))
-    quantize.amax(torch.randn(8))
+    backends.amax(torch.randn(8))
 
 
 def test_kernels_for_honours_device_and_disable_variable(monkeypatch):

@@ -1,0 +1,338 @@
+"""The one seam between the FP8 math and the code that runs it: each hot operation picks its implementation here.
+
+``quantize.py``, ``mx.py`` and ``scaling.py`` hold the reference math in plain PyTorch, with no device or backend
+branches. Every caller that wants speed (the layer, the scaling state, the GEMMs, FSDP's FP8 weights, the public
+functions exported by ``fp8_lightning``) calls the functions below, which hand a tensor to:
+
+=================  ===============================================================================================
+implementation     used for
+=================  ===============================================================================================
+Triton kernels     CUDA tensors of float32/bf16/fp16 when Triton runs on the device (sm89+) and
+                   ``FP8_LIGHTNING_DISABLE_TRITON`` is not set (:func:`cuda_kernels`)
+C codec            plain CPU tensors of float32/bf16 when a C compiler built it and ``FP8_LIGHTNING_DISABLE_CPU_CODEC``
+                   is not set, never while ``torch.compile`` traces (:func:`cpu_codec`)
+PyTorch            everything else: the reference functions, plus two exact shortcuts of the CPU's slow float8
+                   casts (skipped clamps where the cast saturates, decoding by integer shifts)
+=================  ===============================================================================================
+
+Every implementation gives the reference's bits (``tests/core``, ``tests/kernels``). The choice depends only on the
+tensor (device, dtype, type) and the process's settings (:mod:`fp8_lightning.settings`, read once).
+
+Why functions and not ``torch.library`` ops with one kernel per device: in eager mode each custom op call goes
+through the dispatcher in Python, several microseconds per call, on a path with a dozen such calls per layer step
+(the eager host cost is what a GPU step is bound by). Under ``torch.compile`` the traced step
+(:mod:`fp8_lightning.traced`) calls the custom ops of :mod:`fp8_lightning.layer_ops`, whose implementations are
+these functions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from fp8_lightning import mx, quantize
+from fp8_lightning.formats import Format, fp8_dtype
+from fp8_lightning.kernels import cpu_codec as codec_module
+from fp8_lightning.kernels.availability import kernels_for
+from fp8_lightning.quantize import Quantized, _check_floating, is_transposed_2d
+
+# --------------------------------------------------------------------------------------------------------
+# Which implementation
+# --------------------------------------------------------------------------------------------------------
+
+
+def cuda_kernels(x: torch.Tensor):
+    """``fp8_lightning.kernels`` for a CUDA tensor the Triton kernels take, else None (always None on CPU)."""
+    if not x.is_cuda:
+        return None
+    kernels = kernels_for(x)
+    return kernels if kernels is not None and kernels.supports_input(x) else None
+
+
+def cpu_codec(x: torch.Tensor | None = None):
+    """The C codec when it is built and enabled, for a CPU tensor ``x`` it takes (float32/bf16 input to quantize;
+    any tensor with ``x=None``), else None. Never while ``torch.compile`` traces (the codec reads raw memory), nor
+    for tensor subclasses (FSDP2's FP8 weights, DTensor), which may have no memory of their own to read."""
+    if x is not None and x.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    if x is not None and (type(x) not in codec_module.PLAIN_TYPES or x.dtype not in codec_module.INPUT_DTYPES):
+        return None
+    return codec_module if codec_module.enabled() else None
+
+
+def _one_float32_scale(scale) -> bool:
+    return torch.is_tensor(scale) and scale.dtype == torch.float32 and scale.numel() == 1
+
+
+def cast_codec(x: torch.Tensor, scale):
+    """The C codec when it can cast ``x`` with ``scale`` (a float32/bf16 CPU tensor, one float32 CPU scale)."""
+    return cpu_codec(x) if _one_float32_scale(scale) and scale.device.type == "cpu" else None
+
+
+# --------------------------------------------------------------------------------------------------------
+# Per-tensor
+# --------------------------------------------------------------------------------------------------------
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """:func:`fp8_lightning.quantize.amax`."""
+    return amax_and_value(x)[0]
+
+
+def amax_and_value(x: torch.Tensor) -> tuple[torch.Tensor, float | None]:
+    """:func:`~fp8_lightning.quantize.amax`, and its value as a Python float where reading it costs no device
+    synchronisation (CPU; else None). On CPU one ``aminmax`` pass gives both ends; the larger magnitude is picked
+    on the host."""
+    on_cpu = x.device.type == "cpu"
+    if x.numel() == 0:
+        return quantize.amax(x), (0.0 if on_cpu else None)
+    kernels = cuda_kernels(x)
+    if kernels is not None:
+        return kernels.amax(x.detach()), None
+    if not on_cpu:
+        return quantize.amax(x), None
+    low, high = torch.aminmax(x.detach())
+    lo, hi = low.item(), high.item()
+    top, value = (high, hi) if math.isnan(hi) or hi >= -lo else (low.neg(), -lo)  # NaN anywhere: both ends NaN
+    if top.dtype != torch.float32:
+        top = top.float()
+        value = top.item()
+    return top, value
+
+
+def to_fp8_saturated(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`fp8_lightning.quantize.to_fp8_saturated`; the CPU cast to E4M3 saturates by itself (infinities
+    included; ``tests/core/test_formats_bits.py`` holds it to that), so the clamp, a full pass, is skipped there."""
+    if dtype == torch.float8_e4m3fn and x.device.type == "cpu":
+        return x.to(dtype)
+    return quantize.to_fp8_saturated(x, dtype)
+
+
+def quantize_with_scale(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, saturate: bool = True
+) -> torch.Tensor:
+    """:func:`fp8_lightning.quantize.quantize_with_scale`."""
+    kernels, codec = cuda_kernels(x), cast_codec(x, scale)
+    if kernels is not None and _one_float32_scale(scale):
+        return kernels.cast(x.detach(), scale.to(x.device), dtype, record_amax=False)[0]
+    if codec is not None:
+        return codec.cast(x, scale.item(), dtype)[0]  # saturates always: equal bits when the caller skips it
+    scaled = quantize.wide(x) * scale
+    return to_fp8_saturated(scaled, dtype) if saturate else scaled.to(dtype)
+
+
+def quantize_operand(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, saturate: bool = True, nan_free: bool = False
+) -> Quantized:
+    """:func:`quantize_with_scale` as a GEMM operand. With the C codec, the codes' float32 values (what the CPU
+    GEMM multiplies) come from the same pass and ride on the operand."""
+    codec = cast_codec(x, scale)
+    if codec is not None:
+        data, values, _ = codec.cast(x, scale.item(), dtype)
+        return Quantized(data, scale, "tensor", values, nan_free)
+    return Quantized(quantize_with_scale(x, scale, dtype, saturate), scale, "tensor", nan_free=nan_free)
+
+
+class FusedCast(NamedTuple):
+    """A CPU cast that also measured the input's amax in the same pass over it."""
+
+    data: torch.Tensor
+    amax: torch.Tensor
+    host_amax: float  # the same amax as a Python float (reading it is free on CPU)
+    values: torch.Tensor  # the codes' float32 values, made in the same pass
+
+
+def fused_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> FusedCast | None:
+    """The cast with a known (delayed) scale and the amax from one pass over a CPU ``x`` (the C codec); None where
+    no implementation fuses them."""
+    codec = cast_codec(x, scale)
+    if codec is None:
+        return None
+    data, values, host_amax = codec.cast(x, scale.item(), dtype, with_amax=True)
+    return FusedCast(data, torch.scalar_tensor(host_amax, dtype=torch.float32), host_amax, values)
+
+
+def operand_state_cast(state, x: torch.Tensor, record: bool, transpose: bool):
+    """A scaling state's whole cast with its bookkeeping in Triton kernels (CUDA), where they run: delayed (after
+    its first, just-in-time scaled cast) in one pass, tensorwise in two, instead of four to ten scalar tensor
+    operations per cast, each a launch that costs more host time than it computes. Returns the kernel's outputs
+    (see ``kernels.delayed_operand_cast`` / ``kernels.tensorwise_operand_cast``), or None."""
+    kernels = cuda_kernels(x)
+    if kernels is None or not (state.initialized or not state.delayed):
+        return None
+    y, r = x.detach(), state.recipe
+    if state.delayed:
+        return kernels.delayed_operand_cast(
+            y, state.scale, state.pending_amax, state.nonfinite_count, state.dtype, record, transpose
+        )
+    return kernels.tensorwise_operand_cast(
+        y, state.scale, state.nonfinite_count, state.dtype, r.eps, r.power_of_2_scales, transpose
+    )
+
+
+def quantize_tensorwise(
+    x: torch.Tensor, fp8_format: "Format | str | torch.dtype" = Format.E4M3, eps: float = 1e-12
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fp8_lightning.quantize.quantize_tensorwise` (``(data, scale)``)."""
+    _check_floating(x, "quantize_tensorwise")
+    dtype = fp8_dtype(fp8_format)
+    kernels = cuda_kernels(x)
+    if kernels is not None:
+        return kernels.tensorwise_cast(x.detach(), dtype, eps)
+    scale = quantize.tensorwise_scale(amax(x), dtype, eps)
+    return quantize_with_scale(x, scale, dtype), scale
+
+
+# --------------------------------------------------------------------------------------------------------
+# Decoding
+# --------------------------------------------------------------------------------------------------------
+
+_DECODE_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+_TABLE_DECODE_BELOW = 16384  # elements; measured crossover of the two E4M3 decodes on one CPU thread
+
+
+def _decode_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The float32 value of each of the 256 codes of a float8 ``dtype`` (built once per dtype and device)."""
+    key = (dtype, device)
+    if key not in _DECODE_TABLES:
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
+        _DECODE_TABLES[key] = codes.float().to(device)
+    return _DECODE_TABLES[key]
+
+
+def fp8_to_float32(data: torch.Tensor, nan_free: bool = False) -> torch.Tensor:
+    """``data.float()``, bit for bit, for any tensor; float8 on CPU is decoded with vectorized integer operations.
+
+    The CPU cast from float8 converts element by element (about 4 ns each, more than a float32 matmul of the
+    same operand at small sizes). Both common formats are a float16 in disguise:
+
+    * E5M2 is the upper byte of a float16 (same exponent bias): shift it up by 8 bits.
+    * E4M3 ``s eeee mmm`` shifted up by 7 bits is the float16 ``s 0eeee mmm0000000``, whose value is the E4M3
+      value times 2**-8 (float16's exponent bias is 15, E4M3's 7; the subnormals line up as well). E4M3 has no
+      infinity and its NaN codes (0x7F, 0xFF) would decode as 480: data holding them goes through a 256-entry
+      table instead, as do tensors under 16K elements (one gather beats five small operations there).
+      ``nan_free=True`` (the caller knows there are none) skips looking for NaN codes.
+
+    Both give exactly the values of ``data.float()`` several times faster; the C codec does it in one pass. A
+    transposed 2-D view is decoded through its contiguous base and stays a transposed view.
+    """
+    if data.device.type != "cpu" or data.dtype.itemsize != 1 or not data.is_floating_point():
+        return data.float()
+    if is_transposed_2d(data):
+        return fp8_to_float32(data.t(), nan_free).t()
+    codec = cpu_codec()
+    if codec is not None and data.dtype in codec.FORMATS:
+        return codec.decode(data)  # one vectorized pass, any size
+    codes = data.contiguous().view(torch.uint8)
+    if data.dtype == torch.float8_e5m2:
+        return codes.to(torch.int16).mul_(256).view(torch.float16).float()
+    small = codes.numel() < _TABLE_DECODE_BELOW  # a gather costs fewer operations; the shifts win on more data
+    if data.dtype == torch.float8_e4m3fn and not small and (nan_free or (codes & 0x7F).max() < 0x7F):
+        sign_extended = codes.view(torch.int8).to(torch.int16)  # bits 15..8 all copy the sign bit
+        half = sign_extended.bitwise_left_shift_(7).bitwise_and_(~0x4000)  # drop the copy that lands in bit 14
+        return half.view(torch.float16).float().mul_(256.0)
+    flat = codes.reshape(-1).to(torch.int64)  # int64 indices: index_select slows down badly with int32 ones
+    return _decode_table(data.dtype, data.device).index_select(0, flat).view(data.shape)
+
+
+def dequantize_with_scale(data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32):
+    """:func:`fp8_lightning.quantize.dequantize_with_scale`."""
+    return (fp8_to_float32(data) * scale.float().reciprocal()).to(out_dtype)
+
+
+def dequantize_tensorwise(data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32):
+    """:func:`fp8_lightning.quantize.dequantize_tensorwise`."""
+    return dequantize_with_scale(data, scale, out_dtype)
+
+
+def operand_f32(q: Quantized) -> torch.Tensor:
+    """The operand in float32 for a float GEMM (``q.f32``: the codes' exact values for per-tensor scaling, the
+    dequantized values for MX), made on the first call and kept on the operand for its other GEMMs."""
+    if q.f32 is None:
+        q.f32 = fp8_to_float32(q.data, q.nan_free) if q.kind == "tensor" else dequantize_mxfp8(q.data, q.scale)
+    return q.f32
+
+
+def dequantize_operand(q: Quantized, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The high-precision values an operand stands for."""
+    if q.kind == "mx":
+        return operand_f32(q).to(out_dtype)
+    return dequantize_with_scale(q.data, q.scale, out_dtype)
+
+
+# --------------------------------------------------------------------------------------------------------
+# MXFP8
+# --------------------------------------------------------------------------------------------------------
+
+
+def _mx_kernels(x: torch.Tensor, block_size: int):
+    kernels = cuda_kernels(x)
+    return kernels if kernels is not None and block_size in kernels.MX_BLOCK_SIZES and x.numel() > 0 else None
+
+
+def quantize_mxfp8(
+    x: torch.Tensor, *, block_size: int = 32, scale_rounding: str = "rceil",
+    fp8_format: "Format | str | torch.dtype" = Format.E4M3,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fp8_lightning.mx.quantize_mxfp8` (``(data, scale)``)."""
+    k = mx.check_mx_input(x, block_size, "quantize_mxfp8")
+    dtype = fp8_dtype(fp8_format)
+    kernels, codec = _mx_kernels(x, block_size), cpu_codec(x)
+    if kernels is not None:
+        rows, _ = kernels.mx_quantize(x.detach().reshape(-1, k), block_size, scale_rounding, dtype)
+        return rows.data.reshape(x.shape), rows.scale.reshape(*x.shape[:-1], k // block_size)
+    if codec is not None and x.numel() > 0:
+        data, scale, _ = codec.mx_quantize(x.reshape(-1, k), block_size, scale_rounding, dtype)[0]
+        return data.reshape(x.shape), scale.reshape(*x.shape[:-1], k // block_size)
+    return mx.quantize_mxfp8(x, block_size=block_size, scale_rounding=scale_rounding, fp8_format=dtype)
+
+
+def quantize_mx_operand(x: torch.Tensor, block_size: int, scale_rounding: str, dtype: torch.dtype) -> Quantized:
+    """:func:`fp8_lightning.mx.quantize_mx_operand`."""
+    data, scale = quantize_mxfp8(x, block_size=block_size, scale_rounding=scale_rounding, fp8_format=dtype)
+    return Quantized(data, scale, "mx")
+
+
+def quantize_mx_operands(
+    x: torch.Tensor, block_size: int, scale_rounding: str, dtype: torch.dtype, columnwise: bool = True,
+    columnwise_f32: bool = True,
+) -> tuple[Quantized, Quantized | None]:
+    """:func:`fp8_lightning.mx.quantize_mx_operands`. ``columnwise_f32=False``: the columnwise copy is only kept
+    for later (saved for backward), so the C codec does not make its float32 GEMM form now."""
+    kernels, codec = _mx_kernels(x, block_size), cpu_codec(x)
+    if kernels is not None:
+        return kernels.mx_quantize(x.detach(), block_size, scale_rounding, dtype, rowwise=True, columnwise=columnwise)
+    if codec is not None and x.numel() > 0:
+        row, col = codec.mx_quantize(x, block_size, scale_rounding, dtype, True, columnwise, columnwise_f32)
+        return Quantized(row[0], row[1], "mx", row[2]), (None if col is None else _transposed_operand(*col))
+    return mx.quantize_mx_operands(x, block_size, scale_rounding, dtype, columnwise)
+
+
+def quantize_mx_columns(x: torch.Tensor, block_size: int, scale_rounding: str, dtype: torch.dtype) -> Quantized:
+    """:func:`fp8_lightning.mx.quantize_mx_columns`."""
+    kernels, codec = _mx_kernels(x, block_size), cpu_codec(x)
+    if kernels is not None:
+        return kernels.mx_quantize(x.detach(), block_size, scale_rounding, dtype, rowwise=False, columnwise=True)[1]
+    if codec is not None and x.numel() > 0:
+        return _transposed_operand(*codec.mx_quantize(x, block_size, scale_rounding, dtype, False, True)[1])
+    return mx.quantize_mx_columns(x, block_size, scale_rounding, dtype)
+
+
+def _transposed_operand(data: torch.Tensor, scale: torch.Tensor, values: torch.Tensor | None) -> Quantized:
+    """The MX operand of x.T from columnwise blocks quantized in x's layout (views, no copy)."""
+    return Quantized(data.t(), scale.t(), "mx", None if values is None else values.t())
+
+
+def dequantize_mxfp8(data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32):
+    """:func:`fp8_lightning.mx.dequantize_mxfp8`."""
+    k, n_blocks = mx.check_mx_scales(data, scale)
+    codec = cpu_codec() if data.device.type == "cpu" and data.numel() > 0 else None
+    if codec is None or data.dtype not in codec.FORMATS:
+        return mx.dequantize_mxfp8(data, scale, out_dtype, decode=fp8_to_float32)
+    if is_transposed_2d(data):  # blocks down base rows
+        return codec.mx_decode(data.t(), scale.t(), True).to(out_dtype).t()
+    values = codec.mx_decode(data.reshape(-1, k), scale.reshape(-1, n_blocks), False)
+    return values.view(data.shape).to(out_dtype)
+
