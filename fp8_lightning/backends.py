@@ -35,7 +35,8 @@ import torch
 from fp8_lightning import mx, quantize
 from fp8_lightning.formats import Format, fp8_dtype
 from fp8_lightning.kernels import cpu_codec as codec_module
-from fp8_lightning.kernels.availability import kernels_for
+from fp8_lightning import kernels
+from fp8_lightning.kernels.availability import kernels_usable
 from fp8_lightning.quantize import Quantized, _check_floating, is_transposed_2d
 
 # --------------------------------------------------------------------------------------------------------
@@ -45,10 +46,7 @@ from fp8_lightning.quantize import Quantized, _check_floating, is_transposed_2d
 
 def cuda_kernels(x: torch.Tensor):
     """``fp8_lightning.kernels`` for a CUDA tensor the Triton kernels take, else None (always None on CPU)."""
-    if not x.is_cuda:
-        return None
-    kernels = kernels_for(x)
-    return kernels if kernels is not None and kernels.supports_input(x) else None
+    return kernels if kernels_usable(x) and kernels.supports_input(x) else None
 
 
 def cpu_codec(x: torch.Tensor | None = None):

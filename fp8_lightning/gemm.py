@@ -33,7 +33,7 @@ import torch
 
 from fp8_lightning import kernels
 from fp8_lightning.backends import dequantize_operand, operand_f32
-from fp8_lightning.kernels.availability import kernels_for
+from fp8_lightning.kernels.availability import kernels_usable
 from fp8_lightning.quantize import Quantized, pad_dim
 from fp8_lightning.settings import GEMM_BACKENDS as BACKENDS
 from fp8_lightning.settings import settings
@@ -187,7 +187,7 @@ def fp8_mm(
         block_32 = a.data.shape[-1] == 32 * a.scale.shape[-1]
         if backend != "emulate" and block_32 and native_mx_gemm_support(a.data.device)[0]:
             return _add_bias(_native_mx_mm(a, b, out_dtype), bias)
-        if backend != "emulate" and kernels_for(a.data) is not None and kernels.mx_gemm_supported(a, b, out_dtype)[0]:
+        if backend != "emulate" and kernels_usable(a.data) and kernels.mx_gemm_supported(a, b, out_dtype)[0]:
             return _add_bias(kernels.mx_gemm(a, b, out_dtype), bias)
         return _add_bias(_emulated(a, b, out_dtype), bias)
     if backend == "emulate" or (backend == "auto" and not fp8_gemm_support(a.data.device)[0]):

@@ -16,7 +16,7 @@ kernel                       what it does                                    pur
 ===========================  ==============================================  ======================================
 
 How the library uses them: the core (``quantize.py``, ``mx.py``, ``scaling.py``, ``gemm.py``) asks
-:func:`~fp8_lightning.kernels.availability.kernels_for` for CUDA tensors only; it gets this package when Triton
+:func:`~fp8_lightning.kernels.availability.kernels_usable` for CUDA tensors only; it uses this package when Triton
 is importable, the GPU has FP8 conversions (sm89+) and ``FP8_LIGHTNING_DISABLE_TRITON`` is not set, and falls
 back to its pure-torch code otherwise. CPU tensors never reach the Triton kernels from the core.
 
@@ -43,7 +43,7 @@ from fp8_lightning.kernels.availability import (
     DISABLE_ENV,
     device_status,
     disabled_by_env,
-    kernels_for,
+    kernels_usable,
     triton_status,
 )
 from fp8_lightning.mx import E8M0_DTYPE
@@ -62,7 +62,7 @@ __all__ = [
     "delayed_operand_cast",
     "device_status",
     "disabled_by_env",
-    "kernels_for",
+    "kernels_usable",
     "mx_gemm",
     "mx_gemm_supported",
     "mx_quantize",

@@ -7,7 +7,7 @@ runs on machines without it:
   run on CPU tensors, which is how they are tested without a GPU)?
 * :func:`device_status` -- can the kernels run on a given device: CUDA with FP8 conversions (sm89+), or any
   device when the Triton interpreter is on?
-* :func:`kernels_for` -- should the *core* use the kernels for this tensor? Only for CUDA tensors, only when
+* :func:`kernels_usable` -- should the *core* use the kernels for this tensor? Only for CUDA tensors, only when
   the device supports them, and never when ``FP8_LIGHTNING_DISABLE_TRITON=1`` asked for the pure-torch path.
   The core never sends CPU tensors here, so CPU behaviour is untouched.
 
@@ -86,16 +86,10 @@ def device_status(device: torch.device | str) -> tuple[bool, str]:
     return True, f"{reason} on compute capability {capability[0]}.{capability[1]}"
 
 
-def kernels_for(x: torch.Tensor):
-    """The ``fp8_lightning.kernels`` package when the core should use it for ``x``, else None.
-
-    Only CUDA tensors qualify (the interpreter is for testing the kernels directly, never for the core).
-    """
-    if not x.is_cuda or not cuda_kernels_enabled(x.device.index):
-        return None
-    import fp8_lightning.kernels as kernels
-
-    return kernels
+def kernels_usable(x: torch.Tensor) -> bool:
+    """Whether the core should use the kernels for ``x``: only CUDA tensors qualify (the interpreter is for
+    testing the kernels directly, never for the core), on a device that runs them, unless disabled."""
+    return x.is_cuda and cuda_kernels_enabled(x.device.index)
 
 
 @torch.compiler.assume_constant_result

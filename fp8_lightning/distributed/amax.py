@@ -23,6 +23,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fp8_lightning.backends import amax
+from fp8_lightning.distributed.weight import FP8ShardedWeight
+from fp8_lightning.linear import FP8Linear
 
 
 def local_shard(weight: torch.Tensor) -> torch.Tensor:
@@ -46,9 +48,6 @@ class WeightAmaxSync:
 
     def bind(self) -> None:
         """Find the per-tensor FP8-gathered weights of the model, in module order (identical on every rank)."""
-        from fp8_lightning.distributed.weight import FP8ShardedWeight
-        from fp8_lightning.linear import FP8Linear
-
         root = self._root()
         if root is None:
             raise RuntimeError("WeightAmaxSync: the model it was created for no longer exists.")

@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 
+from fp8_lightning.kernels.availability import kernels_usable
 from fp8_lightning.optim import master_weights as mw
 from fp8_lightning.optim.config import FP8OptimizerConfig, config_from
 from fp8_lightning.optim.state_formats import StateFormat, decode, encode
@@ -239,10 +240,9 @@ class FP8Optimizer(torch.optim.Optimizer):
     def _try_fused(self, local, grad, state, formats, kind, group, step) -> bool:
         if not (self.config.use_triton and local.is_cuda):
             return False
-        from fp8_lightning.kernels.availability import kernels_for
-
-        if kernels_for(local) is None:  # no Triton, no FP8-capable GPU, or FP8_LIGHTNING_DISABLE_TRITON=1
+        if not kernels_usable(local):  # no Triton, no FP8-capable GPU, or FP8_LIGHTNING_DISABLE_TRITON=1
             return False
+        # imports Triton, an optional dependency: only once the kernels are known to run
         from fp8_lightning.kernels.fp8_adam import fused_adam_step, fused_adam_supported
 
         if not fused_adam_supported(local, formats["exp_avg"], formats["exp_avg_sq"], kind)[0]:

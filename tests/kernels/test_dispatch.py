@@ -215,16 +215,16 @@ def test_cpu_tensors_never_reach_the_kernels(monkeypatch):
     backends.amax(torch.randn(8))
 
 
-def test_kernels_for_honours_device_and_disable_variable(monkeypatch):
+def test_kernels_usable_honours_device_and_disable_variable(monkeypatch):
     fake_cuda = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
     monkeypatch.setattr(availability, "_cuda_usable", lambda index: True)
     set_env(monkeypatch, **{availability.DISABLE_ENV: None})
-    assert availability.kernels_for(fake_cuda) is kernels
+    assert availability.kernels_usable(fake_cuda)
     set_env(monkeypatch, **{availability.DISABLE_ENV: "1"})
-    assert availability.kernels_for(fake_cuda) is None
+    assert not availability.kernels_usable(fake_cuda)
     set_env(monkeypatch, **{availability.DISABLE_ENV: "0"})
     monkeypatch.setattr(availability, "_cuda_usable", lambda index: False)
-    assert availability.kernels_for(fake_cuda) is None
+    assert not availability.kernels_usable(fake_cuda)
 
 
 def test_explicit_request_that_cannot_run_names_the_reason(monkeypatch):
