@@ -1,0 +1,185 @@
+"""Process body of the 2-process FP8 gradient communication tests (importable by spawned children).
+
+One spawn runs every case; rank 0 reports each case's inputs (every rank's) and results (every rank's), and the
+test process checks them against float64 references and counts."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fp8_lightning.distributed import FP8CommState, FP8ReduceScatter, fp8_all_reduce_mean, fp8_compress_hook
+from tests.processes import end_worker, init_gloo
+
+NUMEL, BLOCK = 3001, 256  # odd: the chunks and the last block are padded
+
+
+def adversarial(case: str, rank: int) -> torch.Tensor:
+    """This rank's gradient for one adversarial case (deterministic per case and rank)."""
+    g = torch.Generator().manual_seed(1000 * rank + len(case))
+    x = torch.randn(NUMEL, generator=g)
+    if case == "one_rank_1e4x":
+        return x * (1e4 if rank == 0 else 1.0)
+    if case == "log_uniform":  # magnitudes over 2**-40 .. 1: many land in the FP8 subnormals (and below) after scaling
+        return x.sign() * torch.exp2(-40 * torch.rand(NUMEL, generator=g))
+    if case == "tiny":  # the whole gradient near float32's smallest normals: the scale saturates at float32 max
+        return x * 1e-37
+    if case == "zeros":
+        return torch.zeros(NUMEL)
+    if case == "zeros_on_one_rank":
+        return x if rank == 0 else torch.zeros(NUMEL)
+    if case == "nonfinite":
+        x[5 if rank == 1 else 2000] = float("nan") if rank == 1 else float("inf")
+        return x
+    raise ValueError(case)
+
+
+CASES = ("one_rank_1e4x", "log_uniform", "tiny", "zeros", "zeros_on_one_rank", "nonfinite")
+
+
+def gathered(x: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, x)
+    return out
+
+
+class WireBytes:
+    """Bytes this rank puts on the wire, counted at the torch.distributed calls with the usual per-rank costs:
+    ring all-reduce 2(w-1)/w x size, all-to-all and reduce-scatter (w-1)/w x input, all-gather (w-1) x input."""
+
+    COSTS = {
+        "all_reduce": lambda w, t, *a, **k: 2 * (w - 1) / w * nbytes(t),
+        "all_to_all_single": lambda w, out, inp, *a, **k: (w - 1) / w * nbytes(inp),
+        "all_gather_single": lambda w, out, inp, *a, **k: (w - 1) * nbytes(inp),
+        "all_gather_into_tensor": lambda w, out, inp, *a, **k: (w - 1) * nbytes(inp),
+        "reduce_scatter_single": lambda w, output, input, *a, **k: (w - 1) / w * nbytes(input),
+    }
+
+    def __init__(self):
+        self.bytes: dict[str, float] = {}
+        self._saved = {}
+
+    def __enter__(self):
+        for name, cost in self.COSTS.items():
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            self._saved[name] = original
+
+            def counting(*args, _name=name, _cost=cost, _original=original, **kwargs):
+                world = dist.get_world_size(kwargs.get("group"))
+                self.bytes[_name] = self.bytes.get(_name, 0.0) + _cost(world, *args, **kwargs)
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, counting)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+    @property
+    def total(self) -> float:
+        return sum(self.bytes.values())
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# -- reference hooks the FP8 one is compared with (torch's bf16_compress_hook refuses gloo) ----------------------
+
+
+def bf16_hook(state, bucket):
+    buffer = bucket.buffer()
+    wire = buffer.to(torch.bfloat16)
+    dist.all_reduce(wire)
+    buffer.copy_(wire.float() / dist.get_world_size())
+    future = torch.futures.Future()
+    future.set_result(buffer)
+    return future
+
+
+def fp32_hook(state, bucket):
+    buffer = bucket.buffer()
+    dist.all_reduce(buffer)
+    buffer /= dist.get_world_size()
+    future = torch.futures.Future()
+    future.set_result(buffer)
+    return future
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128), nn.GELU(), nn.Linear(128, 16))
+
+
+def ddp_step(hook, state, rank: int) -> tuple[float, dict, list[torch.Tensor]]:
+    """One backward through DDP with ``hook``: the wire bytes of the gradient reduction and the averaged grads."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model(), bucket_cap_mb=0.1)
+    ddp.register_comm_hook(state, hook)
+    x = torch.randn(32, 128, generator=torch.Generator().manual_seed(rank))
+    with WireBytes() as wire:
+        ddp(x).square().mean().backward()
+    return wire.total, wire.bytes, [p.grad.clone() for p in ddp.parameters()]
+
+
+def fsdp_step(rank: int, fp8: bool, reduce_dtype=None) -> tuple[float, dict, list[torch.Tensor]]:
+    """One backward through FSDP2 (float32 or bf16 reduce-scatter, or FP8): wire bytes and the full gradients."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    net = model()
+    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    for layer in net[::2]:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(net, mp_policy=policy)
+    if fp8:
+        for module in net.modules():
+            if hasattr(module, "set_custom_reduce_scatter"):
+                module.set_custom_reduce_scatter(FP8ReduceScatter(block_size=BLOCK))
+    x = torch.randn(32, 128, generator=torch.Generator().manual_seed(rank))
+    with WireBytes() as wire:
+        net(x).square().mean().backward()
+    grads = [p.grad.full_tensor().clone() for p in net.parameters()]
+    return wire.total, wire.bytes, grads
+
+
+def worker(rank: int, world: int, port: int, out: dict) -> None:
+    init_gloo(rank, world, port)
+    results: dict = {}
+    for fmt in ("e4m3", "e5m2"):
+        for case in CASES:
+            x = adversarial(case, rank)
+            state = FP8CommState(fp8_format=fmt, block_size=BLOCK)
+            mean = fp8_all_reduce_mean(x.clone(), state)
+            shard = torch.empty(math.ceil(NUMEL / world))
+            padded = torch.cat([x, x.new_zeros(world * shard.numel() - NUMEL)])
+            FP8ReduceScatter(fmt, BLOCK)(shard, padded, None, dist.ReduceOp.AVG)
+            results[fmt, case] = {
+                "inputs": gathered(x),
+                "means": gathered(mean),
+                "shards": gathered(shard),
+                "factor": state.factors[0].item(),
+            }
+    # overflow back-off: identical gradients on both ranks do not cancel, so a factor of 2 overflows the mean
+    same = adversarial("one_rank_1e4x", 1)
+    state = FP8CommState(block_size=BLOCK, growth_interval=1)
+    first = fp8_all_reduce_mean(same, state)
+    grown = state.factors[0].item()
+    second = fp8_all_reduce_mean(same, state)
+    results["backoff"] = {
+        "input": same, "first": first, "second": second, "grown": grown,
+        "after": state.factors[0].item(), "backoffs": state.overflow_backoffs,
+    }
+    results["ddp"] = {name: ddp_step(hook, st, rank) for name, hook, st in [
+        ("fp32", fp32_hook, None), ("bf16", bf16_hook, None), ("fp8", fp8_compress_hook, FP8CommState())]}
+    results["fsdp"] = {
+        "fp32": fsdp_step(rank, False), "bf16": fsdp_step(rank, False, torch.bfloat16), "fp8": fsdp_step(rank, True)}
+    if rank == 0:
+        out.update(results)
+    end_worker()
