@@ -4,7 +4,11 @@ whole-weight amax reduction, and the helpers that prepare and shard an FP8 model
 
 from fp8_lightning.distributed.amax import WeightAmaxSync
 from fp8_lightning.distributed.grad_comm import FP8CommState, fp8_all_reduce_mean, fp8_compress_hook
-from fp8_lightning.distributed.reduce_scatter import FP8ReduceScatter, fp8_reduce_scatter_unsupported_reason
+from fp8_lightning.distributed.reduce_scatter import (
+    FP8ReduceScatter,
+    enable_fp8_reduce_scatter,
+    fp8_reduce_scatter_unsupported_reason,
+)
 from fp8_lightning.distributed.sharding import (
     AllGatherReport,
     apply_activation_checkpointing,
@@ -29,6 +33,7 @@ __all__ = [
     "default_shard_targets",
     "disable_fp8_all_gather",
     "enable_fp8_all_gather",
+    "enable_fp8_reduce_scatter",
     "fp8_all_gather_unsupported_reason",
     "fp8_all_reduce_mean",
     "fp8_compress_hook",

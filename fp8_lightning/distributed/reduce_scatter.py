@@ -100,3 +100,25 @@ class FP8ReduceScatter(_reduce_scatter_base()):
 
     def __repr__(self) -> str:
         return f"FP8ReduceScatter(dtype={self.dtype}, block_size={self.block_size})"
+
+
+def enable_fp8_reduce_scatter(
+    module: torch.nn.Module, fp8_format: str = "e4m3", block_size: int | None = DEFAULT_BLOCK_SIZE
+) -> int:
+    """Give every FSDP2 module under ``module`` (itself included) an :class:`FP8ReduceScatter`; returns how many.
+
+    Call it after ``fully_shard``. Raises when torch lacks the seam or when nothing under ``module`` is sharded."""
+    reason = fp8_reduce_scatter_unsupported_reason()
+    if reason is not None:
+        raise RuntimeError(f"FP8 gradient reduce-scatter is not available: {reason}.")
+    from torch.distributed.fsdp import FSDPModule
+
+    comm = FP8ReduceScatter(fp8_format, block_size)
+    sharded = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    if not sharded:
+        raise ValueError(
+            f"enable_fp8_reduce_scatter found no FSDP2 module under {type(module).__name__}; call fully_shard first."
+        )
+    for m in sharded:
+        m.set_custom_reduce_scatter(comm)
+    return len(sharded)

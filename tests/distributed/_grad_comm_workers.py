@@ -180,6 +180,31 @@ def worker(rank: int, world: int, port: int, out: dict) -> None:
         ("fp32", fp32_hook, None), ("bf16", bf16_hook, None), ("fp8", fp8_compress_hook, FP8CommState())]}
     results["fsdp"] = {
         "fp32": fsdp_step(rank, False), "bf16": fsdp_step(rank, False, torch.bfloat16), "fp8": fsdp_step(rank, True)}
+    results["lightning"] = lightning_fits(rank, world, port)
     if rank == 0:
         out.update(results)
     end_worker()
+
+
+def lightning_fits(rank: int, world: int, port: int) -> dict:
+    """The two strategy switches under a real Trainer (in the process group already joined), against the same
+    strategy without FP8 gradients: losses, and proof that the FP8 communication ran."""
+    import os
+    import warnings
+
+    from fp8_lightning import FP8DDPStrategy, FP8FSDPStrategy
+    from tests.distributed._lightning_workers import fit, make_module
+
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+    warnings.filterwarnings("ignore")
+    res = {}
+    _, res["ddp"] = fit(make_module(), FP8DDPStrategy(), recipe="tensorwise", epochs=1)
+    trainer, res["ddp_fp8"] = fit(make_module(), FP8DDPStrategy(fp8_gradients=True), recipe="tensorwise", epochs=1)
+    state = trainer.strategy.fp8_comm_state
+    res["ddp_fp8_buckets"] = len(state.factors)
+    _, res["fsdp"] = fit(make_module(), FP8FSDPStrategy(), recipe="tensorwise", epochs=1)
+    module = make_module()
+    _, res["fsdp_fp8"] = fit(module, FP8FSDPStrategy(fp8_reduce_scatter=True), recipe="tensorwise", epochs=1)
+    groups = [g for m in module.modules() if hasattr(m, "_get_fsdp_state") for g in m._get_fsdp_state()._fsdp_param_groups]
+    res["fsdp_fp8_comms"] = [type(g._reduce_scatter_comm).__name__ for g in groups]
+    return res

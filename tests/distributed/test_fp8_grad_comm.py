@@ -13,6 +13,8 @@ One spawn runs every case (process start-up dominates the cost). What each asser
 * Wire bytes per rank for one backward, counted at the torch.distributed calls (scales included): the FP8 hook
   moves at most 0.55x a bf16 all-reduce hook (and about a quarter of float32); FP8ReduceScatter at most 0.55x
   FSDP2's bf16 reduce-scatter. The averaged gradients are those of float32 communication to FP8 precision.
+* Lightning: ``FP8DDPStrategy(fp8_gradients=True)`` and ``FP8FSDPStrategy(fp8_reduce_scatter=True)`` put the FP8
+  communication in place and train to the losses of the same strategies without it.
 """
 
 import math
@@ -138,6 +140,17 @@ def test_fsdp_reduce_scatter_halves_bf16_bytes(results):
     assert "reduce_scatter_single" not in fsdp["fp8"][1] and fp8 > 0
     assert fp8 <= 0.55 * bf16 and fp8 <= 0.28 * fp32
     assert relative_error(fsdp["fp8"][2], fsdp["fp32"][2]) < 0.05
+
+
+def test_lightning_strategies_switch_fp8_gradients_on(results):
+    """FP8DDPStrategy(fp8_gradients=True) registers the hook on CPU too (Lightning's DDPStrategy registers hooks
+    on CUDA only); FP8FSDPStrategy(fp8_reduce_scatter=True) gives every FSDP2 group the FP8 reduce-scatter. Both
+    train to the losses of the same strategy without FP8 gradients, to FP8 precision."""
+    r = results["lightning"]
+    assert r["ddp_fp8_buckets"] >= 1
+    assert r["fsdp_fp8_comms"] and set(r["fsdp_fp8_comms"]) == {"FP8ReduceScatter"}
+    assert r["ddp_fp8"] == pytest.approx(r["ddp"], rel=1e-2) and r["ddp_fp8"] != r["ddp"]
+    assert r["fsdp_fp8"] == pytest.approx(r["fsdp"], rel=1e-2) and r["fsdp_fp8"] != r["fsdp"]
 
 
 def test_bad_settings_are_explained():
