@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from benchmarks.grad_bytes import WireBytes, bf16_hook, fp32_hook
 from fp8_lightning.distributed import FP8CommState, FP8ReduceScatter, fp8_all_reduce_mean, fp8_compress_hook
 from tests.processes import end_worker, init_gloo
 
@@ -46,72 +47,6 @@ def gathered(x: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-class WireBytes:
-    """Bytes this rank puts on the wire, counted at the torch.distributed calls with the usual per-rank costs:
-    ring all-reduce 2(w-1)/w x size, all-to-all and reduce-scatter (w-1)/w x input, all-gather (w-1) x input."""
-
-    COSTS = {
-        "all_reduce": lambda w, t, *a, **k: 2 * (w - 1) / w * nbytes(t),
-        "all_to_all_single": lambda w, out, inp, *a, **k: (w - 1) / w * nbytes(inp),
-        "all_gather_single": lambda w, out, inp, *a, **k: (w - 1) * nbytes(inp),
-        "all_gather_into_tensor": lambda w, out, inp, *a, **k: (w - 1) * nbytes(inp),
-        "reduce_scatter_single": lambda w, output, input, *a, **k: (w - 1) / w * nbytes(input),
-    }
-
-    def __init__(self):
-        self.bytes: dict[str, float] = {}
-        self._saved = {}
-
-    def __enter__(self):
-        for name, cost in self.COSTS.items():
-            original = getattr(dist, name, None)
-            if original is None:
-                continue
-            self._saved[name] = original
-
-            def counting(*args, _name=name, _cost=cost, _original=original, **kwargs):
-                world = dist.get_world_size(kwargs.get("group"))
-                self.bytes[_name] = self.bytes.get(_name, 0.0) + _cost(world, *args, **kwargs)
-                return _original(*args, **kwargs)
-
-            setattr(dist, name, counting)
-        return self
-
-    def __exit__(self, *exc):
-        for name, original in self._saved.items():
-            setattr(dist, name, original)
-
-    @property
-    def total(self) -> float:
-        return sum(self.bytes.values())
-
-
-def nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-# -- reference hooks the FP8 one is compared with (torch's bf16_compress_hook refuses gloo) ----------------------
-
-
-def bf16_hook(state, bucket):
-    buffer = bucket.buffer()
-    wire = buffer.to(torch.bfloat16)
-    dist.all_reduce(wire)
-    buffer.copy_(wire.float() / dist.get_world_size())
-    future = torch.futures.Future()
-    future.set_result(buffer)
-    return future
-
-
-def fp32_hook(state, bucket):
-    buffer = bucket.buffer()
-    dist.all_reduce(buffer)
-    buffer /= dist.get_world_size()
-    future = torch.futures.Future()
-    future.set_result(buffer)
-    return future
-
-
 def model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128), nn.GELU(), nn.Linear(128, 16))
@@ -126,7 +61,7 @@ def ddp_step(hook, state, rank: int) -> tuple[float, dict, list[torch.Tensor]]:
     x = torch.randn(32, 128, generator=torch.Generator().manual_seed(rank))
     with WireBytes() as wire:
         ddp(x).square().mean().backward()
-    return wire.total, wire.bytes, [p.grad.clone() for p in ddp.parameters()]
+    return sum(wire.bytes.values()), dict(wire.bytes), [p.grad.clone() for p in ddp.parameters()]
 
 
 def fsdp_step(rank: int, fp8: bool, reduce_dtype=None) -> tuple[float, dict, list[torch.Tensor]]:
@@ -146,7 +81,7 @@ def fsdp_step(rank: int, fp8: bool, reduce_dtype=None) -> tuple[float, dict, lis
     with WireBytes() as wire:
         net(x).square().mean().backward()
     grads = [p.grad.full_tensor().clone() for p in net.parameters()]
-    return wire.total, wire.bytes, grads
+    return sum(wire.bytes.values()), dict(wire.bytes), grads
 
 
 def worker(rank: int, world: int, port: int, out: dict) -> None:
