@@ -7,7 +7,9 @@ from omegaconf import OmegaConf
 
 from fp8_lightning import FP8DDPStrategy, FP8FSDPStrategy
 from fp8_lightning.distributed import FP8CommState, fp8_compress_hook
+from fp8_lightning.train import build_strategy
 from tests.distributed._workers import REPO_ROOT
+from tests.hydra.helpers import compose_config
 
 STRATEGIES = REPO_ROOT / "conf" / "strategy"
 
@@ -30,6 +32,13 @@ def test_hydra_fsdp_switch():
     assert compose("fp8_fsdp").fp8_reduce_scatter is False
     strategy = compose("fp8_fsdp", fp8_reduce_scatter=True)
     assert isinstance(strategy, FP8FSDPStrategy) and strategy.fp8_reduce_scatter is True
+
+
+def test_the_readme_commands_compose(tmp_path):
+    ddp = build_strategy(compose_config(tmp_path, "trainer=ddp", "strategy.fp8_gradients=true"))
+    assert isinstance(ddp, FP8DDPStrategy) and ddp._ddp_comm_hook is fp8_compress_hook
+    fsdp = build_strategy(compose_config(tmp_path, "strategy=fp8_fsdp", "strategy.fp8_reduce_scatter=true"))
+    assert isinstance(fsdp, FP8FSDPStrategy) and fsdp.fp8_reduce_scatter
 
 
 def test_fp8_ddp_strategy_string():
