@@ -51,3 +51,14 @@ def test_fp8_ddp_refuses_a_second_hook():
         FP8DDPStrategy(fp8_gradients=True, ddp_comm_hook=lambda state, bucket: None)
     with pytest.raises(ValueError, match="'e4m3' or 'e5m2'"):
         FP8DDPStrategy(fp8_gradients=True, fp8_format="hybrid")
+
+
+def test_reduce_scatter_divides_as_fsdp_asks():
+    import torch.distributed as dist
+
+    from fp8_lightning.distributed.reduce_scatter import divisor_of
+
+    assert divisor_of(dist.ReduceOp.AVG, 4) == 4.0 and divisor_of(dist.ReduceOp.SUM, 4) == 1.0
+    assert divisor_of(dist.ReduceOp.PREMUL_SUM(0.25), 4) == 4.0
+    with pytest.raises(ValueError, match="AVG, SUM and PREMUL_SUM"):
+        divisor_of(dist.ReduceOp.MAX, 4)
