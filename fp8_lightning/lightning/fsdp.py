@@ -48,6 +48,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
+from fp8_lightning.distributed.reduce_scatter import enable_fp8_reduce_scatter, fp8_reduce_scatter_unsupported_reason
 from fp8_lightning.distributed.sharding import (
     AllGatherReport,
     disable_fp8_all_gather,
@@ -55,7 +56,6 @@ from fp8_lightning.distributed.sharding import (
     is_sharded,
     shard_model,
 )
-from fp8_lightning.distributed.reduce_scatter import enable_fp8_reduce_scatter, fp8_reduce_scatter_unsupported_reason
 from fp8_lightning.lightning.plugin_base import parse_dtype
 from fp8_lightning.recipes import RecipeLike, recipe_from
 
