@@ -29,10 +29,12 @@ from fp8_lightning.lightning import (
     FP8StatsMonitor,
     register_precision_strings,
 )
+from fp8_lightning.lightning.ddp import FP8DDPStrategy, register_ddp_strategy
 from fp8_lightning.lightning.fsdp import FP8FSDPStrategy, register_fsdp_strategy
 
 register_precision_strings()  # Trainer(precision="fp8-hybrid") and Fabric(precision="fp8-hybrid")
 register_fsdp_strategy()  # Trainer(strategy="fp8_fsdp")
+register_ddp_strategy()  # Trainer(strategy="fp8_ddp"): DDP with FP8 gradient communication
 
 __version__ = "0.1.0"
 
@@ -40,6 +42,7 @@ __all__ = [
     "ConversionReport",
     "DelayedScaling",
     "DivergenceGuard",
+    "FP8DDPStrategy",
     "FP8FSDPStrategy",
     "FP8FabricPrecision",
     "FP8Linear",

@@ -1,7 +1,14 @@
 """FSDP2 support: FP8 parameter all-gather (tensor subclasses with FSDP2's extension hooks), the coalesced
-whole-weight amax reduction, and the helpers that prepare and shard an FP8 model. No Lightning imports."""
+whole-weight amax reduction, and the helpers that prepare and shard an FP8 model; FP8 gradient communication
+(a DDP communication hook and an FSDP2 reduce-scatter). No Lightning imports."""
 
 from fp8_lightning.distributed.amax import WeightAmaxSync
+from fp8_lightning.distributed.grad_comm import FP8CommState, fp8_all_reduce_mean, fp8_compress_hook
+from fp8_lightning.distributed.reduce_scatter import (
+    FP8ReduceScatter,
+    enable_fp8_reduce_scatter,
+    fp8_reduce_scatter_unsupported_reason,
+)
 from fp8_lightning.distributed.sharding import (
     AllGatherReport,
     apply_activation_checkpointing,
@@ -17,6 +24,8 @@ from fp8_lightning.distributed.weight import FP8GatheredWeight, FP8ShardedWeight
 
 __all__ = [
     "AllGatherReport",
+    "FP8CommState",
+    "FP8ReduceScatter",
     "FP8GatheredWeight",
     "FP8ShardedWeight",
     "WeightAmaxSync",
@@ -24,7 +33,11 @@ __all__ = [
     "default_shard_targets",
     "disable_fp8_all_gather",
     "enable_fp8_all_gather",
+    "enable_fp8_reduce_scatter",
     "fp8_all_gather_unsupported_reason",
+    "fp8_all_reduce_mean",
+    "fp8_compress_hook",
+    "fp8_reduce_scatter_unsupported_reason",
     "fp8_checkpoint_context",
     "is_sharded",
     "shard_model",

@@ -19,7 +19,9 @@ What it adds to ``ModelParallelStrategy`` (all real work is in :mod:`fp8_lightni
 * **FP8 precision by default.** With no FP8 precision plugin (``precision="32-true"`` / ``"bf16-mixed"``) the
   strategy installs ``FP8Precision(recipe, dtype=...)``; ``bf16-true``/``16-true`` are refused (FP8 training
   keeps float32 master weights).
-* **Options.** ``fp8_all_gather=False`` keeps the weight all-gather in high precision; ``param_dtype`` /
+* **Options.** ``fp8_all_gather=False`` keeps the weight all-gather in high precision; ``fp8_reduce_scatter=True``
+  sends gradients through the reduce-scatter in FP8 (:class:`~fp8_lightning.distributed.FP8ReduceScatter`,
+  float32 sums on the receiving side); ``param_dtype`` /
   ``reduce_dtype`` set FSDP2's ``MixedPrecisionPolicy`` (the reduce-scatter precision of gradients);
   ``activation_checkpointing=True`` checkpoints every block, recomputing under the forward's FP8 setting.
 * **Gradient accumulation** skips the reduce-scatter on all but the last micro-batch
@@ -46,6 +48,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
+from fp8_lightning.distributed.reduce_scatter import enable_fp8_reduce_scatter, fp8_reduce_scatter_unsupported_reason
 from fp8_lightning.distributed.sharding import (
     AllGatherReport,
     disable_fp8_all_gather,
@@ -64,6 +67,7 @@ class FP8FSDPStrategy(ModelParallelStrategy):
         recipe: recipe of the FP8 precision plugin the strategy installs when the Trainer has none (a Recipe,
             name or dict). With an FP8 precision plugin, leave it None (the plugin's recipe is used).
         fp8_all_gather: gather FP8 weights in FP8 (True) or in high precision (False, for comparison).
+        fp8_reduce_scatter: reduce-scatter gradients with FP8 codes on the wire (float32 sums; torch >= 2.9).
         block_classes: class names of the modules to shard one by one (default: children of ModuleLists).
         activation_checkpointing: checkpoint every block (recomputed in FP8 during backward).
         param_dtype, reduce_dtype: FSDP2 ``MixedPrecisionPolicy``: dtype of high-precision all-gathers and of
@@ -80,6 +84,7 @@ class FP8FSDPStrategy(ModelParallelStrategy):
         self,
         recipe: RecipeLike = None,
         fp8_all_gather: bool = True,
+        fp8_reduce_scatter: bool = False,
         block_classes: Iterable[str] | str | None = None,
         activation_checkpointing: bool = False,
         param_dtype: torch.dtype | str | None = None,
@@ -94,6 +99,9 @@ class FP8FSDPStrategy(ModelParallelStrategy):
         super().__init__(data_parallel_size, tensor_parallel_size, save_distributed_checkpoint, process_group_backend, timeout)
         self.recipe = recipe_from(recipe) if recipe is not None else None
         self.fp8_all_gather = bool(fp8_all_gather)
+        self.fp8_reduce_scatter = bool(fp8_reduce_scatter)
+        if self.fp8_reduce_scatter and (reason := fp8_reduce_scatter_unsupported_reason()) is not None:
+            raise ValueError(f"FP8FSDPStrategy(fp8_reduce_scatter=True) is not available: {reason}.")
         self.block_classes = [block_classes] if isinstance(block_classes, str) else list(block_classes or [])
         self.activation_checkpointing = bool(activation_checkpointing)
         self.param_dtype = parse_dtype(param_dtype)
@@ -196,6 +204,8 @@ class FP8FSDPStrategy(ModelParallelStrategy):
             self.all_gather_report = enable_fp8_all_gather(module, self.device_mesh["data_parallel"].size())
             if self.all_gather_report.high_precision:
                 rank_zero_info(str(self.all_gather_report))
+        if self.fp8_reduce_scatter:
+            enable_fp8_reduce_scatter(module)
 
     # -- training -----------------------------------------------------------------------------------------------
 

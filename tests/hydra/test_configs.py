@@ -89,7 +89,10 @@ def test_model_overrides_and_data_block_size_follow(compose_train):
 
 def test_trainer_ddp_selects_ddp_strategy(compose_train):
     trainer = build(compose_train("trainer=ddp"))["trainer"]
-    assert type(trainer.strategy).__name__ == "DDPStrategy" and trainer.num_devices == 2
+    from lightning.pytorch.strategies import DDPStrategy
+
+    assert isinstance(trainer.strategy, DDPStrategy) and trainer.num_devices == 2
+    assert trainer.strategy.fp8_comm_state is None  # FP8 gradients are off unless strategy.fp8_gradients=true
 
 
 def test_scheduler_total_steps_follows_max_steps(compose_train):
