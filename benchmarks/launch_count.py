@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import subprocess
 import time
@@ -47,19 +48,22 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count(recipe) -> collections.Counter:
-    """Operations of one training step of a 64 -> 64 FP8 layer (with bias) on 32 tokens."""
+def count(recipe, autocast_dtype: torch.dtype | None = None) -> collections.Counter:
+    """Operations of one training step of a 64 -> 64 FP8 layer (with bias) on 32 tokens, in float32 or under
+    ``torch.autocast`` to ``autocast_dtype`` (bf16 output: the bias rides in the forward GEMM)."""
     backends.cuda_kernels = lambda x: kernels if kernels.supports_input(x) else None  # the CUDA branch, on CPU
     torch.manual_seed(0)
     layer = FP8Linear.from_linear(torch.nn.Linear(64, 64), recipe)
     x, grad_y = torch.randn(32, 64, requires_grad=True), torch.randn(32, 64)
+    grad_y_low = grad_y.to(autocast_dtype or grad_y.dtype)  # the output gradient in the output's dtype
 
     def step():
         with torch.no_grad():
             layer.weight.mul_(1.0)  # stands in for the optimizer step
-        with fp8_autocast():
+        amp = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+        with fp8_autocast(), amp:
             y = layer(x)
-        y.backward(grad_y)
+        y.backward(grad_y if autocast_dtype is None else grad_y_low)
 
     for _ in range(2):  # past delayed scaling's first (just-in-time) casts
         step()
@@ -75,14 +79,17 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
-    rows = {name: count(recipe) for name, recipe in (("delayed", DelayedScaling()), ("tensorwise", TensorwiseScaling()))}
+    recipes = (("delayed", DelayedScaling()), ("tensorwise", TensorwiseScaling()))
+    rows = {name: count(recipe) for name, recipe in recipes}
+    rows.update({f"{name}, bf16 autocast": count(recipe, torch.bfloat16) for name, recipe in recipes})
     lines = [f"# Tensor operations per FP8 layer training step on the CUDA branch (commit {commit or '?'})", "",
              f"- command: `python benchmarks/launch_count.py{' --out ' + args.out if args.out else ''}`",
              f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}", "",
              "| recipe | operations | by name |", "|---|---:|---|"]  # fmt: skip
     for name, ops in rows.items():
         lines.append(f"| {name} | {sum(ops.values())} | " + ", ".join(f"{k} {v}" for k, v in ops.most_common()) + " |")
-    lines += ["", "Includes the stand-in optimizer's `mul_` and autograd's three gradient accumulations (`add_`)."]
+    lines += ["", "Includes the stand-in optimizer's `mul_` and autograd's three gradient accumulations (`add_`): the",
+              "layer's own step is the rest (casts, GEMMs, the bias add where it is not in the GEMM, the bias gradient)."]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

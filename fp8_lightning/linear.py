@@ -187,7 +187,7 @@ class _FP8LinearFunction(torch.autograd.Function):
             g_t = gq.t() if kind == "tensor" else g_col  # (N, M)
             grad_w = fp8_mm(g_t, x_saved, w_dtype, emulate, fast_accum=fast)  # (N, M) @ (K, M).T
         if ctx.needs_input_grad[2]:
-            grad_bias = g.sum(0).to(bias_dtype)
+            grad_bias = g.sum(0, dtype=bias_dtype)  # one reduction, accumulated in the bias dtype or wider
         return grad_x, grad_w, grad_bias, None, None, None, None, None
 
 

@@ -172,5 +172,5 @@ class _TracedFP8Function(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_w = _gemm(plan, g_col, g_col_scale, x_col, x_col_scale, None, w_dtype, plan.grad_fast_accum)
         if ctx.needs_input_grad[2]:
-            grad_bias = g.sum(0).to(bias_dtype)
+            grad_bias = g.sum(0, dtype=bias_dtype)  # one reduction, accumulated in the bias dtype or wider
         return (grad_x, grad_w, grad_bias) + (None,) * (9 + len(grad_state))

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from fp8_lightning.backends import fp8_to_float32, to_fp8_saturated
 from fp8_lightning.formats import fp8_max
-from fp8_lightning.quantize import fp8_to_float32, max_over_amax, to_fp8_saturated
+from fp8_lightning.quantize import max_over_amax
 
 
 def padded_layout(numel: int, world: int, block_size: int | None) -> tuple[int, int]:
