@@ -59,7 +59,9 @@ def _torchao_layer(base: nn.Linear) -> nn.Module | None:
     return convert_to_float8_training(nn.Sequential(copy.deepcopy(base)), config=config)
 
 
-def measure(tokens: int, features: int, rounds: int, device: torch.device) -> list[dict]:
+def measure(
+    tokens: int, features: int, rounds: int, device: torch.device, modes: tuple[str, ...] = ("eager", "compiled")
+) -> list[dict]:
     torch.manual_seed(0)
     base = nn.Linear(features, features).to(device)
     x = torch.randn(tokens, features, device=device, requires_grad=True)
@@ -73,7 +75,7 @@ def measure(tokens: int, features: int, rounds: int, device: torch.device) -> li
         layers["torchao.float8 tensorwise"] = (torchao, False)
     fns, between = {}, {}
     for name, (layer, fp8) in layers.items():
-        for mode in ("eager", "compiled"):
+        for mode in modes:
             run = torch.compile(layer, fullgraph=True) if mode == "compiled" else layer
             module = layer if isinstance(layer, nn.Linear) else next(m for m in layer.modules() if isinstance(m, nn.Linear))
             step, after = _step(module, run, x, fp8)
@@ -90,31 +92,37 @@ def measure(tokens: int, features: int, rounds: int, device: torch.device) -> li
     rows = []
     for name in layers:
         row = {"layer": name}
-        for mode in ("eager", "compiled"):
+        for mode in modes:
             row[f"{mode}_us"] = medians[(name, mode)] * 1e6
             row[f"{mode}_x"] = medians[(name, mode)] / linear
         rows.append(row)
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--features", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=300)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--modes", default="eager,compiled", help="comma-separated: eager, compiled")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    rows = measure(args.tokens, args.features, args.rounds, device)
-    columns = [("layer", "layer step", "{}"), ("eager_us", "eager us", "{:.0f}"),
-               ("eager_x", "eager / nn.Linear", "{:.2f}"), ("compiled_us", "compiled us", "{:.0f}"),
-               ("compiled_x", "compiled / nn.Linear eager", "{:.2f}")]  # fmt: skip
+    modes = tuple(m for m in args.modes.split(",") if m)
+    if not modes or set(modes) - {"eager", "compiled"}:
+        parser.error(f"--modes {args.modes!r}: use eager, compiled or both (comma-separated)")
+    rows = measure(args.tokens, args.features, args.rounds, device, modes)
+    columns = [("layer", "layer step", "{}")]
+    for mode in modes:
+        against = "nn.Linear" if mode == "eager" else "nn.Linear eager"
+        columns += [(f"{mode}_us", f"{mode} us", "{:.0f}"), (f"{mode}_x", f"{mode} / {against}", "{:.2f}")]
     text = (f"One layer's forward + backward, {args.tokens} tokens, {args.features} x {args.features}, on "
             f"{device.type}; medians of {args.rounds} interleaved rounds.\n\n{markdown_table(columns, rows)}\n")
     print(text)
     if args.out:
         write_markdown_report(args.out, "Host time per layer step", "host_time.py", argv, text)
+    return rows
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_gpt  # noqa: E402
 import bench_linear  # noqa: E402
 import bench_memory  # noqa: E402
+import host_time  # noqa: E402
 
 
 def _check_folder(folder: Path, plot: str) -> dict:
@@ -64,4 +65,14 @@ def test_launch_count_reports_both_per_tensor_recipes(tmp_path):
     subprocess.run([sys.executable, "benchmarks/launch_count.py", "--out", str(out)], check=True, env=env,
                    cwd=Path(__file__).resolve().parents[2], capture_output=True, timeout=300)  # fmt: skip
     rows = [line for line in out.read_text().splitlines() if line.startswith(("| delayed", "| tensorwise"))]
-    assert len(rows) == 2 and all("_scaled_mm 3" in row for row in rows)
+    assert len(rows) == 4 and all("_scaled_mm 3" in row for row in rows)
+    bf16 = [row for row in rows if "bf16 autocast" in row]
+    assert len(bf16) == 2 and all("| add " not in row and ", add " not in row for row in bf16)  # bias in the GEMM
+
+
+def test_host_time_reports_every_layer_eagerly(tmp_path):
+    out = tmp_path / "host.md"
+    rows = host_time.main(["--rounds", "2", "--features", "32", "--modes", "eager", "--out", str(out)])
+    assert {"nn.Linear", "ours delayed", "ours tensorwise", "ours mxfp8"} <= {r["layer"] for r in rows}
+    assert all(r["eager_us"] > 0 for r in rows) and rows[0]["eager_x"] == 1.0
+    assert "eager / nn.Linear" in out.read_text()
