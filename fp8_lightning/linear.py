@@ -72,8 +72,8 @@ class LayerScaling:
                 "grad_output": OperandScaling(recipe, self.backward_dtype),
             }
         self._weight_key: tuple | None = None
-        self._weight_recorded = False  # whether the cached cast fed the weight amax history (training casts do)
         self._weight_cache: tuple[Quantized, Quantized | None] | None = None
+        self._evaluation_cache: tuple[tuple, tuple[Quantized, Quantized | None]] | None = None  # (key, operands)
         self.weight_casts = 0
 
     @property
@@ -120,15 +120,25 @@ class LayerScaling:
         if provided is not None:
             return provided(self, record)
         if regathered:
-            self._weight_cache = None
+            self._weight_cache = self._evaluation_cache = None
         w_state = self.operands.get("weight")
         key = (weight._version, weight.data_ptr(), w_state.generation if w_state else 0, weight.device)
-        # A cast made in evaluation did not record the amax: the step's first training use casts again.
-        if self._weight_cache is None or key != self._weight_key or (record and not self._weight_recorded):
+        if not record:
+            return self._evaluation_weight(weight, key)
+        if self._weight_cache is None or key != self._weight_key:
             self._weight_cache = self.cast("weight", weight.detach(), record, columnwise=True)
-            self._weight_key, self._weight_recorded = key, record
+            self._weight_key = key
             self.weight_casts += 1
         return self._weight_cache
+
+    def _evaluation_weight(self, weight: torch.Tensor, key: tuple) -> tuple[Quantized, Quantized | None]:
+        """The weight operands of an evaluation forward: the training cast of this very weight version when
+        there is one (the same bits), else a cast kept in a cache of its own, which training never reads."""
+        if self._weight_cache is not None and key == self._weight_key:
+            return self._weight_cache
+        if self._evaluation_cache is None or self._evaluation_cache[0] != key:
+            self._evaluation_cache = (key, self.cast("weight", weight.detach(), False, columnwise=True))
+        return self._evaluation_cache[1]
 
     # -- persistence ------------------------------------------------------------------------------------------
 
@@ -138,7 +148,7 @@ class LayerScaling:
     def load_state_dict(self, state: dict) -> None:
         for role, s in self.operands.items():
             s.load_state_dict(state["operands"][role])
-        self._weight_cache = self._weight_key = None
+        self._weight_cache = self._weight_key = self._evaluation_cache = None
 
 
 class _FP8LinearFunction(torch.autograd.Function):

@@ -192,7 +192,7 @@ class StatsCollector:
         self.requested = True
 
     def observe(self, layer: nn.Module, role: str, x: torch.Tensor, q: Quantized) -> None:
-        if not self.enabled:
+        if not self.enabled or not layer.training:  # evaluation forwards are not part of a training step
             return
         key = (self.names.get(id(layer), type(layer).__name__), role)
         acc = self._acc.get(key)
