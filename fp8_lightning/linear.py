@@ -228,6 +228,11 @@ class FP8Linear(nn.Linear):
                 f"{type(linear).__name__} subclasses nn.Linear; converting it would drop its own forward. "
                 "Exclude it with a module filter."
             )
+        return cls._adopt(linear, recipe, emulate)
+
+    @classmethod
+    def _adopt(cls, linear: nn.Module, recipe: Recipe, emulate: bool) -> "FP8Linear":
+        """Swap the class of an already checked layer and give it the FP8 attributes (kept when present)."""
         linear.__class__ = cls
         linear.fp8_recipe = recipe
         linear.fp8_emulate = emulate
@@ -245,6 +250,12 @@ class FP8Linear(nn.Linear):
         self.__class__ = nn.Linear
         return self
 
+    @property
+    def fp8_gemm_weight(self) -> torch.Tensor:
+        """The weight as the GEMMs take it, (out_features, in_features): the parameter itself here; a transposed
+        view for layers that store it (in, out) (:class:`~fp8_lightning.conv1d.FP8Conv1D`)."""
+        return self.weight
+
     def fp8_scaling(self, recipe: Recipe | None = None) -> LayerScaling:
         """The layer's scaling state for ``recipe`` (its own recipe by default), created on first use."""
         recipe = recipe or self.fp8_recipe
@@ -261,7 +272,7 @@ class FP8Linear(nn.Linear):
         state = autocast_state()
         recipe = state.recipe or self.fp8_recipe
         if not state.enabled or self.fp8_disabled_reason is not None or self._runtime_fallback(x, recipe):
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.fp8_gemm_weight, self.bias)
         device_type = x.device.type
         autocasting = torch.is_autocast_enabled(device_type)
         out_dtype = torch.get_autocast_dtype(device_type) if autocasting else x.dtype
@@ -281,7 +292,7 @@ class FP8Linear(nn.Linear):
         plan = make_plan(recipe, x.device, out_dtype, self.fp8_emulate)
         with torch.autocast(x.device.type, enabled=False) if autocasting else contextlib.nullcontext():
             x2d = x.reshape(-1, x.shape[-1])
-            y = traced_linear(x2d, self.weight, self.bias, plan, scaling.operands, self.training)
+            y = traced_linear(x2d, self.fp8_gemm_weight, self.bias, plan, scaling.operands, self.training)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @torch.compiler.disable
@@ -295,7 +306,7 @@ class FP8Linear(nn.Linear):
         with torch.autocast(device_type, enabled=False) if autocasting else contextlib.nullcontext():
             x2d = x.reshape(-1, x.shape[-1])
             y = _FP8LinearFunction.apply(
-                x2d, self.weight, self.bias, self, scaling, self.training, self.fp8_emulate, out_dtype
+                x2d, self.fp8_gemm_weight, self.bias, self, scaling, self.training, self.fp8_emulate, out_dtype
             )
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
