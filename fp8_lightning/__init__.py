@@ -4,6 +4,8 @@ The core (formats, recipes, scaling, quantize, gemm, linear, convert, autocast) 
 Lightning; the Lightning adapters live in ``fp8_lightning.lightning``.
 """
 
+import warnings
+
 from fp8_lightning.autocast import fp8_autocast, is_fp8_enabled
 from fp8_lightning.convert import (
     ConversionReport,
@@ -30,8 +32,12 @@ from fp8_lightning.lightning import (
     register_precision_strings,
 )
 from fp8_lightning.lightning.fsdp import FP8FSDPStrategy, register_fsdp_strategy
+from fp8_lightning.lightning.registration import RegistrationError
 
-register_precision_strings()  # Trainer(precision="fp8-hybrid") and Fabric(precision="fp8-hybrid")
+try:
+    register_precision_strings()  # Trainer(precision="fp8-hybrid") and Fabric(precision="fp8-hybrid")
+except RegistrationError as _err:  # the plugins=[FP8Precision(...)] route still works: say so, do not break it
+    warnings.warn(str(_err), RuntimeWarning, stacklevel=2)
 register_fsdp_strategy()  # Trainer(strategy="fp8_fsdp")
 
 __version__ = "0.1.0"
