@@ -22,7 +22,8 @@ pytest.importorskip("jsonargparse", reason="LightningCLI needs jsonargparse[sign
 
 def _python(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     """A fresh interpreter (nothing imported yet) in ``cwd``, where LightningCLI writes its config.yaml."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)  # keeps a chosen Lightning
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
