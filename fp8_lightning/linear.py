@@ -142,6 +142,13 @@ class LayerScaling:
 
     # -- persistence ------------------------------------------------------------------------------------------
 
+    def __getstate__(self) -> dict:
+        """For pickle and deepcopy: the FP8 weight caches stay behind (float8 tensors do not unpickle; the next
+        forward casts again)."""
+        state = self.__dict__.copy()
+        state["_weight_cache"] = state["_weight_key"] = state["_evaluation_cache"] = None
+        return state
+
     def state_dict(self) -> dict:
         return {"recipe": self.recipe.to_dict(), "operands": {k: s.state_dict() for k, s in self.operands.items()}}
 

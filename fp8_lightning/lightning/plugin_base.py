@@ -123,7 +123,15 @@ class FP8PrecisionMixin:
             report = ConversionReport()
         report.converted = [name or "<root>" for name, _ in fp8_modules(module)]
         if report.converted != (self.conversion_report.converted if self.conversion_report else None):
-            rank_zero_info(f"{report} (recipe {type(self.recipe).__name__}, precision {self.precision!r})")
+            headline, _, skipped = str(report).partition("\n")
+            context = f" (recipe {type(self.recipe).__name__}, precision {self.precision!r})"
+            rank_zero_info(headline + context + ("\n" + skipped if skipped else ""))
+        if not report.converted:
+            rank_zero_warn(
+                f"FP8 conversion converted no layer of {type(module).__name__}: it trains entirely in high precision "
+                f"under precision {self.precision!r}. FP8 applies to nn.Linear layers (and transformers' Conv1D) "
+                "with both dimensions divisible by 16 (32 for MXFP8); the conversion report lists what it skipped and why."
+            )
         self.conversion_report = report
         self._warn_skipped(report)
         self._track(module)
