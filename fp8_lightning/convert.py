@@ -129,8 +129,8 @@ def operand_states(module: nn.Module) -> list[OperandScaling]:
     """Every per-tensor scaling state of the model, in a deterministic order."""
     states = []
     for _, layer in fp8_modules(module):
-        for recipe in sorted(layer._fp8_scalings, key=repr):
-            states.extend(layer._fp8_scalings[recipe].operands.values())
+        for _, scaling in layer.fp8_scalings():
+            states.extend(scaling.operands.values())
     return states
 
 
@@ -148,7 +148,7 @@ def fp8_state_dict(module: nn.Module) -> dict:
     for name, layer in fp8_modules(module):
         out[name] = {
             "disabled_reason": layer.fp8_disabled_reason,
-            "scalings": [s.state_dict() for _, s in sorted(layer._fp8_scalings.items(), key=lambda kv: repr(kv[0]))],
+            "scalings": [s.state_dict() for _, s in layer.fp8_scalings()],
         }
     return out
 

@@ -252,7 +252,8 @@ class FP8Linear(nn.Linear):
 
     def to_linear(self) -> nn.Linear:
         """Undo the conversion in place: the module becomes a plain ``nn.Linear`` again."""
-        for attr in ("fp8_recipe", "fp8_emulate", "fp8_observer", "fp8_disabled_reason", "_fp8_scalings", "_fp8_warned"):
+        for attr in ("fp8_recipe", "fp8_emulate", "fp8_observer", "fp8_disabled_reason", "_fp8_scalings", "_fp8_warned",
+                     "fp8_converted_by_plugin"):
             self.__dict__.pop(attr, None)
         self.__class__ = nn.Linear
         return self
@@ -269,6 +270,11 @@ class FP8Linear(nn.Linear):
         if recipe not in self._fp8_scalings:
             self._fp8_scalings[recipe] = LayerScaling(recipe)
         return self._fp8_scalings[recipe]
+
+    def fp8_scalings(self) -> list[tuple[Recipe, LayerScaling]]:
+        """Every recipe this layer has scaling state for, with the state, in a deterministic order (the same on
+        every rank): what checkpoints and the once-per-step scale update walk."""
+        return sorted(self._fp8_scalings.items(), key=lambda item: repr(item[0]))
 
     @property
     def fp8_weight_casts(self) -> int:

@@ -172,7 +172,7 @@ class OperandScaling:
         (2-D x): the operand will also be used transposed; where the cast kernels run (CUDA), they write that
         layout in the same pass.
         """
-        self._to(x.device)
+        self.move_to(x.device)
         if not record:
             return self._evaluation_cast(x, transpose and x.dim() == 2)
         kernels = cuda_kernels(x)
@@ -312,7 +312,8 @@ class OperandScaling:
         self.initialized = bool(state["initialized"])
         self.dirty = bool(state["observed"].item() > 0)
 
-    def _to(self, device: torch.device) -> None:
+    def move_to(self, device: torch.device) -> None:
+        """Keep the state on the device of the tensors it scales (moved once, on first use there)."""
         if self.scale.device != device:
             for name in (*self._TENSORS, "flags"):
                 setattr(self, name, getattr(self, name).to(device))

@@ -83,7 +83,7 @@ def enable_fp8_all_gather(model: nn.Module, world_size: int) -> AllGatherReport:
         wrapped = FP8ShardedWeight(weight.detach(), sync)
         layer.weight = nn.Parameter(wrapped, requires_grad=weight.requires_grad)
         report.fp8.append(name)
-    sync._layers = None  # re-bind at the next gather
+    sync.unbind()  # re-bind at the next gather
     return report
 
 

@@ -6,8 +6,9 @@ hooks. Everything numerical is in the core:
 
 * ``convert_module`` converts ``nn.Linear`` layers *in place* with :func:`~fp8_lightning.convert.convert_to_fp8`
   (Lightning's DDP strategy ignores the returned module; an FSDP2 strategy calls this before sharding). It is
-  idempotent. Layers converted earlier (by the user, or by a run under another recipe) train under the plugin's
-  recipe, with a warning that names them, unless ``replace_layers=False`` keeps the recipes they were given.
+  idempotent. Layers an FP8 plugin converted earlier under another recipe (a previous ``fit`` under another
+  precision) train under this plugin's recipe, with a warning that names them; layers the user converted with
+  ``convert_to_fp8`` keep their recipe, and ``replace_layers=False`` keeps every layer's.
 * ``forward_context`` enters :func:`~fp8_lightning.autocast.fp8_autocast` plus, for the non-FP8 parts, torch
   autocast in ``dtype`` (bf16 on CUDA by default; float32, i.e. no autocast, on CPU).
 * Before the optimizer step (gradients complete, weights untouched) the optional divergence guard reads the
@@ -46,6 +47,7 @@ from fp8_lightning.recipes import Recipe, RecipeLike, recipe_from
 from fp8_lightning.stats import attach_collector
 
 ModuleFilter = Callable[[nn.Module, str], bool]
+PLUGIN_CONVERTED = "fp8_converted_by_plugin"  # marks layers a plugin converted (the user's own keep their recipe)
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -115,9 +117,19 @@ class FP8PrecisionMixin:
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Convert ``module``'s eligible ``nn.Linear`` layers to FP8 in place (idempotent) and return it."""
         before = {name: layer.fp8_recipe for name, layer in fp8_modules(module)}
+        # layers the user converted keep their recipe; those an FP8 plugin converted take this plugin's
+        users = {name for name, layer in fp8_modules(module) if not getattr(layer, PLUGIN_CONVERTED, False)}
         if self.replace_layers:
-            report = convert_to_fp8(module, self.recipe, self.module_filter_fn, self.emulate)
+            user_filter = self.module_filter_fn
+
+            def keep(layer: nn.Module, name: str) -> bool:
+                return name not in users and (user_filter is None or user_filter(layer, name))
+
+            report = convert_to_fp8(module, self.recipe, keep, self.emulate)
             report.skipped = {k: v for k, v in report.skipped.items() if k not in before}
+            for name, layer in fp8_modules(module):
+                if name in report.converted:
+                    setattr(layer, PLUGIN_CONVERTED, True)
             self._warn_recipe_change(before, report.converted)
         else:
             report = ConversionReport()

@@ -58,7 +58,7 @@ def update_rule_for(optimizer: torch.optim.Optimizer) -> str:
     return rule
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor, else the tensor itself (detached, same storage)."""
     to_local = getattr(tensor, "to_local", None)
     return (to_local() if callable(to_local) else tensor).detach()
@@ -192,7 +192,7 @@ class FP8Optimizer(torch.optim.Optimizer):
         return loss
 
     def _step_parameter(self, param: torch.Tensor, group: dict) -> None:
-        local, grad = _local(param), _local(param.grad)
+        local, grad = local_tensor(param), local_tensor(param.grad)
         if grad.is_sparse:
             raise RuntimeError("FP8Optimizer does not support sparse gradients; use a dense optimizer.")
         state = self.state[param]
@@ -290,7 +290,7 @@ class FP8Optimizer(torch.optim.Optimizer):
         self.state = defaultdict(dict)
         for index, saved_state in state_dict["state"].items():
             param = by_index[int(index)]
-            local = _local(param)
+            local = local_tensor(param)
             if meta is not None:
                 self.state[param] = {
                     key: value if key in ("step", "shape") else value.to(local.device)
@@ -306,7 +306,7 @@ class FP8Optimizer(torch.optim.Optimizer):
 
     def _quantize_plain_state(self, param: torch.Tensor, plain: dict, group: dict) -> dict:
         """Build this wrapper's state for ``param`` from a torch optimizer's float state (``plain``)."""
-        local = _local(param)
+        local = local_tensor(param)
         state = self._init_state(local, group)
         if "step" in plain:
             state["step"] = torch.tensor(float(plain["step"]))
@@ -314,7 +314,7 @@ class FP8Optimizer(torch.optim.Optimizer):
             state["step"] = torch.tensor(1.0)  # SGD keeps no step count; a buffer means it has stepped
         for name, fmt in self.state_formats(local).items():
             if plain.get(name) is not None:
-                self._store(state, name, fmt, _local(plain[name]).to(local.device).float())
+                self._store(state, name, fmt, local_tensor(plain[name]).to(local.device).float())
         return state
 
     def _import_inner_state(self) -> None:
