@@ -211,8 +211,14 @@ class OperandScaling:
             return Quantized(fused.data, self.scale, "tensor", fused.values, nan_free=math.isfinite(fused.host_amax))
         x_amax, host_amax = amax_and_value(x)
         host_amax = host_amax if host_amax is not None and math.isfinite(host_amax) else None
-        scale = self.scale if stored else self._current_scale(finite_or_zero(x_amax), host_amax)
-        return self._cast_with(x, scale, host_amax)
+        return self._cast_with(x, self.evaluation_scale(finite_or_zero(x_amax), host_amax), host_amax)
+
+    def evaluation_scale(self, clean_amax: torch.Tensor, host_amax: float | None = None) -> torch.Tensor:
+        """:meth:`scale_for` without keeping anything: the scale an evaluation cast of a tensor with amax
+        ``clean_amax`` uses (the stored delayed scale, else the current scale of that amax)."""
+        if self.delayed and self.initialized:
+            return self.scale
+        return self._current_scale(clean_amax, host_amax)
 
     def _kernel_cast(self, kernels, x: torch.Tensor, record: bool, transpose: bool) -> Quantized:
         """:meth:`quantize` on CUDA in Triton kernels that also do the bookkeeping of :meth:`book` and
