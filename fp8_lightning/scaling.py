@@ -201,11 +201,17 @@ class OperandScaling:
         its first training cast, and tensorwise), the current scale of ``x`` itself, used once and not kept."""
         stored = self.delayed and self.initialized
         kernels = cuda_kernels(x)
-        if kernels is not None and stored:  # the returned bookkeeping is dropped
-            data, data_t, _, _, _, inverse = kernels.delayed_operand_cast(
-                x.detach(), self.scale, self.pending_amax, self.nonfinite_count, self.dtype, False, transpose
-            )
-            return Quantized(data, self.scale, "tensor", inverse=inverse, transposed=data_t if transpose else None)
+        if kernels is not None and (stored or not self.delayed):  # the returned bookkeeping is dropped
+            r, y, scale = self.recipe, x.detach(), self.scale
+            if self.delayed:
+                data, data_t, _, _, _, inverse = kernels.delayed_operand_cast(
+                    y, scale, self.pending_amax, self.nonfinite_count, self.dtype, False, transpose
+                )
+            else:
+                data, data_t, scale, _, _, inverse = kernels.tensorwise_operand_cast(
+                    y, scale, self.nonfinite_count, self.dtype, r.eps, r.power_of_2_scales, transpose
+                )
+            return Quantized(data, scale, "tensor", inverse=inverse, transposed=data_t if transpose else None)
         fused = _fused_cast(x, self.scale, self.dtype) if stored else None
         if fused is not None:
             return Quantized(fused.data, self.scale, "tensor", fused.values, nan_free=math.isfinite(fused.host_amax))

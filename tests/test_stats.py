@@ -55,7 +55,7 @@ def test_counts_for_mx_blocks_use_each_blocks_own_scale():
     for i in range(4):
         for j in range(64):
             v = x[i, j].item() / math.ldexp(1.0, int(exps[i, j // 32]))
-            over += abs(v) > 448
+            over += abs(v) > 464  # past 448 by more than rounding reaches (the next E4M3 step would be 480)
             under += x[i, j].item() != 0 and data[i, j].float().item() == 0
     assert overflow_count(x.float(), q).item() == over and over > 0  # "floor" saturates block tops
     assert underflow_count(x.float(), q).item() == under and under >= 1
