@@ -37,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fp8_lightning.autocast import autocast_state
-from fp8_lightning.gemm import check_device, fp8_mm
+from fp8_lightning.gemm import LAYOUT_MULTIPLE, check_device, fp8_mm
 from fp8_lightning.mx import quantize_mx_operands
 from fp8_lightning.quantize import Quantized
 from fp8_lightning.recipes import MXFP8BlockScaling, Recipe
@@ -50,7 +50,7 @@ Observer = Callable[[nn.Module, str, torch.Tensor, Quantized], None]
 def shape_unsupported_reason(in_features: int, out_features: int, recipe: Recipe) -> str | None:
     """Why a (out, in) weight cannot run under ``recipe``, or None. K and N must be multiples of 16 (of the
     block size for MXFP8) for the FP8 GEMM layouts."""
-    multiple = recipe.block_size if isinstance(recipe, MXFP8BlockScaling) else 16
+    multiple = recipe.block_size if isinstance(recipe, MXFP8BlockScaling) else LAYOUT_MULTIPLE
     bad = [f"{name}={v}" for name, v in (("in_features", in_features), ("out_features", out_features)) if v % multiple]
     if bad:
         return f"{', '.join(bad)} not divisible by {multiple} ({type(recipe).__name__})"

@@ -38,3 +38,20 @@ def test_a_layer_lists_its_scaling_states_in_the_same_order_everywhere():
     recipes = [recipe for recipe, _ in layer.fp8_scalings()]
     assert recipes == sorted([TensorwiseScaling(), DelayedScaling()], key=repr)
     assert all(scaling is layer.fp8_scaling(recipe) for recipe, scaling in layer.fp8_scalings())
+
+
+def test_constants_that_must_agree_do():
+    """Values defined in more than one place (the kernels package imports nothing from the core) stay equal."""
+    import inspect
+
+    from fp8_lightning import kernels, quantize
+    from fp8_lightning.gemm import LAYOUT_MULTIPLE
+    from fp8_lightning.linear import shape_unsupported_reason
+    from fp8_lightning.recipes import MX_BLOCK_SIZES, DelayedScaling, TensorwiseScaling
+
+    assert tuple(kernels.MX_BLOCK_SIZES) == MX_BLOCK_SIZES
+    for fn in (quantize.tensorwise_scale, quantize.tensorwise_scale_value, quantize.quantize_tensorwise):
+        assert inspect.signature(fn).parameters["eps"].default == TensorwiseScaling().eps, fn.__name__
+    # the shapes a layer refuses are exactly those the GEMM layout cannot take
+    assert shape_unsupported_reason(LAYOUT_MULTIPLE, 2 * LAYOUT_MULTIPLE, DelayedScaling()) is None
+    assert f"not divisible by {LAYOUT_MULTIPLE}" in shape_unsupported_reason(LAYOUT_MULTIPLE + 8, 32, DelayedScaling())
