@@ -55,3 +55,30 @@ def test_constants_that_must_agree_do():
     # the shapes a layer refuses are exactly those the GEMM layout cannot take
     assert shape_unsupported_reason(LAYOUT_MULTIPLE, 2 * LAYOUT_MULTIPLE, DelayedScaling()) is None
     assert f"not divisible by {LAYOUT_MULTIPLE}" in shape_unsupported_reason(LAYOUT_MULTIPLE + 8, 32, DelayedScaling())
+
+
+def test_fp8_optimizer_is_set_up_by_torch_and_its_hooks_fire(monkeypatch):
+    import torch
+
+    from fp8_lightning import FP8Optimizer
+
+    calls = []
+    original = torch.optim.Optimizer.__init__
+    monkeypatch.setattr(torch.optim.Optimizer, "__init__", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    layer = torch.nn.Linear(64, 64)
+    inner = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+    calls.clear()
+    optimizer = FP8Optimizer(inner)
+    assert calls == [1]  # torch's own set-up ran (not a copy of its private fields)
+    assert optimizer.param_groups is inner.param_groups and len(optimizer.param_groups) == 1
+    seen = []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append("pre"))
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: seen.append("post"))
+    optimizer.register_state_dict_pre_hook(lambda opt: seen.append("state_dict"))
+    layer(torch.randn(2, 64)).sum().backward()
+    optimizer.step()
+    optimizer.state_dict()
+    assert seen == ["pre", "post", "state_dict"]
+    extra = torch.nn.Parameter(torch.zeros(64))
+    optimizer.add_param_group({"params": [extra]})
+    assert len(inner.param_groups) == 2 and optimizer.param_groups[1]["params"] == [extra]

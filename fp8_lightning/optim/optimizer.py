@@ -24,7 +24,7 @@ Design, in the order a step meets it:
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from typing import Any, Callable
 
 import torch
@@ -80,16 +80,9 @@ class FP8Optimizer(torch.optim.Optimizer):
         self.rule = update_rule_for(optimizer)
         self.config: FP8OptimizerConfig = config_from(preset, **overrides)
         self.optimizer = optimizer
-        self.defaults = optimizer.defaults
-        self.param_groups = optimizer.param_groups  # shared: schedulers and Lightning see one list
-        self.state: defaultdict[torch.Tensor, dict] = defaultdict(dict)
-        self._optimizer_step_pre_hooks: dict[int, Callable] = OrderedDict()
-        self._optimizer_step_post_hooks: dict[int, Callable] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: dict[int, Callable] = OrderedDict()
-        self._optimizer_state_dict_post_hooks: dict[int, Callable] = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: dict[int, Callable] = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: dict[int, Callable] = OrderedDict()
-        self._patch_step_function()
+        # torch's own set-up (hooks, state, step patching) over the wrapped optimizer's groups ...
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.param_groups = optimizer.param_groups  # ... then the very list: schedulers and Lightning see one
         self._backward_hooks: list = []
         self._import_inner_state()
 
@@ -132,7 +125,10 @@ class FP8Optimizer(torch.optim.Optimizer):
         param.grad = None
 
     def add_param_group(self, param_group: dict) -> None:
-        self.optimizer.add_param_group(param_group)  # appends to the shared list
+        if self.param_groups is self.optimizer.param_groups:
+            self.optimizer.add_param_group(param_group)  # appends to the shared list
+        else:  # torch's __init__ filling its own list with the wrapped optimizer's groups
+            super().add_param_group(param_group)
 
     # -------------------------------------------------------------------------------------------------------
     # Formats of one parameter's states
