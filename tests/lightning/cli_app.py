@@ -1,14 +1,16 @@
 """A LightningCLI program as most Lightning projects write one; the only FP8-specific line is the import."""
 
-import fp8_lightning  # noqa: F401  (registers the precision strings)
+import torch
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+
+import fp8_lightning  # noqa: F401  (registers the precision strings)
 
 
 class Model(BoringModel):
     def __init__(self):
         super().__init__()
-        self.layer = __import__("torch").nn.Linear(32, 32)  # FP8 needs dimensions divisible by 32 for MXFP8
+        self.layer = torch.nn.Linear(32, 32)  # BoringModel's Linear(32, 2) is too narrow for FP8 GEMM layouts
 
     def on_train_end(self):
         plugin = self.trainer.precision_plugin
