@@ -4,6 +4,8 @@ The core (formats, recipes, scaling, quantize, gemm, linear, convert, autocast) 
 Lightning; the Lightning adapters live in ``fp8_lightning.lightning``.
 """
 
+import warnings
+
 from fp8_lightning.autocast import fp8_autocast, is_fp8_enabled
 from fp8_lightning.backends import dequantize_mxfp8, dequantize_tensorwise, quantize_mxfp8, quantize_tensorwise
 from fp8_lightning.convert import (
@@ -31,8 +33,12 @@ from fp8_lightning.lightning import (
 )
 from fp8_lightning.lightning.ddp import FP8DDPStrategy, register_ddp_strategy
 from fp8_lightning.lightning.fsdp import FP8FSDPStrategy, register_fsdp_strategy
+from fp8_lightning.lightning.registration import RegistrationError
 
-register_precision_strings()  # Trainer(precision="fp8-hybrid") and Fabric(precision="fp8-hybrid")
+try:
+    register_precision_strings()  # Trainer(precision="fp8-hybrid") and Fabric(precision="fp8-hybrid")
+except RegistrationError as _err:  # the plugins=[FP8Precision(...)] route still works: say so, do not break it
+    warnings.warn(str(_err), RuntimeWarning, stacklevel=2)
 register_fsdp_strategy()  # Trainer(strategy="fp8_fsdp")
 register_ddp_strategy()  # Trainer(strategy="fp8_ddp"): DDP with FP8 gradient communication
 

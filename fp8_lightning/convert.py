@@ -1,10 +1,11 @@
 """Model-level operations: convert ``nn.Linear`` layers to FP8 in place, and save/sync their scaling state.
 
 ``convert_to_fp8(model)`` walks the model and turns every eligible ``nn.Linear`` into an
-:class:`~fp8_lightning.linear.FP8Linear` *in place* (the same module object, the same parameters), so
+:class:`~fp8_lightning.linear.FP8Linear` (and transformers' ``Conv1D`` into an
+:class:`~fp8_lightning.conv1d.FP8Conv1D`) *in place* (the same module object, the same parameters), so
 optimizers, DDP wrappers and other references created before the conversion stay valid, and the model's
 ``state_dict`` is unchanged. It returns a :class:`ConversionReport` that names every converted layer and every
-skipped one with its reason. Calling it again is harmless (it reports the same layers, with an updated recipe).
+skipped one with its reason, including modules of other types that hold a 2-D weight. Calling it again is harmless (it reports the same layers, with an updated recipe).
 
 The scaling state (histories, scales, fallback decisions) lives outside the ``state_dict``;
 :func:`fp8_state_dict` / :func:`load_fp8_state_dict` carry it in checkpoints, and :func:`sync_scales` runs the
@@ -14,11 +15,13 @@ once-per-step amax reduction and scale update for the whole model.
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Callable, Iterator
 
 import torch.distributed as dist
 import torch.nn as nn
 
+from fp8_lightning.conv1d import FP8Conv1D, is_conv1d
 from fp8_lightning.linear import FP8Linear, shape_unsupported_reason
 from fp8_lightning.profitability import ProfitabilityLike, resolve_gate
 from fp8_lightning.recipes import RecipeLike, recipe_from
@@ -62,25 +65,57 @@ def convert_to_fp8(
     gate = resolve_gate(profitability)
     report = ConversionReport()
     for name, child in module.named_modules():
-        if not isinstance(child, nn.Linear):
+        features = linear_features(child)
+        if features is None:
+            if holds_linear_like_weight(child):
+                report.skipped[name or "<root>"] = (
+                    f"{type(child).__name__} holds a 2-D weight but is not an nn.Linear (or transformers' Conv1D): "
+                    "no FP8 conversion for this module type"
+                )
             continue
-        reason = _skip_reason(child, name, recipe, module_filter_fn)
+        reason = _skip_reason(child, name, features, recipe, module_filter_fn)
         if reason is None and gate is not None and not isinstance(child, FP8Linear):
-            reason = gate.skip_reason(child, recipe)
+            shape = types.SimpleNamespace(weight=child.weight, in_features=features[0], out_features=features[1])
+            reason = gate.skip_reason(shape, recipe)
         if reason is not None:
             report.skipped[name or "<root>"] = reason
             continue
-        FP8Linear.from_linear(child, recipe, emulate)
+        if is_conv1d(child) or isinstance(child, FP8Conv1D):
+            FP8Conv1D.from_conv1d(child, recipe, emulate)
+        else:
+            FP8Linear.from_linear(child, recipe, emulate)
         report.converted.append(name or "<root>")
     return report
 
 
-def _skip_reason(layer: nn.Linear, name: str, recipe, module_filter_fn: ModuleFilter | None) -> str | None:
+def linear_features(module: nn.Module) -> tuple[int, int] | None:
+    """``(in_features, out_features)`` of a layer conversion handles (``nn.Linear``, its subclasses, which are
+    then refused with a reason, and transformers' ``Conv1D``), else None."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if is_conv1d(module):
+        return module.nx, module.nf
+    return None
+
+
+_NOT_LINEAR_LIKE = (nn.Embedding, nn.EmbeddingBag)  # 2-D weights that are tables, not GEMM operands
+
+
+def holds_linear_like_weight(module: nn.Module) -> bool:
+    """A module of another type with a 2-D ``weight`` parameter of its own (a custom linear layer, say): named in
+    the report, so that what stays in high precision is never silent."""
+    weight = module._parameters.get("weight")
+    return weight is not None and weight.dim() == 2 and not isinstance(module, _NOT_LINEAR_LIKE)
+
+
+def _skip_reason(
+    layer: nn.Module, name: str, features: tuple[int, int], recipe, module_filter_fn: ModuleFilter | None
+) -> str | None:
     if module_filter_fn is not None and not module_filter_fn(layer, name):
         return "excluded by module_filter_fn"
-    if type(layer) not in (nn.Linear, FP8Linear):
+    if isinstance(layer, nn.Linear) and type(layer) not in (nn.Linear, FP8Linear, FP8Conv1D):
         return f"{type(layer).__name__} is a subclass of nn.Linear with its own behaviour"
-    return shape_unsupported_reason(layer.in_features, layer.out_features, recipe)
+    return shape_unsupported_reason(*features, recipe)
 
 
 def fp8_modules(module: nn.Module) -> Iterator[tuple[str, FP8Linear]]:
@@ -94,8 +129,8 @@ def operand_states(module: nn.Module) -> list[OperandScaling]:
     """Every per-tensor scaling state of the model, in a deterministic order."""
     states = []
     for _, layer in fp8_modules(module):
-        for recipe in sorted(layer._fp8_scalings, key=repr):
-            states.extend(layer._fp8_scalings[recipe].operands.values())
+        for _, scaling in layer.fp8_scalings():
+            states.extend(scaling.operands.values())
     return states
 
 
@@ -113,7 +148,7 @@ def fp8_state_dict(module: nn.Module) -> dict:
     for name, layer in fp8_modules(module):
         out[name] = {
             "disabled_reason": layer.fp8_disabled_reason,
-            "scalings": [s.state_dict() for _, s in sorted(layer._fp8_scalings.items(), key=lambda kv: repr(kv[0]))],
+            "scalings": [s.state_dict() for _, s in layer.fp8_scalings()],
         }
     return out
 

@@ -37,8 +37,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fp8_lightning.autocast import autocast_state
-from fp8_lightning.gemm import check_device, fp8_mm
 from fp8_lightning.backends import quantize_mx_operands
+from fp8_lightning.gemm import LAYOUT_MULTIPLE, check_device, fp8_mm
 from fp8_lightning.quantize import Quantized
 from fp8_lightning.recipes import MXFP8BlockScaling, Recipe
 from fp8_lightning.scaling import OperandScaling, advance_histories
@@ -50,7 +50,7 @@ Observer = Callable[[nn.Module, str, torch.Tensor, Quantized], None]
 def shape_unsupported_reason(in_features: int, out_features: int, recipe: Recipe) -> str | None:
     """Why a (out, in) weight cannot run under ``recipe``, or None. K and N must be multiples of 16 (of the
     block size for MXFP8) for the FP8 GEMM layouts."""
-    multiple = recipe.block_size if isinstance(recipe, MXFP8BlockScaling) else 16
+    multiple = recipe.block_size if isinstance(recipe, MXFP8BlockScaling) else LAYOUT_MULTIPLE
     bad = [f"{name}={v}" for name, v in (("in_features", in_features), ("out_features", out_features)) if v % multiple]
     if bad:
         return f"{', '.join(bad)} not divisible by {multiple} ({type(recipe).__name__})"
@@ -72,8 +72,8 @@ class LayerScaling:
                 "grad_output": OperandScaling(recipe, self.backward_dtype),
             }
         self._weight_key: tuple | None = None
-        self._weight_recorded = False  # whether the cached cast fed the weight amax history (training casts do)
         self._weight_cache: tuple[Quantized, Quantized | None] | None = None
+        self._evaluation_cache: tuple[tuple, tuple[Quantized, Quantized | None]] | None = None  # (key, operands)
         self.weight_casts = 0
 
     @property
@@ -120,17 +120,34 @@ class LayerScaling:
         if provided is not None:
             return provided(self, record)
         if regathered:
-            self._weight_cache = None
+            self._weight_cache = self._evaluation_cache = None
         w_state = self.operands.get("weight")
         key = (weight._version, weight.data_ptr(), w_state.generation if w_state else 0, weight.device)
-        # A cast made in evaluation did not record the amax: the step's first training use casts again.
-        if self._weight_cache is None or key != self._weight_key or (record and not self._weight_recorded):
+        if not record:
+            return self._evaluation_weight(weight, key)
+        if self._weight_cache is None or key != self._weight_key:
             self._weight_cache = self.cast("weight", weight.detach(), record, columnwise=True)
-            self._weight_key, self._weight_recorded = key, record
+            self._weight_key = key
             self.weight_casts += 1
         return self._weight_cache
 
+    def _evaluation_weight(self, weight: torch.Tensor, key: tuple) -> tuple[Quantized, Quantized | None]:
+        """The weight operands of an evaluation forward: the training cast of this very weight version when
+        there is one (the same bits), else a cast kept in a cache of its own, which training never reads."""
+        if self._weight_cache is not None and key == self._weight_key:
+            return self._weight_cache
+        if self._evaluation_cache is None or self._evaluation_cache[0] != key:
+            self._evaluation_cache = (key, self.cast("weight", weight.detach(), False, columnwise=True))
+        return self._evaluation_cache[1]
+
     # -- persistence ------------------------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict:
+        """For pickle and deepcopy: the FP8 weight caches stay behind (float8 tensors do not unpickle; the next
+        forward casts again)."""
+        state = self.__dict__.copy()
+        state["_weight_cache"] = state["_weight_key"] = state["_evaluation_cache"] = None
+        return state
 
     def state_dict(self) -> dict:
         return {"recipe": self.recipe.to_dict(), "operands": {k: s.state_dict() for k, s in self.operands.items()}}
@@ -138,7 +155,7 @@ class LayerScaling:
     def load_state_dict(self, state: dict) -> None:
         for role, s in self.operands.items():
             s.load_state_dict(state["operands"][role])
-        self._weight_cache = self._weight_key = None
+        self._weight_cache = self._weight_key = self._evaluation_cache = None
 
 
 class _FP8LinearFunction(torch.autograd.Function):
@@ -219,6 +236,11 @@ class FP8Linear(nn.Linear):
                 f"{type(linear).__name__} subclasses nn.Linear; converting it would drop its own forward. "
                 "Exclude it with a module filter."
             )
+        return cls._adopt(linear, recipe, emulate)
+
+    @classmethod
+    def _adopt(cls, linear: nn.Module, recipe: Recipe, emulate: bool) -> "FP8Linear":
+        """Swap the class of an already checked layer and give it the FP8 attributes (kept when present)."""
         linear.__class__ = cls
         linear.fp8_recipe = recipe
         linear.fp8_emulate = emulate
@@ -231,10 +253,17 @@ class FP8Linear(nn.Linear):
 
     def to_linear(self) -> nn.Linear:
         """Undo the conversion in place: the module becomes a plain ``nn.Linear`` again."""
-        for attr in ("fp8_recipe", "fp8_emulate", "fp8_observer", "fp8_disabled_reason", "_fp8_scalings", "_fp8_warned"):
+        for attr in ("fp8_recipe", "fp8_emulate", "fp8_observer", "fp8_disabled_reason", "_fp8_scalings", "_fp8_warned",
+                     "fp8_converted_by_plugin"):
             self.__dict__.pop(attr, None)
         self.__class__ = nn.Linear
         return self
+
+    @property
+    def fp8_gemm_weight(self) -> torch.Tensor:
+        """The weight as the GEMMs take it, (out_features, in_features): the parameter itself here; a transposed
+        view for layers that store it (in, out) (:class:`~fp8_lightning.conv1d.FP8Conv1D`)."""
+        return self.weight
 
     def fp8_scaling(self, recipe: Recipe | None = None) -> LayerScaling:
         """The layer's scaling state for ``recipe`` (its own recipe by default), created on first use."""
@@ -242,6 +271,11 @@ class FP8Linear(nn.Linear):
         if recipe not in self._fp8_scalings:
             self._fp8_scalings[recipe] = LayerScaling(recipe)
         return self._fp8_scalings[recipe]
+
+    def fp8_scalings(self) -> list[tuple[Recipe, LayerScaling]]:
+        """Every recipe this layer has scaling state for, with the state, in a deterministic order (the same on
+        every rank): what checkpoints and the once-per-step scale update walk."""
+        return sorted(self._fp8_scalings.items(), key=lambda item: repr(item[0]))
 
     @property
     def fp8_weight_casts(self) -> int:
@@ -252,7 +286,7 @@ class FP8Linear(nn.Linear):
         state = autocast_state()
         recipe = state.recipe or self.fp8_recipe
         if not state.enabled or self.fp8_disabled_reason is not None or self._runtime_fallback(x, recipe):
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.fp8_gemm_weight, self.bias)
         device_type = x.device.type
         autocasting = torch.is_autocast_enabled(device_type)
         out_dtype = torch.get_autocast_dtype(device_type) if autocasting else x.dtype
@@ -272,7 +306,7 @@ class FP8Linear(nn.Linear):
         plan = make_plan(recipe, x.device, out_dtype, self.fp8_emulate)
         with torch.autocast(x.device.type, enabled=False) if autocasting else contextlib.nullcontext():
             x2d = x.reshape(-1, x.shape[-1])
-            y = traced_linear(x2d, self.weight, self.bias, plan, scaling.operands, self.training)
+            y = traced_linear(x2d, self.fp8_gemm_weight, self.bias, plan, scaling.operands, self.training)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @torch.compiler.disable
@@ -286,7 +320,7 @@ class FP8Linear(nn.Linear):
         with torch.autocast(device_type, enabled=False) if autocasting else contextlib.nullcontext():
             x2d = x.reshape(-1, x.shape[-1])
             y = _FP8LinearFunction.apply(
-                x2d, self.weight, self.bias, self, scaling, self.training, self.fp8_emulate, out_dtype
+                x2d, self.fp8_gemm_weight, self.bias, self, scaling, self.training, self.fp8_emulate, out_dtype
             )
         return y.reshape(*x.shape[:-1], y.shape[-1])
 

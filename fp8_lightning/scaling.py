@@ -146,11 +146,14 @@ class OperandScaling:
     def quantize(self, x: torch.Tensor, record: bool = True, transpose: bool = False) -> Quantized:
         """Cast ``x`` with this operand's scale; returns an FP8 operand.
 
-        ``record=False`` (evaluation) leaves the delayed amax history alone. ``transpose`` (2-D x): the operand
-        will also be used transposed; where the cast kernels run (CUDA), they write that layout in the same pass.
+        ``record=False`` (evaluation) changes nothing in the state (see :meth:`_evaluation_cast`). ``transpose``
+        (2-D x): the operand will also be used transposed; where the cast kernels run (CUDA), they write that
+        layout in the same pass.
         """
-        self._to(x.device)
+        self.move_to(x.device)
         transpose = transpose and x.dim() == 2
+        if not record:
+            return self._evaluation_cast(x, transpose)
         outputs = backends.operand_state_cast(self, x, record, transpose)
         if outputs is not None:
             return self._book_state_cast(outputs, record, transpose)
@@ -161,10 +164,38 @@ class OperandScaling:
         scale = self.scale_for(clean_amax, host_amax if finite else None)
         if fused is not None:
             return Quantized(fused.data, scale, "tensor", fused.values, nan_free=finite)
-        # a finite amax known on the host tells whether any value can reach the clamp (the cast rounds values a
-        # hair above fp8_max down to it)
+        return self._cast_with(x, scale, host_amax if finite else None)
+
+    def _cast_with(self, x: torch.Tensor, scale: torch.Tensor, host_amax: float | None) -> Quantized:
+        """``saturate(x * scale)``; a finite amax known on the host (``host_amax``) tells whether any value can
+        reach the clamp (the cast rounds values a hair above fp8_max down to it)."""
+        finite = host_amax is not None
         in_range = finite and host_amax * scale.item() <= fp8_max(self.dtype) * (1 + 2**-20)
         return backends.quantize_operand(x, scale, self.dtype, saturate=not in_range, nan_free=finite)
+
+    def _evaluation_cast(self, x: torch.Tensor, transpose: bool) -> Quantized:
+        """The cast of an evaluation forward, which leaves every tensor, flag and counter of the state as it
+        was: training after a validation loop computes exactly what it computes without one. It uses the scale
+        a training cast would use: the stored delayed scale, or, where that does not exist yet (delayed before
+        its first training cast, and tensorwise), the current scale of ``x`` itself, used once and not kept."""
+        stored = self.delayed and self.initialized
+        outputs = backends.operand_state_cast(self, x, False, transpose)
+        if outputs is not None:  # the kernel's bookkeeping outputs are dropped
+            data, data_t, scale, inverse = outputs[0], outputs[1], self.scale if self.delayed else outputs[2], outputs[5]
+            return Quantized(data, scale, "tensor", inverse=inverse, transposed=data_t if transpose else None)
+        fused = backends.fused_cast(x, self.scale, self.dtype) if stored else None
+        if fused is not None:
+            return Quantized(fused.data, self.scale, "tensor", fused.values, nan_free=math.isfinite(fused.host_amax))
+        x_amax, host_amax = backends.amax_and_value(x)
+        host_amax = host_amax if host_amax is not None and math.isfinite(host_amax) else None
+        return self._cast_with(x, self.evaluation_scale(finite_or_zero(x_amax), host_amax), host_amax)
+
+    def evaluation_scale(self, clean_amax: torch.Tensor, host_amax: float | None = None) -> torch.Tensor:
+        """:meth:`scale_for` without keeping anything: the scale an evaluation cast of a tensor with amax
+        ``clean_amax`` uses (the stored delayed scale, else the current scale of that amax)."""
+        if self.delayed and self.initialized:
+            return self.scale
+        return self._current_scale(clean_amax, host_amax)
 
     def _book_state_cast(self, outputs: tuple, record: bool, transpose: bool) -> Quantized:
         """Take the results of a cast that did the bookkeeping of :meth:`book` and :meth:`scale_for` itself (same
@@ -181,15 +212,17 @@ class OperandScaling:
     def book(self, x_amax: torch.Tensor, record: bool, finite: bool = False) -> torch.Tensor:
         """Count one use of the operand with amax ``x_amax``; returns the amax with NaN/inf replaced by 0.
 
-        A non-finite amax is counted in ``nonfinite_count`` and never enters the history. ``record`` (training)
-        folds the amax into the step's pending amax (delayed scaling). ``finite``: the caller knows the amax is
-        finite (skips the masking).
+        A non-finite amax is counted in ``nonfinite_count`` and never enters the history. Training (``record``)
+        folds the amax into the step's pending amax (delayed scaling); evaluation (``record=False``) counts
+        nothing. ``finite``: the caller knows the amax is finite (skips the masking).
         """
         clean_amax = x_amax if finite else finite_or_zero(x_amax)
+        if not record:  # evaluation: nothing is counted
+            return clean_amax
         if not finite:
             self.nonfinite_count += clean_amax != x_amax
         self.last_amax = x_amax
-        if self.delayed and record:
+        if self.delayed:
             self.pending_amax = torch.maximum(self.pending_amax, clean_amax)
             self._dirty = True
         self.casts += 1
@@ -253,7 +286,8 @@ class OperandScaling:
         self.initialized = bool(state["initialized"])
         self.dirty = bool(state["observed"].item() > 0)
 
-    def _to(self, device: torch.device) -> None:
+    def move_to(self, device: torch.device) -> None:
+        """Keep the state on the device of the tensors it scales (moved once, on first use there)."""
         if self.scale.device != device:
             for name in (*self._TENSORS, "flags"):
                 setattr(self, name, getattr(self, name).to(device))

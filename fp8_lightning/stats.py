@@ -56,11 +56,21 @@ def scale_multiplier(q: Quantized, k: int) -> torch.Tensor:
     return q.scale.float()
 
 
+def saturation_threshold(dtype: torch.dtype) -> float:
+    """The scaled magnitude above which the cast's clamp changes a value: the format's max plus half a unit in
+    the last place there. Values between the max and this round to the max anyway (the largest element of a
+    tensor scaled to exactly ``fp8_max`` lands a float32 rounding step either side of it), so they are not
+    overflow."""
+    top = fp8_max(dtype)
+    ulp = 2.0 ** math.floor(math.log2(top)) * torch.finfo(dtype).eps
+    return top + ulp / 2
+
+
 def overflow_count(x: torch.Tensor, q: Quantized) -> torch.Tensor:
-    """Number of elements of ``x`` whose scaled magnitude exceeded the format's max (they were saturated)."""
-    limit = fp8_max(q.data.dtype)
+    """Number of elements of ``x`` that the cast saturated: their scaled magnitude was above
+    :func:`saturation_threshold`, so the clamp to the format's max changed them."""
     scaled = x.detach().float() * scale_multiplier(q, x.shape[-1])
-    return (scaled.abs() > limit).sum()
+    return (scaled.abs() > saturation_threshold(q.data.dtype)).sum()
 
 
 def underflow_count(x: torch.Tensor, q: Quantized) -> torch.Tensor:
@@ -193,7 +203,7 @@ class StatsCollector:
         self.requested = True
 
     def observe(self, layer: nn.Module, role: str, x: torch.Tensor, q: Quantized) -> None:
-        if not self.enabled:
+        if not self.enabled or not layer.training:  # evaluation forwards are not part of a training step
             return
         key = (self.names.get(id(layer), type(layer).__name__), role)
         acc = self._acc.get(key)

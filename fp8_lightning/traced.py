@@ -102,12 +102,14 @@ def traced_cast(x: torch.Tensor, state_tensors, plan: TracedPlan, dtype: torch.d
     else:  # the current scale; an all-zero or non-finite tensor keeps the previous one
         used = torch.where(clean > 0, tensorwise_scale(clean, dtype, plan.eps, plan.power_of_2), scale)
     data = to_fp8_saturated(wide(x) * used, dtype)
+    if not record:  # evaluation leaves the state as training left it
+        return data, (data.t().contiguous() if plan.transpose else data.t()), used
     with torch.no_grad():
         scale.copy_(used)
         last_amax.copy_(x_amax)
         count.add_((clean != x_amax).to(count.dtype))
         flags[0] = 1.0
-        if plan.delayed and record:
+        if plan.delayed:
             pending.copy_(torch.maximum(pending, clean))
             flags[1] = 1.0
     return data, (data.t().contiguous() if plan.transpose else data.t()), used

@@ -64,6 +64,7 @@ def check_config(cfg: DictConfig) -> None:
     check_recipe(cfg)
     check_precision_choice(cfg)
     check_accelerator(cfg)
+    check_data_root(cfg)
 
 
 def check_recipe(cfg: DictConfig) -> None:
@@ -87,6 +88,15 @@ def check_precision_choice(cfg: DictConfig) -> None:
             f"precision={cfg.precision.get('name')} sets precision.lightning={flag!r} and precision.plugin="
             f"{'<config>' if plugin is not None else None}; exactly one of them must be set (a Lightning flag such "
             "as 32-true/bf16-mixed, or the FP8 plugin)."
+        )
+
+
+def check_data_root(cfg: DictConfig) -> None:
+    root = cfg.data.get("root")
+    if root is not None and not Path(str(root)).expanduser().is_dir():
+        raise ConfigError(
+            f"data.root={str(root)!r} is not a folder (seen from {Path.cwd()}). Give a folder of text files "
+            "(an absolute path, or relative to where fp8-train runs), or data.root=null for the standard library."
         )
 
 

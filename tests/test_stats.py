@@ -28,8 +28,8 @@ def tensor_operand(x: torch.Tensor, scale: float, dtype=E4M3) -> Quantized:
 
 
 def test_overflow_counts_values_beyond_the_max_after_scaling():
-    x = torch.tensor([0.0, 100.0, 224.0, 224.5, 300.0, -500.0, float("inf")])
-    q = tensor_operand(x, 2.0)  # x*2 > 448 for 224.5, 300, -500, inf
+    x = torch.tensor([0.0, 100.0, 224.0, 231.0, 232.5, 300.0, -500.0, float("inf")])
+    q = tensor_operand(x, 2.0)  # x*2 > 464 (past 448, beyond rounding's reach) for 232.5, 300, -500, inf
     assert overflow_count(x, q).item() == 4
     assert overflow_count(x, tensor_operand(x, 1e-3)).item() == 1  # only inf
 
@@ -55,7 +55,7 @@ def test_counts_for_mx_blocks_use_each_blocks_own_scale():
     for i in range(4):
         for j in range(64):
             v = x[i, j].item() / math.ldexp(1.0, int(exps[i, j // 32]))
-            over += abs(v) > 448
+            over += abs(v) > 464  # past 448 by more than rounding reaches (the next E4M3 step would be 480)
             under += x[i, j].item() != 0 and data[i, j].float().item() == 0
     assert overflow_count(x.float(), q).item() == over and over > 0  # "floor" saturates block tops
     assert underflow_count(x.float(), q).item() == under and under >= 1
@@ -124,3 +124,21 @@ def test_core_modules_never_import_lightning():
         imported = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
         imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         assert not [m for m in imported if m.split(".")[0] in ("lightning", "pytorch_lightning")], name
+
+
+@pytest.mark.parametrize(("dtype", "threshold"), [(torch.float8_e4m3fn, 464.0), (torch.float8_e5m2, 61440.0)])
+def test_overflow_counts_only_values_the_clamp_changed(dtype, threshold):
+    """E4M3: max 448, the next step would be 480, so values up to the midpoint 464 round to 448 unclamped; E5M2:
+    max 57344, next 65536 (inf), midpoint 61440. A tensor scaled so that its largest element is a float32 hair
+    above the max has no overflow."""
+    from fp8_lightning.stats import overflow_count, saturation_threshold
+
+    assert saturation_threshold(dtype) == threshold
+    top = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}[dtype]
+    x = torch.tensor([top * (1 + 2**-23), -top, 1.0, threshold * 0.999, threshold * 1.001, -2 * top])
+    q = Quantized(quantize_with_scale(x, torch.tensor(1.0), dtype), torch.tensor(1.0), "tensor")
+    assert int(overflow_count(x, q)) == 2  # only the last two: beyond the midpoint
+    weight = torch.randn(64, 64)
+    scale = torch.tensor(top) / weight.abs().max()  # the weight's own amax scaled to the max
+    qw = Quantized(quantize_with_scale(weight, scale, dtype), scale, "tensor")
+    assert int(overflow_count(weight, qw)) == 0

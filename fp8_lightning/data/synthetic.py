@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
+from fp8_lightning.data.resumable import ResumableDataLoader
 from fp8_lightning.data.text import FixedWindows, RandomWindows
 
 
@@ -65,7 +66,7 @@ class SyntheticDataModule(pl.LightningDataModule):
         self.val_set = FixedWindows(val, hp.block_size)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, drop_last=True)
+        return ResumableDataLoader(self.train_set, batch_size=self.hparams.batch_size, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.hparams.batch_size)

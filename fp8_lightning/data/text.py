@@ -25,6 +25,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from fp8_lightning.data.resumable import ResumableDataLoader
+
 EXCLUDED_DIRS = ("site-packages", "dist-packages", "__pycache__")
 
 
@@ -154,7 +156,7 @@ class ByteTextDataModule(pl.LightningDataModule):
         self.val_set = FixedWindows(val_data, hp.block_size, hp.max_val_windows)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(
+        return ResumableDataLoader(
             self.train_set,
             batch_size=self.hparams.batch_size,
             shuffle=False,  # windows are already random; no shuffle keeps the order reproducible

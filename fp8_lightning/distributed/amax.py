@@ -67,6 +67,11 @@ class WeightAmaxSync:
                 )
         self._layers, self._params, self._shards, self._key = layers, params, shards, None
 
+    def unbind(self) -> None:
+        """Forget the weights found by :meth:`bind` (the model's FP8-gathered weights changed): the next gather
+        binds again."""
+        self._layers = None
+
     def global_amax(self, layer: nn.Module, group: "dist.ProcessGroup | None") -> torch.Tensor:
         """The amax of ``layer``'s whole weight, agreed by all ranks of ``group`` (float32 scalar)."""
         if self._layers is None or not any(layer is m for m in self._layers):

@@ -26,6 +26,7 @@ from typing import Iterable, Sequence
 import torch.nn as nn
 
 from fp8_lightning.autocast import autocast_state, fp8_autocast
+from fp8_lightning.conv1d import FP8Conv1D
 from fp8_lightning.convert import fp8_modules
 from fp8_lightning.distributed.amax import WeightAmaxSync
 from fp8_lightning.distributed.weight import FP8ShardedWeight, fp8_all_gather_unsupported_reason
@@ -74,13 +75,15 @@ def enable_fp8_all_gather(model: nn.Module, world_size: int) -> AllGatherReport:
             report.high_precision[name] = "sharded before FP8 all-gather was enabled (convert before sharding)"
             continue
         reason = fp8_all_gather_unsupported_reason(weight.shape, world_size, layer.fp8_recipe)
+        if isinstance(layer, FP8Conv1D):  # shards would split K, the reduction dimension, not N
+            reason = "weight stored (in, out) (transformers Conv1D); FP8 all-gather needs (out, in)"
         if reason is not None:
             report.high_precision[name] = reason
             continue
         wrapped = FP8ShardedWeight(weight.detach(), sync)
         layer.weight = nn.Parameter(wrapped, requires_grad=weight.requires_grad)
         report.fp8.append(name)
-    sync._layers = None  # re-bind at the next gather
+    sync.unbind()  # re-bind at the next gather
     return report
 
 

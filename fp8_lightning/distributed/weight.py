@@ -164,8 +164,9 @@ class FP8ShardedWeight(torch.Tensor):
             state = module.fp8_scaling(recipe).operands["weight"]
             group = mesh.get_group(mesh.ndim - 1)  # the shard dimension (the last one of an HSDP mesh)
             global_amax = self._amax_sync.global_amax(module, group)
-            state._to(global_amax.device)  # the scale of the whole weight, as a local cast would pick it
-            scale = state.scale_for(finite_or_zero(global_amax))
+            state.move_to(global_amax.device)  # the scale of the whole weight, as a local cast would pick it
+            clean = finite_or_zero(global_amax)  # evaluation keeps the state as training left it
+            scale = state.scale_for(clean) if module.training else state.evaluation_scale(clean)
             data = quantize_with_scale(shard, scale, fp8_dtype(recipe.fp8_format))
             return (data.view(torch.uint8),), (recipe, scale, global_amax)
         q = quantize_mx_operand(shard, recipe.block_size, recipe.scale_rounding, fp8_dtype(recipe.fp8_format))

@@ -70,13 +70,14 @@ def metrics_of(stats: dict[tuple[str, str], OperandStats]) -> dict[str, float]:
 
 
 def format_table(rows: list[TroubleRow]) -> str:
-    header = f"{'layer':<28} {'operand':<11} {'overflow':>9} {'underflow':>9} {'headroom':>9} {'amax':>10}  status"
+    width = max([28] + [len(r.layer) for r in rows])  # whole names: the end alone does not say which model part
+    header = f"{'layer':<{width}} {'operand':<11} {'overflow':>9} {'underflow':>9} {'headroom':>9} {'amax':>10}  status"
     lines = ["FP8 layers closest to trouble (worst values over the logged steps):", header]
     for r in rows:
         status = f"fell back: {r.disabled_reason}" if r.disabled_reason else (
             f"non-finite in {r.nonfinite_steps} step(s)" if r.nonfinite_steps else "ok")
         lines.append(
-            f"{r.layer[-28:]:<28} {r.role:<11} {r.max_overflow:>9.2e} {r.max_underflow:>9.2e} "
+            f"{r.layer:<{width}} {r.role:<11} {r.max_overflow:>9.2e} {r.max_underflow:>9.2e} "
             f"{round(r.min_headroom_bits, 1) + 0.0:>8.1f}b {r.last_amax:>10.3g}  {status}"  # + 0.0: no "-0.0b"
         )
     return "\n".join(lines)

@@ -6,7 +6,9 @@ hooks. Everything numerical is in the core:
 
 * ``convert_module`` converts ``nn.Linear`` layers *in place* with :func:`~fp8_lightning.convert.convert_to_fp8`
   (Lightning's DDP strategy ignores the returned module; an FSDP2 strategy calls this before sharding). It is
-  idempotent: layers converted earlier, by the user or by a previous call, keep their recipe.
+  idempotent. Layers an FP8 plugin converted earlier under another recipe (a previous ``fit`` under another
+  precision) train under this plugin's recipe, with a warning that names them; layers the user converted with
+  ``convert_to_fp8`` keep their recipe, and ``replace_layers=False`` keeps every layer's.
 * ``forward_context`` enters :func:`~fp8_lightning.autocast.fp8_autocast` plus, for the non-FP8 parts, torch
   autocast in ``dtype`` (bf16 on CUDA by default; float32, i.e. no autocast, on CPU).
 * Before the optimizer step (gradients complete, weights untouched) the optional divergence guard reads the
@@ -41,10 +43,11 @@ from fp8_lightning.convert import (
 )
 from fp8_lightning.guard import DivergenceGuard, GuardEvent, GuardState
 from fp8_lightning.lightning.strings import precision_for_recipe
-from fp8_lightning.recipes import RecipeLike, recipe_from
+from fp8_lightning.recipes import Recipe, RecipeLike, recipe_from
 from fp8_lightning.stats import attach_collector
 
 ModuleFilter = Callable[[nn.Module, str], bool]
+PLUGIN_CONVERTED = "fp8_converted_by_plugin"  # marks layers a plugin converted (the user's own keep their recipe)
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -113,20 +116,34 @@ class FP8PrecisionMixin:
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Convert ``module``'s eligible ``nn.Linear`` layers to FP8 in place (idempotent) and return it."""
-        before = {name for name, _ in fp8_modules(module)}
+        before = {name: layer.fp8_recipe for name, layer in fp8_modules(module)}
+        # layers the user converted keep their recipe; those an FP8 plugin converted take this plugin's
+        users = {name for name, layer in fp8_modules(module) if not getattr(layer, PLUGIN_CONVERTED, False)}
         if self.replace_layers:
             user_filter = self.module_filter_fn
 
             def keep(layer: nn.Module, name: str) -> bool:
-                return name not in before and (user_filter is None or user_filter(layer, name))
+                return name not in users and (user_filter is None or user_filter(layer, name))
 
             report = convert_to_fp8(module, self.recipe, keep, self.emulate)
             report.skipped = {k: v for k, v in report.skipped.items() if k not in before}
+            for name, layer in fp8_modules(module):
+                if name in report.converted:
+                    setattr(layer, PLUGIN_CONVERTED, True)
+            self._warn_recipe_change(before, report.converted)
         else:
             report = ConversionReport()
         report.converted = [name or "<root>" for name, _ in fp8_modules(module)]
         if report.converted != (self.conversion_report.converted if self.conversion_report else None):
-            rank_zero_info(f"{report} (recipe {type(self.recipe).__name__}, precision {self.precision!r})")
+            headline, _, skipped = str(report).partition("\n")
+            context = f" (recipe {type(self.recipe).__name__}, precision {self.precision!r})"
+            rank_zero_info(headline + context + ("\n" + skipped if skipped else ""))
+        if not report.converted:
+            rank_zero_warn(
+                f"FP8 conversion converted no layer of {type(module).__name__}: it trains entirely in high precision "
+                f"under precision {self.precision!r}. FP8 applies to nn.Linear layers (and transformers' Conv1D) "
+                "with both dimensions divisible by 16 (32 for MXFP8); the conversion report lists what it skipped and why."
+            )
         self.conversion_report = report
         self._warn_skipped(report)
         self._track(module)
@@ -135,6 +152,16 @@ class FP8PrecisionMixin:
         if self._pending_state is not None:
             self._load_into_modules(self._pending_state)
         return module
+
+    def _warn_recipe_change(self, before: dict[str, Recipe], converted: list[str]) -> None:
+        moved = [name for name in converted if name in before and before[name] != self.recipe]
+        if moved:
+            old = sorted({type(before[name]).__name__ for name in moved})
+            rank_zero_warn(
+                f"{len(moved)} layer(s) converted earlier under {', '.join(old)} now train under "
+                f"{type(self.recipe).__name__}, this plugin's recipe: {', '.join(moved)}. Pass replace_layers=False "
+                "to train them under the recipe they were converted with."
+            )
 
     def _warn_skipped(self, report: ConversionReport) -> None:
         unexpected = {k: v for k, v in report.skipped.items() if v != "excluded by module_filter_fn"}
@@ -210,6 +237,13 @@ class FP8PrecisionMixin:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
+        saved = state_dict.get("recipe")
+        if saved is not None and recipe_from(saved) != self.recipe:
+            rank_zero_warn(
+                f"The checkpoint's FP8 scaling state was saved under {recipe_from(saved)!r}; this run trains under "
+                f"{self.recipe!r}, so the saved amax histories and scales are not used: scaling starts afresh. "
+                "Resume with the saved recipe to continue them."
+            )
         self.optimizer_steps = int(state_dict.get("optimizer_steps", 0))
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         if self.guard_state is not None and state_dict.get("guard"):

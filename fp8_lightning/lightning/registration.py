@@ -14,25 +14,38 @@ invasive hook is the constructor of its accelerator connector (``_AcceleratorCon
   with FP8, and a CUDA device without FP8 support (the core's ``check_device`` message). These checks also
   cover ``plugins=[FP8Precision(...)]``, the documented route that needs no registration.
 
-The wrapping is idempotent and covers ``lightning.pytorch``, ``lightning.fabric`` and, where installed, the
-standalone ``pytorch_lightning`` and ``lightning_fabric`` packages.
+The wrapping is idempotent and covers ``lightning.pytorch``, ``lightning.fabric`` and the standalone
+``pytorch_lightning`` and ``lightning_fabric`` packages when the program imports them (before or after this
+package; never imported from here, so the user's logging set-up stays as it was). ``Trainer`` and ``Fabric`` also
+list the FP8 strings in their ``precision`` annotation, which LightningCLI checks (``--trainer.precision
+fp8-hybrid``). When Lightning's private names move, registration raises :class:`RegistrationError` naming the
+``plugins=[FP8Precision(...)]`` route, which needs none of this.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
+import importlib.abc
 import inspect
-from typing import Any, Callable
+import os
+import sys
+import typing
+from typing import Any, Callable, Iterator, Literal, Union
 
 import torch
 
 from fp8_lightning.gemm import check_device
 from fp8_lightning.lightning.plugin_base import FP8PrecisionMixin
-from fp8_lightning.lightning.strings import is_fp8_precision, recipe_for_precision
+from fp8_lightning.lightning.strings import PRECISION_STRINGS, is_fp8_precision, recipe_for_precision
 
 _MARK = "_fp8_lightning_wrapped"
+
+
+class RegistrationError(RuntimeError):
+    """Lightning's private names this registration wraps are not where it expects them."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +57,11 @@ class _Family:
     precision_base: str
     refused: tuple[str, ...]  # strategies that cannot run the FP8 plugin
     result_attr: str  # where the connector stores the final precision plugin
+    front: str  # "module:Class" whose ``precision`` annotation LightningCLI / jsonargparse check
+
+    @property
+    def package(self) -> str:
+        return self.connector.split(".")[0]
 
 
 _FAMILIES = (
@@ -53,6 +71,7 @@ _FAMILIES = (
         "lightning.pytorch.plugins.precision:Precision",
         ("lightning.pytorch.strategies:FSDPStrategy", "lightning.pytorch.strategies:DeepSpeedStrategy"),
         "precision_plugin",
+        "lightning.pytorch:Trainer",
     ),
     _Family(
         "lightning.fabric.connector:_Connector",
@@ -60,6 +79,7 @@ _FAMILIES = (
         "lightning.fabric.plugins.precision:Precision",
         ("lightning.fabric.strategies:FSDPStrategy", "lightning.fabric.strategies:DeepSpeedStrategy"),
         "precision",
+        "lightning.fabric:Fabric",
     ),
     _Family(
         "pytorch_lightning.trainer.connectors.accelerator_connector:_AcceleratorConnector",
@@ -67,6 +87,7 @@ _FAMILIES = (
         "pytorch_lightning.plugins.precision:Precision",
         ("pytorch_lightning.strategies:FSDPStrategy", "pytorch_lightning.strategies:DeepSpeedStrategy"),
         "precision_plugin",
+        "pytorch_lightning:Trainer",
     ),
     _Family(
         "lightning_fabric.connector:_Connector",
@@ -74,8 +95,11 @@ _FAMILIES = (
         "lightning_fabric.plugins.precision:Precision",
         ("lightning_fabric.strategies:FSDPStrategy", "lightning_fabric.strategies:DeepSpeedStrategy"),
         "precision",
+        "lightning_fabric:Fabric",
     ),
 )
+_WRAPPED_ARGUMENTS = ("precision", "plugins", "strategy")
+FABRIC_CLI_PRECISION = "LT_PRECISION"  # how `fabric run --precision` passes the value to Fabric()  # what the wrapper reads from the connector's signature
 
 
 def _load(path: str) -> Any:
@@ -84,17 +108,89 @@ def _load(path: str) -> Any:
 
 
 def register_precision_strings() -> list[str]:
-    """Wrap every installed Lightning connector (idempotent). Returns the connectors wrapped now or before."""
+    """Wrap the Lightning connectors (idempotent). Returns the connectors wrapped now or before.
+
+    ``lightning`` (a dependency) is wrapped at once; the standalone ``pytorch_lightning`` / ``lightning_fabric``
+    packages only when they are imported, now or later: importing them here would change the user's environment
+    (the standalone package reroutes Lightning's loggers). Raises :class:`RegistrationError`, naming the
+    ``plugins=`` route, when Lightning's private names moved.
+    """
     wrapped = []
     for family in _FAMILIES:
-        try:
-            connector = _load(family.connector)
-        except (ImportError, AttributeError):
-            continue  # package not installed (the standalone ones are optional)
-        if not getattr(connector.__init__, _MARK, False):
-            connector.__init__ = _wrap_init(connector.__init__, family)
-        wrapped.append(family.connector)
+        if family.package == "lightning" or family.package in sys.modules:
+            _register(family)
+            wrapped.append(family.connector)
+        else:
+            _WrapOnImport.install(family)
     return wrapped
+
+
+def _register(family: _Family) -> None:
+    try:
+        connector, front = _load(family.connector), _load(family.front)
+    except (ImportError, AttributeError) as err:
+        raise _cannot_register(family, f"{type(err).__name__}: {err}") from err
+    parameters = inspect.signature(connector.__init__).parameters
+    missing = [name for name in _WRAPPED_ARGUMENTS if name not in parameters]
+    if missing:
+        raise _cannot_register(family, f"{family.connector} has no argument(s) {missing}")
+    if not getattr(connector.__init__, _MARK, False):
+        connector.__init__ = _wrap_init(connector.__init__, family)
+    accept_fp8_in_annotation(front)
+
+
+def _cannot_register(family: _Family, why: str) -> RegistrationError:
+    return RegistrationError(
+        f"fp8_lightning cannot register precision='fp8-...' with this {family.package} version ({why}). "
+        "Pass the plugin instead, which needs no registration: Trainer(plugins=[FP8Precision(recipe=...)]) or "
+        "Fabric(plugins=[FP8FabricPrecision(recipe=...)])."
+    )
+
+
+def accept_fp8_in_annotation(cls: type) -> None:
+    """Add the FP8 strings to the ``precision`` annotation of ``cls.__init__`` (Trainer, Fabric), which
+    LightningCLI (jsonargparse) checks command-line values against: ``--trainer.precision fp8-hybrid``."""
+    init = inspect.unwrap(cls.__init__)
+    annotation = init.__annotations__.get("precision")
+    fp8 = Literal[PRECISION_STRINGS]  # type: ignore[valid-type]
+    if annotation is None or isinstance(annotation, str) or fp8 in typing.get_args(annotation):
+        return
+    init.__annotations__["precision"] = Union[annotation, fp8]
+
+
+class _WrapOnImport(importlib.abc.MetaPathFinder):
+    """Registers a standalone Lightning package right after its top-level module has been executed."""
+
+    pending: dict[str, _Family] = {}
+
+    @classmethod
+    def install(cls, family: _Family) -> None:
+        cls.pending.setdefault(family.package, family)
+        if not any(isinstance(f, cls) for f in sys.meta_path):
+            sys.meta_path.insert(0, cls())
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        family = self.pending.get(name)
+        if family is None:
+            return None
+        spec = next((s for s in _other_specs(self, name, path, target) if s is not None), None)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            execute(module)
+            self.pending.pop(name, None)
+            _register(family)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _other_specs(me: Any, name: str, path: Any, target: Any) -> Iterator[Any]:
+    for finder in sys.meta_path:
+        if finder is not me and hasattr(finder, "find_spec"):
+            yield finder.find_spec(name, path, target)
 
 
 def _wrap_init(original: Callable, family: _Family) -> Callable:
@@ -103,9 +199,11 @@ def _wrap_init(original: Callable, family: _Family) -> Callable:
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         bound = signature.bind(self, *args, **kwargs)
+        from_env = precision_from_fabric_cli(bound.arguments, family)
         translate_precision(bound.arguments, family)
         check_strategy(bound.arguments, family)
-        original(*bound.args, **bound.kwargs)
+        with _env_hidden(FABRIC_CLI_PRECISION) if from_env else contextlib.nullcontext():
+            original(*bound.args, **bound.kwargs)
         check_accelerator(self, family)
 
     setattr(__init__, _MARK, True)
@@ -115,6 +213,26 @@ def _wrap_init(original: Callable, family: _Family) -> Callable:
 # --------------------------------------------------------------------------------------------------------
 # Steps of the wrapped constructor
 # --------------------------------------------------------------------------------------------------------
+
+
+def precision_from_fabric_cli(arguments: dict, family: _Family) -> bool:
+    """``fabric run --precision X`` hands X to ``Fabric()`` through ``LT_PRECISION``, which Fabric's connector
+    reads itself: take an FP8 value from there when ``precision`` was not passed (True when it was taken; the
+    connector must then not see the variable)."""
+    value = os.environ.get(FABRIC_CLI_PRECISION)
+    if family.result_attr != "precision" or arguments.get("precision") is not None or not is_fp8_precision(value):
+        return False
+    arguments["precision"] = value
+    return True
+
+
+@contextlib.contextmanager
+def _env_hidden(name: str) -> Iterator[None]:
+    value = os.environ.pop(name)
+    try:
+        yield
+    finally:
+        os.environ[name] = value
 
 
 def _as_list(plugins: Any) -> list:

@@ -24,7 +24,7 @@ Design, in the order a step meets it:
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from typing import Any, Callable
 
 import torch
@@ -59,7 +59,7 @@ def update_rule_for(optimizer: torch.optim.Optimizer) -> str:
     return rule
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor, else the tensor itself (detached, same storage)."""
     to_local = getattr(tensor, "to_local", None)
     return (to_local() if callable(to_local) else tensor).detach()
@@ -81,16 +81,9 @@ class FP8Optimizer(torch.optim.Optimizer):
         self.rule = update_rule_for(optimizer)
         self.config: FP8OptimizerConfig = config_from(preset, **overrides)
         self.optimizer = optimizer
-        self.defaults = optimizer.defaults
-        self.param_groups = optimizer.param_groups  # shared: schedulers and Lightning see one list
-        self.state: defaultdict[torch.Tensor, dict] = defaultdict(dict)
-        self._optimizer_step_pre_hooks: dict[int, Callable] = OrderedDict()
-        self._optimizer_step_post_hooks: dict[int, Callable] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: dict[int, Callable] = OrderedDict()
-        self._optimizer_state_dict_post_hooks: dict[int, Callable] = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: dict[int, Callable] = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: dict[int, Callable] = OrderedDict()
-        self._patch_step_function()
+        # torch's own set-up (hooks, state, step patching) over the wrapped optimizer's groups ...
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.param_groups = optimizer.param_groups  # ... then the very list: schedulers and Lightning see one
         self._backward_hooks: list = []
         self._import_inner_state()
 
@@ -133,7 +126,10 @@ class FP8Optimizer(torch.optim.Optimizer):
         param.grad = None
 
     def add_param_group(self, param_group: dict) -> None:
-        self.optimizer.add_param_group(param_group)  # appends to the shared list
+        if self.param_groups is self.optimizer.param_groups:
+            self.optimizer.add_param_group(param_group)  # appends to the shared list
+        else:  # torch's __init__ filling its own list with the wrapped optimizer's groups
+            super().add_param_group(param_group)
 
     # -------------------------------------------------------------------------------------------------------
     # Formats of one parameter's states
@@ -193,7 +189,7 @@ class FP8Optimizer(torch.optim.Optimizer):
         return loss
 
     def _step_parameter(self, param: torch.Tensor, group: dict) -> None:
-        local, grad = _local(param), _local(param.grad)
+        local, grad = local_tensor(param), local_tensor(param.grad)
         if grad.is_sparse:
             raise RuntimeError("FP8Optimizer does not support sparse gradients; use a dense optimizer.")
         state = self.state[param]
@@ -290,7 +286,7 @@ class FP8Optimizer(torch.optim.Optimizer):
         self.state = defaultdict(dict)
         for index, saved_state in state_dict["state"].items():
             param = by_index[int(index)]
-            local = _local(param)
+            local = local_tensor(param)
             if meta is not None:
                 self.state[param] = {
                     key: value if key in ("step", "shape") else value.to(local.device)
@@ -306,7 +302,7 @@ class FP8Optimizer(torch.optim.Optimizer):
 
     def _quantize_plain_state(self, param: torch.Tensor, plain: dict, group: dict) -> dict:
         """Build this wrapper's state for ``param`` from a torch optimizer's float state (``plain``)."""
-        local = _local(param)
+        local = local_tensor(param)
         state = self._init_state(local, group)
         if "step" in plain:
             state["step"] = torch.tensor(float(plain["step"]))
@@ -314,7 +310,7 @@ class FP8Optimizer(torch.optim.Optimizer):
             state["step"] = torch.tensor(1.0)  # SGD keeps no step count; a buffer means it has stepped
         for name, fmt in self.state_formats(local).items():
             if plain.get(name) is not None:
-                self._store(state, name, fmt, _local(plain[name]).to(local.device).float())
+                self._store(state, name, fmt, local_tensor(plain[name]).to(local.device).float())
         return state
 
     def _import_inner_state(self) -> None:

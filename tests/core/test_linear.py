@@ -182,3 +182,17 @@ def test_nan_gradient_is_counted_and_the_history_stays_clean():
     assert state.nonfinite_count.item() == 1
     state.update()
     assert torch.isfinite(state.amax_history).all() and torch.isfinite(state.scale)
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(), TensorwiseScaling(), MXFP8BlockScaling()],
+                         ids=lambda r: type(r).__name__)  # fmt: skip
+def test_a_layer_that_has_run_pickles_and_computes_the_same_after(recipe):
+    import pickle
+
+    layer = _layer(recipe, k=64, n=32)
+    x = torch.randn(4, 64)
+    _run(layer, x, torch.randn(4, 32))  # fills the FP8 weight cache (float8 tensors)
+    clone = pickle.loads(pickle.dumps(layer))
+    with fp8_autocast():
+        assert torch.equal(clone(x), layer(x))
+    assert clone.fp8_scaling().state_dict().keys() == layer.fp8_scaling().state_dict().keys()

@@ -101,3 +101,27 @@ def test_synthetic_datamodule_is_deterministic():
     a, b = SyntheticDataModule(seed=5), SyntheticDataModule(seed=5)
     a.setup(), b.setup()
     assert torch.equal(a.train_set[3][0], b.train_set[3][0]) and a.entropy_floor == pytest.approx(math.log(4))
+
+
+def test_resumable_loader_continues_where_its_state_was_saved():
+    from fp8_lightning.data.resumable import ResumableDataLoader
+
+    data = torch.arange(20)
+    first = ResumableDataLoader(data, batch_size=3)  # 7 batches, the last one short
+    seen = []
+    for batch in first:
+        seen.append(batch)
+        if len(seen) == 4:
+            state = first.state_dict()
+            break
+    assert state == {"batches_yielded": 4}
+    second = ResumableDataLoader(data, batch_size=3)
+    second.load_state_dict(state)
+    rest = list(second)
+    assert torch.equal(torch.cat(seen + rest), data)  # nothing repeated, nothing lost
+    assert second.state_dict() == {"batches_yielded": 7}
+    assert len(list(second)) == 7  # the next pass starts from the beginning
+    second.load_state_dict({"batches_yielded": 7})  # saved at the end of a pass: a new pass follows
+    assert len(list(second)) == 7
+    with pytest.raises(KeyError, match="batches_yielded"):
+        second.load_state_dict({})

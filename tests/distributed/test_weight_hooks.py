@@ -162,3 +162,17 @@ def test_unsupported_shapes_are_explained():
     convert_to_fp8(model, TensorwiseScaling())
     report = enable_fp8_all_gather(model, 5)
     assert report.fp8 == [] and "uneven" in report.high_precision["0"]
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(), TensorwiseScaling()], ids=lambda r: type(r).__name__)
+def test_an_evaluation_gather_leaves_the_weight_scaling_state_alone(recipe):
+    model, layer = _layer(recipe)
+    state = layer.fp8_scaling().operands["weight"]
+    before = {name: getattr(state, name).clone() for name in (*state._TENSORS, "flags")}
+    layer.eval()
+    weight, _, _, _ = _gather(layer)
+    with fp8_autocast(), torch.no_grad():
+        layer.weight.data = weight  # what FSDP2 hands the layer: the gathered FP8 weight
+        layer(torch.randn(4, 96))
+    assert all(torch.equal(value, getattr(state, name)) for name, value in before.items())
+    assert not state.initialized and state.casts == 0

@@ -79,8 +79,9 @@ def run_in_process(args: list[str], tmp_path, monkeypatch, capfd) -> subprocess.
         (["precision=fp8_mxfp8", "precision.recipe.block_size=48"], ["block_size=48 is invalid", "(16, 32, 64, 128)"]),
         (["precision=fp8_tensorwise", "precision.recipe.fp8_format=E3M4"], ["fp8_format='E3M4'", "E4M3, E5M2, HYBRID"]),
         (["model.n_embd=100"], ["model could not be built", "n_embd=100 is not a multiple of 32"]),
+        (["data.root=no/such/folder"], ["data.root='no/such/folder' is not a folder", "data.root=null"]),
     ],
-    ids=["wrong-type", "out-of-range", "mx-block-size", "unknown-format", "model-dims"],
+    ids=["wrong-type", "out-of-range", "mx-block-size", "unknown-format", "model-dims", "missing-data-root"],
 )
 def test_bad_value_fails_fast(tmp_path, monkeypatch, capfd, overrides, needles):
     proc = run_in_process(overrides, tmp_path, monkeypatch, capfd)

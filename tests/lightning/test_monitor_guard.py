@@ -125,3 +125,11 @@ def test_guard_falls_back_after_patience_steps_of_overflow():
     assert all(math.isfinite(x) for x in model.losses)
     casts = model.blocks[0].fc1.fp8_weight_casts
     assert casts == start + patience  # no FP8 casts after the fallback
+
+
+def test_trouble_table_keeps_whole_layer_names():
+    from fp8_lightning.lightning.callbacks import TroubleRow, format_table
+
+    name = "model.layers.11.self_attn.q_proj.some_long_wrapper"
+    table = format_table([TroubleRow(name, "input"), TroubleRow("head", "weight")])
+    assert f"{name} input" in table and "\nhead " in table
