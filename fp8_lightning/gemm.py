@@ -33,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from fp8_lightning.fine_grained import FINE_KINDS, fine_mm
 from fp8_lightning.quantize import Quantized, pad_dim
 
 GEMM_ENV = "FP8_LIGHTNING_GEMM"
@@ -186,6 +187,8 @@ def fp8_mm(
     if a.kind != b.kind:
         raise ValueError(f"fp8_mm: cannot mix scaling kinds {a.kind!r} and {b.kind!r}.")
     backend = "emulate" if emulate else requested_backend()
+    if a.kind in FINE_KINDS:  # rowwise, blockwise (fp8_lightning.fine_grained)
+        return fine_mm(a, b, out_dtype, backend == "emulate", bias)
     if backend == "auto" and a.data.device.type == "cpu":
         return _float_matmul(a, b, out_dtype, bias)
     if a.kind == "mx":

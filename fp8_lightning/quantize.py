@@ -288,7 +288,9 @@ class Quantized:
     """An FP8 GEMM operand whose *last* dimension is the reduction dimension K.
 
     ``scale`` is the per-tensor multiplier (``kind="tensor"``, data = x * scale) or the E8M0 block scales
-    (``kind="mx"``, x = data * scale).
+    (``kind="mx"``, x = data * scale); ``kind="row"`` / ``"block"`` hold float32 multipliers per row / per tile
+    (data = x * scale, :mod:`fp8_lightning.rowwise`, :mod:`fp8_lightning.blockwise`) and ``"hp"`` an unquantized
+    tensor.
     """
 
     data: torch.Tensor
@@ -318,11 +320,16 @@ class Quantized:
         return self.f32
 
     def dequantize(self, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        if self.kind == "mx":
+        if self.kind != "tensor":
             return (self.f32 if self.f32 is not None else self._mx_values()).to(out_dtype)
         return dequantize_with_scale(self.data, self.scale, out_dtype)
 
     def _mx_values(self) -> torch.Tensor:
+        """The dequantized values of a block-scaled operand (MX, rowwise, blockwise)."""
+        if self.kind != "mx":
+            from fp8_lightning.fine_grained import fine_dequantize  # builds on this module
+
+            return fine_dequantize(self)
         from fp8_lightning.mx import dequantize_mxfp8  # mx builds on this module
 
         return dequantize_mxfp8(self.data, self.scale)
@@ -331,8 +338,11 @@ class Quantized:
         """``q.T``: the contiguous transposed copy when there is one, else a view of the same FP8 bytes
         (per-tensor operands only; a GEMM copies a view if it must).
         MX operands cannot be transposed: their block scales follow K, so quantize the high-precision tensor."""
-        if self.kind == "mx":
-            raise ValueError("An MX operand cannot be transposed: quantize the high-precision tensor along K.")
+        if self.kind != "tensor":
+            raise ValueError(
+                f"A {self.kind!r} operand cannot be transposed: its scales follow K, so quantize the high-precision "
+                "tensor along the new K."
+            )
         f32 = None if self.f32 is None else self.f32.t()
         data, transposed = (self.data.t(), None) if self.transposed is None else (self.transposed, self.data)
         return Quantized(data, self.scale, self.kind, f32, self.nan_free, self.inverse, transposed)

@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import torch
 
+from fp8_lightning.fine_grained import FineCastPlan, fine_cast_plan, is_fine_grained, operand_kind, traced_fine_cast, wgrad_kind
 from fp8_lightning.formats import fp8_max
 from fp8_lightning.layer_ops import mx_operand_cast, scaled_gemm
 from fp8_lightning.quantize import amax_reference, tensorwise_scale, to_fp8_saturated, wide
@@ -52,17 +53,23 @@ class TracedPlan(NamedTuple):
     out_dtype: torch.dtype
     emulate: bool
     transpose: bool  # the cast kernels write the transposed copies the backward GEMMs read (CUDA)
+    fine: FineCastPlan | None = None  # rowwise / blockwise recipes (fp8_lightning.fine_grained)
+    wgrad_kind: str = ""  # the weight-gradient GEMM's operand kind, when it differs from ``kind``
 
 
 def make_plan(recipe: Recipe, device: torch.device, out_dtype: torch.dtype, emulate: bool) -> TracedPlan:
     """The plan of one call, from the recipe's fields."""
     fmt = recipe.fp8_format
     kind = "tensor" if recipe.per_tensor else "mx"
+    fine = None
+    if is_fine_grained(recipe):
+        kind, fine = operand_kind(recipe), fine_cast_plan(recipe)
     delayed = isinstance(recipe, DelayedScaling)
     return TracedPlan(
         kind, delayed, getattr(recipe, "margin", 0), getattr(recipe, "power_of_2_scales", False),
         getattr(recipe, "eps", 0.0), getattr(recipe, "block_size", 0), getattr(recipe, "scale_rounding", ""),
-        fmt.forward_dtype, fmt.backward_dtype, out_dtype, emulate, device.type == "cuda",
+        fmt.forward_dtype, fmt.backward_dtype, out_dtype, emulate, device.type == "cuda", fine,
+        wgrad_kind(recipe) if fine else kind,
     )
 
 
@@ -95,8 +102,10 @@ def traced_cast(x: torch.Tensor, state_tensors, plan: TracedPlan, dtype: torch.d
     return data, (data.t().contiguous() if plan.transpose else data.t()), used
 
 
-def _mx_cast(x: torch.Tensor, plan: TracedPlan, dtype: torch.dtype, columnwise: bool):
-    """(rowwise data, scales, columnwise data, scales) of a 2-D ``x`` under MXFP8."""
+def _mx_cast(x: torch.Tensor, plan: TracedPlan, role: str, dtype: torch.dtype, columnwise: bool):
+    """(rowwise data, scales, columnwise data, scales) of a 2-D ``x`` under MXFP8, rowwise or blockwise scaling."""
+    if plan.fine is not None:
+        return traced_fine_cast(x, plan.fine, role, dtype, columnwise)
     return mx_operand_cast(x, plan.block_size, plan.scale_rounding, dtype, columnwise)
 
 
@@ -113,8 +122,8 @@ def traced_linear(
         x_col_scale = w_col_scale = None  # the same scales (a tensor may enter the Function only once)
         grad_state = _state_tensors(states["grad_output"])
     else:
-        x_row, x_scale, x_col, x_col_scale = _mx_cast(x, plan, plan.forward_dtype, True)
-        w_row, w_scale, w_col, w_col_scale = _mx_cast(w, plan, plan.forward_dtype, True)
+        x_row, x_scale, x_col, x_col_scale = _mx_cast(x, plan, "input", plan.forward_dtype, True)
+        w_row, w_scale, w_col, w_col_scale = _mx_cast(w, plan, "weight", plan.forward_dtype, True)
         grad_state = ()
     return _TracedFP8Function.apply(
         x2d, weight, bias, plan, x_row, x_scale, w_row, w_scale, x_col, x_col_scale, w_col, w_col_scale, *grad_state
@@ -145,14 +154,14 @@ class _TracedFP8Function(torch.autograd.Function):
             g_row, g_col, g_scale = traced_cast(g, grad_state, plan, plan.backward_dtype, True)
             g_col_scale = g_scale
         else:
-            g_row, g_scale, g_col, g_col_scale = _mx_cast(g, plan, plan.backward_dtype, ctx.needs_input_grad[1])
+            g_row, g_scale, g_col, g_col_scale = _mx_cast(g, plan, "grad_output", plan.backward_dtype, ctx.needs_input_grad[1])
         grad_x = grad_w = grad_bias = None
         # ------------------------------------------------ dgrad ------------------------------------------------
         if ctx.needs_input_grad[0]:
             grad_x = scaled_gemm(g_row, g_scale, w_col, w_col_scale, None, plan.kind, x_dtype, plan.emulate)
         # ------------------------------------------------ wgrad ------------------------------------------------
         if ctx.needs_input_grad[1]:
-            grad_w = scaled_gemm(g_col, g_col_scale, x_col, x_col_scale, None, plan.kind, w_dtype, plan.emulate)
+            grad_w = scaled_gemm(g_col, g_col_scale, x_col, x_col_scale, None, plan.wgrad_kind, w_dtype, plan.emulate)
         if ctx.needs_input_grad[2]:
             grad_bias = g.sum(0).to(bias_dtype)
         return (grad_x, grad_w, grad_bias) + (None,) * (9 + len(grad_state))
