@@ -161,12 +161,6 @@ def _check_flags(recipe: Recipe, *flags: str) -> None:
             raise _invalid(type(recipe).__name__, flag, getattr(recipe, flag), "True or False")
 
 
-def _check_forward_e4m3(recipe: Recipe) -> None:
-    """Fine-grained recipes offer E4M3 everywhere or HYBRID (E5M2 output gradients), as their peers do."""
-    if recipe.fp8_format not in (Format.E4M3, Format.HYBRID):
-        raise _invalid(type(recipe).__name__, "fp8_format", recipe.fp8_format.value, "E4M3 or HYBRID")
-
-
 @dataclasses.dataclass(frozen=True)
 class RowwiseScaling(Recipe):
     """One scale per row of every GEMM operand, taken along the GEMM's reduction dimension (current scaling).
@@ -188,7 +182,6 @@ class RowwiseScaling(Recipe):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_forward_e4m3(self)
         _check_flags(self, "power_of_2_scales", "high_precision_wgrad")
         if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not 0 < self.eps < 1:
             raise _invalid(type(self).__name__, "eps", self.eps, "a number in (0, 1)")
@@ -213,7 +206,6 @@ class BlockwiseScaling(Recipe):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_forward_e4m3(self)
         _check_flags(self, "power_of_2_scales")
 
 
