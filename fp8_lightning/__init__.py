@@ -20,7 +20,15 @@ from fp8_lightning.mx import dequantize_mxfp8, quantize_mxfp8
 from fp8_lightning.optim import FP8Optimizer
 from fp8_lightning.profitability import ProfitabilityGate
 from fp8_lightning.quantize import Quantized, dequantize_tensorwise, quantize_tensorwise
-from fp8_lightning.recipes import DelayedScaling, MXFP8BlockScaling, Recipe, TensorwiseScaling, recipe_from
+from fp8_lightning.recipes import (
+    BlockwiseScaling,
+    DelayedScaling,
+    MXFP8BlockScaling,
+    Recipe,
+    RowwiseScaling,
+    TensorwiseScaling,
+    recipe_from,
+)
 from fp8_lightning.guard import DivergenceGuard
 from fp8_lightning.lightning import (
     FP8FabricPrecision,
@@ -37,6 +45,7 @@ register_fsdp_strategy()  # Trainer(strategy="fp8_fsdp")
 __version__ = "0.1.0"
 
 __all__ = [
+    "BlockwiseScaling",
     "ConversionReport",
     "DelayedScaling",
     "DivergenceGuard",
@@ -52,6 +61,7 @@ __all__ = [
     "ProfitabilityGate",
     "Quantized",
     "Recipe",
+    "RowwiseScaling",
     "TensorwiseScaling",
     "convert_to_fp8",
     "dequantize_mxfp8",
