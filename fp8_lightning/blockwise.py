@@ -88,12 +88,15 @@ def tile_of(data_shape: torch.Size, scale_shape: torch.Size) -> tuple[int, int]:
     return rows, cols
 
 
+def per_element(scale: torch.Tensor, data_shape: torch.Size) -> torch.Tensor:
+    """Tile values (one per tile of data of ``data_shape``) repeated over their tiles: one per element."""
+    (m, k), (rows, cols) = data_shape, tile_of(data_shape, scale.shape)
+    return scale.repeat_interleave(rows, dim=0)[:m].repeat_interleave(cols, dim=1)[:, :k]
+
+
 def dequantize_blockwise(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``data * (1 / scale)`` in float32, each factor repeated over its tile (the inverse of the cast)."""
-    (m, k), (rows, cols) = data.shape, tile_of(data.shape, scale.shape)
-    inverse = scale.float().reciprocal()
-    factors = inverse.repeat_interleave(rows, dim=0)[:m].repeat_interleave(cols, dim=1)[:, :k]
-    return fp8_to_float32(data) * factors
+    return fp8_to_float32(data) * per_element(scale.float().reciprocal(), data.shape)
 
 
 def blockwise_operands(
