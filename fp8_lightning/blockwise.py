@@ -91,7 +91,9 @@ def tile_of(data_shape: torch.Size, scale_shape: torch.Size) -> tuple[int, int]:
 def per_element(scale: torch.Tensor, data_shape: torch.Size) -> torch.Tensor:
     """Tile values (one per tile of data of ``data_shape``) repeated over their tiles: one per element."""
     (m, k), (rows, cols) = data_shape, tile_of(data_shape, scale.shape)
-    return scale.repeat_interleave(rows, dim=0)[:m].repeat_interleave(cols, dim=1)[:, :k]
+    (tiles_m, tiles_k) = scale.shape
+    spread = scale[:, None, :, None].expand(tiles_m, rows, tiles_k, cols).reshape(tiles_m * rows, tiles_k * cols)
+    return spread if spread.shape == data_shape else spread[:m, :k]
 
 
 def dequantize_blockwise(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
