@@ -145,3 +145,21 @@ def test_cuda_layouts_pass_torchs_scaled_mm_checks(m, k, n):
     b = Quantized(*quantize_rowwise(torch.randn(n, k), E4M3), "row")
     _, _, _, real_scale_b = rowwise_scaled_mm_args(a, b)
     assert torch.equal(real_scale_b[0, :n], b.scale.reciprocal()[:, 0]) and (real_scale_b[0, n:] == 1).all()
+
+
+def test_fine_grained_recipes_keep_no_state_and_checkpoint_their_recipe():
+    """Rowwise and blockwise scales come from the tensor being cast: the layer's saved scaling state is the recipe,
+    which loads back (a second model then trains with the same recipe's state)."""
+    from fp8_lightning import BlockwiseScaling, convert_to_fp8, fp8_state_dict, load_fp8_state_dict
+
+    for recipe in (RowwiseScaling(high_precision_wgrad=True), BlockwiseScaling(power_of_2_scales=False)):
+        model = torch.nn.Sequential(torch.nn.Linear(32, 32))
+        convert_to_fp8(model, recipe)
+        with fp8_autocast():
+            model(torch.randn(4, 32)).sum().backward()
+        state = fp8_state_dict(model)
+        assert state["0"]["scalings"] == [{"recipe": recipe.to_dict(), "operands": {}}]
+        other = torch.nn.Sequential(torch.nn.Linear(32, 32))
+        convert_to_fp8(other, recipe)
+        load_fp8_state_dict(other, state)
+        assert fp8_state_dict(other) == state
