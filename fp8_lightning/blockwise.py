@@ -154,7 +154,9 @@ def _scale_layout(q: Quantized, rows: int) -> torch.Tensor:
     return _row_major(pad_dim(inverse, 1, 4)).narrow(1, 0, k_tiles)  # narrow: fake tensors refuse indexing
 
 
-def blockwise_scaled_mm_args(a: Quantized, b: Quantized) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def blockwise_scaled_mm_args(
+    a: Quantized, b: Quantized
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(mat1, mat2, scale_a, scale_b)`` for ``torch._scaled_mm`` computing ``a @ b.T`` with block scales: mat1
     (M, K) row-major and mat2 (K, N) column-major, K and N zero-padded to multiples of 16 (which adds no tile, 128
     being a multiple of 16; padded 1x128 rows of b get factor 1); scale_a in a's layout (:func:`_scale_layout`) and

@@ -188,7 +188,7 @@ def fp8_mm(
         raise ValueError(f"fp8_mm: cannot mix scaling kinds {a.kind!r} and {b.kind!r}.")
     backend = "emulate" if emulate else requested_backend()
     if a.kind in FINE_KINDS:  # rowwise, blockwise (fp8_lightning.fine_grained)
-        return fine_mm(a, b, out_dtype, backend == "emulate", bias)
+        return fine_mm(a, b, out_dtype, backend == "emulate" or emulation_requested(), bias)
     if backend == "auto" and a.data.device.type == "cpu":
         return _float_matmul(a, b, out_dtype, bias)
     if a.kind == "mx":

@@ -49,7 +49,9 @@ def quantize_rowwise(
     """``(data, scale)`` of a 2-D ``x`` with one scale per slice along ``dim`` (-1: per row, 0: per column); the
     scale keeps the reduced dimension (shape (M, 1) or (1, K)) so that ``data = saturate(x * scale)``."""
     if x.dim() != 2 or x.shape[dim] == 0:
-        raise ValueError(f"quantize_rowwise expects a 2-D tensor with a non-empty dimension {dim}; got {tuple(x.shape)}.")
+        raise ValueError(
+            f"quantize_rowwise expects a 2-D tensor with a non-empty dimension {dim}; got shape {tuple(x.shape)}."
+        )
     amax = x.detach().abs().amax(dim=dim, keepdim=True).float()
     scale = rowwise_scale(amax, dtype, eps, power_of_2)
     return to_fp8_saturated(wide(x.detach()) * scale, dtype), scale
@@ -131,7 +133,8 @@ def rowwise_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tens
     mm_dtype = out_dtype if out_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
     if a.data.device.type == "cpu":
         acc = fp8_to_float32(a.data) @ fp8_to_float32(b.data).t()
-        return (acc * a.scale.float().reciprocal().reshape(-1, 1) * b.scale.float().reciprocal().reshape(1, -1)).to(out_dtype)
+        inverse_a, inverse_b = a.scale.float().reciprocal().reshape(-1, 1), b.scale.float().reciprocal().reshape(1, -1)
+        return (acc * inverse_a * inverse_b).to(out_dtype)
     n = b.data.shape[0]
     mat1, mat2, scale_a, scale_b = rowwise_scaled_mm_args(a, b)
     if out_dtype == torch.bfloat16:

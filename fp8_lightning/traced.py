@@ -30,7 +30,14 @@ from typing import NamedTuple
 
 import torch
 
-from fp8_lightning.fine_grained import FineCastPlan, fine_cast_plan, is_fine_grained, operand_kind, traced_fine_cast, wgrad_kind
+from fp8_lightning.fine_grained import (
+    FineCastPlan,
+    fine_cast_plan,
+    is_fine_grained,
+    operand_kind,
+    traced_fine_cast,
+    wgrad_kind,
+)
 from fp8_lightning.formats import fp8_max
 from fp8_lightning.layer_ops import mx_operand_cast, scaled_gemm
 from fp8_lightning.quantize import amax_reference, tensorwise_scale, to_fp8_saturated, wide
@@ -154,7 +161,9 @@ class _TracedFP8Function(torch.autograd.Function):
             g_row, g_col, g_scale = traced_cast(g, grad_state, plan, plan.backward_dtype, True)
             g_col_scale = g_scale
         else:
-            g_row, g_scale, g_col, g_col_scale = _mx_cast(g, plan, "grad_output", plan.backward_dtype, ctx.needs_input_grad[1])
+            g_row, g_scale, g_col, g_col_scale = _mx_cast(
+                g, plan, "grad_output", plan.backward_dtype, ctx.needs_input_grad[1]
+            )
         grad_x = grad_w = grad_bias = None
         # ------------------------------------------------ dgrad ------------------------------------------------
         if ctx.needs_input_grad[0]:

@@ -18,7 +18,9 @@ def fake_cuda() -> Iterator[None]:
         yield
 
 
-def fake_operand(shape: tuple[int, int], scale_shape: tuple[int, ...], kind: str, dtype=torch.float8_e4m3fn) -> Quantized:
+def fake_operand(
+    shape: tuple[int, int], scale_shape: tuple[int, ...], kind: str, dtype=torch.float8_e4m3fn
+) -> Quantized:
     """A contiguous FP8 operand with float32 scales on the fake CUDA device (inside :func:`fake_cuda`)."""
     data = torch.empty(shape, dtype=dtype, device="cuda")
     return Quantized(data, torch.empty(scale_shape, dtype=torch.float32, device="cuda"), kind)

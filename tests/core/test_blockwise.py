@@ -22,6 +22,7 @@ from fp8_lightning.blockwise import (
     dequantize_blockwise,
     quantize_blockwise,
 )
+from fp8_lightning import gemm
 from fp8_lightning.quantize import Quantized
 from fp8_lightning.recipes import BlockwiseScaling
 from tests.core.fake_cuda import fake_cuda, fake_operand
@@ -148,15 +149,21 @@ def _outer_dim_major(t_shape, scale) -> bool:
     """torch's ``is_blockwise_1x128_scaling`` (ScaledBlas.cpp): scale (rows, ceil(K/128)), stride (1, rows); a
     dimension of size 1 may have any stride."""
     rows, k = t_shape
-    want = ((rows, 1), (-(-k // 128), rows))
-    return all(scale.shape[d] == size and (size <= 1 or scale.stride(d) == stride) for d, (size, stride) in enumerate(want))
+    return _fits(scale, ((rows, 1), (-(-k // 128), rows)))
 
 
 def _inner_dim_major_padded(t_shape, scale) -> bool:
-    """torch's ``is_blockwise_128x128_scaling``: scale (ceil(R/128), ceil(K/128)), stride (round_up(ceil(K/128), 4), 1)."""
+    """torch's ``is_blockwise_128x128_scaling``: scale (ceil(R/128), ceil(K/128)), stride
+    (round_up(ceil(K/128), 4), 1)."""
     k_tiles = -(-t_shape[1] // 128)
-    want = ((-(-t_shape[0] // 128), -(-k_tiles // 4) * 4), (k_tiles, 1))
-    return all(scale.shape[d] == size and (size <= 1 or scale.stride(d) == stride) for d, (size, stride) in enumerate(want))
+    return _fits(scale, ((-(-t_shape[0] // 128), -(-k_tiles // 4) * 4), (k_tiles, 1)))
+
+
+def _fits(scale, want) -> bool:
+    """torch's ``check_size_stride`` for each (size, stride) of ``want``."""
+    return all(
+        scale.shape[d] == size and (size <= 1 or scale.stride(d) == stride) for d, (size, stride) in enumerate(want)
+    )
 
 
 @pytest.mark.parametrize("m, k, n", [(256, 384, 512), (200, 300, 144), (16, 1000, 40)])
@@ -192,6 +199,12 @@ def test_gemm_refused_where_cublas_lacks_it_with_the_emulation_option_named(monk
         a = fake_operand((32, 128), (32, 1), "block")
         with pytest.raises(RuntimeError, match="emulate=True.*FP8_LIGHTNING_EMULATE=1"):
             blockwise_mm(a, a, torch.bfloat16)
+    monkeypatch.setenv("FP8_LIGHTNING_EMULATE", "1")  # the named option reaches the blockwise GEMM as emulate=True
+    seen = []
+    monkeypatch.setattr(gemm, "fine_mm", lambda a, b, out_dtype, emulate, bias: seen.append(emulate))
+    q = Quantized(*quantize_blockwise(torch.randn(4, 32), ROW_TILE, E4M3), "block")
+    gemm.fp8_mm(q, q, torch.float32)
+    assert seen == [True]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.version, "cuda", "12.4")
     assert blockwise_gemm_support("cuda") == (False, "CUDA 12.4 has no block-scaled GEMM (needs CUDA 12.9+)")

@@ -68,8 +68,8 @@ def test_construction_from_names_and_dicts():
     assert r == DelayedScaling(fp8_format=Format.E4M3, amax_history_len=32, amax_compute_algo="most_recent")
     assert recipe_from("rowwise") == RowwiseScaling() and recipe_from("DeepSeek") == BlockwiseScaling()
     assert recipe_from({"name": "blockwise", "power_of_2_scales": False}) == BlockwiseScaling(power_of_2_scales=False)
-    for recipe in (r, TensorwiseScaling(power_of_2_scales=True), MXFP8BlockScaling(scale_rounding="floor"),
-                   RowwiseScaling(high_precision_wgrad=True, fp8_format="hybrid"), BlockwiseScaling(fp8_format="HYBRID")):
+    fine = (RowwiseScaling(high_precision_wgrad=True, fp8_format="hybrid"), BlockwiseScaling(fp8_format="HYBRID"))
+    for recipe in (r, TensorwiseScaling(power_of_2_scales=True), MXFP8BlockScaling(scale_rounding="floor"), *fine):
         assert recipe_from(recipe.to_dict()) == recipe
 
 

@@ -80,8 +80,10 @@ def _run(layer, x, grad_y, autocast):
     return y, x.grad, weight.grad
 
 
-@pytest.mark.parametrize("name, recipe", [("rowwise", RowwiseScaling()),
-                                          ("rowwise_with_gw_hp", RowwiseScaling(high_precision_wgrad=True))])  # fmt: skip
+PEER_RECIPES = [("rowwise", RowwiseScaling()), ("rowwise_with_gw_hp", RowwiseScaling(high_precision_wgrad=True))]
+
+
+@pytest.mark.parametrize("name, recipe", PEER_RECIPES)
 def test_bf16_layer_equals_torchaos_float8_linear_bit_for_bit(name, recipe):
     """Same casts, same ``torch._scaled_mm`` calls (power-of-two scales make torchao's scaling after its bf16 GEMM
     exact): output, input gradient and weight gradient are equal."""
@@ -104,7 +106,8 @@ def _within_float32_sum_bound(got: torch.Tensor, a: torch.Tensor, b: torch.Tenso
 def _peer_dequantized(t: torch.Tensor, dtype: torch.dtype, dim: int | None) -> torch.Tensor:
     """torchao's cast of ``t`` (rowwise along ``dim``, or per tensor with ``dim=None``), dequantized in float64."""
     granularity = ScalingGranularity.TENSORWISE if dim is None else ScalingGranularity.AXISWISE
-    scale = tensor_to_scale(t, dtype, scaling_granularity=granularity, axiswise_dim=dim, round_scales_to_power_of_2=True)
+    scale = tensor_to_scale(t, dtype, scaling_granularity=granularity, axiswise_dim=dim,
+                            round_scales_to_power_of_2=True)  # fmt: skip
     return to_fp8_saturated(t.float() * scale, dtype).double() / scale.double()
 
 
@@ -114,8 +117,8 @@ def test_float32_layer_gradients_are_float64_products_of_the_dequantized_operand
     its columns (or per tensor), dW from g and x down their columns (or unquantized)."""
     torch.manual_seed(1)
     base = torch.nn.Linear(96, 48, bias=True)
-    ours = FP8Linear.from_linear(copy.deepcopy(base), RowwiseScaling(fp8_format="HYBRID",
-                                                                      high_precision_wgrad=high_precision_wgrad))  # fmt: skip
+    recipe = RowwiseScaling(fp8_format="HYBRID", high_precision_wgrad=high_precision_wgrad)
+    ours = FP8Linear.from_linear(copy.deepcopy(base), recipe)
     x, grad_y = torch.randn(40, 96) * 3, torch.randn(40, 48) * 1e-2
     y, dx, dw = _run(ours, x, grad_y, True)
     w = base.weight.detach()

@@ -22,7 +22,8 @@ def test_strings_map_to_the_documented_recipes():
     assert isinstance(e4m3, DelayedScaling) and e4m3.fp8_format.backward_dtype == torch.float8_e4m3fn
     assert PRECISION_RECIPES["fp8-tensorwise"] == TensorwiseScaling(fp8_format="HYBRID")
     assert isinstance(PRECISION_RECIPES["fp8-mxfp8"], MXFP8BlockScaling)
-    assert PRECISION_RECIPES["fp8-rowwise"] == RowwiseScaling() and PRECISION_RECIPES["fp8-blockwise"] == BlockwiseScaling()
+    assert PRECISION_RECIPES["fp8-rowwise"] == RowwiseScaling()
+    assert PRECISION_RECIPES["fp8-blockwise"] == BlockwiseScaling()
     assert precision_for_recipe(DelayedScaling(margin=2)) == "fp8-delayed"
 
 

@@ -16,8 +16,16 @@ import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
-from fp8_lightning import DelayedScaling, MXFP8BlockScaling, TensorwiseScaling, convert_to_fp8, fp8_autocast, sync_scales
-from fp8_lightning.recipes import BlockwiseScaling, RowwiseScaling
+from fp8_lightning import (
+    BlockwiseScaling,
+    DelayedScaling,
+    MXFP8BlockScaling,
+    RowwiseScaling,
+    TensorwiseScaling,
+    convert_to_fp8,
+    fp8_autocast,
+    sync_scales,
+)
 from fp8_lightning.convert import fp8_state_dict
 from fp8_lightning.models import GPT
 
@@ -85,7 +93,7 @@ def test_fullgraph_compiles_one_graph_once_and_matches_eager_bit_for_bit(recipe,
     assert losses[-1] < losses[0]
 
 
-@pytest.mark.parametrize("recipe", RECIPES[:3] + [BlockwiseScaling()], ids=_id)  # rowwise: same ops as blockwise
+@pytest.mark.parametrize("recipe", RECIPES[:3] + [BlockwiseScaling()], ids=_id)  # rowwise runs the same custom ops
 def test_inductor_compiles_once_and_stays_close_to_eager(recipe, eager_runs):
     losses, frames, breaks, _ = _train(recipe, backend="inductor", steps=4)
     assert frames == [1] * 4 and breaks == 0, (frames, breaks)
