@@ -337,7 +337,8 @@ class Quantized:
     def t(self) -> "Quantized":
         """``q.T``: the contiguous transposed copy when there is one, else a view of the same FP8 bytes
         (per-tensor operands only; a GEMM copies a view if it must).
-        MX operands cannot be transposed: their block scales follow K, so quantize the high-precision tensor."""
+        Block-scaled operands (MX, rowwise, blockwise) cannot be transposed: their scales follow K, so quantize the
+        high-precision tensor (or, for 128x128 blocks, transpose data and scales together)."""
         if self.kind != "tensor":
             raise ValueError(
                 f"A {self.kind!r} operand cannot be transposed: its scales follow K, so quantize the high-precision "

@@ -61,7 +61,7 @@ class TracedPlan(NamedTuple):
     emulate: bool
     transpose: bool  # the cast kernels write the transposed copies the backward GEMMs read (CUDA)
     fine: FineCastPlan | None = None  # rowwise / blockwise recipes (fp8_lightning.fine_grained)
-    wgrad_kind: str = ""  # the weight-gradient GEMM's operand kind, when it differs from ``kind``
+    wgrad_kind: str = ""  # the weight-gradient GEMM's operand kind: ``kind``, or "hp" for a high-precision wgrad
 
 
 def make_plan(recipe: Recipe, device: torch.device, out_dtype: torch.dtype, emulate: bool) -> TracedPlan:
