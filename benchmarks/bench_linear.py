@@ -31,7 +31,7 @@ from bench_common import bar_plot, header, interleaved_medians, markdown_table, 
 from fp8_lightning import convert_to_fp8, fp8_autocast  # noqa: E402
 
 SUITES = {"gpu": [1024, 2048, 4096, 8192], "cpu": [128, 256, 512]}
-RECIPES = ["delayed", "tensorwise", "mxfp8"]
+RECIPES = ["delayed", "tensorwise", "mxfp8", "rowwise", "blockwise"]
 
 
 def torchao_status() -> str:

@@ -14,7 +14,17 @@ import sys
 import torch
 import torch.nn as nn
 
-from fp8_lightning import DelayedScaling, FP8Linear, Format, MXFP8BlockScaling, TensorwiseScaling, fp8_autocast
+from fp8_lightning import (
+    BlockwiseScaling,
+    DelayedScaling,
+    FP8Linear,
+    Format,
+    MXFP8BlockScaling,
+    RowwiseScaling,
+    TensorwiseScaling,
+    fp8_autocast,
+)
+from fp8_lightning.blockwise import blockwise_gemm_support
 from fp8_lightning.gemm import fp8_gemm_support
 from fp8_lightning.backends import quantize_mxfp8, quantize_tensorwise
 from fp8_lightning.scaling import OperandScaling
@@ -24,6 +34,9 @@ RECIPES = {
     "delayed": DelayedScaling(),
     "delayed-e4m3": DelayedScaling(fp8_format=Format.E4M3),
     "mxfp8": MXFP8BlockScaling(fp8_format=Format.HYBRID),
+    "rowwise": RowwiseScaling(),
+    "rowwise-hp-wgrad": RowwiseScaling(high_precision_wgrad=True),
+    "blockwise": BlockwiseScaling(power_of_2_scales=False),
 }
 
 
@@ -102,6 +115,10 @@ def main() -> int:
         return 2
     failures = check_casts() + check_scaling_states()
     for name, recipe in RECIPES.items():
+        native, why = blockwise_gemm_support("cuda")
+        if isinstance(recipe, BlockwiseScaling) and not native:
+            print(f"  {name:14s} skipped: {why}")
+            continue
         failures += check_linear(name, recipe)
     print("\n".join(["FAILED: " + f for f in failures]) if failures else "all CUDA paths match the CPU reference")
     return 1 if failures else 0

@@ -22,7 +22,15 @@ from fp8_lightning.linear import FP8Linear
 from fp8_lightning.optim import FP8Optimizer
 from fp8_lightning.profitability import ProfitabilityGate
 from fp8_lightning.quantize import Quantized
-from fp8_lightning.recipes import DelayedScaling, MXFP8BlockScaling, Recipe, TensorwiseScaling, recipe_from
+from fp8_lightning.recipes import (
+    BlockwiseScaling,
+    DelayedScaling,
+    MXFP8BlockScaling,
+    Recipe,
+    RowwiseScaling,
+    TensorwiseScaling,
+    recipe_from,
+)
 from fp8_lightning.guard import DivergenceGuard
 from fp8_lightning.lightning import (
     FP8FabricPrecision,
@@ -45,6 +53,7 @@ register_ddp_strategy()  # Trainer(strategy="fp8_ddp"): DDP with FP8 gradient co
 __version__ = "0.1.0"
 
 __all__ = [
+    "BlockwiseScaling",
     "ConversionReport",
     "DelayedScaling",
     "DivergenceGuard",
@@ -61,6 +70,7 @@ __all__ = [
     "ProfitabilityGate",
     "Quantized",
     "Recipe",
+    "RowwiseScaling",
     "TensorwiseScaling",
     "convert_to_fp8",
     "dequantize_mxfp8",

@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 
 from fp8_lightning import mx, quantize
+from fp8_lightning.fine_grained import fine_dequantize
 from fp8_lightning.formats import Format, fp8_dtype
 from fp8_lightning.kernels import cpu_codec as codec_module
 from fp8_lightning import kernels
@@ -247,15 +248,19 @@ def dequantize_tensorwise(data: torch.Tensor, scale: torch.Tensor, out_dtype: to
 
 def operand_f32(q: Quantized) -> torch.Tensor:
     """The operand in float32 for a float GEMM (``q.f32``: the codes' exact values for per-tensor scaling, the
-    dequantized values for MX), made on the first call and kept on the operand for its other GEMMs."""
+    dequantized values for block-scaled kinds), made on the first call and kept on the operand for its other
+    GEMMs."""
     if q.f32 is None:
-        q.f32 = fp8_to_float32(q.data, q.nan_free) if q.kind == "tensor" else dequantize_mxfp8(q.data, q.scale)
+        if q.kind == "tensor":
+            q.f32 = fp8_to_float32(q.data, q.nan_free)
+        else:
+            q.f32 = dequantize_mxfp8(q.data, q.scale) if q.kind == "mx" else fine_dequantize(q)
     return q.f32
 
 
 def dequantize_operand(q: Quantized, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The high-precision values an operand stands for."""
-    if q.kind == "mx":
+    if q.kind != "tensor":
         return operand_f32(q).to(out_dtype)
     return dequantize_with_scale(q.data, q.scale, out_dtype)
 

@@ -32,7 +32,9 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-ALL_PRECISIONS = ("fp32", "bf16_mixed", "fp8_hybrid", "fp8_e4m3", "fp8_tensorwise", "fp8_mxfp8")
+ALL_PRECISIONS = (
+    "fp32", "bf16_mixed", "fp8_hybrid", "fp8_e4m3", "fp8_tensorwise", "fp8_mxfp8", "fp8_rowwise", "fp8_blockwise",
+)
 BASELINE = "fp32"
 
 

@@ -34,6 +34,7 @@ import torch
 from fp8_lightning import kernels
 from fp8_lightning.backends import dequantize_operand, operand_f32
 from fp8_lightning.kernels.availability import kernels_usable
+from fp8_lightning.fine_grained import FINE_KINDS, fine_mm
 from fp8_lightning.quantize import Quantized, pad_dim
 from fp8_lightning.settings import GEMM_BACKENDS as BACKENDS
 from fp8_lightning.settings import settings
@@ -181,6 +182,8 @@ def fp8_mm(
     if a.kind != b.kind:
         raise ValueError(f"fp8_mm: cannot mix scaling kinds {a.kind!r} and {b.kind!r}.")
     backend = "emulate" if emulate else requested_backend()
+    if a.kind in FINE_KINDS:  # rowwise, blockwise (fp8_lightning.fine_grained)
+        return fine_mm(a, b, out_dtype, backend == "emulate" or emulation_requested(), bias)
     if backend == "auto" and a.data.device.type == "cpu":
         return _float_matmul(a, b, out_dtype, bias)
     if a.kind == "mx":

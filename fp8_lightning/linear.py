@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from fp8_lightning.autocast import autocast_state
 from fp8_lightning.backends import quantize_mx_operands
+from fp8_lightning.fine_grained import fine_operands, is_fine_grained
 from fp8_lightning.gemm import LAYOUT_MULTIPLE, check_device, fp8_mm
 from fp8_lightning.quantize import Quantized
 from fp8_lightning.recipes import MXFP8BlockScaling, Recipe
@@ -106,6 +107,8 @@ class LayerScaling:
             return self.operands[role].quantize(x, record, transpose=columnwise), None
         dtype = self.backward_dtype if role == "grad_output" else self.forward_dtype
         recipe = self.recipe
+        if is_fine_grained(recipe):  # rowwise, blockwise
+            return fine_operands(recipe, role, x, dtype, columnwise)
         return quantize_mx_operands(x, recipe.block_size, recipe.scale_rounding, dtype, columnwise, columnwise_f32)
 
     def weight_operands(
@@ -182,15 +185,16 @@ class _FP8LinearFunction(torch.autograd.Function):
         ctx.w_f32 = w_saved.f32
         ctx.nan_free = (x_saved.nan_free, w_saved.nan_free)
         ctx.inverses = (x_saved.inverse, w_saved.inverse)  # 1 / scale, when the fprop GEMM made it (CUDA)
+        ctx.kinds = (x_saved.kind, w_saved.kind)  # per operand: a high-precision wgrad saves x unquantized
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         x_data, x_scale, w_data, w_scale = ctx.saved_tensors
         layer, scaling, emulate, x_dtype, w_dtype, bias_dtype = ctx.meta
-        kind = "tensor" if scaling.recipe.per_tensor else "mx"
-        x_saved = Quantized(x_data, x_scale, kind, nan_free=ctx.nan_free[0], inverse=ctx.inverses[0])
-        w_saved = Quantized(w_data, w_scale, kind, ctx.w_f32, ctx.nan_free[1], ctx.inverses[1])
+        (x_kind, w_kind), per_tensor = ctx.kinds, scaling.recipe.per_tensor
+        x_saved = Quantized(x_data, x_scale, x_kind, nan_free=ctx.nan_free[0], inverse=ctx.inverses[0])
+        w_saved = Quantized(w_data, w_scale, w_kind, ctx.w_f32, ctx.nan_free[1], ctx.inverses[1])
         g = grad_y.contiguous()
         gq, g_col = scaling.cast("grad_output", g, record=True, columnwise=ctx.needs_input_grad[1])
         _observe(layer, "grad_output", g, gq)
@@ -201,7 +205,7 @@ class _FP8LinearFunction(torch.autograd.Function):
             grad_x = fp8_mm(gq, w_saved, x_dtype, emulate, fast_accum=fast)  # (M, N) @ (K, N).T
         # ------------------------------------------------ wgrad ------------------------------------------------
         if ctx.needs_input_grad[1]:
-            g_t = gq.t() if kind == "tensor" else g_col  # (N, M)
+            g_t = gq.t() if per_tensor else g_col  # (N, M)
             grad_w = fp8_mm(g_t, x_saved, w_dtype, emulate, fast_accum=fast)  # (N, M) @ (K, M).T
         if ctx.needs_input_grad[2]:
             grad_bias = g.sum(0, dtype=bias_dtype)  # one reduction, accumulated in the bias dtype or wider

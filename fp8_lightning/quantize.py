@@ -151,7 +151,9 @@ class Quantized:
     """An FP8 GEMM operand whose *last* dimension is the reduction dimension K.
 
     ``scale`` is the per-tensor multiplier (``kind="tensor"``, data = x * scale) or the E8M0 block scales
-    (``kind="mx"``, x = data * scale).
+    (``kind="mx"``, x = data * scale); ``kind="row"`` / ``"block"`` hold float32 multipliers per row / per tile
+    (data = x * scale, :mod:`fp8_lightning.rowwise`, :mod:`fp8_lightning.blockwise`) and ``"hp"`` an unquantized
+    tensor.
     """
 
     data: torch.Tensor
@@ -177,9 +179,13 @@ class Quantized:
     def t(self) -> "Quantized":
         """``q.T``: the contiguous transposed copy when there is one, else a view of the same FP8 bytes
         (per-tensor operands only; a GEMM copies a view if it must).
-        MX operands cannot be transposed: their block scales follow K, so quantize the high-precision tensor."""
-        if self.kind == "mx":
-            raise ValueError("An MX operand cannot be transposed: quantize the high-precision tensor along K.")
+        Block-scaled operands (MX, rowwise, blockwise) cannot be transposed: their scales follow K, so quantize the
+        high-precision tensor (or, for 128x128 blocks, transpose data and scales together)."""
+        if self.kind != "tensor":
+            raise ValueError(
+                f"A {self.kind!r} operand cannot be transposed: its scales follow K, so quantize the high-precision "
+                "tensor along the new K."
+            )
         f32 = None if self.f32 is None else self.f32.t()
         data, transposed = (self.data.t(), None) if self.transposed is None else (self.transposed, self.data)
         return Quantized(data, self.scale, self.kind, f32, self.nan_free, self.inverse, transposed)

@@ -11,6 +11,12 @@ per recipe, and they build from a name or a plain dict so that YAML/Hydra config
 * :class:`DelayedScaling`: per-tensor scale from the amax history of previous steps (TE semantics).
 * :class:`TensorwiseScaling`: per-tensor scale from the tensor being cast ("current" / just-in-time scaling).
 * :class:`MXFP8BlockScaling`: blocks of 32 along the reduction dimension share a power-of-two E8M0 scale.
+* :class:`RowwiseScaling`: one scale per row of each GEMM operand, along its reduction dimension (torchao's
+  ``rowwise`` and ``rowwise_with_gw_hp``).
+* :class:`BlockwiseScaling`: 1x128 tiles for inputs and output gradients, 128x128 blocks for weights
+  (DeepSeek-V3's recipe, TransformerEngine's ``Float8BlockScaling``).
+
+The numerics of the last two are defined in :mod:`fp8_lightning.rowwise` and :mod:`fp8_lightning.blockwise`.
 """
 
 from __future__ import annotations
@@ -160,12 +166,71 @@ class MXFP8BlockScaling(Recipe):
             raise _invalid(cls, "scale_rounding", self.scale_rounding, " or ".join(SCALE_ROUNDINGS))
 
 
+def _check_flags(recipe: Recipe, *flags: str) -> None:
+    for flag in flags:
+        if not isinstance(getattr(recipe, flag), bool):
+            raise _invalid(type(recipe).__name__, flag, getattr(recipe, flag), "True or False")
+
+
+@dataclasses.dataclass(frozen=True)
+class RowwiseScaling(Recipe):
+    """One scale per row of every GEMM operand, taken along the GEMM's reduction dimension (current scaling).
+
+    ``scale = fp8_max / max(amax_row, eps)`` (torchao's rule, rounded down to a power of two when
+    ``power_of_2_scales``); a row whose amax is inf or NaN gets scale 1. Each of the three GEMMs casts its operands
+    from high precision along its own reduction dimension. ``high_precision_wgrad=True`` is torchao's
+    ``rowwise_with_gw_hp``: the weight gradient is computed in high precision and the weight of the input-gradient
+    GEMM is scaled per tensor. Defaults (E4M3 everywhere, power-of-two scales) are torchao's ``rowwise``.
+    """
+
+    name: ClassVar[str] = "rowwise"
+    per_tensor: ClassVar[bool] = False
+
+    fp8_format: Format = Format.E4M3
+    power_of_2_scales: bool = True
+    high_precision_wgrad: bool = False
+    eps: float = 1e-12
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_flags(self, "power_of_2_scales", "high_precision_wgrad")
+        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not 0 < self.eps < 1:
+            raise _invalid(type(self).__name__, "eps", self.eps, "a number in (0, 1)")
+        object.__setattr__(self, "eps", float(self.eps))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockwiseScaling(Recipe):
+    """DeepSeek-V3's block scaling: inputs and output gradients in 1x128 tiles, weights in 128x128 blocks.
+
+    Every tile or block has a float32 scale ``fp8_max / amax`` (rounded down to a power of two when
+    ``power_of_2_scales``, TransformerEngine's default); an all-zero or non-finite block gets scale 1. Tiles run
+    along each GEMM's reduction dimension: activations and gradients are cast twice from high precision (along
+    the feature and along the token dimension); the weight once, its blocks transposed for the input gradient.
+    """
+
+    name: ClassVar[str] = "blockwise"
+    per_tensor: ClassVar[bool] = False
+
+    fp8_format: Format = Format.E4M3
+    power_of_2_scales: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_flags(self, "power_of_2_scales")
+
+
 RECIPES: dict[str, type[Recipe]] = {
     "delayed": DelayedScaling,
     "tensorwise": TensorwiseScaling,
     "mxfp8": MXFP8BlockScaling,
+    "rowwise": RowwiseScaling,
+    "blockwise": BlockwiseScaling,
 }
-ALIASES = {"current": "tensorwise", "jit": "tensorwise", "mx": "mxfp8", "delayed_scaling": "delayed"}
+ALIASES = {
+    "current": "tensorwise", "jit": "tensorwise", "mx": "mxfp8", "delayed_scaling": "delayed",
+    "axiswise": "rowwise", "block": "blockwise", "deepseek": "blockwise",
+}
 
 RecipeLike = Union[Recipe, str, Mapping[str, Any], None]
 

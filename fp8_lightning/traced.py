@@ -32,6 +32,14 @@ from typing import NamedTuple
 
 import torch
 
+from fp8_lightning.fine_grained import (
+    FineCastPlan,
+    fine_cast_plan,
+    is_fine_grained,
+    operand_kind,
+    traced_fine_cast,
+    wgrad_kind,
+)
 from fp8_lightning.formats import fp8_max
 from fp8_lightning.gemm import scaled_mm
 from fp8_lightning.layer_ops import mx_operand_cast, scaled_gemm
@@ -59,12 +67,17 @@ class TracedPlan(NamedTuple):
     scaled_mm: bool  # per-tensor GEMMs are torch._scaled_mm itself in the graph (CUDA, or FP8_LIGHTNING_GEMM=scaled_mm)
     fprop_fast_accum: bool
     grad_fast_accum: bool
+    fine: FineCastPlan | None = None  # rowwise / blockwise recipes (fp8_lightning.fine_grained)
+    wgrad_kind: str = ""  # the weight-gradient GEMM's operand kind: ``kind``, or "hp" for a high-precision wgrad
 
 
 def make_plan(recipe: Recipe, device: torch.device, out_dtype: torch.dtype, emulate: bool) -> TracedPlan:
     """The plan of one call, from the recipe's fields."""
     fmt = recipe.fp8_format
     kind = "tensor" if recipe.per_tensor else "mx"
+    fine = None
+    if is_fine_grained(recipe):
+        kind, fine = operand_kind(recipe), fine_cast_plan(recipe)
     delayed = isinstance(recipe, DelayedScaling)
     backend = "emulate" if emulate else settings().gemm
     scaled_mm = kind == "tensor" and (backend == "scaled_mm" or (backend == "auto" and device.type == "cuda"))
@@ -72,16 +85,18 @@ def make_plan(recipe: Recipe, device: torch.device, out_dtype: torch.dtype, emul
         kind, delayed, getattr(recipe, "margin", 0), getattr(recipe, "power_of_2_scales", False),
         getattr(recipe, "eps", 0.0), getattr(recipe, "block_size", 0), getattr(recipe, "scale_rounding", ""),
         fmt.forward_dtype, fmt.backward_dtype, out_dtype, emulate, device.type == "cuda", scaled_mm,
-        recipe.fprop_fast_accum, recipe.grad_fast_accum,
+        recipe.fprop_fast_accum, recipe.grad_fast_accum, fine, wgrad_kind(recipe) if fine else kind,
     )
 
 
-def _gemm(plan: TracedPlan, a, a_scale, b, b_scale, bias, out_dtype: torch.dtype, fast_accum: bool):
-    """``a @ b.T (+ bias)`` of FP8 operands: ``torch._scaled_mm`` in the graph for per-tensor operands where it is
-    the GEMM, else the custom op (the eager layer's GEMM: CPU float GEMM, MX GEMMs)."""
-    if plan.scaled_mm:
+def _gemm(plan: TracedPlan, a, a_scale, b, b_scale, bias, out_dtype: torch.dtype, fast_accum: bool, kind: str = ""):
+    """``a @ b.T (+ bias)`` of FP8 operands of ``kind`` (default: the plan's): ``torch._scaled_mm`` in the graph for
+    per-tensor operands where it is the GEMM, else the custom op (the eager layer's GEMM: CPU float GEMM, MX,
+    rowwise and blockwise GEMMs)."""
+    kind = kind or plan.kind
+    if plan.scaled_mm and kind == "tensor":
         return scaled_mm(a, a_scale.reciprocal(), b, b_scale.reciprocal(), out_dtype, bias, fast_accum)
-    return scaled_gemm(a, a_scale, b, b_scale, bias, plan.kind, out_dtype, plan.emulate, fast_accum)
+    return scaled_gemm(a, a_scale, b, b_scale, bias, kind, out_dtype, plan.emulate, fast_accum)
 
 
 def _state_tensors(state: OperandScaling) -> tuple[torch.Tensor, ...]:
@@ -115,8 +130,10 @@ def traced_cast(x: torch.Tensor, state_tensors, plan: TracedPlan, dtype: torch.d
     return data, (data.t().contiguous() if plan.transpose else data.t()), used
 
 
-def _mx_cast(x: torch.Tensor, plan: TracedPlan, dtype: torch.dtype, columnwise: bool):
-    """(rowwise data, scales, columnwise data, scales) of a 2-D ``x`` under MXFP8."""
+def _mx_cast(x: torch.Tensor, plan: TracedPlan, role: str, dtype: torch.dtype, columnwise: bool):
+    """(rowwise data, scales, columnwise data, scales) of a 2-D ``x`` under MXFP8, rowwise or blockwise scaling."""
+    if plan.fine is not None:
+        return traced_fine_cast(x, plan.fine, role, dtype, columnwise)
     return mx_operand_cast(x, plan.block_size, plan.scale_rounding, dtype, columnwise)
 
 
@@ -133,8 +150,8 @@ def traced_linear(
         x_col_scale = w_col_scale = None  # the same scales (a tensor may enter the Function only once)
         grad_state = _state_tensors(states["grad_output"])
     else:
-        x_row, x_scale, x_col, x_col_scale = _mx_cast(x, plan, plan.forward_dtype, True)
-        w_row, w_scale, w_col, w_col_scale = _mx_cast(w, plan, plan.forward_dtype, True)
+        x_row, x_scale, x_col, x_col_scale = _mx_cast(x, plan, "input", plan.forward_dtype, True)
+        w_row, w_scale, w_col, w_col_scale = _mx_cast(w, plan, "weight", plan.forward_dtype, True)
         grad_state = ()
     return _TracedFP8Function.apply(
         x2d, weight, bias, plan, x_row, x_scale, w_row, w_scale, x_col, x_col_scale, w_col, w_col_scale, *grad_state
@@ -165,14 +182,16 @@ class _TracedFP8Function(torch.autograd.Function):
             g_row, g_col, g_scale = traced_cast(g, grad_state, plan, plan.backward_dtype, True)
             g_col_scale = g_scale
         else:
-            g_row, g_scale, g_col, g_col_scale = _mx_cast(g, plan, plan.backward_dtype, ctx.needs_input_grad[1])
+            g_row, g_scale, g_col, g_col_scale = _mx_cast(
+                g, plan, "grad_output", plan.backward_dtype, ctx.needs_input_grad[1]
+            )
         grad_x = grad_w = grad_bias = None
         # ------------------------------------------------ dgrad ------------------------------------------------
         if ctx.needs_input_grad[0]:
             grad_x = _gemm(plan, g_row, g_scale, w_col, w_col_scale, None, x_dtype, plan.grad_fast_accum)
         # ------------------------------------------------ wgrad ------------------------------------------------
         if ctx.needs_input_grad[1]:
-            grad_w = _gemm(plan, g_col, g_col_scale, x_col, x_col_scale, None, w_dtype, plan.grad_fast_accum)
+            grad_w = _gemm(plan, g_col, g_col_scale, x_col, x_col_scale, None, w_dtype, plan.grad_fast_accum, plan.wgrad_kind)
         if ctx.needs_input_grad[2]:
             grad_bias = g.sum(0, dtype=bias_dtype)  # one reduction, accumulated in the bias dtype or wider
         return (grad_x, grad_w, grad_bias) + (None,) * (9 + len(grad_state))

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from fp8_lightning import DelayedScaling, convert_to_fp8, fp8_autocast
+from fp8_lightning.blockwise import per_element
 from fp8_lightning.mx import quantize_mxfp8
 from fp8_lightning.quantize import Quantized, quantize_with_scale
 from fp8_lightning.stats import (
@@ -16,6 +17,7 @@ from fp8_lightning.stats import (
     detach_collector,
     headroom_bits,
     overflow_count,
+    representative_scale,
     underflow_count,
 )
 
@@ -59,6 +61,24 @@ def test_counts_for_mx_blocks_use_each_blocks_own_scale():
             under += x[i, j].item() != 0 and data[i, j].float().item() == 0
     assert overflow_count(x.float(), q).item() == over and over > 0  # "floor" saturates block tops
     assert underflow_count(x.float(), q).item() == under and under >= 1
+
+
+def test_counts_for_tiles_and_rows_use_each_ones_own_scale():
+    """Blockwise (1x128 tiles, here with float32 scales and a hand-made loud tile) and rowwise operands: each
+    element is judged by its own tile's or row's multiplier (float64 reference, element by element)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 200, dtype=torch.float64)
+    x[0, :128] *= 1e6  # one loud tile
+    x[1, 5], x[2, 150] = 1e-30, 1e-30  # flush inside their tiles
+    tile_scale = torch.tensor([[448 / 5e6, 448 / 3.0], [448 / 3.0, 448 / 3.0], [448 / 2.0, 448 / 3.0]])  # 2 tiles/row
+    data = quantize_with_scale(x.float(), per_element(tile_scale, x.shape), E4M3)
+    for q, factor in ((Quantized(data, tile_scale, "block"), lambda i, j: tile_scale[i, j // 128].item()),
+                      (Quantized(data, tile_scale[:, :1], "row"), lambda i, j: tile_scale[i, 0].item())):  # fmt: skip
+        over = sum(abs(x[i, j].item() * factor(i, j)) > 448 for i in range(3) for j in range(200))
+        under = sum(x[i, j].item() != 0 and data[i, j].float().item() == 0 for i in range(3) for j in range(200))
+        assert overflow_count(x.float(), q).item() == over and underflow_count(x.float(), q).item() == under >= 2
+        assert representative_scale(q).item() == pytest.approx(448 / 5e6)  # the loudest tile or row
+    assert over > 0  # row 2 takes its first tile's scale, too large for its second tile: those saturate
 
 
 def test_headroom_bits():

@@ -27,6 +27,8 @@ Scales, per recipe:
   (dequantized exactly, then quantized along N), not from the high-precision weight, which no rank holds in
   full: gathering a second columnwise copy would double the traffic back to bf16 levels. The price is a second
   rounding of W in dgrad only; the measured effect on the loss is in ``tests/distributed``.
+* rowwise / blockwise: float32 row or 128x128 block scales travel in the same rows as the codes
+  (:mod:`fp8_lightning.distributed.fine_weight`).
 
 Rules FSDP2 imposes and how they are met: gloo cannot all-gather float8 dtypes, so FP8 data and E8M0 scales
 travel as ``uint8`` views (free on NCCL too); the buffers are allocated once at the first gather, so a weight
@@ -44,6 +46,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from fp8_lightning.distributed.fine_weight import blockwise_shard_reason, gathered_operands, pack_shard, unpack_gathered
+from fp8_lightning.fine_grained import is_fine_grained
 from fp8_lightning.formats import fp8_dtype
 from fp8_lightning.backends import (
     dequantize_operand,
@@ -54,7 +58,7 @@ from fp8_lightning.backends import (
 )
 from fp8_lightning.mx import E8M0_DTYPE
 from fp8_lightning.quantize import Quantized
-from fp8_lightning.recipes import MXFP8BlockScaling, Recipe
+from fp8_lightning.recipes import BlockwiseScaling, MXFP8BlockScaling, Recipe
 from fp8_lightning.scaling import finite_or_zero
 
 aten = torch.ops.aten
@@ -92,6 +96,8 @@ def fp8_all_gather_unsupported_reason(shape: torch.Size | tuple, world_size: int
         return f"out_features={rows} is not divisible by the shard world size {world_size} (uneven shards)"
     if isinstance(recipe, MXFP8BlockScaling) and cols % recipe.block_size:
         return f"in_features={cols} is not divisible by the MX block size {recipe.block_size}"
+    if isinstance(recipe, BlockwiseScaling):
+        return blockwise_shard_reason(rows, world_size)
     return None
 
 
@@ -169,6 +175,8 @@ class FP8ShardedWeight(torch.Tensor):
             scale = state.scale_for(clean) if module.training else state.evaluation_scale(clean)
             data = quantize_with_scale(shard, scale, fp8_dtype(recipe.fp8_format))
             return (data.view(torch.uint8),), (recipe, scale, global_amax)
+        if is_fine_grained(recipe):  # rowwise, blockwise: codes and float32 scales in the same rows
+            return (pack_shard(shard, recipe, fp8_dtype(recipe.fp8_format)),), (recipe, None, None)
         q = quantize_mx_operand(shard, recipe.block_size, recipe.scale_rounding, fp8_dtype(recipe.fp8_format))
         # One input per weight: each row carries its K data bytes, then its K/32 scale bytes.
         packed = torch.cat([q.data.view(torch.uint8), q.scale.view(torch.uint8)], dim=1)
@@ -181,6 +189,8 @@ class FP8ShardedWeight(torch.Tensor):
         (gathered,) = outputs
         if recipe.per_tensor:
             q = Quantized(gathered.view(dtype), scale, "tensor")
+        elif is_fine_grained(recipe):
+            q = unpack_gathered(gathered, self._hp.shape[0], self.shape[-1], recipe, dtype)
         else:
             k = self.shape[-1]
             q = Quantized(gathered[:, :k].view(dtype), gathered[:, k:].view(E8M0_DTYPE), "mx")
@@ -271,6 +281,8 @@ class FP8GatheredWeight(torch.Tensor):
         if recipe.per_tensor:
             scaling.operands["weight"].book(self._amax, record)  # counted as a local cast counts itself
             return self._q, None
+        if is_fine_grained(recipe):
+            return gathered_operands(self._q, recipe)
         # rows of the gathered buffer interleave data and scales: make the operands dense for the GEMM
         row = Quantized(self._q.data.contiguous(), self._q.scale.contiguous(), "mx")
         # dgrad's columnwise copy, quantized along N from the exactly dequantized gathered weight

@@ -6,6 +6,8 @@
 ``"fp8-e4m3"``       E4M3 in forward and backward, delayed scaling (more precision, less range for gradients)
 ``"fp8-tensorwise"`` HYBRID with current (just-in-time) per-tensor scaling: no history, robust to spikes
 ``"fp8-mxfp8"``      MXFP8: E4M3 blocks of 32 along K with power-of-two (E8M0) scales
+``"fp8-rowwise"``    E4M3, one power-of-two scale per row of each GEMM operand (torchao's ``rowwise``)
+``"fp8-blockwise"``  E4M3, 1x128 tiles for activations and gradients, 128x128 blocks for weights (DeepSeek-V3)
 ===================  ===========================================================================================
 
 Plain data and lookups only; registration with Lightning is in :mod:`fp8_lightning.lightning.registration`.
@@ -16,13 +18,22 @@ from __future__ import annotations
 from typing import Any
 
 from fp8_lightning.formats import Format
-from fp8_lightning.recipes import DelayedScaling, MXFP8BlockScaling, Recipe, TensorwiseScaling
+from fp8_lightning.recipes import (
+    BlockwiseScaling,
+    DelayedScaling,
+    MXFP8BlockScaling,
+    Recipe,
+    RowwiseScaling,
+    TensorwiseScaling,
+)
 
 PRECISION_RECIPES: dict[str, Recipe] = {
     "fp8-hybrid": DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max"),
     "fp8-e4m3": DelayedScaling(fp8_format=Format.E4M3),
     "fp8-tensorwise": TensorwiseScaling(fp8_format=Format.HYBRID),
     "fp8-mxfp8": MXFP8BlockScaling(),
+    "fp8-rowwise": RowwiseScaling(),
+    "fp8-blockwise": BlockwiseScaling(),
 }
 PRECISION_STRINGS = tuple(PRECISION_RECIPES)
 

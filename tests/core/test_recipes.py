@@ -3,6 +3,7 @@
 import pytest
 
 from fp8_lightning import DelayedScaling, Format, MXFP8BlockScaling, TensorwiseScaling, recipe_from
+from fp8_lightning.recipes import BlockwiseScaling, RowwiseScaling
 
 
 def test_defaults_follow_the_documented_semantics():
@@ -11,6 +12,10 @@ def test_defaults_follow_the_documented_semantics():
     assert TensorwiseScaling().fp8_format is Format.HYBRID
     mx = MXFP8BlockScaling()
     assert (mx.block_size, mx.scale_rounding, mx.fp8_format) == (32, "rceil", Format.E4M3)
+    rw = RowwiseScaling()  # torchao's "rowwise": E4M3 everywhere, power-of-two scales
+    assert (rw.fp8_format, rw.power_of_2_scales, rw.high_precision_wgrad, rw.eps) == (Format.E4M3, True, False, 1e-12)
+    bw = BlockwiseScaling()  # TransformerEngine's Float8BlockScaling: E4M3, power-of-two scales
+    assert (bw.fp8_format, bw.power_of_2_scales) == (Format.E4M3, True)
 
 
 @pytest.mark.parametrize(
@@ -26,6 +31,12 @@ def test_defaults_follow_the_documented_semantics():
         (lambda: MXFP8BlockScaling(fp8_format="E5M2"), "fp8_format", "'E5M2'"),
         (lambda: DelayedScaling(fp8_format="E5M2"), "fp8_format", "'E5M2'"),
         (lambda: TensorwiseScaling(fp8_format="e5m2"), "fp8_format", "'E5M2'"),
+        (lambda: RowwiseScaling(fp8_format="E5M2"), "fp8_format", "'E5M2'"),
+        (lambda: RowwiseScaling(power_of_2_scales=1), "power_of_2_scales", "1"),
+        (lambda: RowwiseScaling(high_precision_wgrad="yes"), "high_precision_wgrad", "'yes'"),
+        (lambda: RowwiseScaling(eps=2.0), "eps", "2.0"),
+        (lambda: BlockwiseScaling(fp8_format="e5m2"), "fp8_format", "'E5M2'"),
+        (lambda: BlockwiseScaling(power_of_2_scales=None), "power_of_2_scales", "None"),
     ],
 )
 def test_invalid_values_name_the_field_the_value_and_what_is_allowed(build, field, value):
@@ -55,13 +66,16 @@ def test_construction_from_names_and_dicts():
     yaml_like = {"name": "delayed", "fp8_format": "e4m3", "amax_history_len": 32, "amax_compute_algo": "most_recent"}
     r = recipe_from(yaml_like)
     assert r == DelayedScaling(fp8_format=Format.E4M3, amax_history_len=32, amax_compute_algo="most_recent")
-    for recipe in (r, TensorwiseScaling(power_of_2_scales=True), MXFP8BlockScaling(scale_rounding="floor")):
+    assert recipe_from("rowwise") == RowwiseScaling() and recipe_from("DeepSeek") == BlockwiseScaling()
+    assert recipe_from({"name": "blockwise", "power_of_2_scales": False}) == BlockwiseScaling(power_of_2_scales=False)
+    fine = (RowwiseScaling(high_precision_wgrad=True, fp8_format="hybrid"), BlockwiseScaling(fp8_format="HYBRID"))
+    for recipe in (r, TensorwiseScaling(power_of_2_scales=True), MXFP8BlockScaling(scale_rounding="floor"), *fine):
         assert recipe_from(recipe.to_dict()) == recipe
 
 
 def test_bad_names_and_dicts_are_explained():
-    with pytest.raises(ValueError, match="unknown; allowed: delayed, mxfp8, tensorwise"):
-        recipe_from("blockwise")
+    with pytest.raises(ValueError, match="unknown; allowed: blockwise, delayed, mxfp8, rowwise, tensorwise"):
+        recipe_from("columnwise")
     with pytest.raises(ValueError, match="needs a 'name' key"):
         recipe_from({"margin": 1})
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['history'\]"):

@@ -13,7 +13,7 @@ from tests.processes import end_worker, init_gloo
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WIDTH, HIDDEN, OUT = 64, 128, 32
-RECIPES = ("tensorwise", "delayed", "mxfp8")
+RECIPES = ("tensorwise", "delayed", "mxfp8", "rowwise")
 
 
 class Block(nn.Module):

@@ -16,9 +16,13 @@ from fp8_lightning.distributed import (
     fp8_all_gather_unsupported_reason,
 )
 from fp8_lightning.formats import fp8_max
+from fp8_lightning.blockwise import WEIGHT_BLOCK, quantize_blockwise
 from fp8_lightning.mx import dequantize_mxfp8, quantize_mxfp8
+from fp8_lightning.recipes import BlockwiseScaling, RowwiseScaling
+from fp8_lightning.rowwise import quantize_rowwise
 
 WORLD = 2
+E4M3 = torch.float8_e4m3fn
 
 
 class _Mesh:
@@ -176,3 +180,37 @@ def test_an_evaluation_gather_leaves_the_weight_scaling_state_alone(recipe):
         layer(torch.randn(4, 96))
     assert all(torch.equal(value, getattr(state, name)) for name, value in before.items())
     assert not state.initialized and state.casts == 0
+
+
+@pytest.mark.parametrize("recipe", [RowwiseScaling(), BlockwiseScaling(power_of_2_scales=False)], ids=lambda r: r.name)
+def test_rowwise_and_blockwise_gather_equal_casting_the_whole_weight(recipe):
+    """Row scales (any shard) and 128x128 block scales (shards of whole blocks: 256 rows over 2 ranks) travel in
+    the shard's rows; the gathered operand is the whole weight's cast, dgrad's copy is exact for blocks and the
+    column cast of the gathered value for rows."""
+    _, layer = _layer(recipe, out_features=256, in_features=176)
+    full = layer.weight._hp.clone()
+    weight, _, wire, _ = _gather(layer)
+    if isinstance(recipe, BlockwiseScaling):
+        ref_data, ref_scale = quantize_blockwise(full, WEIGHT_BLOCK, E4M3, power_of_2=False)
+        assert sum(t.numel() for t in wire) == full.numel() + 256 * -(-2 * 2 * 4 // 128)  # 2x2 blocks per shard
+    else:
+        ref_data, ref_scale = quantize_rowwise(full, E4M3)
+        assert sum(t.numel() for t in wire) == full.numel() + 4 * 256  # 4 scale bytes per row
+    assert torch.equal(weight._q.data.view(torch.uint8), ref_data.view(torch.uint8))
+    assert torch.equal(weight._q.scale, ref_scale)
+    row, col = weight.fp8_weight_operands(layer.fp8_scaling(), record=True)
+    assert torch.equal(row.data.view(torch.uint8), ref_data.view(torch.uint8))
+    if isinstance(recipe, BlockwiseScaling):
+        want_data, want_scale = ref_data.t(), ref_scale.t()
+    else:
+        exact = row.data.double() / ref_scale.double()  # the gathered value, exactly (power-of-two scales)
+        col_data, col_scale = quantize_rowwise(exact.float(), E4M3, dim=0)
+        want_data, want_scale = col_data.t(), col_scale.t()
+    assert torch.equal(col.data.view(torch.uint8), want_data.view(torch.uint8)) and torch.equal(col.scale, want_scale)
+
+
+def test_blockwise_shards_must_hold_whole_blocks():
+    reason = fp8_all_gather_unsupported_reason((128, 64), 2, BlockwiseScaling())
+    assert "64 rows per shard is not a multiple of the 128-row weight block" in reason
+    assert fp8_all_gather_unsupported_reason((256, 64), 2, BlockwiseScaling()) is None
+    assert fp8_all_gather_unsupported_reason((48, 64), 1, BlockwiseScaling()) is None  # one shard: the whole weight

@@ -8,7 +8,7 @@ import torch
 from omegaconf import OmegaConf
 
 from fp8_lightning.lightning.strings import PRECISION_RECIPES
-from fp8_lightning.recipes import recipe_from
+from fp8_lightning.recipes import BlockwiseScaling, RowwiseScaling, recipe_from
 from fp8_lightning.train import ConfigError, build, build_precision, check_config
 from tests.hydra.helpers import CONF, group_options
 
@@ -78,6 +78,16 @@ def test_mxfp8_fields_override(compose_train):
                         "precision.recipe.fp8_format=HYBRID")
     _, (plugin,) = build_precision(cfg)
     assert (plugin.recipe.scale_rounding, plugin.recipe.fp8_format.value) == ("floor", "HYBRID")
+
+
+def test_rowwise_and_blockwise_fields_override(compose_train):
+    cfg = compose_train("precision=fp8_rowwise", "precision.recipe.high_precision_wgrad=true",
+                        "precision.recipe.power_of_2_scales=false", "precision.recipe.fp8_format=HYBRID")
+    _, (plugin,) = build_precision(cfg)
+    assert plugin.recipe == RowwiseScaling(fp8_format="HYBRID", power_of_2_scales=False, high_precision_wgrad=True)
+    cfg = compose_train("precision=fp8_blockwise", "precision.recipe.power_of_2_scales=false")
+    _, (plugin,) = build_precision(cfg)
+    assert plugin.recipe == BlockwiseScaling(power_of_2_scales=False)
 
 
 def test_model_overrides_and_data_block_size_follow(compose_train):

@@ -10,7 +10,7 @@ import fp8_lightning
 from fp8_lightning import FP8FabricPrecision, FP8Precision
 from fp8_lightning.lightning import registration
 from fp8_lightning.lightning.strings import PRECISION_RECIPES, precision_for_recipe
-from fp8_lightning.recipes import DelayedScaling, MXFP8BlockScaling, TensorwiseScaling
+from fp8_lightning.recipes import BlockwiseScaling, DelayedScaling, MXFP8BlockScaling, RowwiseScaling, TensorwiseScaling
 
 QUIET = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
 
@@ -22,6 +22,8 @@ def test_strings_map_to_the_documented_recipes():
     assert isinstance(e4m3, DelayedScaling) and e4m3.fp8_format.backward_dtype == torch.float8_e4m3fn
     assert PRECISION_RECIPES["fp8-tensorwise"] == TensorwiseScaling(fp8_format="HYBRID")
     assert isinstance(PRECISION_RECIPES["fp8-mxfp8"], MXFP8BlockScaling)
+    assert PRECISION_RECIPES["fp8-rowwise"] == RowwiseScaling()
+    assert PRECISION_RECIPES["fp8-blockwise"] == BlockwiseScaling()
     assert precision_for_recipe(DelayedScaling(margin=2)) == "fp8-delayed"
 
 
@@ -56,7 +58,7 @@ def test_registration_is_idempotent_and_leaves_other_values_alone():
 
 def test_unknown_fp8_string_lists_the_valid_ones():
     for make in (lambda: L.Trainer(precision="fp8-e5m2", **QUIET), lambda: L.Fabric(precision="fp8")):
-        with pytest.raises(ValueError, match="allowed: fp8-hybrid, fp8-e4m3, fp8-tensorwise, fp8-mxfp8"):
+        with pytest.raises(ValueError, match="allowed: fp8-hybrid, fp8-e4m3, fp8-tensorwise, fp8-mxfp8, fp8-rowwise, fp8-blockwise"):
             make()
 
 

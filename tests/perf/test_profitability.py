@@ -12,7 +12,7 @@ from fp8_lightning.profitability import (
     profitability_setting,
     resolve_gate,
 )
-from fp8_lightning.recipes import DelayedScaling, MXFP8BlockScaling
+from fp8_lightning.recipes import BlockwiseScaling, DelayedScaling, MXFP8BlockScaling, RowwiseScaling
 from tests.conftest import requires_cuda_fp8
 
 H100 = dict(KNOWN_DEVICES)["H100"]
@@ -34,6 +34,19 @@ def test_layer_cost_is_the_documented_roofline():
     assert cost.bf16_s == pytest.approx(bf16, rel=1e-12)
     assert cost.fp8_s == pytest.approx(fp8, rel=1e-12)
     assert layer_cost(m, k, n, DelayedScaling(), TOY).fp8_s < cost.fp8_s  # fused amax: fewer bytes
+
+
+def test_rowwise_and_blockwise_costs_are_the_documented_roofline():
+    """Two copies per operand (10 bytes + a float32 scale per 128 elements); a high-precision wgrad is one bf16 GEMM
+    in place of an FP8 one."""
+    m, k, n = 64, 128, 32
+    bf16_gemm = max(2 * m * k * n / 1e12, 2 * (m * k + n * k + m * n) / 1e9)
+    fp8_gemm = max(2 * m * k * n / 2e12, ((m * k + n * k) + 2 * m * n) / 1e9)
+    casts = 2 * (5 + 4 / 128) * (m * k + n * k + m * n) / 1e9 + 9 * 1e-6
+    for recipe in (RowwiseScaling(), BlockwiseScaling()):
+        assert layer_cost(m, k, n, recipe, TOY).fp8_s == pytest.approx(3 * fp8_gemm + casts, rel=1e-12)
+    hp_wgrad = layer_cost(m, k, n, RowwiseScaling(high_precision_wgrad=True), TOY)
+    assert hp_wgrad.fp8_s == pytest.approx(2 * fp8_gemm + bf16_gemm + casts, rel=1e-12)
 
 
 def test_speedup_grows_with_size_on_h100():

@@ -1,0 +1,161 @@
+"""The rowwise and blockwise recipes behind the layer's three seams: operand casts, the GEMM, the traced cast op.
+
+Their math is in :mod:`fp8_lightning.rowwise` and :mod:`fp8_lightning.blockwise`; this module routes to it by recipe
+(for casts) and by operand kind (for GEMMs), so that the layer (:mod:`fp8_lightning.linear`), the GEMM dispatch
+(:mod:`fp8_lightning.gemm`) and the traced step (:mod:`fp8_lightning.traced`) each need one call:
+
+* :func:`fine_operands`: the operand of a 2-D tensor reducing over its last dimension, and the operand of its
+  transpose, as :class:`~fp8_lightning.quantize.Quantized` of kind ``"row"``, ``"block"`` or, for a weight gradient
+  kept in high precision, ``"hp"``.
+* :func:`fine_mm`: ``a @ b.T (+ bias)`` for two operands of one of those kinds.
+* ``torch.ops.fp8_lightning.fine_operand_cast``: the casts as a ``torch.library`` custom op with a fake
+  implementation, so that ``torch.compile`` traces the layer step as one graph (:func:`traced_fine_cast`).
+
+Like per-tensor current scaling these recipes keep no state between steps: every scale comes from the tensor
+being cast, so there is nothing to synchronise across ranks or to checkpoint beyond the recipe itself.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch.library import custom_op
+
+from fp8_lightning.blockwise import TILE, blockwise_mm, blockwise_operands, dequantize_blockwise
+from fp8_lightning.quantize import Quantized
+from fp8_lightning.recipes import BlockwiseScaling, Recipe, RowwiseScaling
+from fp8_lightning.rowwise import dequantize_rowwise, high_precision_mm, rowwise_mm, rowwise_operands
+
+FINE_KINDS = ("row", "block", "hp")
+
+
+def is_fine_grained(recipe: Recipe) -> bool:
+    return isinstance(recipe, (RowwiseScaling, BlockwiseScaling))
+
+
+def operand_kind(recipe: Recipe) -> str:
+    """The kind of the operands a recipe's casts make (the weight gradient's may be ``"hp"``, see
+    :func:`wgrad_kind`)."""
+    return "row" if isinstance(recipe, RowwiseScaling) else "block"
+
+
+def wgrad_kind(recipe: Recipe) -> str:
+    """The kind of the weight-gradient GEMM's operands: ``"hp"`` when it runs in high precision."""
+    return "hp" if getattr(recipe, "high_precision_wgrad", False) else operand_kind(recipe)
+
+
+def fine_operands(
+    recipe: Recipe, role: str, x: torch.Tensor, dtype: torch.dtype, columnwise: bool
+) -> tuple[Quantized, Quantized | None]:
+    """(operand of ``x``, operand of ``x.T`` when ``columnwise``) of a 2-D ``x`` in GEMM role ``role``
+    (``"input"``, ``"weight"`` or ``"grad_output"``) under a rowwise or blockwise recipe."""
+    cast = rowwise_operands if isinstance(recipe, RowwiseScaling) else blockwise_operands
+    return cast(x, role, dtype, recipe, columnwise)
+
+
+def fine_dequantize(q: Quantized) -> torch.Tensor:
+    """The float32 values an operand of a fine-grained kind stands for."""
+    if q.kind == "row":
+        return dequantize_rowwise(q.data, q.scale)
+    if q.kind == "block":
+        return dequantize_blockwise(q.data, q.scale)
+    return q.data.float()
+
+
+def fine_mm(
+    a: Quantized, b: Quantized, out_dtype: torch.dtype, emulate: bool = False, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``a @ b.T (+ bias)`` for rowwise, blockwise or high-precision operands with K last. ``emulate``: multiply the
+    dequantized operands in float32 (GPUs without the scaled GEMM)."""
+    if a.kind == "hp":
+        out = high_precision_mm(a, b, out_dtype)
+    elif a.kind == "block":
+        out = blockwise_mm(a, b, out_dtype, emulate)
+    elif emulate:
+        out = (fine_dequantize(a) @ fine_dequantize(b).t()).to(out_dtype)
+    else:
+        out = rowwise_mm(a, b, out_dtype)
+    return out if bias is None else out + bias.to(out.dtype)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The traced cast
+# --------------------------------------------------------------------------------------------------------
+
+
+class FineCastPlan(NamedTuple):
+    """The recipe fields a traced cast needs, in plain values (a constant to the compiler)."""
+
+    blockwise: bool
+    power_of_2: bool
+    eps: float
+    high_precision_wgrad: bool
+
+
+def fine_cast_plan(recipe: Recipe) -> FineCastPlan:
+    return FineCastPlan(
+        isinstance(recipe, BlockwiseScaling), recipe.power_of_2_scales, getattr(recipe, "eps", 0.0),
+        getattr(recipe, "high_precision_wgrad", False),
+    )
+
+
+def _recipe(blockwise: bool, power_of_2: bool, eps: float, high_precision_wgrad: bool) -> Recipe:
+    if blockwise:
+        return BlockwiseScaling(power_of_2_scales=power_of_2)
+    return RowwiseScaling(power_of_2_scales=power_of_2, eps=eps, high_precision_wgrad=high_precision_wgrad)
+
+
+def _column_source(plan: FineCastPlan, role: str) -> str:
+    """How the operand of ``x.T`` is made: ``"cast"`` (quantized down x's columns, by the op), ``"transpose"``
+    (the weight's 128x128 blocks) or ``"hp"`` (x itself, for a high-precision weight gradient)."""
+    if plan.blockwise and role == "weight":
+        return "transpose"
+    if plan.high_precision_wgrad and role != "weight":
+        return "hp"
+    return "cast"
+
+
+@custom_op("fp8_lightning::fine_operand_cast", mutates_args=())
+def fine_operand_cast(
+    x: torch.Tensor, role: str, dtype: torch.dtype, blockwise: bool, power_of_2: bool, eps: float,
+    high_precision_wgrad: bool, columnwise: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    recipe = _recipe(blockwise, power_of_2, eps, high_precision_wgrad)
+    row, col = fine_operands(recipe, role, x, dtype, columnwise)
+    if col is None:
+        return row.data, row.scale, x.new_empty((0,), dtype=dtype), x.new_empty((0,), dtype=torch.float32)
+    return row.data, row.scale, col.data.contiguous(), col.scale.contiguous()
+
+
+@fine_operand_cast.register_fake
+def _(x, role, dtype, blockwise, power_of_2, eps, high_precision_wgrad, columnwise):
+    m, k = x.shape
+    if blockwise:
+        rows = TILE if role == "weight" else 1
+        row_scale = x.new_empty((-(-m // rows), -(-k // TILE)), dtype=torch.float32)
+        col_scale = (k, -(-m // TILE))
+    else:
+        row_scale, col_scale = x.new_empty((m, 1), dtype=torch.float32), (k, 1)
+    row = x.new_empty((m, k), dtype=dtype)
+    if not columnwise:
+        return row, row_scale, x.new_empty((0,), dtype=dtype), x.new_empty((0,), dtype=torch.float32)
+    return row, row_scale, x.new_empty((k, m), dtype=dtype), x.new_empty(col_scale, dtype=torch.float32)
+
+
+def traced_fine_cast(
+    x: torch.Tensor, plan: FineCastPlan, role: str, dtype: torch.dtype, columnwise: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(data, scale, columnwise data, columnwise scale) of a 2-D ``x``, as :func:`fine_operands` makes them, through
+    the custom op; the copies that are views (the weight's transposed blocks, a high-precision ``x.T``) are made
+    here, outside the op, whose outputs may not alias its input or each other."""
+    source = _column_source(plan, role) if columnwise else "cast"
+    row, row_scale, col, col_scale = fine_operand_cast(
+        x, role, dtype, plan.blockwise, plan.power_of_2, plan.eps, plan.high_precision_wgrad,
+        columnwise and source == "cast",
+    )
+    if source == "transpose":
+        col, col_scale = row.t(), row_scale.t()
+    elif source == "hp":
+        col, col_scale = x.t(), x.new_empty((0,), dtype=torch.float32)
+    return row, row_scale, col, col_scale

@@ -1,0 +1,150 @@
+"""Rowwise scaling: one scale per row of every GEMM operand, along the GEMM's reduction dimension.
+
+The reference math (and the ground truth for accelerated casts), following torchao.float8's ``AXISWISE``
+granularity, so that the casts agree with torchao bit for bit::
+
+    amax_r  = max |x[r, :]|                          one per row, along the reduction dimension K
+    scale_r = fp8_max / max(amax_r, eps)             divided in float64, rounded once to float32
+    scale_r = 2**floor(log2(scale_r))                with power-of-two scales (the default, as torchao's)
+    scale_r = 1                                      where amax_r is inf or NaN (such rows stay inf/NaN)
+    data    = saturate(x * scale_r)                  x ~= data * (1 / scale_r)
+
+A rowwise scale belongs to one reduction dimension, so every GEMM of the layer casts its own copies from high
+precision (nothing is transposed in FP8)::
+
+    fprop   y  = x @ W.T     x: rows of x (along K)            W: rows of W (along K)
+    dgrad   dx = g @ W       g: rows of g (along N)            W.T: columns of W (along N)
+    wgrad   dW = g.T @ x     g.T: columns of g (along M)       x.T: columns of x (along M)
+
+A "columns of" copy is quantized in the tensor's own layout (amax down each column) and handed out as the
+transposed view. With ``high_precision_wgrad`` (torchao's ``rowwise_with_gw_hp``) wgrad multiplies the
+high-precision ``g.T`` and ``x.T`` and dgrad's ``W.T`` has one scale for the whole tensor.
+
+GEMMs (:func:`rowwise_mm`): ``out[m, n] = (sum_k a[m, k] * b[n, k]) / (scale_a[m] * scale_b[n])``, the scales
+applied to the float32 accumulator. On CPU that is ``torch._scaled_mm`` with rowwise scales (oneDNN: the FP8 values
+in float32, products summed in float32, then scaled; torchao calls it, and with power-of-two scales the layers
+agree bit for bit), computed as a float32 matmul of the decoded codes; on CUDA (sm89+) ``torch._scaled_mm`` with
+the cuBLAS layouts (:func:`rowwise_scaled_mm_args`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8_lightning.quantize import Quantized, fp8_to_float32, pad_dim, tensorwise_scale, to_fp8_saturated, wide
+
+LAYOUT_MULTIPLE = 16  # cuBLAS wants K and N in multiples of 16
+
+
+def rowwise_scale(row_amax: torch.Tensor, dtype: torch.dtype, eps: float, power_of_2: bool) -> torch.Tensor:
+    """The scale of each row from its amax: :func:`~fp8_lightning.quantize.tensorwise_scale` per element, and 1
+    where the amax is inf or NaN."""
+    scale = tensorwise_scale(row_amax.float(), dtype, eps, power_of_2)
+    return torch.where(torch.isfinite(row_amax), scale, torch.ones_like(scale))
+
+
+def quantize_rowwise(
+    x: torch.Tensor, dtype: torch.dtype, dim: int = -1, eps: float = 1e-12, power_of_2: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data, scale)`` of a 2-D ``x`` with one scale per slice along ``dim`` (-1: per row, 0: per column); the
+    scale keeps the reduced dimension (shape (M, 1) or (1, K)) so that ``data = saturate(x * scale)``."""
+    if x.dim() != 2 or x.shape[dim] == 0:
+        raise ValueError(
+            f"quantize_rowwise expects a 2-D tensor with a non-empty dimension {dim}; got shape {tuple(x.shape)}."
+        )
+    amax = x.detach().abs().amax(dim=dim, keepdim=True).float()
+    scale = rowwise_scale(amax, dtype, eps, power_of_2)
+    return to_fp8_saturated(wide(x.detach()) * scale, dtype), scale
+
+
+def dequantize_rowwise(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``data * (1 / scale)`` in float32, the scale broadcast over its slice (the inverse of the cast)."""
+    return data.float() * scale.reciprocal()
+
+
+def row_operand(x: torch.Tensor, dtype: torch.dtype, eps: float, power_of_2: bool) -> Quantized:
+    """The operand of ``x`` (M, K) for a GEMM reducing over K: one scale per row, scale shape (M, 1)."""
+    return Quantized(*quantize_rowwise(x, dtype, -1, eps, power_of_2), "row")
+
+
+def column_operand(x: torch.Tensor, dtype: torch.dtype, eps: float, power_of_2: bool) -> Quantized:
+    """The operand of ``x.T`` (K, M) for a GEMM reducing over M: ``x`` quantized down its columns in its own layout,
+    handed out as transposed views (data (K, M), scale (K, 1))."""
+    data, scale = quantize_rowwise(x, dtype, 0, eps, power_of_2)
+    return Quantized(data.t(), scale.t(), "row")
+
+
+def tensorwise_column_operand(x: torch.Tensor, dtype: torch.dtype, eps: float, power_of_2: bool) -> Quantized:
+    """The operand of ``x.T`` with one scale for the whole tensor, repeated per row as a rowwise GEMM takes it."""
+    amax = x.detach().abs().amax().float().reshape(1, 1)
+    scale = rowwise_scale(amax, dtype, eps, power_of_2)
+    data = to_fp8_saturated(wide(x.detach()) * scale, dtype)
+    return Quantized(data.t(), scale.expand(x.shape[1], 1), "row")
+
+
+def high_precision_operand(x: torch.Tensor) -> Quantized:
+    """``x.T`` unquantized, for a GEMM computed in high precision (kind ``"hp"``, no scale)."""
+    return Quantized(x.detach().t(), x.new_empty((0,), dtype=torch.float32), "hp")
+
+
+def rowwise_operands(
+    x: torch.Tensor, role: str, dtype: torch.dtype, recipe, columnwise: bool
+) -> tuple[Quantized, Quantized | None]:
+    """The copies of a 2-D operand under :class:`~fp8_lightning.recipes.RowwiseScaling`: the one reducing over its
+    last dimension and, when ``columnwise``, the one of its transpose (see the module docstring)."""
+    args = (recipe.eps, recipe.power_of_2_scales)
+    row = row_operand(x, dtype, *args)
+    if not columnwise:
+        return row, None
+    if not recipe.high_precision_wgrad:
+        return row, column_operand(x, dtype, *args)
+    if role == "weight":
+        return row, tensorwise_column_operand(x, dtype, *args)
+    return row, high_precision_operand(x)
+
+
+# --------------------------------------------------------------------------------------------------------
+# GEMMs
+# --------------------------------------------------------------------------------------------------------
+
+
+def rowwise_scaled_mm_args(a: Quantized, b: Quantized) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(mat1, mat2, scale_a, scale_b)`` for ``torch._scaled_mm`` computing ``a @ b.T`` with rowwise scales in
+    cuBLAS's layout: mat1 (M, K) row-major, mat2 (K, N) column-major, K and N zero-padded to multiples of 16;
+    scale_a (M, 1) and scale_b (1, N) contiguous float32 dequantization factors (``1 / scale``; the padded
+    columns get 1)."""
+    mat1 = pad_dim(a.data.contiguous(), -1, LAYOUT_MULTIPLE)
+    mat2 = pad_dim(pad_dim(b.data.contiguous(), -1, LAYOUT_MULTIPLE), 0, LAYOUT_MULTIPLE).t()
+    scale_a = a.scale.float().reciprocal().reshape(-1, 1).contiguous()
+    inverse_b = b.scale.float().reciprocal().reshape(-1)
+    extra = mat2.shape[1] - inverse_b.numel()
+    scale_b = torch.cat([inverse_b, inverse_b.new_ones(extra)]).reshape(1, -1)
+    return mat1, mat2, scale_a, scale_b
+
+
+def rowwise_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b.T`` for rowwise operands (M, K) and (N, K), scales applied to the float32 accumulator.
+
+    CPU: a float32 matmul of the codes' exact values, then ``* (1 / scale_a) * (1 / scale_b)``: with power-of-two
+    scales the bits of CPU ``torch._scaled_mm`` (measured equal; the codes decode several times faster than its
+    float8 conversion), with float32 scales within a rounding of them. CUDA: ``torch._scaled_mm`` in cuBLAS's layout
+    (:func:`rowwise_scaled_mm_args`); its rowwise kernel writes bf16 only, so other output dtypes take its tensorwise
+    kernel with unit scales (float32 output) and apply ``scale_a * scale_b`` after it, the same arithmetic."""
+    mm_dtype = out_dtype if out_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    if a.data.device.type == "cpu":
+        acc = fp8_to_float32(a.data) @ fp8_to_float32(b.data).t()
+        inverse_a, inverse_b = a.scale.float().reciprocal().reshape(-1, 1), b.scale.float().reciprocal().reshape(1, -1)
+        return (acc * inverse_a * inverse_b).to(out_dtype)
+    n = b.data.shape[0]
+    mat1, mat2, scale_a, scale_b = rowwise_scaled_mm_args(a, b)
+    if out_dtype == torch.bfloat16:
+        out = torch._scaled_mm(mat1, mat2, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    else:
+        one = scale_a.new_ones(())
+        out = torch._scaled_mm(mat1, mat2, scale_a=one, scale_b=one, out_dtype=torch.float32) * (scale_a * scale_b)
+    return out[:, :n].to(out_dtype)
+
+
+def high_precision_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b.T`` of two unquantized operands (kind ``"hp"``) in their own dtype, as ``torch.mm`` computes it."""
+    return torch.mm(a.data, b.data.t()).to(out_dtype)
