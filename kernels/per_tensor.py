@@ -54,6 +54,7 @@ MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
 NAN_BITS = {torch.float8_e4m3fn: 0x7FF00000, torch.float8_e5m2: 0x7FC00000}  # float32 NaNs: S.1111.111 / S.11111.10
 BLOCK = 4096
 TILE = 64
+FLOAT32_MAX = tl.constexpr(torch.finfo(torch.float32).max)  # a scale's cap (quantize.tensorwise_scale's)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -117,7 +118,7 @@ def _tensorwise_scale(amax, eps, FP8_MAX: tl.constexpr, POWER_OF_2: tl.constexpr
     """Bit-for-bit ``fp8_lightning.quantize.tensorwise_scale`` (see the module docstring)."""
     clamped = tl.where(amax < eps, eps, amax)  # clamp(min=eps); NaN stays NaN
     scale = tl.math.div_rn(FP8_MAX, clamped)  # IEEE division: the correctly rounded quotient
-    scale = tl.where(scale > 3.4028234663852886e38, 3.4028234663852886e38, scale)
+    scale = tl.where(scale > FLOAT32_MAX, FLOAT32_MAX, scale)
     if POWER_OF_2:
         bits = scale.to(tl.int32, bitcast=True) & -8388608  # keep sign and exponent: 2**floor(log2(scale))
         scale = tl.where(scale != scale, 0.5, bits.to(tl.float32, bitcast=True))
