@@ -82,7 +82,7 @@ def _kernel_fn(name: str):
 
 
 def _per_tensor_variants() -> list[Variant]:
-    from fp8_lightning.kernels.per_tensor import BLOCK, TILE, format_constants
+    from fp8_lightning.kernels.per_tensor import BLOCK, NUM_WARPS, TILE, format_constants
 
     out = [Variant("_amax_kernel", f"x={short(x)} BLOCK={BLOCK}",
                    (("x_ptr", ptr(x)), ("amax_bits_ptr", "*i32"), ("n", "i32"), ("BLOCK", BLOCK)))
@@ -114,28 +114,28 @@ def _per_tensor_variants() -> list[Variant]:
                 ("count_out_ptr", count), ("inverse_out_ptr", "*fp32"), ("M", "i32"), ("K", "i32"), ("eps", "fp32"),
                 *consts, ("POWER_OF_2", pow2), ("KEEP_PREVIOUS", keep), ("TRANSPOSE", transpose), ("BLOCK", BLOCK),
                 ("TILE", TILE))))  # fmt: skip
-    return out
+    return [dataclasses.replace(variant, num_warps=NUM_WARPS) for variant in out]
 
 
 def _mx_quantize_variants() -> list[Variant]:
     from fp8_lightning.kernels import MX_BLOCK_SIZES
-    from fp8_lightning.kernels.mxfp8 import tile_size
+    from fp8_lightning.kernels.mxfp8 import launches, quantize_num_warps, tile_shape
     from fp8_lightning.kernels.per_tensor import format_constants
 
     out = []
-    directions = ((True, False), (False, True), (True, True))
-    for x, q, bs, rceil, (row, col), rounding in itertools.product(
-        INPUT_DTYPES, FP8, MX_BLOCK_SIZES, (False, True), directions, (False, True)
-    ):
-        tile = tile_size(bs)
-        consts = {**format_constants(q), "EXPLICIT_ROUNDING": rounding}
-        out.append(Variant("_mx_quantize_kernel", (
-            f"x={short(x)} out={short(q)} block={bs} tile={tile} rceil={int(rceil)} rowwise={int(row)} "
-            f"colwise={int(col)} explicit_rounding={int(rounding)}"), (
-            ("x_ptr", ptr(x)), ("row_ptr", ptr(q)), ("row_scale_ptr", "*u8"), ("col_ptr", ptr(q)),
-            ("col_scale_ptr", "*u8"), ("R", "i32"), ("C", "i32"), ("R_PAD", "i32"), ("C_PAD", "i32"),
-            ("stride_r", "i32"), ("stride_c", 1), ("BLOCK_SIZE", bs), ("EMAX", fp8_emax(q)), ("RCEIL", rceil),
-            *consts.items(), ("ROWWISE", row), ("COLWISE", col), ("BLOCK_R", tile), ("BLOCK_C", tile))))
+    requests = ((True, False), (False, True), (True, True))
+    for x, q, bs, rceil, rounding in itertools.product(INPUT_DTYPES, FP8, MX_BLOCK_SIZES, (False, True), (False, True)):
+        for row, col in dict.fromkeys(d for request in requests for d in launches(bs, *request)):
+            tile = tile_shape(bs, row, col)
+            consts = {**format_constants(q), "EXPLICIT_ROUNDING": rounding}
+            out.append(Variant("_mx_quantize_kernel", (
+                f"x={short(x)} out={short(q)} block={bs} tile={tile[0]}x{tile[1]} rceil={int(rceil)} "
+                f"rowwise={int(row)} colwise={int(col)} explicit_rounding={int(rounding)}"), (
+                ("x_ptr", ptr(x)), ("row_ptr", ptr(q)), ("row_scale_ptr", "*u8"), ("col_ptr", ptr(q)),
+                ("col_scale_ptr", "*u8"), ("R", "i32"), ("C", "i32"), ("R_PAD", "i32"), ("C_PAD", "i32"),
+                ("stride_r", "i32"), ("stride_c", 1), ("BLOCK_SIZE", bs), ("EMAX", fp8_emax(q)), ("RCEIL", rceil),
+                *consts.items(), ("ROWWISE", row), ("COLWISE", col), ("BLOCK_R", tile[0]), ("BLOCK_C", tile[1])),
+                num_warps=quantize_num_warps(tile)))  # fmt: skip
     return out
 
 
@@ -149,8 +149,8 @@ def _mx_gemm_variants() -> list[Variant]:
         meta = cfg.kwargs
         bm, bn = meta["BLOCK_M"], meta["BLOCK_N"]
         out.append(Variant("_mx_gemm_kernel", (
-            f"a={short(a)} b={short(b)} out={short(c)} block={bs} tile={bm}x{bn} warps={cfg.num_warps} "
-            f"stages={cfg.num_stages}"), (
+            f"a={short(a)} b={short(b)} out={short(c)} block={bs} "
+            f"config={bm}x{bn}/warps{cfg.num_warps}/stages{cfg.num_stages}"), (
             ("a_desc", f"tensordesc<{short(a)}[{bm}, {bs}]>"), ("a_scale_ptr", "*u8"),
             ("b_desc", f"tensordesc<{short(b)}[{bn}, {bs}]>"), ("b_scale_ptr", "*u8"), ("c_ptr", ptr(c)),
             ("M", "i32"), ("N", "i32"), ("K", "i32"), ("stride_asm", "i32"), ("stride_ask", 1),
@@ -162,7 +162,9 @@ def _mx_gemm_variants() -> list[Variant]:
 
 
 def _fp8_adam_variants() -> list[Variant]:
-    from fp8_lightning.kernels.fp8_adam import MASTER_CODES, MAX_BLOCK, MIN_BLOCK, kernel_formats, state_constants
+    from fp8_lightning.kernels.fp8_adam import (
+        MASTER_CODES, MAX_BLOCK, MIN_BLOCK, adam_num_warps, kernel_formats, state_constants,
+    )
 
     masters = {  # master kind -> (param pointer, master pointer)
         "none": ("*fp32", "*fp32"), "fp32": ("*bf16", "*fp32"), "bf16_remainder": ("*i16", "*i16"),
@@ -184,7 +186,7 @@ def _fp8_adam_variants() -> list[Variant]:
                                           "bias_correction2_sqrt")),
             ("BLOCK", block), ("MASTER", MASTER_CODES[master]), ("DECOUPLED", True), ("MAXIMIZE", False),
             *kernel_formats(state_constants(m), state_constants(v)).items(), ("V_FP8", v != torch.float16),
-            ("V_SQRT", v_sqrt), ("EXPLICIT_ROUNDING", rounding))))  # fmt: skip
+            ("V_SQRT", v_sqrt), ("EXPLICIT_ROUNDING", rounding)), num_warps=adam_num_warps(block)))  # fmt: skip
     return out
 
 
@@ -198,20 +200,28 @@ def axes(variant: Variant) -> dict:
     return dict(item.split("=", 1) for item in variant.config.split())
 
 
+# Axes naming data types: each value is compiled at least once, not with every value of every other axis.
+DTYPE_AXES = frozenset({"x", "out", "a", "b", "m", "v", "master"})
+
+
 def pairwise_cover(variants: list[Variant]) -> list[tuple[Variant, str]]:
-    """A small set of (variant, target) jobs in which every pair of axis values of each kernel (the target being
-    one more axis) occurs at least once: what the test suite compiles, where the full sweep takes 20 minutes."""
+    """A small set of (variant, target) jobs in which every pair of values of a kernel's shape and option axes (the
+    target being one more) occurs at least once, and every value of its data-type axes: what the test suite
+    compiles (about 80 jobs, where the full sweep is 3,000 and takes 20 minutes)."""
     jobs = [(v, t) for v in variants for t in v.targets]
 
-    def pairs(job):
+    def facts(job):
         variant, target = job
-        items = sorted({**axes(variant), "target": target}.items())
-        return {(variant.kernel, *pair) for pair in itertools.combinations(items, 2)}
+        items = {**axes(variant), "target": target}
+        shape = sorted((k, v) for k, v in items.items() if k not in DTYPE_AXES)
+        return {(variant.kernel, *pair) for pair in itertools.combinations(shape, 2)} | {
+            (variant.kernel, k, v) for k, v in items.items() if k in DTYPE_AXES
+        }
 
     chosen = []
     for kernel in dict.fromkeys(v.kernel for v, _ in jobs):
-        candidates = [(job, pairs(job)) for job in jobs if job[0].kernel == kernel]
-        uncovered = set().union(*(p for _, p in candidates))
+        candidates = [(job, facts(job)) for job in jobs if job[0].kernel == kernel]
+        uncovered = set().union(*(f for _, f in candidates))
         while uncovered:
             job, covered = max(candidates, key=lambda c: len(c[1] & uncovered))
             chosen.append(job)

@@ -42,6 +42,12 @@ MIN_BLOCK, MAX_BLOCK = 16, 8192
 FP16_MAX = torch.finfo(torch.float16).max
 
 
+def adam_num_warps(block: int) -> int:
+    """Warps per program: at most 32 elements of a block per thread (64 spill at BLOCK=8192 on sm_90a and
+    sm_100a, ``benchmarks/aot_compile.py``), at least the 4 that small blocks get."""
+    return min(16, max(4, block // 1024))
+
+
 @triton.jit
 def _block_scale(x, DTYPE_MAX: tl.constexpr):
     """``DTYPE_MAX / amax(x)`` over the whole block (1 for a zero block), like ``state_formats.block_scales``."""
@@ -194,5 +200,5 @@ def fused_adam_step(
         lr, beta1, beta2, eps, weight_decay, lr / (1 - beta1**step), math.sqrt(1 - beta2**step),
         BLOCK=block, MASTER=MASTER_CODES[master_kind], DECOUPLED=decoupled_weight_decay, MAXIMIZE=maximize,
         **kernel_formats(m_consts, v_consts), V_FP8=fmt_v.dtype in FP8_STATE_DTYPES, V_SQRT=fmt_v.transform == "sqrt",
-        EXPLICIT_ROUNDING=explicit_rounding(),
+        EXPLICIT_ROUNDING=explicit_rounding(), num_warps=adam_num_warps(block),
     )

@@ -40,25 +40,30 @@ def test_launch_space_has_every_kernel_and_every_wrapper_choice():
 
     space = aot.launch_space()
     assert {v.kernel for v in space} == _jit_kernels()
-    gemm_tiles = {(v.num_warps, v.num_stages, aot.axes(v)["tile"]) for v in space if v.kernel == "_mx_gemm_kernel"}
-    wanted = {(c.num_warps, c.num_stages, f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']}") for c in mx_gemm_configs()}
-    assert gemm_tiles == wanted
+    gemm_configs = {aot.axes(v)["config"] for v in space if v.kernel == "_mx_gemm_kernel"}
+    wanted = {f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']}/warps{c.num_warps}/stages{c.num_stages}"
+              for c in mx_gemm_configs()}  # fmt: skip
+    assert gemm_configs == wanted
     adam_blocks = {int(aot.axes(v)["BLOCK"]) for v in space if v.kernel == "_fp8_adam_kernel"}
     assert min(adam_blocks) == MIN_BLOCK and max(adam_blocks) == MAX_BLOCK and len(adam_blocks) == 10
     mx_blocks = {int(aot.axes(v)["block"]) for v in space if v.kernel == "_mx_quantize_kernel"}
     assert mx_blocks == set(MX_BLOCK_SIZES)
 
 
-def test_pairwise_cover_covers_every_pair():
+def test_cover_pairs_every_shape_and_option_value_and_meets_every_dtype():
     space = [v for v in aot.launch_space() if v.kernel == "_mx_quantize_kernel"]
     chosen = aot.pairwise_cover(space)
     assert len(chosen) < len(space) * len(aot.TARGETS) / 10
-    seen = {(a, b) for v, t in chosen for a in {**aot.axes(v), "target": t}.items()
-            for b in {**aot.axes(v), "target": t}.items()}  # fmt: skip
+
+    def items(variant, target):
+        return {**aot.axes(variant), "target": target}.items()
+
+    seen = {(a, b) for v, t in chosen for a in items(v, t) for b in items(v, t)}
     for variant in space:
         for target in variant.targets:
-            items = {**aot.axes(variant), "target": target}.items()
-            assert all((a, b) in seen for a in items for b in items), variant
+            shape = [i for i in items(variant, target) if i[0] not in aot.DTYPE_AXES]
+            assert all((a, b) in seen for a in shape for b in shape), variant
+            assert all((i, i) in seen for i in items(variant, target)), variant
 
 
 def test_ptxas_report_is_read():
