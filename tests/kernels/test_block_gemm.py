@@ -105,3 +105,22 @@ def test_install_registers_with_the_gemm_dispatcher(monkeypatch):
     assert gemm._registered_mx_gemm() is kernels._core_mx_gemm
     gemm.register_mx_gemm(None)  # an explicit removal sticks: no re-registration on the next call
     assert gemm._registered_mx_gemm() is None
+
+
+def test_strided_and_misaligned_operands_are_read_or_copied_for_the_descriptors():
+    from fp8_lightning.kernels.block_gemm import _descriptor_ready
+    from fp8_lightning.kernels.block_gemm import mx_gemm as launch
+
+    a, b = mx_operand(40, 64, E4M3, seed=7), mx_operand(24, 64, E5M2, seed=8)
+    wide = torch.zeros(40, 160, dtype=E4M3)
+    wide[:, 16:80] = a.data
+    aligned = wide[:, 16:80]  # rows 160 bytes apart, starting 16 bytes in: read where it lies
+    assert _descriptor_ready(aligned) is aligned
+    wide[:, 8:72] = a.data
+    misaligned = wide[:, 8:72]  # starts 8 bytes in: copied
+    copied = _descriptor_ready(misaligned)
+    assert copied is not misaligned and copied.is_contiguous() and copied.data_ptr() % 16 == 0
+    column_major = a.data.t().contiguous().t()
+    for view in (misaligned, column_major):
+        out = launch(view, a.scale.view(torch.uint8), b.data, b.scale.view(torch.uint8), torch.float32)
+        check(out, a, b, torch.float32)
