@@ -5,6 +5,7 @@
 #
 #   bash benchmarks/gpu_session.sh checks   # CUDA paths: gpu_check, Triton kernels vs their twins, pytest -m gpu, FSDP2
 #   bash benchmarks/gpu_session.sh linear   # linear fwd+bwd 1024..8192: fp32, bf16, FP8 recipes, torchao; compiled
+#   bash benchmarks/gpu_session.sh llama    # the linear layers of Llama-3-8B at 8192 tokens, same configurations
 #   bash benchmarks/gpu_session.sh gpt      # 350M GPT step, same configurations, compiled (ROUNDS=8 by default)
 #   bash benchmarks/gpu_session.sh dry-run  # on any machine: list each call's steps, install the wheels offline
 #
@@ -29,7 +30,7 @@ install_wheels() {  # the wheels in wheels/, offline, into $site (on PYTHONPATH 
 }
 
 if [ "$mode" = dry-run ]; then
-  for call in checks linear gpt; do
+  for call in checks linear llama gpt; do
     echo "== call '$call' runs:"
     sed -n "/^  $call)/,/;;/p" "$0" | grep -o 'step [a-z_]* .*' | sed 's/^step /   /'
   done
@@ -68,11 +69,14 @@ case "$mode" in
   linear)
     step linear python3 benchmarks/bench_linear.py --suite gpu --compile --out "$work/perf-linear-gpu"
     ;;
+  llama)
+    step llama python3 benchmarks/bench_linear.py --suite gpu --llama --compile --out "$work/perf-linear-llama-gpu"
+    ;;
   gpt)
     step gpt python3 benchmarks/bench_gpt.py --suite gpu --compile --rounds "${ROUNDS:-8}" --out "$work/perf-gpt-gpu"
     ;;
   *)
-    echo "usage: bash benchmarks/gpu_session.sh checks|linear|gpt|dry-run (got '$mode')" >&2
+    echo "usage: bash benchmarks/gpu_session.sh checks|linear|llama|gpt|dry-run (got '$mode')" >&2
     exit 2
     ;;
 esac
