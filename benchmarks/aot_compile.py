@@ -102,8 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     failures = []
     with multiprocessing.get_context("fork").Pool(args.jobs) if args.jobs > 1 else _Serial() as pool:
-        for variant, target, result, error in pool.imap_unordered(_compile, jobs):
+        for done, (variant, target, result, error) in enumerate(pool.imap_unordered(_compile, jobs), start=1):
             results[variant][target] = result
+            if done % 200 == 0:
+                print(f"{done}/{len(jobs)} compiled, {time.perf_counter() - start:.0f} s", flush=True)
             if error:
                 failures.append(f"{variant.kernel} [{variant.config}] {target}:\n{error}")
     seconds = time.perf_counter() - start
