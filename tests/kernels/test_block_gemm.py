@@ -124,3 +124,23 @@ def test_strided_and_misaligned_operands_are_read_or_copied_for_the_descriptors(
     for view in (misaligned, column_major):
         out = launch(view, a.scale.view(torch.uint8), b.data, b.scale.view(torch.uint8), torch.float32)
         check(out, a, b, torch.float32)
+
+
+def test_autotuner_hooks_prune_per_gpu_and_size_the_descriptor_blocks(monkeypatch):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from fp8_lightning.kernels import block_gemm
+
+    out = torch.empty(1, 1)
+    every = block_gemm.mx_gemm_configs()
+    for capability, tallest in (((9, 0), 128), ((10, 0), 64), ((8, 9), 64)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        kept = block_gemm._prune_for_device(every, {"c_ptr": out})
+        assert kept and max(c.kwargs["BLOCK_M"] for c in kept) == tallest
+    a, b = torch.zeros(64, 64, dtype=E4M3), torch.zeros(32, 64, dtype=E4M3)
+    args = {"a_desc": TensorDescriptor(a, [64, 64], [64, 1], [32, 32]),
+            "b_desc": TensorDescriptor(b, [32, 64], [64, 1], [32, 32]), "BLOCK_K": 64}  # fmt: skip
+    for config in every:
+        config.pre_hook({**args, **config.kwargs})
+        assert args["a_desc"].block_shape == [config.kwargs["BLOCK_M"], 64]
+        assert args["b_desc"].block_shape == [config.kwargs["BLOCK_N"], 64]
