@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_session.sh linear   # linear fwd+bwd 1024..8192: fp32, bf16, FP8 recipes, torchao; compiled
 #   bash benchmarks/gpu_session.sh llama    # the linear layers of Llama-3-8B at 8192 tokens, same configurations
 #   bash benchmarks/gpu_session.sh gpt      # 350M GPT step, same configurations, compiled (ROUNDS=8 by default)
+#   bash benchmarks/gpu_session.sh stack    # four Llama-3-8B-shaped decoder layers, 8 x 1024 tokens, the same
 #   bash benchmarks/gpu_session.sh dry-run  # on any machine: list each call's steps, install the wheels offline
 #
 # Everything a call writes lands in one archive, $OUT/gpu-<mode>.tar.gz (OUT defaults to ./gpu-results), holding one
@@ -30,7 +31,7 @@ install_wheels() {  # the wheels in wheels/, offline, into $site (on PYTHONPATH 
 }
 
 if [ "$mode" = dry-run ]; then
-  for call in checks linear llama gpt; do
+  for call in checks linear llama gpt stack; do
     echo "== call '$call' runs:"
     sed -n "/^  $call)/,/;;/p" "$0" | grep -o 'step [a-z_]* .*' | sed 's/^step /   /'
   done
@@ -75,8 +76,12 @@ case "$mode" in
   gpt)
     step gpt python3 benchmarks/bench_gpt.py --suite gpu --compile --rounds "${ROUNDS:-8}" --out "$work/perf-gpt-gpu"
     ;;
+  stack)
+    step stack python3 benchmarks/bench_gpt.py --suite gpu --models llama3_8b_x4 --compile --rounds "${ROUNDS:-8}" \
+      --out "$work/perf-llama-stack-gpu"
+    ;;
   *)
-    echo "usage: bash benchmarks/gpu_session.sh checks|linear|llama|gpt|dry-run (got '$mode')" >&2
+    echo "usage: bash benchmarks/gpu_session.sh checks|linear|llama|gpt|stack|dry-run (got '$mode')" >&2
     exit 2
     ;;
 esac

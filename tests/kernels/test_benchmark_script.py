@@ -31,3 +31,21 @@ def test_linear_suite_shapes_and_targets():
     text = bench_linear.targets(rows)
     assert "1.70x, met." in text and "NOT met: fp8 mxfp8 at llama3-8b w2 (0.90x)" in text
     assert "torchao" not in text
+
+
+def test_llama_stack_has_llama3_8b_layer_shapes_and_the_peer_target():
+    import torch.nn as nn
+
+    from benchmarks import bench_gpt
+    from benchmarks.llama_stack import LLAMA3_8B, LlamaStack
+
+    with torch.device("meta"):
+        stack = LlamaStack(n_layer=1, **LLAMA3_8B)
+    shapes = {name: tuple(m.weight.shape) for name, m in stack.layers[0].named_modules() if isinstance(m, nn.Linear)}
+    assert shapes == {"wq": (4096, 4096), "wk": (1024, 4096), "wv": (1024, 4096), "wo": (4096, 4096),
+                      "w1": (14336, 4096), "w3": (14336, 4096), "w2": (4096, 14336)}  # fmt: skip
+    # 32 such layers and the untied 128256 x 4096 embedding and head: Llama-3-8B's published 8.03B parameters
+    assert abs(32 * stack.num_parameters() + 2 * 128256 * 4096 + 4096 - 8.03e9) < 0.01e9
+    rows = [{"model": "m", "precision": "torchao tensorwise", "step_ms": 10.0},
+            {"model": "m", "precision": "fp8 tensorwise", "step_ms": 8.0}]  # fmt: skip
+    assert bench_gpt.versus_torchao(rows) == " m fp8 tensorwise: 1.25x torchao.float8 speed (target >= 1)."
