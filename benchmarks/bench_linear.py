@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             })  # fmt: skip
     torch.set_num_threads(threads_before)
     folder = run_folder("linear", device, args.out)
-    columns = [("size", "M=K=N, or layer", "{}"), ("config", "configuration", "{}"), ("ms", "fwd+bwd ms (median)", "{:.3f}"),
+    columns = [("size", "M=K=N, or layer", "{}"), ("config", "configuration", "{}"),
+               ("ms", "fwd+bwd ms (median)", "{:.3f}"),
                ("speedup_vs_bf16", "speedup vs bf16", "{:.2f}"), ("speedup_vs_fp32", "speedup vs fp32", "{:.2f}")]  # fmt: skip
     notes = (
         f"One linear layer (no bias), forward + backward + an in-place weight update (so FP8 weights are cast "

@@ -140,7 +140,9 @@ def _mx_gemm_kernel(
 
 
 _mx_gemm_autotuned = triton.autotune(
-    configs=mx_gemm_configs(), key=["M", "N", "K", "BLOCK_K"], prune_configs_by={"early_config_prune": _prune_for_device}
+    configs=mx_gemm_configs(),
+    key=["M", "N", "K", "BLOCK_K"],
+    prune_configs_by={"early_config_prune": _prune_for_device},
 )(_mx_gemm_kernel)
 
 
