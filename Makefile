@@ -13,7 +13,7 @@ TORCH_VERSION ?= 2.13.0
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST_ARGS ?=
 
-.PHONY: venv train test test-fast test-lightning-oldest gpu-check clean
+.PHONY: venv train test test-fast test-lightning-oldest gpu-check gpu-wheels gpu-dry-run aot-compile clean
 
 venv: $(STAMP)
 
@@ -40,6 +40,26 @@ test-fast: $(STAMP)
 
 gpu-check: $(STAMP)
 	$(PY) benchmarks/gpu_check.py
+
+# What the lent GPU machines (Python 3.12, torch 2.11, Triton 3.6, Lightning 2.6.6, no network) lack, as wheels for
+# benchmarks/gpu_session.sh to install offline: torchao for the peer rows. None of the session's steps imports
+# hydra or omegaconf. wheels/ is git-ignored; the whole working tree travels to the GPU machine (64 MiB at most).
+GPU_PYTHON_VERSION ?= 3.12
+GPU_WHEELS ?= torchao==0.18.0
+GPU_PLATFORMS := $(foreach n,2_28 2_27 2_24 2_17,--platform manylinux_$(n)_x86_64) --platform manylinux2014_x86_64
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) \
+		--implementation cp $(GPU_PLATFORMS) -d wheels $(GPU_WHEELS)
+	@size=$$(du -sm wheels | cut -f1); echo "wheels/: $$size MiB"; test $$size -lt 48 || \
+		{ echo "wheels/ is $$size MiB: the working tree sent to the GPU machine must stay under 64 MiB"; exit 1; }
+
+# The session script's CPU dry run: the steps of each call, and the wheels installed offline into a fresh target.
+gpu-dry-run: $(STAMP)
+	PYTHON=$(PY) bash benchmarks/gpu_session.sh dry-run
+
+# Every kernel configuration compiled for sm_90a and sm_100a, registers and spills tabulated (about 20 minutes).
+aot-compile: $(STAMP)
+	$(PY) benchmarks/aot_compile.py --jobs 2 --out benchmarks/results/aot-compile-$$(date +%Y%m%d).md
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info outputs multirun

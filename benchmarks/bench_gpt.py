@@ -14,7 +14,9 @@ by the reference precision of the same run (fp32 on CPU, bf16 on GPU).
 * ``--suite gpu``: GPT ``350M`` (24 layers, n_embd 1024, 16 heads, 8 x 1024 tokens, vocab 50304), bf16 autocast
   around everything that is not an FP8 GEMM; peak memory from ``torch.cuda.max_memory_allocated``; the host time
   per step (until the step returns, unsynchronized: whether the host or the GPU sets the pace); ``--compile``
-  compiles every configuration with the same settings.
+  compiles every configuration with the same settings. ``--models llama3_8b_x4``: four Llama-3-8B-shaped decoder
+  layers (``llama_stack.py``) on 8 x 1024 tokens of random hidden states with a mean-square loss, the shapes
+  torchao publishes its float8 speed-ups for; targets printed: FP8 >= 1.3x bf16 and >= torchao.float8.
 
 Both suites run torchao.float8 (tensorwise, every linear layer converted, as ours) as a peer when it is installed
 (``pip install -e '.[peer]'``; on a CPU it runs ``torch._scaled_mm``'s CPU float8 GEMM).
@@ -38,6 +40,8 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
 from bench_common import bar_plot, header, interleaved_medians, markdown_table, run_folder, write_results  # noqa: E402
 from bench_linear import torchao_status  # noqa: E402
 
+from llama_stack import LLAMA3_8B, LlamaStack  # noqa: E402
+
 from fp8_lightning import convert_to_fp8, fp8_autocast, sync_scales  # noqa: E402
 from fp8_lightning.models import GPT  # noqa: E402
 
@@ -48,7 +52,11 @@ MODELS = {
     "dim256": dict(n_layer=2, n_embd=256, n_head=4, block_size=128, vocab_size=256, batch=4),
     "dim512": dict(n_layer=2, n_embd=512, n_head=8, block_size=128, vocab_size=256, batch=4),
     "350M": dict(n_layer=24, n_embd=1024, n_head=16, block_size=1024, vocab_size=50304, batch=8),
+    # Llama-shaped decoder stacks (no vocabulary: hidden states in, mean-square loss out)
+    "llama3_8b_x4": dict(n_layer=4, **LLAMA3_8B, block_size=1024, batch=8),
+    "llama_tiny": dict(n_layer=2, n_embd=64, n_head=4, n_kv_head=2, ffn=224, block_size=64, batch=2),
 }
+LLAMA_KEYS = ("n_layer", "n_embd", "n_head", "n_kv_head", "ffn")
 SUITES = {"cpu": ["dim64", "gpt_tiny", "dim256", "make_train"], "gpu": ["350M"]}
 RECIPES = ["delayed", "tensorwise", "mxfp8"]
 
@@ -56,8 +64,12 @@ RECIPES = ["delayed", "tensorwise", "mxfp8"]
 def build(spec: dict, device: torch.device, precision: str, compile_: bool):
     """(step function, model) for one precision: "fp32", "bf16", "fp8 <recipe>" or "torchao tensorwise"."""
     torch.manual_seed(0)
-    dims = {k: v for k, v in spec.items() if k != "batch"}
-    model = GPT(optimizer=functools.partial(torch.optim.AdamW, lr=1e-4), **dims).to(device)
+    llama = "ffn" in spec
+    if llama:
+        model = LlamaStack(**{k: spec[k] for k in LLAMA_KEYS}).to(device)
+    else:
+        dims = {k: v for k, v in spec.items() if k != "batch"}
+        model = GPT(optimizer=functools.partial(torch.optim.AdamW, lr=1e-4), **dims).to(device)
     fp8 = precision.startswith("fp8")
     if fp8:
         convert_to_fp8(model, precision.split()[1], profitability=False)
@@ -65,22 +77,38 @@ def build(spec: dict, device: torch.device, precision: str, compile_: bool):
         from torchao.float8 import convert_to_float8_training
 
         convert_to_float8_training(model)  # every linear layer, as convert_to_fp8 above
-    optimizer = model.configure_optimizers()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4) if llama else model.configure_optimizers()
     forward = torch.compile(model) if compile_ else model
     autocast = precision != "fp32" and (device.type == "cuda" or precision == "bf16")
-    tokens = torch.randint(0, spec["vocab_size"], (spec["batch"], spec["block_size"] + 1), device=device)
+    if llama:
+        hidden = torch.randn(spec["batch"], spec["block_size"], spec["n_embd"], device=device)
+    else:
+        tokens = torch.randint(0, spec["vocab_size"], (spec["batch"], spec["block_size"] + 1), device=device)
+
+    def loss_of_step():
+        with torch.autocast(device.type, torch.bfloat16, enabled=autocast), fp8_autocast(enabled=fp8):
+            if llama:
+                return forward(hidden).float().pow(2).mean()
+            logits = forward(tokens[:, :-1])
+        return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
 
     def step():
-        with torch.autocast(device.type, torch.bfloat16, enabled=autocast), fp8_autocast(enabled=fp8):
-            logits = forward(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
+        loss_of_step().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if fp8:
             sync_scales(model)
 
     return step, model
+
+
+def versus_torchao(rows: list[dict]) -> str:
+    """Each FP8 row's speed against torchao.float8's on the same model (target: at least as fast)."""
+    peer = {r["model"]: r["step_ms"] for r in rows if r["precision"] == "torchao tensorwise"}
+    return "".join(
+        f" {r['model']} {r['precision']}: {peer[r['model']] / r['step_ms']:.2f}x torchao.float8 speed (target >= 1)."
+        for r in rows if r["precision"].startswith("fp8") and r["model"] in peer
+    )  # fmt: skip
 
 
 def peak_memory(step, device: torch.device) -> float | None:
@@ -145,6 +173,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                   "step time: the host, not the GPU, sets the pace).")
         notes += "".join(f" {r['model']} {r['precision']}: {1 / r['ratio']:.2f}x bf16 speed (target >= 1.3)."
                          for r in rows if r["precision"].startswith("fp8"))  # fmt: skip
+        notes += versus_torchao(rows)
     write_results(folder, head, rows, markdown_table(columns, rows), notes)
     models = list(dict.fromkeys(r["model"] for r in rows))
     plotted = [p for p in precisions if p != reference and not (device.type == "cpu" and p == "bf16")]  # CPU bf16: table

@@ -5,25 +5,46 @@
 #
 #   bash benchmarks/gpu_session.sh checks   # CUDA paths: gpu_check, Triton kernels vs their twins, pytest -m gpu, FSDP2
 #   bash benchmarks/gpu_session.sh linear   # linear fwd+bwd 1024..8192: fp32, bf16, FP8 recipes, torchao; compiled
+#   bash benchmarks/gpu_session.sh llama    # the linear layers of Llama-3-8B at 8192 tokens, same configurations
 #   bash benchmarks/gpu_session.sh gpt      # 350M GPT step, same configurations, compiled (ROUNDS=8 by default)
+#   bash benchmarks/gpu_session.sh stack    # four Llama-3-8B-shaped decoder layers, 8 x 1024 tokens, the same
+#   bash benchmarks/gpu_session.sh dry-run  # on any machine: list each call's steps, install the wheels offline
 #
-# Everything lands in one archive, $OUT/gpu-<mode>.tar.gz (OUT defaults to ./gpu-results), with a log per step;
-# the benchmark run folders inside it go to benchmarks/results/ once checked. Nothing is downloaded: the package is
-# installed from this checkout without dependencies (hydra is not needed by these steps). The torchao.float8 peer
-# runs when torchao is installed there or its wheel was brought along: `pip download torchao==0.18.0 --no-deps -d
-# wheels` beforehand (wheels/ is git-ignored; carry it), and it is installed from there.
+# Everything a call writes lands in one archive, $OUT/gpu-<mode>.tar.gz (OUT defaults to ./gpu-results), holding one
+# folder gpu-<mode>-<date>/ with a log per step and the benchmark run folders: `tar -xzf gpu-<mode>.tar.gz -C
+# benchmarks/results` files it next to the other results. Nothing is downloaded: the package is installed from
+# this checkout without dependencies (no step imports hydra or omegaconf), and the wheels the GPU image lacks
+# (torchao, for the torchao.float8 peer rows) come from wheels/, filled here beforehand by `make gpu-wheels`
+# (git-ignored; name it in the call's carry). They are installed into a private folder put on PYTHONPATH.
 set -u -o pipefail
 mode=${1:-checks}
 out=${OUT:-gpu-results}
-work=$(mktemp -d)
-mkdir -p "$out"
+python=${PYTHON:-python3}
+site=$(mktemp -d)/site
 export PYTHONUNBUFFERED=1
 
+install_wheels() {  # the wheels in wheels/, offline, into $site (on PYTHONPATH from then on)
+  ls wheels/*.whl >/dev/null 2>&1 || { echo "wheels/: none (make gpu-wheels fetches them)"; return 0; }
+  "$python" -m pip install -q --no-index --no-deps --no-compile --target "$site" wheels/*.whl || return 1
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  echo "wheels/: installed offline: $(cd wheels && ls *.whl | tr '\n' ' ')"
+}
+
+if [ "$mode" = dry-run ]; then
+  for call in checks linear llama gpt stack; do
+    echo "== call '$call' runs:"
+    sed -n "/^  $call)/,/;;/p" "$0" | grep -o 'step [a-z_]* .*' | sed 's/^step /   /'
+  done
+  install_wheels || { echo "wheels did not install offline"; exit 1; }
+  "$python" -c "import torchao.float8; print('torchao.float8 imports:', torchao.__version__)" || exit 1
+  exit 0
+fi
+
+work=$(mktemp -d)/gpu-$mode-$(date -u +%Y%m%d-%H%M)
+mkdir -p "$out" "$work"
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$work/install.log" 2>&1 \
   || { cat "$work/install.log"; exit 1; }
-if ! python3 -c "import torchao" 2>/dev/null && ls wheels/torchao-*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-deps --no-index wheels/torchao-*.whl >>"$work/install.log" 2>&1
-fi
+python3 -c "import torchao" 2>/dev/null || install_wheels >>"$work/install.log" 2>&1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$work/device.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >>"$work/device.txt" 2>&1
 python3 -c "import torchao; print('torchao', torchao.__version__)" >>"$work/device.txt" 2>&1 || echo "torchao: not installed" >>"$work/device.txt"
@@ -49,15 +70,22 @@ case "$mode" in
   linear)
     step linear python3 benchmarks/bench_linear.py --suite gpu --compile --out "$work/perf-linear-gpu"
     ;;
+  llama)
+    step llama python3 benchmarks/bench_linear.py --suite gpu --llama --compile --out "$work/perf-linear-llama-gpu"
+    ;;
   gpt)
     step gpt python3 benchmarks/bench_gpt.py --suite gpu --compile --rounds "${ROUNDS:-8}" --out "$work/perf-gpt-gpu"
     ;;
+  stack)
+    step stack python3 benchmarks/bench_gpt.py --suite gpu --models llama3_8b_x4 --compile --rounds "${ROUNDS:-8}" \
+      --out "$work/perf-llama-stack-gpu"
+    ;;
   *)
-    echo "usage: bash benchmarks/gpu_session.sh checks|linear|gpt (got '$mode')" >&2
+    echo "usage: bash benchmarks/gpu_session.sh checks|linear|llama|gpt|stack|dry-run (got '$mode')" >&2
     exit 2
     ;;
 esac
 
-tar -czf "$out/gpu-$mode.tar.gz" -C "$work" .
+tar -czf "$out/gpu-$mode.tar.gz" -C "$(dirname "$work")" "$(basename "$work")"
 echo "results: $out/gpu-$mode.tar.gz"
 exit "$failed"

@@ -15,9 +15,21 @@ Scales are powers of two, so the fold is one exact multiply (barring float32 und
 and one add per output element and block. The result equals the twin up to float32 summation order.
 
 Tiles: (BLOCK_M, BLOCK_N) outputs per program, programs ordered in groups of ``GROUP_M`` rows of tiles so that
-neighbouring programs share operand tiles in L2. The tile configurations tried by the autotuner are kept in one
-named function, :func:`mx_gemm_configs`. Rows of ``a``/``b`` beyond M/N are wrapped (``% M``) instead of
-masked, so the inner loop has no masks; only the store is masked.
+neighbouring programs share operand tiles in L2. The tile configurations the autotuner tries on a GPU are kept in
+one named function, :func:`mx_gemm_configs`, sized so that no selectable configuration spills registers on sm_90a
+or sm_100a (``benchmarks/aot_compile.py`` compiles every one ahead of time; ``tests/kernels/test_aot_compile.py``
+fails on a spill). Operand tiles are read through tensor descriptors: on sm90+ the compiled kernel loads them with
+TMA (``cp.async.bulk.tensor``) into the pipelined shared-memory stages, rows past M/N arrive as zeros, and the
+inner loop has no masks; only the store is masked. An operand whose rows are not 16-byte aligned or not
+K-contiguous is copied first (``_descriptor_ready``).
+
+Why the wgmma is waited on every K step (sm_90a PTX: one ``wgmma.wait_group 0`` per step): Triton keeps a wgmma
+in flight across iterations only when its result feeds nothing but the next wgmma's accumulator (the rules of its
+MMAv3 pipeliner); here every block's product must be scaled before it is added, so the scale math waits for its
+own wgmma. The exact alternatives do not pay: rescaling the running accumulator by a ratio of scales overflows
+float32 (E8M0 spans 2**-127 .. 2**127), and pre-scaling the operands in bf16 halves the tensor-core rate. What
+remains for overlap is between warpgroups: with 8 warps (two per 128-row tile) each waits only for its own
+wgmma, so one's scale math can run under the other's (not measured: no GPU has run this kernel yet).
 
 Supported: any M, N >= 1; K a multiple of the block size; block sizes 32, 64, 128 (``tl.dot`` needs a K step
 of at least 32 for FP8 on Hopper); E4M3 and E5M2 in either operand (HYBRID's E5M2 x E4M3 backward GEMMs);
@@ -38,24 +50,47 @@ SUPPORTED_BLOCK_SIZES = (32, 64, 128)
 SUPPORTED_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # A small fixed tile for the Triton interpreter (CPU), where autotuning has nothing to measure.
 INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "GROUP_M": 2}
+TMA_ALIGNMENT = 16  # bytes: a tensor descriptor's base address and row stride
 
 
-def mx_gemm_configs() -> list[triton.Config]:
-    """The tile configurations the autotuner chooses from (keyed on M, N, K and the block size)."""
+def mx_gemm_configs(capability: tuple[int, int] | None = None) -> list[triton.Config]:
+    """The tile configurations the autotuner chooses from on a GPU of ``capability`` (None: every one).
+
+    Each program holds the running float32 accumulator *and* the block's partial product in registers (the fold
+    needs both), so tiles are sized for two (BLOCK_M, BLOCK_N) float32 tensors per warpgroup. Compiled ahead of
+    time (``benchmarks/aot_compile.py``), 128-row tiles fit on Hopper's wgmma (sm90) but spill on sm100 (the
+    partial is copied out of tensor memory every K step) and on sm89; 256-wide tiles spill everywhere.
+    """
     shapes = [
-        # BLOCK_M, BLOCK_N, num_warps, num_stages
-        (128, 256, 8, 3),
-        (256, 128, 8, 3),
-        (128, 128, 8, 4),
-        (128, 128, 4, 4),
-        (128, 64, 4, 4),
-        (64, 128, 4, 4),
-        (64, 64, 4, 5),
+        # BLOCK_M, BLOCK_N, num_warps, num_stages, only on sm90
+        (128, 128, 8, 4, True),
+        (128, 64, 4, 4, True),
+        (64, 128, 4, 3, False),
+        (64, 128, 4, 4, False),
+        (64, 64, 4, 5, False),
     ]
     return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8}, num_warps=warps, num_stages=stages)
-        for bm, bn, warps, stages in shapes
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8}, num_warps=warps, num_stages=stages,
+                      pre_hook=_set_descriptor_blocks)
+        for bm, bn, warps, stages, hopper_only in shapes
+        if capability is None or not hopper_only or capability[0] == 9
     ]
+
+
+def _set_descriptor_blocks(args: dict) -> None:
+    """Autotune pre-hook: the operands' tensor descriptors load (BLOCK_M or BLOCK_N, BLOCK_K) tiles."""
+    args["a_desc"].block_shape = [args["BLOCK_M"], args["BLOCK_K"]]
+    args["b_desc"].block_shape = [args["BLOCK_N"], args["BLOCK_K"]]
+
+
+def _config_key(config: triton.Config) -> tuple:
+    return tuple(sorted(config.kwargs.items())), config.num_warps, config.num_stages
+
+
+def _prune_for_device(configs, named_args, **kwargs):
+    """Autotune early prune: only the configurations :func:`mx_gemm_configs` selects for the output's GPU."""
+    allowed = {_config_key(c) for c in mx_gemm_configs(torch.cuda.get_device_capability(named_args["c_ptr"].device))}
+    return [config for config in configs if _config_key(config) in allowed]
 
 
 @triton.jit
@@ -68,10 +103,8 @@ def _e8m0_to_float(byte):
 
 @triton.jit
 def _mx_gemm_kernel(
-    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, M, N, K,
-    stride_am, stride_ak, stride_asm, stride_ask,
-    stride_bn, stride_bk, stride_bsn, stride_bsk,
-    stride_cm, stride_cn,
+    a_desc, a_scale_ptr, b_desc, b_scale_ptr, c_ptr, M, N, K,
+    stride_asm, stride_ask, stride_bsn, stride_bsk, stride_cm, stride_cn,
     BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Grouped program order: GROUP_M rows of tiles are swept before moving to the next columns.
@@ -83,33 +116,40 @@ def _mx_gemm_kernel(
     rows_in_group = tl.minimum(grid_m - first_m, GROUP_M)
     pid_m = first_m + (pid % group_size) % rows_in_group
     pid_n = (pid % group_size) // rows_in_group
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
 
-    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
-    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
-    rk = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak
-    b_ptrs = b_ptr + rn[:, None].to(tl.int64) * stride_bn + rk[None, :] * stride_bk
-    a_scale_ptrs = a_scale_ptr + rm.to(tl.int64) * stride_asm
-    b_scale_ptrs = b_scale_ptr + rn.to(tl.int64) * stride_bsn
+    # Operand tiles come through tensor descriptors (TMA on sm90+; rows past M/N read as zeros). Scale rows
+    # past M/N are wrapped (% M): they only meet those zero rows, and the store masks them out.
+    a_scale_ptrs = a_scale_ptr + ((off_m + tl.arange(0, BLOCK_M)) % M).to(tl.int64) * stride_asm
+    b_scale_ptrs = b_scale_ptr + ((off_n + tl.arange(0, BLOCK_N)) % N).to(tl.int64) * stride_bsn
 
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for kb in range(0, K // BLOCK_K):
-        a = tl.load(a_ptrs)
-        b = tl.load(b_ptrs)
+        a = a_desc.load([off_m, kb * BLOCK_K])
+        b = b_desc.load([off_n, kb * BLOCK_K])
         sa = _e8m0_to_float(tl.load(a_scale_ptrs + kb * stride_ask))
         sb = _e8m0_to_float(tl.load(b_scale_ptrs + kb * stride_bsk))
-        partial = tl.dot(a, tl.trans(b))
-        acc += partial * (sa[:, None] * sb[None, :])
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+        # Row scale, then column scale: two exact multiplies, without a (BLOCK_M, BLOCK_N) tensor of scales.
+        acc += (tl.dot(a, tl.trans(b)) * sa[:, None]) * sb[None, :]
 
-    cm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    cm = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cn = (off_n + tl.arange(0, BLOCK_N)).to(tl.int64)
     mask = (cm[:, None] < M) & (cn[None, :] < N)
     tl.store(c_ptr + cm[:, None] * stride_cm + cn[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-_mx_gemm_autotuned = triton.autotune(configs=mx_gemm_configs(), key=["M", "N", "K", "BLOCK_K"])(_mx_gemm_kernel)
+_mx_gemm_autotuned = triton.autotune(
+    configs=mx_gemm_configs(),
+    key=["M", "N", "K", "BLOCK_K"],
+    prune_configs_by={"early_config_prune": _prune_for_device},
+)(_mx_gemm_kernel)
+
+
+def _descriptor_ready(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a tensor descriptor can read it: K contiguous, row stride and base 16-byte aligned (else a copy)."""
+    aligned = x.stride(1) == 1 and x.stride(0) % TMA_ALIGNMENT == 0 and x.data_ptr() % TMA_ALIGNMENT == 0
+    return x if aligned else x.clone(memory_format=torch.contiguous_format)
 
 
 def mx_gemm(
@@ -122,6 +162,8 @@ def mx_gemm(
 ) -> torch.Tensor:
     """``a @ b.T`` for validated MX operands (scales as uint8). ``config`` pins a tile (else autotuned;
     under the interpreter a small fixed tile)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     from fp8_lightning.kernels.availability import interpreting
 
     m, k = a.shape
@@ -132,14 +174,17 @@ def mx_gemm(
         return out
     if k == 0:
         return out.zero_()
-    args = (
-        a, a_scale, b, b_scale, out, m, n, k,
-        a.stride(0), a.stride(1), a_scale.stride(0), a_scale.stride(1),
-        b.stride(0), b.stride(1), b_scale.stride(0), b_scale.stride(1),
-        out.stride(0), out.stride(1),
-    )
     if config is None and interpreting():
         config = INTERPRETER_CONFIG
+    a, b = _descriptor_ready(a), _descriptor_ready(b)
+    # Block shapes are set per config (the pre-hook when autotuning); these are placeholders of the right rank.
+    blocks = config or INTERPRETER_CONFIG
+    a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], [blocks["BLOCK_M"], block_size])
+    b_desc = TensorDescriptor(b, [n, k], [b.stride(0), 1], [blocks["BLOCK_N"], block_size])
+    args = (
+        a_desc, a_scale, b_desc, b_scale, out, m, n, k,
+        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), out.stride(0), out.stride(1),
+    )
     if config is None:
 
         def grid(meta):

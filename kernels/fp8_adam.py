@@ -31,43 +31,30 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8_lightning.formats import fp8_max, fp8_min_normal
 from fp8_lightning.kernels.availability import device_status, explicit_rounding, require_triton
+from fp8_lightning.kernels.per_tensor import FLOAT32_MAX, _reduce_max, _saturate, _to_fp8_values, format_constants
 
 MASTER_CODES = {"none": 0, "fp32": 1, "bf16_remainder": 2, "bf16_int8_remainder": 3}
 REMAINDER_KINDS = ("bf16_remainder", "bf16_int8_remainder")
 FP8_STATE_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 V_DTYPES = ("float16",) + FP8_STATE_DTYPES
 MIN_BLOCK, MAX_BLOCK = 16, 8192
-FP16_MAX = 65504.0
+FP16_MAX = torch.finfo(torch.float16).max
 
 
-@triton.jit
-def _to_fp8_values(y, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
-                   EXPLICIT_ROUNDING: tl.constexpr):
-    """Saturate to +-FP8_MAX and, when asked, round to the FP8 grid in float32 (ties to even), so that the
-    float8 conversion that follows only sees representable values (the interpreter's own rounding is not RNE).
-
-    Rounding: adding and subtracting ``1.5 * 2**(k + 23)`` rounds to a multiple of ``2**k`` in float32's
-    round-to-nearest-even, ``k`` being the FP8 spacing at |y| (fixed below the smallest normal).
-    """
-    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
-    if EXPLICIT_ROUNDING:
-        bits = y.to(tl.int32, bitcast=True)
-        exp = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_NORMAL_EXP)
-        magic = (((exp - MANTISSA_BITS + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
-        rounded = (y + magic) - magic
-        y = (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
-    return y
+def adam_num_warps(block: int) -> int:
+    """Warps per program: at most 32 elements of a block per thread (64 spill at BLOCK=8192 on sm_90a and
+    sm_100a, ``benchmarks/aot_compile.py``), at least the 4 that small blocks get."""
+    return min(16, max(4, block // 1024))
 
 
 @triton.jit
 def _block_scale(x, DTYPE_MAX: tl.constexpr):
     """``DTYPE_MAX / amax(x)`` over the whole block (1 for a zero block), like ``state_formats.block_scales``."""
-    block_amax = tl.max(tl.abs(x), axis=0)
+    block_amax = _reduce_max(tl.abs(x), 0)
     scale = tl.math.div_rn(DTYPE_MAX, block_amax)  # correctly rounded, like max_over_amax
     scale = tl.where(block_amax > 0, scale, 1.0)
-    return tl.minimum(scale, 3.4028234663852886e38)
+    return tl.minimum(scale, FLOAT32_MAX)
 
 
 @triton.jit
@@ -75,9 +62,9 @@ def _fp8_adam_kernel(
     param_ptr, grad_ptr, master_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr, n,
     lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt,
     BLOCK: tl.constexpr, MASTER: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
-    M_MAX: tl.constexpr, M_MANTISSA: tl.constexpr, M_MIN_EXP: tl.constexpr,
+    M_MAX: tl.constexpr, M_MANTISSA: tl.constexpr, M_MIN_EXP: tl.constexpr, M_NAN_BITS: tl.constexpr,
     V_FP8: tl.constexpr, V_SQRT: tl.constexpr, V_MAX: tl.constexpr, V_MANTISSA: tl.constexpr,
-    V_MIN_EXP: tl.constexpr, EXPLICIT_ROUNDING: tl.constexpr,
+    V_MIN_EXP: tl.constexpr, V_NAN_BITS: tl.constexpr, EXPLICIT_ROUNDING: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -133,7 +120,7 @@ def _fp8_adam_kernel(
 
     m = tl.where(mask, m, 0.0)
     m_scale = _block_scale(m, M_MAX)
-    m_q = _to_fp8_values(m * m_scale, M_MAX, M_MANTISSA, M_MIN_EXP, EXPLICIT_ROUNDING)
+    m_q = _to_fp8_values(m * m_scale, M_MAX, M_MANTISSA, M_MIN_EXP, M_NAN_BITS, EXPLICIT_ROUNDING)
     tl.store(m_ptr + offs, m_q.to(m_ptr.dtype.element_ty))
     tl.store(m_scale_ptr + pid, m_scale)
 
@@ -143,20 +130,28 @@ def _fp8_adam_kernel(
     v_scale = _block_scale(v, V_MAX)
     v_scaled = v * v_scale
     if V_FP8:
-        v_scaled = _to_fp8_values(v_scaled, V_MAX, V_MANTISSA, V_MIN_EXP, EXPLICIT_ROUNDING)
+        v_scaled = _to_fp8_values(v_scaled, V_MAX, V_MANTISSA, V_MIN_EXP, V_NAN_BITS, EXPLICIT_ROUNDING)
     else:
-        v_scaled = tl.minimum(v_scaled, V_MAX)
+        v_scaled = _saturate(v_scaled, V_MAX)
     tl.store(v_ptr + offs, v_scaled.to(v_ptr.dtype.element_ty))
     tl.store(v_scale_ptr + pid, v_scale)
 
 
-def format_constants(dtype: torch.dtype) -> dict:
-    """The constexprs that describe a float8 state format to the kernel."""
+def state_constants(dtype: torch.dtype) -> dict:
+    """The constexprs that describe a moment's storage format to the kernel: the per-tensor casts' for FP8, the
+    saturation limit alone for float16 (the conversion to float16 rounds by itself)."""
+    if dtype == torch.float16:
+        return {"FP8_MAX": FP16_MAX, "MANTISSA_BITS": 10, "MIN_NORMAL_EXP": -14, "NAN_BITS": 0}
+    return format_constants(dtype)
+
+
+def kernel_formats(m_constants: dict, v_constants: dict) -> dict:
+    """The kernel's ``M_*`` and ``V_*`` constexprs from the two moments' :func:`state_constants`."""
+    names = {"MAX": "FP8_MAX", "MANTISSA": "MANTISSA_BITS", "MIN_EXP": "MIN_NORMAL_EXP", "NAN_BITS": "NAN_BITS"}
     return {
-        "FP8_MAX": fp8_max(dtype),
-        "MANTISSA_BITS": {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}[dtype],
-        "MIN_NORMAL_EXP": int(math.log2(fp8_min_normal(dtype))),
-        "EXPLICIT_ROUNDING": explicit_rounding(),
+        f"{moment}_{name}": constants[key]
+        for moment, constants in (("M", m_constants), ("V", v_constants))
+        for name, key in names.items()
     }
 
 
@@ -197,18 +192,13 @@ def fused_adam_step(
     else:
         master = param  # unused by the kernel
     param_view = param.view(torch.int16) if master_kind in REMAINDER_KINDS else param
-    m_consts = format_constants(fmt_m.torch_dtype)
-    v_fp8 = fmt_v.dtype in FP8_STATE_DTYPES
-    v_consts = format_constants(fmt_v.torch_dtype) if v_fp8 else {"FP8_MAX": FP16_MAX, "MANTISSA_BITS": 10,
-                                                                   "MIN_NORMAL_EXP": -14}
+    m_consts, v_consts = state_constants(fmt_m.torch_dtype), state_constants(fmt_v.torch_dtype)
     grid = (triton.cdiv(n, block),)
     _fp8_adam_kernel[grid](
         param_view.view(-1), grad, master.view(-1), state["exp_avg"], state["exp_avg_scale"], state["exp_avg_sq"],
         state["exp_avg_sq_scale"], n,
         lr, beta1, beta2, eps, weight_decay, lr / (1 - beta1**step), math.sqrt(1 - beta2**step),
         BLOCK=block, MASTER=MASTER_CODES[master_kind], DECOUPLED=decoupled_weight_decay, MAXIMIZE=maximize,
-        M_MAX=m_consts["FP8_MAX"], M_MANTISSA=m_consts["MANTISSA_BITS"], M_MIN_EXP=m_consts["MIN_NORMAL_EXP"],
-        V_FP8=v_fp8, V_SQRT=fmt_v.transform == "sqrt", V_MAX=v_consts["FP8_MAX"],
-        V_MANTISSA=v_consts["MANTISSA_BITS"], V_MIN_EXP=v_consts["MIN_NORMAL_EXP"],
-        EXPLICIT_ROUNDING=m_consts["EXPLICIT_ROUNDING"],
+        **kernel_formats(m_consts, v_consts), V_FP8=fmt_v.dtype in FP8_STATE_DTYPES, V_SQRT=fmt_v.transform == "sqrt",
+        EXPLICIT_ROUNDING=explicit_rounding(), num_warps=adam_num_warps(block),
     )

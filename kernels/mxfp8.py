@@ -107,15 +107,31 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def tile_size(block_size: int) -> int:
-    """Tile edge: a whole number of blocks in both directions, at least 64."""
-    return max(64, block_size)
+def tile_shape(block_size: int, rowwise: bool, colwise: bool) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_C): a whole number of blocks along each direction that is quantized, at least 64 each."""
+    edge = max(64, block_size)
+    return (edge if colwise else 64, edge if rowwise else 64)
+
+
+def quantize_num_warps(tile: tuple[int, int]) -> int:
+    """Warps per program: 4 for a (64, 64) tile, 8 above (32 and more elements per thread spill at 4 warps)."""
+    return 4 if tile[0] * tile[1] <= 64 * 64 else 8
+
+
+def launches(block_size: int, rowwise: bool, colwise: bool) -> list[tuple[bool, bool]]:
+    """The (rowwise, colwise) kernel launches for a request: one, except both directions at a block size above 64,
+    whose (128, 128) float32 tile spills registers even at 8 warps (``benchmarks/aot_compile.py``): one launch per
+    direction then, which reads ``x`` twice."""
+    if rowwise and colwise and block_size > 64:
+        return [(True, False), (False, True)]
+    return [(rowwise, colwise)] if rowwise or colwise else []
 
 
 def mx_quantize(
     x: torch.Tensor, block_size: int, scale_rounding: str, dtype: torch.dtype, rowwise: bool, colwise: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize the 2-D ``x`` (R, C) with one read.
+    """Quantize the 2-D ``x`` (R, C) with one read (two at block sizes above 64 with both copies, see
+    :func:`launches`).
 
     Returns ``(row_data (R, C_pad), row_scale (R, C_pad/bs), col_data (C, R_pad), col_scale (C, R_pad/bs))``;
     scales are uint8 E8M0 bytes; an output that was not requested is an empty tensor.
@@ -129,14 +145,14 @@ def mx_quantize(
     row_scale = torch.empty((r, c_pad // block_size), dtype=torch.uint8, device=dev) if rowwise else empty_u8
     col = torch.empty((c, r_pad), dtype=dtype, device=dev) if colwise else empty8
     col_scale = torch.empty((c, r_pad // block_size), dtype=torch.uint8, device=dev) if colwise else empty_u8
-    if x.numel() and (rowwise or colwise):
-        tile = tile_size(block_size)
-        grid = (triton.cdiv(r, tile), triton.cdiv(c, tile))
+    for row_pass, col_pass in launches(block_size, rowwise, colwise) if x.numel() else []:
+        tile = tile_shape(block_size, row_pass, col_pass)
+        grid = (triton.cdiv(r, tile[0]), triton.cdiv(c, tile[1]))
         _mx_quantize_kernel[grid](
-            x, row if rowwise else col, row_scale if rowwise else col_scale,
-            col if colwise else row, col_scale if colwise else row_scale,
+            x, row if row_pass else col, row_scale if row_pass else col_scale,
+            col if col_pass else row, col_scale if col_pass else row_scale,
             r, c, r_pad, c_pad, x.stride(0), x.stride(1),
             BLOCK_SIZE=block_size, EMAX=fp8_emax(dtype), RCEIL=scale_rounding == "rceil", **format_constants(dtype),
-            ROWWISE=rowwise, COLWISE=colwise, BLOCK_R=tile, BLOCK_C=tile,
+            ROWWISE=row_pass, COLWISE=col_pass, BLOCK_R=tile[0], BLOCK_C=tile[1], num_warps=quantize_num_warps(tile),
         )
     return row, row_scale, col, col_scale

@@ -54,6 +54,10 @@ MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
 NAN_BITS = {torch.float8_e4m3fn: 0x7FF00000, torch.float8_e5m2: 0x7FC00000}  # float32 NaNs: S.1111.111 / S.11111.10
 BLOCK = 4096
 TILE = 64
+# 8 warps: 16 elements of a 4096-element block (or 64 x 64 tile) per thread. At 4 warps (32 per thread) the flat
+# casts spill on sm_100a (benchmarks/aot_compile.py).
+NUM_WARPS = 8
+FLOAT32_MAX = tl.constexpr(torch.finfo(torch.float32).max)  # a scale's cap (quantize.tensorwise_scale's)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -117,7 +121,7 @@ def _tensorwise_scale(amax, eps, FP8_MAX: tl.constexpr, POWER_OF_2: tl.constexpr
     """Bit-for-bit ``fp8_lightning.quantize.tensorwise_scale`` (see the module docstring)."""
     clamped = tl.where(amax < eps, eps, amax)  # clamp(min=eps); NaN stays NaN
     scale = tl.math.div_rn(FP8_MAX, clamped)  # IEEE division: the correctly rounded quotient
-    scale = tl.where(scale > 3.4028234663852886e38, 3.4028234663852886e38, scale)
+    scale = tl.where(scale > FLOAT32_MAX, FLOAT32_MAX, scale)
     if POWER_OF_2:
         bits = scale.to(tl.int32, bitcast=True) & -8388608  # keep sign and exponent: 2**floor(log2(scale))
         scale = tl.where(scale != scale, 0.5, bits.to(tl.float32, bitcast=True))
@@ -301,7 +305,7 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     bits = _amax_buffer(x.device)
     n = x.numel()
     if n:
-        _amax_kernel[(triton.cdiv(n, BLOCK),)](_flat(x), bits, n, BLOCK=BLOCK)
+        _amax_kernel[(triton.cdiv(n, BLOCK),)](_flat(x), bits, n, BLOCK=BLOCK, num_warps=NUM_WARPS)
     return _bits_to_amax(bits)
 
 
@@ -315,7 +319,7 @@ def cast(
     if n:
         _cast_kernel[(triton.cdiv(n, BLOCK),)](
             _flat(x), scale.reshape(1).float(), out.view(-1), bits, n,
-            **format_constants(dtype), RECORD_AMAX=record_amax, BLOCK=BLOCK,
+            **format_constants(dtype), RECORD_AMAX=record_amax, BLOCK=BLOCK, num_warps=NUM_WARPS,
         )
     return out, _bits_to_amax(bits)
 
@@ -350,6 +354,7 @@ def delayed_cast(
     _delayed_cast_kernel[grid](
         flat, scale.reshape(1).float(), out.view(-1), out_t, sync, pending.float(), count, pending_out, count_out,
         inverse, m, k, **format_constants(dtype), RECORD=record, TRANSPOSE=transpose, BLOCK=BLOCK, TILE=TILE,
+        num_warps=NUM_WARPS,
     )  # fmt: skip
     return out, out_t, _bits_to_amax(sync[:1]), pending_out, count_out, inverse
 
@@ -374,11 +379,12 @@ def tensorwise_cast(
     count_out = torch.empty((), dtype=torch.int64, device=x.device) if keep else None
     inverse = torch.empty((), dtype=torch.float32, device=x.device) if keep else None
     if n:
-        _amax_kernel[(triton.cdiv(n, BLOCK),)](flat, bits, n, BLOCK=BLOCK)
+        _amax_kernel[(triton.cdiv(n, BLOCK),)](flat, bits, n, BLOCK=BLOCK, num_warps=NUM_WARPS)
     _tensorwise_cast_kernel[grid](
         flat, bits, out.view(-1), out_t, scale, prev_scale if keep else scale, count if keep else bits,
         count_out if keep else bits, inverse if keep else scale, m, k, eps, **format_constants(dtype),
         POWER_OF_2=power_of_2, KEEP_PREVIOUS=keep, TRANSPOSE=transpose, BLOCK=BLOCK, TILE=TILE,
+        num_warps=NUM_WARPS,
     )  # fmt: skip
     return out, out_t, scale.reshape(()), _bits_to_amax(bits), count_out, inverse
 
@@ -395,6 +401,6 @@ def cast_transpose(
         grid = (triton.cdiv(m, TILE), triton.cdiv(k, TILE))
         _cast_transpose_kernel[grid](
             x, scale.reshape(1).float(), out, out_t, bits, m, k, x.stride(0), x.stride(1),
-            **format_constants(dtype), RECORD_AMAX=record_amax, TILE=TILE,
+            **format_constants(dtype), RECORD_AMAX=record_amax, TILE=TILE, num_warps=NUM_WARPS,
         )
     return out, out_t, _bits_to_amax(bits)

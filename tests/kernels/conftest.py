@@ -23,7 +23,12 @@ import torch
 pytest.importorskip("triton", reason="needs Triton (pip install triton) to test the kernels")
 
 INTERPRET_ENV = "TRITON_INTERPRET"
-KERNEL_MODULES = ("fp8_lightning.kernels.per_tensor", "fp8_lightning.kernels.mxfp8", "fp8_lightning.kernels.block_gemm")
+KERNEL_MODULES = (
+    "fp8_lightning.kernels.per_tensor",
+    "fp8_lightning.kernels.mxfp8",
+    "fp8_lightning.kernels.block_gemm",
+    "fp8_lightning.kernels.fp8_adam",
+)
 
 
 def ensure_kernel_modules(interpreted: bool) -> None:
@@ -64,9 +69,10 @@ requires_cuda_kernels = pytest.mark.skipif(cuda_kernel_reason() is not None, rea
 def triton_mode(request, monkeypatch):
     """Interpreter for CPU kernel tests, compiled kernels for ``gpu`` tests; env restored afterwards."""
     on_gpu = request.node.get_closest_marker("gpu") is not None
-    if on_gpu:
+    compiled = on_gpu or getattr(request.module, "COMPILED_KERNELS", False)  # ahead-of-time compile tests
+    if compiled:
         monkeypatch.delenv(INTERPRET_ENV, raising=False)
     else:
         monkeypatch.setenv(INTERPRET_ENV, "1")
-    ensure_kernel_modules(interpreted=not on_gpu)
+    ensure_kernel_modules(interpreted=not compiled)
     yield "cuda" if on_gpu else "cpu"

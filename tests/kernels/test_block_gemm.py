@@ -98,3 +98,42 @@ def test_the_gemm_hands_mx_operands_to_the_kernel_where_it_runs_and_emulates_oth
     c16, d16 = mx_operand(16, 64, E4M3, block_size=16), mx_operand(8, 64, E4M3, block_size=16)
     gemm.fp8_mm(c16, d16, torch.float32)  # block size 16: emulated even where the kernel runs
     assert len(calls) == 1
+
+
+def test_strided_and_misaligned_operands_are_read_or_copied_for_the_descriptors():
+    from fp8_lightning.kernels.block_gemm import _descriptor_ready
+    from fp8_lightning.kernels.block_gemm import mx_gemm as launch
+
+    a, b = mx_operand(40, 64, E4M3, seed=7), mx_operand(24, 64, E5M2, seed=8)
+    wide = torch.zeros(40, 160, dtype=E4M3)
+    wide[:, 16:80] = a.data
+    aligned = wide[:, 16:80]  # rows 160 bytes apart, starting 16 bytes in: read where it lies
+    assert _descriptor_ready(aligned) is aligned
+    wide[:, 8:72] = a.data
+    misaligned = wide[:, 8:72]  # starts 8 bytes in: copied
+    copied = _descriptor_ready(misaligned)
+    assert copied is not misaligned and copied.is_contiguous() and copied.data_ptr() % 16 == 0
+    column_major = a.data.t().contiguous().t()
+    for view in (misaligned, column_major):
+        out = launch(view, a.scale.view(torch.uint8), b.data, b.scale.view(torch.uint8), torch.float32)
+        check(out, a, b, torch.float32)
+
+
+def test_autotuner_hooks_prune_per_gpu_and_size_the_descriptor_blocks(monkeypatch):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from fp8_lightning.kernels import block_gemm
+
+    out = torch.empty(1, 1)
+    every = block_gemm.mx_gemm_configs()
+    for capability, tallest in (((9, 0), 128), ((10, 0), 64), ((8, 9), 64)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        kept = block_gemm._prune_for_device(every, {"c_ptr": out})
+        assert kept and max(c.kwargs["BLOCK_M"] for c in kept) == tallest
+    a, b = torch.zeros(64, 64, dtype=E4M3), torch.zeros(32, 64, dtype=E4M3)
+    args = {"a_desc": TensorDescriptor(a, [64, 64], [64, 1], [32, 32]),
+            "b_desc": TensorDescriptor(b, [32, 64], [64, 1], [32, 32]), "BLOCK_K": 64}  # fmt: skip
+    for config in every:
+        config.pre_hook({**args, **config.kwargs})
+        assert args["a_desc"].block_shape == [config.kwargs["BLOCK_M"], 64]
+        assert args["b_desc"].block_shape == [config.kwargs["BLOCK_N"], 64]

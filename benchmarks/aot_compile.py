@@ -1,0 +1,144 @@
+"""Compile every kernel launch configuration for sm_90a and sm_100a on this machine (no GPU needed) and tabulate
+ptxas's report: registers per thread, spilled bytes, shared memory.
+
+The configurations are ``fp8_lightning.kernels.aot.launch_space()``: every dtype, constexpr and autotune config
+the wrappers can launch (about 1,700 per target; some 20 minutes on one core). The test suite compiles a covering
+subset (``tests/kernels/test_aot_compile.py``); this is the full sweep. Exits 1 when a configuration fails to
+compile or spills.
+
+Usage::
+
+    python benchmarks/aot_compile.py [--kernel NAME ...] [--cover] [--jobs N] [--out FILE.md]
+
+``--cover`` compiles the suite's pairwise covering only (about 70 compiles, a minute on an idle core).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import multiprocessing
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from fp8_lightning.kernels.aot import TARGETS, compile_variant, launch_space, pairwise_cover
+
+
+def _compile(job):
+    variant, target = job
+    try:
+        report = compile_variant(variant, target)
+        return variant, target, (report.registers, report.spill_bytes, report.shared_bytes), None
+    except Exception:  # a kernel that does not compile is a row of the table, not the end of the sweep
+        return variant, target, None, traceback.format_exc(limit=2)
+
+
+def _cell(result) -> list[str]:
+    if result is None:
+        return ["FAILED", "", ""]
+    registers, spilled, shared = result
+    return [str(registers), str(spilled) if not spilled else f"**{spilled}**", str(shared)]
+
+
+def render(results: dict, command: str, seconds: float, cover: bool = False) -> str:
+    """The markdown report: a summary per kernel and target, then one row per configuration."""
+    import torch
+    import triton
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    lines = [
+        f"# Ahead-of-time compilation of {'a pairwise covering of the' if cover else 'every'} kernel configuration"
+        f"{'s' if cover else ''} for {' and '.join(TARGETS)}",
+        "",
+        f"- command: `{command}`",
+        f"- machine: CPU only (no GPU); triton {triton.__version__} (its bundled ptxas), torch {torch.__version__}",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; commit {commit}; "
+        f"{sum(len(row) for row in results.values())} compiles ({len(results)} configurations) in {seconds:.0f} s",
+        "- registers per thread and spilled bytes (stores + loads) from `ptxas -v`; shared memory (bytes) as "
+        "Triton allocates it; \"-\": not compiled for that target (the wrapper never selects that configuration there, "
+        "or a covering run left it out)",
+        "",
+        "## Summary",
+        "",
+        "| kernel | configurations compiled | " + " | ".join(f"{t} max registers | {t} spilling | {t} failed" for t in TARGETS)
+        + " |",
+        "|---|---:|" + "---:|---:|---:|" * len(TARGETS),
+    ]
+    by_kernel = collections.defaultdict(list)
+    for variant, per_target in results.items():
+        by_kernel[variant.kernel].append(per_target)
+    for kernel, rows in by_kernel.items():
+        cells = [kernel, str(len(rows))]
+        for target in TARGETS:
+            launched = [row[target] for row in rows if target in row]
+            done = [r for r in launched if r is not None]
+            cells += [str(max((r[0] for r in done), default=0)), str(sum(1 for r in done if r[1])),
+                      str(len(launched) - len(done))]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## Every configuration", "",
+              "| kernel | configuration | " + " | ".join(f"{t} registers | {t} spills | {t} shared" for t in TARGETS)
+              + " |", "|---|---|" + "---:|---:|---:|" * len(TARGETS)]
+    for variant, per_target in results.items():
+        cells = [variant.kernel, variant.config]
+        for target in TARGETS:
+            cells += _cell(per_target[target]) if target in per_target else ["-", "", ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernel", action="append", help="only this kernel (repeatable), e.g. _mx_gemm_kernel")
+    parser.add_argument("--cover", action="store_true", help="only the test suite's pairwise covering")
+    parser.add_argument("--jobs", type=int, default=1, help="compile processes (default 1)")
+    parser.add_argument("--out", type=Path, help="write the markdown table here (default: print the summary)")
+    args = parser.parse_args(argv)
+    variants = [v for v in launch_space() if not args.kernel or v.kernel in args.kernel]
+    if not variants:
+        names = sorted({v.kernel for v in launch_space()})
+        print(f"no kernel matches --kernel {args.kernel}; kernels: {', '.join(names)}")
+        return 2
+    jobs = pairwise_cover(variants) if args.cover else [(v, t) for v in variants for t in v.targets]
+    results = {}
+    for variant, target in jobs:  # rows in launch-space order, a cell per compiled target
+        results.setdefault(variant, {})[target] = None
+    start = time.perf_counter()
+    failures = []
+    with multiprocessing.get_context("fork").Pool(args.jobs) if args.jobs > 1 else _Serial() as pool:
+        for done, (variant, target, result, error) in enumerate(pool.imap_unordered(_compile, jobs), start=1):
+            results[variant][target] = result
+            if done % 200 == 0:
+                print(f"{done}/{len(jobs)} compiled, {time.perf_counter() - start:.0f} s", flush=True)
+            if error:
+                failures.append(f"{variant.kernel} [{variant.config}] {target}:\n{error}")
+    seconds = time.perf_counter() - start
+    text = render(results, "python benchmarks/aot_compile.py " + " ".join(argv or sys.argv[1:]), seconds, args.cover)
+    if args.out:
+        args.out.write_text(text)
+        print(f"wrote {args.out}")
+    print(text.split("## Every configuration")[0])
+    spilling = [f"{v.kernel} [{v.config}] {t}" for v, row in results.items() for t, r in row.items() if r and r[1]]
+    for line in failures + [f"spills: {s}" for s in spilling]:
+        print(line)
+    return 1 if failures or spilling else 0
+
+
+class _Serial:
+    """The Pool interface, in this process (no fork for one job)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def imap_unordered(self, fn, items):
+        return map(fn, items)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Every kernel compiles for Hopper (sm_90a) and Blackwell (sm_100a) on this CPU, without spilling registers.
+
+The interpreter that runs the other kernel tests accepts code the GPU compiler refuses; this compiles the real
+thing ahead of time (``fp8_lightning.kernels.aot``, ptxas from the triton wheel). The suite compiles a pairwise
+covering of the launch space (every pair of configuration values of a kernel, the target included, at least once:
+about 100 compiles); ``benchmarks/aot_compile.py`` sweeps all of it and writes the table.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from fp8_lightning.kernels import aot
+
+COMPILED_KERNELS = True  # conftest: import the kernel modules compiled, not interpreted
+
+
+@pytest.fixture(scope="module")
+def covering_jobs():
+    return aot.pairwise_cover(aot.launch_space())
+
+
+def _jit_kernels() -> set[str]:
+    from fp8_lightning.kernels import block_gemm, fp8_adam, mxfp8, per_tensor
+
+    return {
+        name
+        for module in (per_tensor, mxfp8, block_gemm, fp8_adam)
+        for name, value in vars(module).items()
+        if name.endswith("_kernel") and type(value).__name__ == "JITFunction"
+    }
+
+
+def test_launch_space_has_every_kernel_and_every_wrapper_choice():
+    from fp8_lightning.kernels import MX_BLOCK_SIZES
+    from fp8_lightning.kernels.block_gemm import mx_gemm_configs
+    from fp8_lightning.kernels.fp8_adam import MAX_BLOCK, MIN_BLOCK
+
+    space = aot.launch_space()
+    assert {v.kernel for v in space} == _jit_kernels()
+    gemm_configs = {aot.axes(v)["config"] for v in space if v.kernel == "_mx_gemm_kernel"}
+    wanted = {f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']}/warps{c.num_warps}/stages{c.num_stages}"
+              for c in mx_gemm_configs()}  # fmt: skip
+    assert gemm_configs == wanted
+    adam_blocks = {int(aot.axes(v)["BLOCK"]) for v in space if v.kernel == "_fp8_adam_kernel"}
+    assert min(adam_blocks) == MIN_BLOCK and max(adam_blocks) == MAX_BLOCK and len(adam_blocks) == 10
+    mx_blocks = {int(aot.axes(v)["block"]) for v in space if v.kernel == "_mx_quantize_kernel"}
+    assert mx_blocks == set(MX_BLOCK_SIZES)
+
+
+def test_cover_pairs_every_shape_and_option_value_and_meets_every_dtype():
+    space = [v for v in aot.launch_space() if v.kernel == "_mx_quantize_kernel"]
+    chosen = aot.pairwise_cover(space)
+    assert len(chosen) < len(space) * len(aot.TARGETS) / 10
+
+    def items(variant, target):
+        return {**aot.axes(variant), "target": target}.items()
+
+    seen = {(a, b) for v, t in chosen for a in items(v, t) for b in items(v, t)}
+    for variant in space:
+        for target in variant.targets:
+            shape = [i for i in items(variant, target) if i[0] not in aot.DTYPE_AXES]
+            assert all((a, b) in seen for a in shape for b in shape), variant
+            assert all((i, i) in seen for i in items(variant, target)), variant
+
+
+def test_ptxas_report_is_read():
+    log = (
+        "ptxas info    : Compiling entry function '_k' for 'sm_90a'\n"
+        "ptxas info    : Function properties for _k\n"
+        "    352 bytes stack frame, 636 bytes spill stores, 596 bytes spill loads\n"
+        "ptxas info    : Used 255 registers, used 1 barriers, 352 bytes cumulative stack size\n"
+    )
+    assert aot.parse_ptxas_log(log) == (255, 636 + 596)
+    assert aot.parse_ptxas_log("ptxas info    : Used 40 registers, used 0 barriers") == (40, 0)
+    with pytest.raises(ValueError, match="no register count"):
+        aot.parse_ptxas_log("ptxas fatal   : something else")
+
+
+@pytest.mark.timeout(400)
+def test_covering_configurations_compile_for_sm90a_and_sm100a_without_spills(covering_jobs):
+    problems = []
+    for variant, target in covering_jobs:
+        try:
+            report = aot.compile_variant(variant, target)
+        except Exception as err:  # report every failure at once
+            problems.append(f"{variant.kernel} [{variant.config}] {target}: does not compile: {err}"[:600])
+            continue
+        if report.spill_bytes:
+            problems.append(f"{variant.kernel} [{variant.config}] {target}: spills {report.spill_bytes} bytes "
+                            f"({report.registers} registers)")  # fmt: skip
+    assert not problems, "\n".join(problems)
+
+
+def _gemm_variant(capability):
+    from fp8_lightning.kernels.block_gemm import _config_key, mx_gemm_configs
+
+    default = _config_key(mx_gemm_configs(capability)[0])
+    return next(
+        v for v in aot.launch_space()
+        if v.kernel == "_mx_gemm_kernel" and "a=fp8e4nv b=fp8e4nv out=bf16 block=32 " in v.config + " "
+        and (tuple(sorted((k, val) for k, val in v.args if k in ("BLOCK_M", "BLOCK_N", "GROUP_M"))),
+             v.num_warps, v.num_stages) == default
+    )  # fmt: skip
+
+
+def test_hopper_mx_gemm_loads_operands_with_tma_into_wgmma():
+    ptx = aot.compile_variant(_gemm_variant((9, 0)), "sm_90a").ptx
+    assert re.search(r"cp\.async\.bulk\.tensor\.2d", ptx), "operand tiles should arrive by TMA"
+    assert "e4m3" in re.search(r"wgmma\.mma_async\S*", ptx).group(0), "FP8 operands straight into wgmma"
+    assert "cp.async.cg" not in ptx and "cp.async.ca" not in ptx, "no per-thread asynchronous copies left"
+
+
+def test_blackwell_mx_gemm_uses_tcgen05_with_tma():
+    ptx = aot.compile_variant(_gemm_variant((10, 0)), "sm_100a").ptx
+    assert re.search(r"cp\.async\.bulk\.tensor\.2d", ptx) and "tcgen05.mma" in ptx
+
+
+def test_compile_refuses_an_unknown_target():
+    with pytest.raises(ValueError, match="sm_90a"):
+        aot.compile_variant(aot.launch_space()[0], "sm_80")
