@@ -74,7 +74,7 @@ def test_counts_for_tiles_and_rows_use_each_ones_own_scale():
     data = quantize_with_scale(x.float(), per_element(tile_scale, x.shape), E4M3)
     for q, factor in ((Quantized(data, tile_scale, "block"), lambda i, j: tile_scale[i, j // 128].item()),
                       (Quantized(data, tile_scale[:, :1], "row"), lambda i, j: tile_scale[i, 0].item())):  # fmt: skip
-        over = sum(abs(x[i, j].item() * factor(i, j)) > 448 for i in range(3) for j in range(200))
+        over = sum(abs(x[i, j].item() * factor(i, j)) > 464 for i in range(3) for j in range(200))  # past rounding
         under = sum(x[i, j].item() != 0 and data[i, j].float().item() == 0 for i in range(3) for j in range(200))
         assert overflow_count(x.float(), q).item() == over and underflow_count(x.float(), q).item() == under >= 2
         assert representative_scale(q).item() == pytest.approx(448 / 5e6)  # the loudest tile or row

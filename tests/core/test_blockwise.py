@@ -27,6 +27,7 @@ from fp8_lightning.quantize import Quantized
 from fp8_lightning.recipes import BlockwiseScaling
 from tests.core.fake_cuda import fake_cuda, fake_operand
 from tests.core.fp8_reference import nearest_float32, round_saturate
+from tests.environment import set_env
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 MAX = {E4M3: 448.0, E5M2: 57344.0}
@@ -199,7 +200,7 @@ def test_gemm_refused_where_cublas_lacks_it_with_the_emulation_option_named(monk
         a = fake_operand((32, 128), (32, 1), "block")
         with pytest.raises(RuntimeError, match="emulate=True.*FP8_LIGHTNING_EMULATE=1"):
             blockwise_mm(a, a, torch.bfloat16)
-    monkeypatch.setenv("FP8_LIGHTNING_EMULATE", "1")  # the named option reaches the blockwise GEMM as emulate=True
+    set_env(monkeypatch, FP8_LIGHTNING_EMULATE="1")  # the named option reaches the blockwise GEMM as emulate=True
     seen = []
     monkeypatch.setattr(gemm, "fine_mm", lambda a, b, out_dtype, emulate, bias: seen.append(emulate))
     q = Quantized(*quantize_blockwise(torch.randn(4, 32), ROW_TILE, E4M3), "block")
