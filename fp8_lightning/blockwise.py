@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8_lightning.formats import fp8_max
+from fp8_lightning.formats import BLOCKWISE_CAPABILITY_MAJOR, fp8_max
 from fp8_lightning.quantize import (
     Quantized,
     fp8_to_float32,
@@ -130,7 +130,7 @@ def blockwise_gemm_support(device: torch.device | str) -> tuple[bool, str]:
     if device.type != "cuda" or not torch.cuda.is_available():
         return False, f"blockwise FP8 GEMMs need a CUDA device (got '{device.type}')"
     major, minor = torch.cuda.get_device_capability(device)
-    if major != 9:
+    if major != BLOCKWISE_CAPABILITY_MAJOR:
         return False, f"compute capability {major}.{minor} has no 1x128/128x128 block-scaled GEMM (cuBLAS: 9.x only)"
     cuda = tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
     if cuda < (12, 9):

@@ -29,6 +29,11 @@ _MIN_NORMAL = {E4M3_DTYPE: 2.0**-6, E5M2_DTYPE: 2.0**-14}
 # Smallest positive subnormal value.
 _MIN_SUBNORMAL = {E4M3_DTYPE: 2.0**-9, E5M2_DTYPE: 2.0**-16}
 
+# NVIDIA compute capabilities with FP8 hardware, one definition for every device check:
+FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores and conversions (Ada, Hopper, Blackwell)
+NATIVE_MX_MIN_CAPABILITY = (10, 0)  # cuBLAS's 1x32 block-scaled (MX) GEMM (Blackwell)
+BLOCKWISE_CAPABILITY_MAJOR = 9  # cuBLAS's 1x128 / 128x128 block-scaled GEMM (Hopper only)
+
 
 class Format(str, enum.Enum):
     """Which FP8 dtype the forward operands and the backward (gradient) operand use."""

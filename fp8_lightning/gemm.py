@@ -35,6 +35,7 @@ from fp8_lightning import kernels
 from fp8_lightning.backends import dequantize_operand, operand_f32
 from fp8_lightning.kernels.availability import kernels_usable
 from fp8_lightning.fine_grained import FINE_KINDS, fine_mm
+from fp8_lightning.formats import FP8_MIN_CAPABILITY, NATIVE_MX_MIN_CAPABILITY
 from fp8_lightning.quantize import Quantized, pad_dim
 from fp8_lightning.settings import GEMM_BACKENDS as BACKENDS
 from fp8_lightning.settings import settings
@@ -61,10 +62,10 @@ def fp8_gemm_support(device: torch.device | str) -> tuple[bool, str]:
     if not torch.cuda.is_available():
         return False, "CUDA is not available"
     major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < (8, 9):
+    if (major, minor) < FP8_MIN_CAPABILITY:
         return False, (
             f"CUDA device '{torch.cuda.get_device_name(device)}' has compute capability {major}.{minor}; FP8 GEMMs "
-            f"need 8.9+ (Ada, Hopper, Blackwell)"
+            f"need {'.'.join(map(str, FP8_MIN_CAPABILITY))}+ (Ada, Hopper, Blackwell)"
         )
     return True, f"compute capability {major}.{minor}"
 
@@ -135,8 +136,9 @@ def native_mx_gemm_support(device: torch.device | str) -> tuple[bool, str]:
     if device.type != "cuda" or not torch.cuda.is_available():
         return False, "native MX GEMMs need a CUDA device"
     major, minor = torch.cuda.get_device_capability(device)
-    if major < 10:
-        return False, f"compute capability {major}.{minor} has no native MX GEMM (needs 10.0+, Blackwell)"
+    if (major, minor) < NATIVE_MX_MIN_CAPABILITY:
+        need = ".".join(map(str, NATIVE_MX_MIN_CAPABILITY))
+        return False, f"compute capability {major}.{minor} has no native MX GEMM (needs {need}+, Blackwell)"
     return True, f"compute capability {major}.{minor}"
 
 

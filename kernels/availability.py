@@ -22,12 +22,13 @@ import os
 
 import torch
 
+from fp8_lightning.formats import FP8_MIN_CAPABILITY
 from fp8_lightning.settings import settings
 
 DISABLE_ENV = "FP8_LIGHTNING_DISABLE_TRITON"
 INTERPRET_ENV = "TRITON_INTERPRET"
 EXPLICIT_ROUNDING_ENV = "FP8_LIGHTNING_TRITON_EXPLICIT_ROUNDING"
-MIN_CAPABILITY = (8, 9)  # hardware FP8 conversions (Ada, Hopper, Blackwell)
+MIN_CAPABILITY = FP8_MIN_CAPABILITY  # hardware FP8 conversions (Ada, Hopper, Blackwell)
 
 
 def disabled_by_env() -> bool:
