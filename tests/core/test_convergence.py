@@ -7,7 +7,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fp8_lightning import DelayedScaling, Format, MXFP8BlockScaling, TensorwiseScaling, convert_to_fp8, fp8_autocast
+from fp8_lightning import (
+    BlockwiseScaling,
+    DelayedScaling,
+    Format,
+    MXFP8BlockScaling,
+    RowwiseScaling,
+    TensorwiseScaling,
+    convert_to_fp8,
+    fp8_autocast,
+)
 
 VOCAB, SEQ, DIM = 64, 32, 64
 
@@ -80,8 +89,9 @@ def fp32_loss():
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "recipe",
-    [DelayedScaling(), DelayedScaling(fp8_format=Format.E4M3), TensorwiseScaling(), MXFP8BlockScaling()],
-    ids=["delayed-hybrid", "delayed-e4m3", "tensorwise", "mxfp8"],
+    [DelayedScaling(), DelayedScaling(fp8_format=Format.E4M3), TensorwiseScaling(), MXFP8BlockScaling(),
+     RowwiseScaling(), BlockwiseScaling()],
+    ids=["delayed-hybrid", "delayed-e4m3", "tensorwise", "mxfp8", "rowwise", "blockwise"],
 )
 def test_final_loss_within_2_percent_of_float32(recipe, fp32_loss):
     assert fp32_loss < math.log(VOCAB) * 0.8  # the float32 run really learned something
