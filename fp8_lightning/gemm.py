@@ -155,13 +155,20 @@ def swizzle_mx_scales(scale: torch.Tensor) -> torch.Tensor:
     return swizzled.reshape(-1).view(scale.dtype)
 
 
+def swizzled_scales(q: Quantized) -> torch.Tensor:
+    """``q``'s MX scales in cuBLAS's layout (:func:`swizzle_mx_scales`), made once per operand and kept on it."""
+    if q.swizzled is None:
+        q.swizzled = swizzle_mx_scales(q.scale)
+    return q.swizzled
+
+
 def _native_mx_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
     mm_dtype = out_dtype if out_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
     out = torch._scaled_mm(
         a.data.contiguous(),
         b.data.contiguous().t(),
-        scale_a=swizzle_mx_scales(a.scale),
-        scale_b=swizzle_mx_scales(b.scale),
+        scale_a=swizzled_scales(a),
+        scale_b=swizzled_scales(b),
         out_dtype=mm_dtype,
     )
     return out.to(out_dtype)

@@ -183,6 +183,9 @@ class _FP8LinearFunction(torch.autograd.Function):
         # the cached FP8 weight in float32, when a CPU float GEMM made it (the weight cache keeps it for the step
         # anyway): dgrad reuses it instead of decoding the saved bytes again.
         ctx.w_f32 = w_saved.f32
+        # a block-scaled weight's columnwise operand is the weight cache's own object: what dgrad derives from it
+        # (its float32 form, cuBLAS's swizzled scales) is then made once per optimizer step, not per micro-batch
+        ctx.w_operand = None if scaling.recipe.per_tensor else w_saved
         ctx.nan_free = (x_saved.nan_free, w_saved.nan_free)
         ctx.inverses = (x_saved.inverse, w_saved.inverse)  # 1 / scale, when the fprop GEMM made it (CUDA)
         ctx.kinds = (x_saved.kind, w_saved.kind)  # per operand: a high-precision wgrad saves x unquantized
@@ -194,7 +197,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         layer, scaling, emulate, x_dtype, w_dtype, bias_dtype = ctx.meta
         (x_kind, w_kind), per_tensor = ctx.kinds, scaling.recipe.per_tensor
         x_saved = Quantized(x_data, x_scale, x_kind, nan_free=ctx.nan_free[0], inverse=ctx.inverses[0])
-        w_saved = Quantized(w_data, w_scale, w_kind, ctx.w_f32, ctx.nan_free[1], ctx.inverses[1])
+        w_saved = ctx.w_operand or Quantized(w_data, w_scale, w_kind, ctx.w_f32, ctx.nan_free[1], ctx.inverses[1])
         g = grad_y.contiguous()
         gq, g_col = scaling.cast("grad_output", g, record=True, columnwise=ctx.needs_input_grad[1])
         _observe(layer, "grad_output", g, gq)

@@ -168,6 +168,9 @@ class Quantized:
     # ``data.T`` as a contiguous copy, when the cast wrote one (CUDA): the layout a scaled GEMM needs for the
     # operand's transposed uses, which :meth:`t` then hands out instead of a view to copy.
     transposed: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
+    # MX scales in cuBLAS's swizzled layout, made by the first native MX GEMM that reads the operand
+    # (``gemm.swizzled_scales``) and kept for its later GEMMs (the cached weight's: once per optimizer step).
+    swizzled: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def inverse_scale(self) -> torch.Tensor:
         """``1 / scale`` (per-tensor: the dequantization factor a scaled GEMM takes), made on the first call and

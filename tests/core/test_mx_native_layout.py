@@ -31,3 +31,27 @@ def test_swizzle_matches_the_layout_formula(shape):
 def test_native_mx_gemm_is_reported_unavailable_off_blackwell():
     ok, reason = native_mx_gemm_support("cpu")
     assert not ok and "CUDA" in reason
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_the_weights_scales_are_swizzled_once_per_optimizer_step(micro_batches, monkeypatch):
+    """On the native MX GEMM route (stood in for on CPU: the route forced, ``_scaled_mm`` replaced by the float32
+    product of the dequantized operands), each micro-batch swizzles the scales of its own four operands (x, x.T,
+    grad, grad.T) and the weight's two copies are swizzled once per step: their cast is cached, and so is their
+    cuBLAS layout."""
+    from fp8_lightning import FP8Linear, MXFP8BlockScaling, fp8_autocast, gemm
+    from tests.environment import set_env
+
+    set_env(monkeypatch, FP8_LIGHTNING_GEMM="scaled_mm")
+    monkeypatch.setattr(gemm, "native_mx_gemm_support", lambda device: (True, "stood in for"))
+    calls = []
+    monkeypatch.setattr(gemm, "swizzle_mx_scales", lambda scale: calls.append(scale.shape) or swizzle_mx_scales(scale))
+    monkeypatch.setattr(torch, "_scaled_mm", lambda a, b, **kw: torch.zeros(a.shape[0], b.shape[1], dtype=kw["out_dtype"]))
+    layer = FP8Linear.from_linear(torch.nn.Linear(64, 32), MXFP8BlockScaling())
+    with torch.no_grad():
+        layer.weight.mul_(1.0)  # a new weight version: this step casts the weight once
+    for _ in range(micro_batches):
+        with fp8_autocast():
+            layer(torch.randn(8, 64, requires_grad=True)).sum().backward()
+    assert len(calls) == 2 + 4 * micro_batches  # without the kept layout: 6 per micro-batch
+    assert layer.fp8_weight_casts == 1
