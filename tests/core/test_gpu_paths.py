@@ -15,7 +15,7 @@ def test_cuda_casts_are_bit_identical_to_cpu():
 
 
 @requires_cuda_fp8
-@pytest.mark.parametrize("name", ["tensorwise", "delayed", "delayed-e4m3", "mxfp8"])
+@pytest.mark.parametrize("name", ["tensorwise", "tensorwise-fast", "delayed", "delayed-e4m3", "mxfp8"])
 def test_cuda_fp8_linear_matches_cpu(name):
     import benchmarks.gpu_check as check
 
