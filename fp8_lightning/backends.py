@@ -19,8 +19,9 @@ Every implementation gives the reference's bits (``tests/core``, ``tests/kernels
 tensor (device, dtype, type) and the process's settings (:mod:`fp8_lightning.settings`, read once).
 
 Why functions and not ``torch.library`` ops with one kernel per device: in eager mode each custom op call goes
-through the dispatcher in Python, several microseconds per call, on a path with a dozen such calls per layer step
-(the eager host cost is what a GPU step is bound by). Under ``torch.compile`` the traced step
+through the dispatcher in Python, on a path with a dozen such calls per layer step (the eager host cost is what a
+GPU step is bound by). Measured on the 2-core CPU (torch 2.13, 2026-11-24): a ``custom_op`` that clones a
+4-element tensor costs 9.6 us per call, the same clone called as a function 1.3 us. Under ``torch.compile`` the traced step
 (:mod:`fp8_lightning.traced`) calls the custom ops of :mod:`fp8_lightning.layer_ops`, whose implementations are
 these functions.
 """
@@ -32,11 +33,10 @@ from typing import NamedTuple
 
 import torch
 
-from fp8_lightning import mx, quantize
+from fp8_lightning import kernels, mx, quantize
 from fp8_lightning.fine_grained import fine_dequantize
 from fp8_lightning.formats import Format, fp8_dtype
 from fp8_lightning.kernels import cpu_codec as codec_module
-from fp8_lightning import kernels
 from fp8_lightning.kernels.availability import kernels_usable
 from fp8_lightning.quantize import Quantized, _check_floating, is_transposed_2d
 
