@@ -38,13 +38,14 @@ from fp8_lightning.quantize import (
     max_over_amax,
     pad_dim,
     round_scale_to_power_of_2,
+    row_major,
+    scaled_mm_layout,
     to_fp8_saturated,
     wide,
 )
 
 TILE = 128
 ROW_TILE, COLUMN_TILE, WEIGHT_BLOCK = (1, TILE), (TILE, 1), (TILE, TILE)
-LAYOUT_MULTIPLE = 16  # cuBLAS wants K and N in multiples of 16
 EMULATE_HINT = "pass emulate=True (or set FP8_LIGHTNING_EMULATE=1) to emulate the blockwise GEMMs in float32"
 
 
@@ -138,20 +139,15 @@ def blockwise_gemm_support(device: torch.device | str) -> tuple[bool, str]:
     return True, f"compute capability {major}.{minor}, CUDA {torch.version.cuda}"
 
 
-def _row_major(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a row-major copy (itself when it is one): ``contiguous()`` by ``clone``, which fake tensors support."""
-    return t if t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
-
-
 def _scale_layout(q: Quantized, rows: int) -> torch.Tensor:
     """``1 / scale`` of an operand with (rows x 128) tiles and K last, in the layout cuBLAS reads for it:
     1x128 "outer-dim-major" (column-major, stride (1, M)); 128x128 "inner-dim-major" with the row stride padded to a
     multiple of 4 (16 bytes)."""
     inverse = q.scale.float().reciprocal()
     if rows == 1:
-        return _row_major(inverse.t()).t()
+        return row_major(inverse.t()).t()
     k_tiles = inverse.shape[1]
-    return _row_major(pad_dim(inverse, 1, 4)).narrow(1, 0, k_tiles)  # narrow: fake tensors refuse indexing
+    return row_major(pad_dim(inverse, 1, 4)).narrow(1, 0, k_tiles)  # narrow: fake tensors refuse indexing
 
 
 def blockwise_scaled_mm_args(
@@ -165,8 +161,7 @@ def blockwise_scaled_mm_args(
     b_rows, _ = tile_of(b.data.shape, b.scale.shape)
     if a_rows == b_rows == TILE:
         raise ValueError("a blockwise GEMM cannot multiply two 128x128-scaled operands; cast one in 1x128 tiles.")
-    mat1 = pad_dim(_row_major(a.data), -1, LAYOUT_MULTIPLE)
-    b_data = pad_dim(pad_dim(_row_major(b.data), -1, LAYOUT_MULTIPLE), 0, LAYOUT_MULTIPLE)
+    mat1, b_data = scaled_mm_layout(a.data, b.data)
     b_q = b
     if b_rows == 1 and b_data.shape[0] != b.data.shape[0]:  # padded rows of b: one more factor each (value 1)
         ones = b.scale.new_ones((b_data.shape[0] - b.data.shape[0], b.scale.shape[1]))

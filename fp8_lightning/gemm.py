@@ -36,13 +36,12 @@ from fp8_lightning.backends import dequantize_operand, operand_f32
 from fp8_lightning.kernels.availability import kernels_usable
 from fp8_lightning.fine_grained import FINE_KINDS, fine_mm
 from fp8_lightning.formats import FP8_MIN_CAPABILITY, NATIVE_MX_MIN_CAPABILITY
-from fp8_lightning.quantize import Quantized, pad_dim
+from fp8_lightning.quantize import LAYOUT_MULTIPLE, Quantized, pad_dim, scaled_mm_layout
 from fp8_lightning.settings import GEMM_BACKENDS as BACKENDS
 from fp8_lightning.settings import settings
 
 GEMM_ENV = "FP8_LIGHTNING_GEMM"
 EMULATE_ENV = "FP8_LIGHTNING_EMULATE"
-LAYOUT_MULTIPLE = 16
 
 def emulation_requested() -> bool:
     return settings().emulate
@@ -70,6 +69,17 @@ def fp8_gemm_support(device: torch.device | str) -> tuple[bool, str]:
     return True, f"compute capability {major}.{minor}"
 
 
+def per_tensor_scaled_mm(device: torch.device | str, emulate: bool = False) -> bool:
+    """Whether per-tensor GEMMs on ``device`` run on ``torch._scaled_mm``: on request
+    (``FP8_LIGHTNING_GEMM=scaled_mm``), or by default on a device with FP8 GEMMs other than the CPU (which takes the
+    float GEMM); never when emulating.
+    The eager GEMM (:func:`fp8_mm`) and the traced step's plan (:func:`fp8_lightning.traced.make_plan`) both ask."""
+    backend = "emulate" if emulate else requested_backend()
+    if backend == "auto":
+        return torch.device(device).type != "cpu" and fp8_gemm_support(device)[0]
+    return backend == "scaled_mm"
+
+
 def check_device(device: torch.device | str, emulate: bool = False) -> None:
     """Raise a clear error when ``device`` cannot run FP8 GEMMs and emulation was not requested."""
     ok, reason = fp8_gemm_support(device)
@@ -91,12 +101,11 @@ def scaled_mm(
 
     ``bias`` rides in the GEMM's epilogue, in the output dtype, where cuBLAS takes it: with a bf16 or fp16 output
     (``_scaled_mm`` refuses a bias with float32 output and wants it in the output's dtype). The sum is then rounded
-    once, where adding it afterwards rounds the product and the sum; with float32 output it is added afterwards. ``fast_accum``: Hopper's faster, less precise accumulation
-    of FP8 products (``use_fast_accum``).
+    once, where adding it afterwards rounds the product and the sum; with float32 output it is added afterwards.
+    ``fast_accum``: Hopper's faster, less precise accumulation of FP8 products (``use_fast_accum``).
     """
     n = b.shape[0]
-    a_data = pad_dim(a.contiguous(), -1, LAYOUT_MULTIPLE)
-    b_data = pad_dim(pad_dim(b.contiguous(), -1, LAYOUT_MULTIPLE), 0, LAYOUT_MULTIPLE)
+    a_data, b_data = scaled_mm_layout(a, b)
     mm_dtype = out_dtype if out_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
     fused = bias is not None and mm_dtype != torch.float32
     out = torch._scaled_mm(
@@ -202,6 +211,6 @@ def fp8_mm(
         if backend != "emulate" and kernels_usable(a.data) and kernels.mx_gemm_supported(a, b, out_dtype)[0]:
             return _add_bias(kernels.mx_gemm(a, b, out_dtype), bias)
         return _add_bias(_emulated(a, b, out_dtype), bias)
-    if backend == "emulate" or (backend == "auto" and not fp8_gemm_support(a.data.device)[0]):
+    if not per_tensor_scaled_mm(a.data.device, emulate):
         return _add_bias(_emulated(a, b, out_dtype), bias)
     return scaled_mm(a.data, a.inverse_scale(), b.data, b.inverse_scale(), out_dtype, bias, fast_accum)

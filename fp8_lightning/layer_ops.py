@@ -14,7 +14,8 @@ device, and each implementation is the eager layer's own code (:func:`fp8_lightn
 
 Per-tensor casts are not ops: the traced step writes them as plain tensor operations
 (:func:`fp8_lightning.traced.traced_cast`), which the compiler fuses with their neighbours. Nor is the per-tensor
-GEMM where it is ``torch._scaled_mm`` (CUDA): the graph holds that aten op itself (:func:`fp8_lightning.gemm.scaled_mm`).
+GEMM where it is ``torch._scaled_mm`` (CUDA): the graph holds that aten op itself
+(:func:`fp8_lightning.gemm.scaled_mm`).
 """
 
 from __future__ import annotations

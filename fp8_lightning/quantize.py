@@ -197,6 +197,23 @@ class Quantized:
         return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()
 
 
+LAYOUT_MULTIPLE = 16  # torch._scaled_mm on CUDA: K and N in multiples of 16
+
+
+def row_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a row-major tensor (itself when it is one): ``contiguous()`` by ``clone``, which fake tensors
+    support."""
+    return t if t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
+
+
+def scaled_mm_layout(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 data of ``a @ b.T`` (``a``: (M, K), ``b``: (N, K)) as ``torch._scaled_mm`` takes it: ``a`` row-major
+    with K zero-padded to :data:`LAYOUT_MULTIPLE`, and ``b`` row-major with K and N padded (so that ``b.T``, the
+    GEMM's second operand, is column-major). Zeros add nothing to a sum; padded output columns are cut after."""
+    padded_b = pad_dim(pad_dim(row_major(b), -1, LAYOUT_MULTIPLE), 0, LAYOUT_MULTIPLE)
+    return pad_dim(row_major(a), -1, LAYOUT_MULTIPLE), padded_b
+
+
 def pad_dim(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     """Zero-pad dimension ``dim`` up to a multiple of ``multiple`` (works for float8 via a uint8 view)."""
     size = t.shape[dim]

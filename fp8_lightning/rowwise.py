@@ -31,9 +31,15 @@ from __future__ import annotations
 
 import torch
 
-from fp8_lightning.quantize import Quantized, fp8_to_float32, pad_dim, tensorwise_scale, to_fp8_saturated, wide
+from fp8_lightning.quantize import (
+    Quantized,
+    fp8_to_float32,
+    scaled_mm_layout,
+    tensorwise_scale,
+    to_fp8_saturated,
+    wide,
+)
 
-LAYOUT_MULTIPLE = 16  # cuBLAS wants K and N in multiples of 16
 
 
 def rowwise_scale(row_amax: torch.Tensor, dtype: torch.dtype, eps: float, power_of_2: bool) -> torch.Tensor:
@@ -113,8 +119,8 @@ def rowwise_scaled_mm_args(a: Quantized, b: Quantized) -> tuple[torch.Tensor, to
     cuBLAS's layout: mat1 (M, K) row-major, mat2 (K, N) column-major, K and N zero-padded to multiples of 16;
     scale_a (M, 1) and scale_b (1, N) contiguous float32 dequantization factors (``1 / scale``; the padded
     columns get 1)."""
-    mat1 = pad_dim(a.data.contiguous(), -1, LAYOUT_MULTIPLE)
-    mat2 = pad_dim(pad_dim(b.data.contiguous(), -1, LAYOUT_MULTIPLE), 0, LAYOUT_MULTIPLE).t()
+    mat1, padded_b = scaled_mm_layout(a.data, b.data)
+    mat2 = padded_b.t()
     scale_a = a.scale.float().reciprocal().reshape(-1, 1).contiguous()
     inverse_b = b.scale.float().reciprocal().reshape(-1)
     extra = mat2.shape[1] - inverse_b.numel()

@@ -181,7 +181,8 @@ class OperandScaling:
         stored = self.delayed and self.initialized
         outputs = backends.operand_state_cast(self, x, False, transpose)
         if outputs is not None:  # the kernel's bookkeeping outputs are dropped
-            data, data_t, scale, inverse = outputs[0], outputs[1], self.scale if self.delayed else outputs[2], outputs[5]
+            data, data_t, fresh_scale, _, _, inverse = outputs
+            scale = self.scale if self.delayed else fresh_scale  # the delayed kernel's third output is the amax
             return Quantized(data, scale, "tensor", inverse=inverse, transposed=data_t if transpose else None)
         fused = backends.fused_cast(x, self.scale, self.dtype) if stored else None
         if fused is not None:

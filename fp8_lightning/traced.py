@@ -41,12 +41,11 @@ from fp8_lightning.fine_grained import (
     wgrad_kind,
 )
 from fp8_lightning.formats import fp8_max
-from fp8_lightning.gemm import scaled_mm
+from fp8_lightning.gemm import per_tensor_scaled_mm, scaled_mm
 from fp8_lightning.layer_ops import mx_operand_cast, scaled_gemm
 from fp8_lightning.quantize import amax, tensorwise_scale, to_fp8_saturated, wide
 from fp8_lightning.recipes import DelayedScaling, Recipe
 from fp8_lightning.scaling import OperandScaling, delayed_scale, finite_or_zero
-from fp8_lightning.settings import settings
 
 
 class TracedPlan(NamedTuple):
@@ -79,8 +78,7 @@ def make_plan(recipe: Recipe, device: torch.device, out_dtype: torch.dtype, emul
     if is_fine_grained(recipe):
         kind, fine = operand_kind(recipe), fine_cast_plan(recipe)
     delayed = isinstance(recipe, DelayedScaling)
-    backend = "emulate" if emulate else settings().gemm
-    scaled_mm = kind == "tensor" and (backend == "scaled_mm" or (backend == "auto" and device.type == "cuda"))
+    scaled_mm = kind == "tensor" and per_tensor_scaled_mm(device, emulate)
     return TracedPlan(
         kind, delayed, getattr(recipe, "margin", 0), getattr(recipe, "power_of_2_scales", False),
         getattr(recipe, "eps", 0.0), getattr(recipe, "block_size", 0), getattr(recipe, "scale_rounding", ""),
@@ -191,7 +189,9 @@ class _TracedFP8Function(torch.autograd.Function):
             grad_x = _gemm(plan, g_row, g_scale, w_col, w_col_scale, None, x_dtype, plan.grad_fast_accum)
         # ------------------------------------------------ wgrad ------------------------------------------------
         if ctx.needs_input_grad[1]:
-            grad_w = _gemm(plan, g_col, g_col_scale, x_col, x_col_scale, None, w_dtype, plan.grad_fast_accum, plan.wgrad_kind)
+            grad_w = _gemm(
+                plan, g_col, g_col_scale, x_col, x_col_scale, None, w_dtype, plan.grad_fast_accum, plan.wgrad_kind
+            )
         if ctx.needs_input_grad[2]:
             grad_bias = g.sum(0, dtype=bias_dtype)  # one reduction, accumulated in the bias dtype or wider
         return (grad_x, grad_w, grad_bias) + (None,) * (9 + len(grad_state))
