@@ -71,6 +71,29 @@ class Stack(nn.Module):
         return x
 
 
+@contextlib.contextmanager
+def observed_collectives(observers: dict):
+    """Within the block, each torch.distributed function named in ``observers`` (where this torch has it) calls its
+    observer with the call's arguments, then runs as usual; the originals are back on exit."""
+    saved = {}
+    try:
+        for name, observe in observers.items():
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            saved[name] = original
+
+            def observed(*args, _observe=observe, _original=original, **kwargs):
+                _observe(*args, **kwargs)
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, observed)
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(dist, name, original)
+
+
 class Counter:
     """Per-collective byte counts of what this rank sends, by patching the torch.distributed functions."""
 
@@ -83,32 +106,28 @@ class Counter:
     def __init__(self):
         self.bytes = {kind: 0 for kind in self.PATCHED}
         self.calls = {kind: 0 for kind in self.PATCHED}
-        self._saved: dict[str, object] = {}
+        self._observers = {name: self._observer(kind) for kind, names in self.PATCHED.items() for name in names}
+
+    def _observer(self, kind: str):
+        input_index = 0 if kind == "all_reduce" else 1
+
+        def count(*args, **kwargs):
+            if len(args) > input_index:
+                tensor = args[input_index]
+            else:
+                tensor = next(v for k, v in kwargs.items() if k in ("input", "input_tensor", "tensor"))
+            self.bytes[kind] += tensor.numel() * tensor.element_size()
+            self.calls[kind] += 1
+
+        return count
 
     def __enter__(self):
-        for kind, names in self.PATCHED.items():
-            for name in names:
-                original = getattr(dist, name, None)
-                if original is None:
-                    continue
-                self._saved[name] = original
-                input_index = 0 if kind == "all_reduce" else 1
-
-                def counting(*args, _original=original, _kind=kind, _i=input_index, **kwargs):
-                    if len(args) > _i:
-                        tensor = args[_i]
-                    else:
-                        tensor = next(v for k, v in kwargs.items() if k in ("input", "input_tensor", "tensor"))
-                    self.bytes[_kind] += tensor.numel() * tensor.element_size()
-                    self.calls[_kind] += 1
-                    return _original(*args, **kwargs)
-
-                setattr(dist, name, counting)
+        self._patch = observed_collectives(self._observers)
+        self._patch.__enter__()
         return self
 
     def __exit__(self, *exc):
-        for name, original in self._saved.items():
-            setattr(dist, name, original)
+        return self._patch.__exit__(*exc)
 
 
 def one_step(model_kind: str, config, rank: int, width: int, depth: int) -> dict:

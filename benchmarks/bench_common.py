@@ -104,6 +104,16 @@ def interleaved_medians(
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def loss_curve_table(curves: dict[str, list[tuple[int, float]]]) -> list[str]:
+    """Markdown lines of validation-loss curves side by side: a row per evaluation step, a column per run (every
+    run evaluated at the same steps)."""
+    names = list(curves)
+    lines = ["| step | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
+    for i, (step, _) in enumerate(curves[names[0]]):
+        lines.append(f"| {step} | " + " | ".join(f"{curves[name][i][1]:.4f}" for name in names) + " |")
+    return lines
+
+
 def markdown_table(columns: list[tuple[str, str, str]], rows: list[dict]) -> str:
     """``columns``: (key, title, format) with format like ``{:.2f}``; missing values print as ``-``."""
     lines = ["| " + " | ".join(title for _, title, _ in columns) + " |"]

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.allgather_bytes import Stack  # noqa: E402
+from benchmarks.allgather_bytes import Stack, observed_collectives  # noqa: E402
 from benchmarks.bench_common import write_markdown_report  # noqa: E402
 from fp8_lightning.distributed import FP8CommState, enable_fp8_reduce_scatter, fp8_compress_hook  # noqa: E402
 from tests.processes import end_worker, free_port, init_gloo  # noqa: E402
@@ -58,26 +58,22 @@ class WireBytes:
 
     def __init__(self):
         self.bytes: dict[str, float] = {}
-        self._saved = {}
+        self._observers = {name: self._observer(name, cost) for name, cost in self.COSTS.items()}
+
+    def _observer(self, name: str, cost):
+        def count(*args, **kwargs):
+            world = dist.get_world_size(kwargs.get("group"))
+            self.bytes[name] = self.bytes.get(name, 0.0) + cost(world, *args, **kwargs)
+
+        return count
 
     def __enter__(self):
-        for name, cost in self.COSTS.items():
-            original = getattr(dist, name, None)
-            if original is None:
-                continue
-            self._saved[name] = original
-
-            def counting(*args, _name=name, _cost=cost, _original=original, **kwargs):
-                world = dist.get_world_size(kwargs.get("group"))
-                self.bytes[_name] = self.bytes.get(_name, 0.0) + _cost(world, *args, **kwargs)
-                return _original(*args, **kwargs)
-
-            setattr(dist, name, counting)
+        self._patch = observed_collectives(self._observers)
+        self._patch.__enter__()
         return self
 
     def __exit__(self, *exc):
-        for name, original in self._saved.items():
-            setattr(dist, name, original)
+        return self._patch.__exit__(*exc)
 
 
 def _done(buffer: torch.Tensor) -> torch.futures.Future:

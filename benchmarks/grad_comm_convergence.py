@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_common import write_markdown_report  # noqa: E402
+from benchmarks.bench_common import loss_curve_table, write_markdown_report  # noqa: E402
 from benchmarks.optimizer_convergence import data, evaluate  # noqa: E402
 from fp8_lightning.distributed import FP8CommState, FP8ReduceScatter, fp8_compress_hook  # noqa: E402
 from fp8_lightning.models import GPT, warmup_cosine  # noqa: E402
@@ -101,9 +101,7 @@ def report(args, results: dict, stats: dict) -> str:
         gap = f"{100.0 * (r['final_val'] - reference['final_val']) / reference['final_val']:+.2f}%" if reference else "-"
         lines.append(f"| {run} | {r['final_val']:.4f} | {gap if run.endswith('_fp8') else '(reference)'} | "
                      f"{r['seconds']:.0f} |")
-    curves = ["| step | " + " | ".join(args.runs) + " |", "|---:|" + "---:|" * len(args.runs)]
-    for i, (step, _) in enumerate(results[args.runs[0]]["curve"]):
-        curves.append(f"| {step} | " + " | ".join(f"{results[r]['curve'][i][1]:.4f}" for r in args.runs) + " |")
+    curves = loss_curve_table({run: results[run]["curve"] for run in args.runs})
     setup = (
         f"GPT n_layer={args.n_layer}, n_embd={args.n_embd}, n_head={args.n_head}, block_size={args.block_size}, "
         f"float32 weights; global batch {args.batch_size} over {WORLD} gloo processes; {args.steps} steps; AdamW "

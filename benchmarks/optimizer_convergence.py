@@ -42,7 +42,7 @@ from fp8_lightning.models import GPT, warmup_cosine
 from fp8_lightning.optim import FP8Optimizer
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from bench_common import write_markdown_report  # noqa: E402
+from bench_common import loss_curve_table, write_markdown_report  # noqa: E402
 
 # run name -> (FP8Optimizer preset, options); "fp32" is torch AdamW for float32 weights and, for bf16 weights,
 # the classic mixed-precision reference: float32 states and a float32 master copy ("fp32" preset).
@@ -137,9 +137,7 @@ def report(args, results, stats, argv) -> str:
     for r in results:
         gap = 100.0 * (r["final_val"] - ref) / ref
         lines.append(f"| {r['preset']} | {r['final_val']:.4f} | {gap:+.2f}% | {r['seconds']:.0f} |")
-    curves = ["| step | " + " | ".join(r["preset"] for r in results) + " |", "|---:|" + "---:|" * len(results)]
-    for i, (step, _) in enumerate(results[0]["curve"]):
-        curves.append(f"| {step} | " + " | ".join(f"{r['curve'][i][1]:.4f}" for r in results) + " |")
+    curves = loss_curve_table({r["preset"]: r["curve"] for r in results})
     setup = (
         f"GPT n_layer={args.n_layer}, n_embd={args.n_embd}, n_head={args.n_head}, block_size={args.block_size}, "
         f"{args.dtype} weights; "

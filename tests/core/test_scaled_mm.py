@@ -8,8 +8,6 @@ implementation applies the CUDA rules (row-major ``a``, column-major ``b``, dime
 output dtypes).
 """
 
-import functools
-
 import pytest
 import torch
 from functorch.compile import make_boxed_func
@@ -42,7 +40,8 @@ class RecordScaledMM(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _on_fake_cuda(mode: FakeTensorMode, t):
+def _on_fake_cuda(t):
+    """A fake CUDA tensor of ``t``'s shape, strides and dtype (other arguments as they are); inside FakeTensorMode."""
     if not torch.is_tensor(t):
         return t
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda")
@@ -51,10 +50,9 @@ def _on_fake_cuda(mode: FakeTensorMode, t):
 def replay_on_fake_cuda(calls) -> list[torch.Size]:
     """Each recorded call again on fake CUDA tensors (torch's CUDA checks raise on a layout cuBLAS refuses)."""
     shapes = []
-    with FakeTensorMode() as mode:
+    with FakeTensorMode():
         for named in calls:
-            fake = functools.partial(_on_fake_cuda, mode)
-            out = SCALED_MM(**{k: fake(v) for k, v in named.items()})
+            out = SCALED_MM(**{k: _on_fake_cuda(v) for k, v in named.items()})
             assert out.device.type == "cuda"
             shapes.append(out.shape)
     return shapes
