@@ -15,7 +15,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fp8_lightning import DelayedScaling, FP8Linear, TensorwiseScaling, fp8_autocast
+from fp8_lightning import DelayedScaling, FP8Linear, MXFP8BlockScaling, TensorwiseScaling, fp8_autocast
 from fp8_lightning.gemm import scaled_mm
 from fp8_lightning.traced import make_plan, traced_linear
 from tests.environment import set_env
@@ -154,3 +154,19 @@ def test_compiled_graphs_hold_scaled_mm_itself(monkeypatch):
 
     assert ops("fw").count("aten._scaled_mm.default") == 1 and ops("bw").count("aten._scaled_mm.default") == 2
     assert not any("fp8_lightning.scaled_gemm" in op for op in ops("fw") + ops("bw"))
+
+
+def test_the_traced_plan_and_the_eager_gemm_agree_on_when_scaled_mm_runs(monkeypatch):
+    """A GPU without FP8 GEMMs (emulation asked for) multiplies in the emulation in both paths, never _scaled_mm."""
+    from fp8_lightning import gemm
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(gemm, "fp8_gemm_support", lambda device: (torch.device(device).type == "cuda", "stood in"))
+    assert make_plan(TensorwiseScaling(), cuda, torch.bfloat16, False).scaled_mm
+    assert not make_plan(TensorwiseScaling(), cuda, torch.bfloat16, True).scaled_mm
+    monkeypatch.setattr(gemm, "fp8_gemm_support", lambda device: (False, "compute capability 8.0"))
+    assert not make_plan(TensorwiseScaling(), cuda, torch.bfloat16, False).scaled_mm
+    assert not gemm.per_tensor_scaled_mm(cuda) and not gemm.per_tensor_scaled_mm("cpu")
+    set_env(monkeypatch, FP8_LIGHTNING_GEMM="scaled_mm")
+    assert make_plan(TensorwiseScaling(), torch.device("cpu"), torch.bfloat16, False).scaled_mm
+    assert not make_plan(MXFP8BlockScaling(), torch.device("cpu"), torch.bfloat16, False).scaled_mm
