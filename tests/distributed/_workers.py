@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from benchmarks.allgather_bytes import Counter
 from fp8_lightning import convert_to_fp8, fp8_autocast, recipe_from, sync_scales
 from tests.processes import end_worker, init_gloo
 
@@ -42,36 +43,6 @@ class Net(nn.Module):
 def batches(steps: int, rows: int = 64, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(rows, WIDTH, generator=g), torch.randn(rows, OUT, generator=g)) for _ in range(steps)]
-
-
-class AllGatherCounter:
-    """Counts the bytes this rank contributes to all-gathers, at the torch.distributed API FSDP2 calls."""
-
-    NAMES = ("all_gather_into_tensor", "all_gather_single", "_all_gather_base")
-
-    def __init__(self):
-        self.bytes = 0
-        self.calls = 0
-        self._saved = {}
-
-    def __enter__(self):
-        for name in self.NAMES:
-            original = getattr(dist, name, None)
-            if original is None:
-                continue
-            self._saved[name] = original
-
-            def counting(output, input, *args, _original=original, **kwargs):
-                self.bytes += input.numel() * input.element_size()
-                self.calls += 1
-                return _original(output, input, *args, **kwargs)
-
-            setattr(dist, name, counting)
-        return self
-
-    def __exit__(self, *exc):
-        for name, original in self._saved.items():
-            setattr(dist, name, original)
 
 
 def train_plain(
@@ -114,12 +85,12 @@ def fsdp_run(
     convert_to_fp8(model, recipe_from(recipe))
     report = enable_fp8_all_gather(model, world) if fp8_all_gather else None
     shard_model(model, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype))
-    with AllGatherCounter() as counter:
+    with Counter() as counter:
         losses = train_plain(model, data, rank, world, fp8_optimizer=fp8_optimizer)
     return {
         "losses": losses,
-        "allgather_bytes": counter.bytes,
-        "allgather_calls": counter.calls,
+        "allgather_bytes": counter.bytes["all_gather"],
+        "allgather_calls": counter.calls["all_gather"],
         "amax_reductions": weight_amax_reductions(model),
         "fp8_weights": len(report.fp8) if report else 0,
     }
