@@ -69,4 +69,4 @@ LIGHTNING_OLDEST ?= 2.6.0
 test-lightning-oldest: $(STAMP)
 	$(PIP) install -q --no-deps --target .lightning-$(LIGHTNING_OLDEST) lightning==$(LIGHTNING_OLDEST) pytorch-lightning==$(LIGHTNING_OLDEST)
 	PYTHONPATH=.lightning-$(LIGHTNING_OLDEST) $(PY) -c "import lightning; assert lightning.__version__ == '$(LIGHTNING_OLDEST)', lightning.__version__"
-	PYTHONPATH=.lightning-$(LIGHTNING_OLDEST) $(PY) -m pytest -q tests/lightning/test_registration.py tests/lightning/test_cli_and_environment.py tests/lightning/test_fit.py
+	PYTHONPATH=.lightning-$(LIGHTNING_OLDEST) $(PY) -m pytest -q tests/lightning/test_registration.py tests/lightning/test_cli_and_environment.py tests/lightning/test_fit.py tests/distributed/test_strategy_options.py

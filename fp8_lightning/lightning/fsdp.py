@@ -15,7 +15,10 @@ What it adds to ``ModelParallelStrategy`` (all real work is in :mod:`fp8_lightni
   of every ``nn.ModuleList``, or the modules whose class names are in ``block_classes``; then each top-level
   child that holds parameters, or the LightningModule itself when it holds parameters directly or its
   children share one (tied embeddings; its ``forward`` must then be what ``training_step`` calls). A user's
-  ``configure_model`` that calls ``fully_shard`` itself is respected.
+  ``configure_model`` runs first and, if it calls ``fully_shard`` itself, is respected. Without one, the strategy
+  shards in its own ``setup``, before the optimizers are built; the user's module gains no hook.
+* **Every rank shards.** ``data_parallel_size="auto"`` means all ranks (``ModelParallelStrategy`` alone would
+  take the nodes only and leave the processes of a node to tensor parallelism).
 * **FP8 precision by default.** With no FP8 precision plugin (``precision="32-true"`` / ``"bf16-mixed"``) the
   strategy installs ``FP8Precision(recipe, dtype=...)``; ``bf16-true``/``16-true`` are refused (FP8 training
   keeps float32 master weights).
@@ -117,8 +120,7 @@ class FP8FSDPStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self._data_parallel_size == "auto":
-            self._data_parallel_size = self.num_nodes * self.num_processes
+        shard_over_every_rank_by_default(self)
         super().setup_environment()
         self._ensure_fp8_precision()
 
@@ -135,18 +137,15 @@ class FP8FSDPStrategy(ModelParallelStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
+        """The user's ``configure_model`` ran in :meth:`model_sharded_context`, which sharded the module; without
+        one, the default policy shards it here, before the optimizers are built (see :func:`setup_as_strategy`)."""
         if is_overridden("configure_model", self.lightning_module):
             return super().setup(trainer)
         if not is_sharded(self.lightning_module):
             self._prepare_fp8(self.lightning_module)
             self._shard_by_default_policy()
             self._finish_sharding()
-        # ModelParallelStrategy.setup insists on configure_model; the sharding above stands in for it.
-        self.lightning_module.configure_model = lambda: None
-        try:
-            super().setup(trainer)
-        finally:
-            del self.lightning_module.configure_model
+        setup_as_strategy(self, trainer)
 
     def _ensure_fp8_precision(self) -> None:
         plugin = self.precision_plugin
@@ -239,6 +238,37 @@ def default_roots(module: nn.Module) -> list[nn.Module]:
     if any(True for _ in module.parameters(recurse=False)):
         return [module]
     return children
+
+
+def shard_over_every_rank_by_default(strategy: ModelParallelStrategy) -> None:
+    """Resolve ``data_parallel_size="auto"`` to every rank (nodes x processes per node): FSDP over all of them.
+
+    ``ModelParallelStrategy`` reads the size from its ``_data_parallel_size`` attribute in ``setup_environment``
+    and resolves ``"auto"`` to the number of nodes (tensor parallelism taking the processes of a node). The number
+    of processes is known only once the Trainer has handed the strategy its devices, after the constructor, and
+    Lightning offers no public setter: this is the one place the strategy writes a Lightning attribute
+    (``tests/distributed/test_strategy_options.py`` fails if Lightning renames it or stops reading it there).
+    """
+    if strategy._data_parallel_size == "auto":
+        strategy._data_parallel_size = strategy.num_nodes * strategy.num_processes
+
+
+def setup_as_strategy(strategy: ModelParallelStrategy, trainer: Any) -> None:
+    """``ModelParallelStrategy.setup`` for a module the strategy has sharded itself, without its demand for a
+    ``configure_model`` hook.
+
+    ``ModelParallelStrategy.setup`` is the base ``Strategy.setup`` (accelerator, precision conversion, device,
+    optimizers, precision plugin) plus a refusal of modules without ``configure_model`` or with FSDP1 wrappers,
+    a materialization of meta-device parameters, and a barrier. The default policy stands in for
+    ``configure_model``, so this runs the base steps after the materialization and the barrier, and the user's
+    LightningModule is left as it is (``tests/distributed/test_strategy_options.py`` fails if Lightning adds a
+    step to ``ModelParallelStrategy.setup`` that this does not take).
+    """
+    from lightning.fabric.utilities.init import _materialize_distributed_module
+
+    _materialize_distributed_module(strategy.model, strategy.root_device)
+    strategy.barrier()
+    super(ModelParallelStrategy, strategy).setup(trainer)
 
 
 def register_fsdp_strategy() -> None:

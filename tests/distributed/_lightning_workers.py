@@ -35,7 +35,8 @@ def make_module(configure: bool = False, momentum: float = 0.9):
         def train_dataloader(self):
             return loader(self.train_steps)
 
-        def configure_optimizers(self):
+        def configure_optimizers(self):  # runs inside the strategy's setup
+            self.hook_added_by_strategy = "configure_model" in vars(self)
             return torch.optim.SGD(self.parameters(), lr=0.1, momentum=momentum)
 
     class UserSharded(Lit):
@@ -99,6 +100,7 @@ def strategy_worker(rank: int, world: int, port: int, tmpdir: str, out: dict) ->
     res["default_report"] = (len(strategy.all_gather_report.fp8), len(strategy.all_gather_report.high_precision))
     res["default_amax_reductions"] = weight_amax_reductions(module)
     res["default_sharded_blocks"] = sum(type(m).__name__.startswith("FSDP") for m in module.modules())
+    res["default_hook_added"] = module.hook_added_by_strategy
 
     # B: stop after epoch 1, save a sharded checkpoint, resume in a fresh module and trainer
     path = os.path.join(tmpdir, "ckpt")

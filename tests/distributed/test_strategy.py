@@ -1,6 +1,7 @@
 """FP8FSDPStrategy under a real Trainer on 2 gloo processes (one spawn runs every scenario).
 
-* default policy (no configure_model): every block and the top-level module sharded, all 5 weights gathered
+* default policy (no configure_model; the strategy adds none to the module): every block and the top-level
+  module sharded, all 5 weights gathered
   in FP8, one amax all-reduce per optimizer step, losses within 5e-3 of a single-process FP8 run of the same
   global batch (delayed scaling, SGD with momentum; the tolerance is explained in test_fsdp_parity.py);
 * a sharded checkpoint (torch distributed checkpoint: one file per rank + metadata holding the FP8 scaling
@@ -37,6 +38,7 @@ def test_default_policy_matches_single_process(results):
     assert results["default_report"] == (5, 0)
     assert results["default_sharded_blocks"] == 3  # two blocks and the top-level net
     assert results["default_amax_reductions"] == 4
+    assert results["default_hook_added"] is False  # the user's LightningModule is left as it is
 
 
 def test_resume_from_sharded_checkpoint_reproduces_run(results):

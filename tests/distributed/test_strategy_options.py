@@ -1,17 +1,23 @@
-"""FP8FSDPStrategy's choices that need no process group: registration, precision handling, sharding policy."""
+"""FP8FSDPStrategy's choices that need no process group: registration, precision handling, sharding policy, and
+the two places it leans on how Lightning's ModelParallelStrategy works inside (checked so a Lightning release that
+changes them fails here, loudly, instead of training differently)."""
+
+import ast
+import inspect
+import textwrap
 
 import hydra
 import pytest
 import torch
 import torch.nn as nn
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
-from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy, StrategyRegistry
 from omegaconf import OmegaConf
 
 import fp8_lightning
 from fp8_lightning import FP8FSDPStrategy, FP8Precision, TensorwiseScaling
 from fp8_lightning.distributed import default_shard_targets, shard_model
-from fp8_lightning.lightning.fsdp import default_roots
+from fp8_lightning.lightning.fsdp import default_roots, shard_over_every_rank_by_default
 from tests.distributed._workers import REPO_ROOT, Block, Net
 
 
@@ -80,3 +86,33 @@ def test_default_policy_blocks_and_roots():
 def test_unknown_block_class_is_explained():
     with pytest.raises(ValueError, match="matched no module"):
         shard_model(Net(), block_classes=["Missing"])
+
+
+def called_names(function) -> set[str]:
+    """Names of the functions and methods a function's source calls."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    calls = (node.func for node in ast.walk(tree) if isinstance(node, ast.Call))
+    return {f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "") for f in calls}
+
+
+def test_auto_data_parallel_size_takes_every_rank():
+    strategy = FP8FSDPStrategy()
+    strategy.parallel_devices, strategy.num_nodes = [torch.device("cpu")] * 2, 3
+    shard_over_every_rank_by_default(strategy)
+    assert strategy._data_parallel_size == 6
+    fixed = FP8FSDPStrategy(data_parallel_size=2)
+    fixed.parallel_devices, fixed.num_nodes = [torch.device("cpu")] * 2, 3
+    shard_over_every_rank_by_default(fixed)
+    assert fixed._data_parallel_size == 2
+    # Lightning still keeps the size under this name and builds its device mesh from it
+    assert ModelParallelStrategy(data_parallel_size=5)._data_parallel_size == 5
+    assert "self._data_parallel_size" in inspect.getsource(ModelParallelStrategy.setup_environment)
+
+
+def test_setup_without_configure_model_takes_every_step_of_lightnings_setup():
+    """For a module without configure_model the strategy runs Strategy.setup plus the steps below; a step a Lightning
+    release adds to ModelParallelStrategy.setup shows up here (update fsdp.setup_as_strategy, then this list)."""
+    taken = {"_materialize_distributed_module", "barrier"}
+    checks = {"is_overridden", "TypeError", "any", "isinstance", "modules", "type"}  # configure_model, FSDP1
+    extra = called_names(ModelParallelStrategy.setup) - called_names(Strategy.setup)
+    assert extra == taken | checks, f"ModelParallelStrategy.setup now also calls {sorted(extra - taken - checks)}"
