@@ -18,6 +18,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import transformers
+from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -42,12 +43,27 @@ FAMILIES = {
 }  # fmt: skip
 
 
-def fit(factory, precision: str, steps: int) -> tuple[float, int, int]:
-    """(mean loss of the last 5 steps, FP8 layers, all linear-like layers)."""
+def train(factory, precision: str, steps: int, ranks: int = 1, **trainer_overrides) -> tuple[CausalLM, L.Trainer]:
+    """``steps`` steps from seed 0 on the first ``steps * 16`` sequences of the Markov stream, 16 per step. On
+    ``ranks`` processes (``torch.distributed`` initialized) each takes every ``ranks``-th sequence of the step's 16
+    (in order: Lightning's own distributed sampler would shuffle), so the ranks together see the one-process
+    batch."""
     L.seed_everything(0, verbose=False)
     module = CausalLM(factory)
-    trainer = L.Trainer(max_steps=steps, precision=precision, **trainer_kwargs())
-    trainer.fit(module, loader(n=steps * 16, batch_size=16))
+    if ranks > 1:
+        trainer_overrides.update(devices=ranks, use_distributed_sampler=False)
+    trainer = L.Trainer(max_steps=steps, precision=precision, **trainer_kwargs(**trainer_overrides))
+    data = loader(n=steps * 16, batch_size=16 // ranks)
+    if ranks > 1:
+        sampler = DistributedSampler(data.dataset, ranks, trainer.global_rank, shuffle=False)
+        data = DataLoader(data.dataset, batch_size=16 // ranks, sampler=sampler)
+    trainer.fit(module, data)
+    return module, trainer
+
+
+def fit(factory, precision: str, steps: int) -> tuple[float, int, int]:
+    """(mean loss of the last 5 steps, FP8 layers, all linear-like layers)."""
+    module, trainer = train(factory, precision, steps)
     report = getattr(trainer.precision_plugin, "conversion_report", None)
     total = len(report.converted) + len(report.skipped) if report else 0
     return sum(module.losses[-5:]) / 5, len(list(fp8_modules(module))), total

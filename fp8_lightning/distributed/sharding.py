@@ -47,6 +47,9 @@ class AllGatherReport:
         return "\n".join(lines)
 
 
+CONV1D_GATHER_REASON = "weight stored (in, out) (transformers Conv1D); FP8 all-gather needs (out, in)"
+
+
 def enable_fp8_all_gather(model: nn.Module, world_size: int) -> AllGatherReport:
     """Make the weight of every FP8Linear of ``model`` gather in FP8 under FSDP2. Call before ``fully_shard``.
 
@@ -67,6 +70,9 @@ def enable_fp8_all_gather(model: nn.Module, world_size: int) -> AllGatherReport:
         if uses.get(id(weight), 0) > 1:
             report.high_precision[name] = "weight is tied to another module's parameter (e.g. an embedding)"
             continue
+        if isinstance(layer, FP8Conv1D):  # shards would split K, the reduction dimension, not N
+            report.high_precision[name] = CONV1D_GATHER_REASON
+            continue
         local = weight._local_tensor if isinstance(weight, DTensor) else weight
         if isinstance(local, FP8ShardedWeight):
             report.fp8.append(name)
@@ -75,8 +81,6 @@ def enable_fp8_all_gather(model: nn.Module, world_size: int) -> AllGatherReport:
             report.high_precision[name] = "sharded before FP8 all-gather was enabled (convert before sharding)"
             continue
         reason = fp8_all_gather_unsupported_reason(weight.shape, world_size, layer.fp8_recipe)
-        if isinstance(layer, FP8Conv1D):  # shards would split K, the reduction dimension, not N
-            reason = "weight stored (in, out) (transformers Conv1D); FP8 all-gather needs (out, in)"
         if reason is not None:
             report.high_precision[name] = reason
             continue

@@ -150,6 +150,7 @@ def strategy_worker(rank: int, world: int, port: int, tmpdir: str, out: dict) ->
     # F: the project's GPT (tied embedding/head, layers directly on the LightningModule) by the strategy string,
     # with no FP8 precision given: the strategy installs FP8Precision(recipe) itself
     res.update(fit_gpt())
+    res["conv1d_reasons"] = conv1d_gather_reasons()
     if rank == 0:
         out.update(res)
     end_worker()
@@ -178,3 +179,23 @@ def fit_gpt() -> dict:
         "gpt_root_sharded": type(model).__name__.startswith("FSDP"),
         "gpt_loss": float(trainer.callback_metrics["train/loss"]),
     }
+
+
+def conv1d_gather_reasons() -> list[str] | None:
+    """Why a transformers Conv1D weight gathers in high precision, asked before and after ``fully_shard`` (the
+    strategy asks both times; the second answer is the one it reports). None without transformers."""
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return None
+    from torch.distributed.fsdp import fully_shard
+
+    from fp8_lightning import convert_to_fp8, recipe_from
+    from fp8_lightning.distributed import enable_fp8_all_gather
+
+    model = torch.nn.Sequential(Conv1D(64, 64))
+    convert_to_fp8(model, recipe_from("tensorwise"))
+    before = enable_fp8_all_gather(model, 2).high_precision
+    fully_shard(model)
+    after = enable_fp8_all_gather(model, 2).high_precision
+    return [before["0"], after["0"]]

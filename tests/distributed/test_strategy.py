@@ -11,7 +11,8 @@
   amaxes reduced once per optimizer step, not per micro-batch; activation checkpointing
   recomputes with the FP8 gathered weights (more FP8 weight uses) and gives identical losses;
 * high-precision all-gather with a bf16 gradient reduce-scatter, and MXFP8, train to the same losses within 1e-2;
-* the project's GPT (tied embedding/head) through ``strategy="fp8_fsdp"`` with no FP8 precision given.
+* the project's GPT (tied embedding/head) through ``strategy="fp8_fsdp"`` with no FP8 precision given;
+* a transformers Conv1D weight is reported as gathered in high precision for its layout, also once sharded.
 """
 
 import pytest
@@ -76,3 +77,9 @@ def test_gpt_by_strategy_string_without_fp8_precision(results):
     assert list(results["gpt_high_precision"]) == ["lm_head"] and "tied" in results["gpt_high_precision"]["lm_head"]
     assert results["gpt_root_sharded"]  # tied embedding and head: the LightningModule is the root unit
     assert 0 < results["gpt_loss"] < 10
+
+
+def test_conv1d_reason_survives_sharding(results):
+    if results["conv1d_reasons"] is None:
+        pytest.skip("needs transformers (dev extras)")
+    assert all("transformers Conv1D" in reason for reason in results["conv1d_reasons"])
