@@ -121,11 +121,13 @@ def fine_operand_cast(
     x: torch.Tensor, role: str, dtype: torch.dtype, blockwise: bool, power_of_2: bool, eps: float,
     high_precision_wgrad: bool, columnwise: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from fp8_lightning.backends import fine_operands as cast  # the CUDA branch (backends imports this module)
+
     recipe = _recipe(blockwise, power_of_2, eps, high_precision_wgrad)
-    row, col = fine_operands(recipe, role, x, dtype, columnwise)
+    row, col = cast(recipe, role, x, dtype, columnwise)
     if col is None:
-        return row.data, row.scale, x.new_empty((0,), dtype=dtype), x.new_empty((0,), dtype=torch.float32)
-    return row.data, row.scale, col.data.contiguous(), col.scale.contiguous()
+        return row.data, row.scale.contiguous(), x.new_empty((0,), dtype=dtype), x.new_empty((0,), dtype=torch.float32)
+    return row.data, row.scale.contiguous(), col.data.contiguous(), col.scale.contiguous()  # the fake's layouts
 
 
 @fine_operand_cast.register_fake
