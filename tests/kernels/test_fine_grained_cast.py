@@ -16,11 +16,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8_lightning.backends as backends
 from fp8_lightning import FP8Linear, fp8_autocast, kernels
-from fp8_lightning.blockwise import blockwise_scaled_mm_args, quantize_blockwise
-from fp8_lightning.fine_grained import fine_cast_plan, traced_fine_cast
+from fp8_lightning.blockwise import blockwise_scaled_mm_args
+from fp8_lightning.fine_grained import fine_cast_plan, fine_cast_twin, traced_fine_cast
 from fp8_lightning.quantize import Quantized, row_major
 from fp8_lightning.recipes import BlockwiseScaling, RowwiseScaling
-from fp8_lightning.rowwise import quantize_rowwise, rowwise_scaled_mm_args
+from fp8_lightning.rowwise import rowwise_scaled_mm_args
 from tests.core.fake_cuda import fake_cuda
 from tests.environment import set_env
 from tests.kernels.references import assert_same_fp8
@@ -45,15 +45,6 @@ def awkward(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     return x
 
 
-def reference(x: torch.Tensor, tile, dtype, power_of_2: bool, eps: float):
-    """(data, scale) of the twin, as the operand the kernel writes (the operand of x.T for column tiles)."""
-    if tile in (ROW, COLUMN):
-        data, scale = quantize_rowwise(x, dtype, -1 if tile == ROW else 0, eps, power_of_2)
-    else:
-        data, scale = quantize_blockwise(x, tile, dtype, power_of_2)
-    return (data.t(), scale.t()) if tile in (COLUMN, (128, 1)) else (data, scale)
-
-
 def assert_same_operand(q, data: torch.Tensor, scale: torch.Tensor) -> None:
     assert_same_fp8(q.data, data)
     assert q.data.is_contiguous()  # codes row-major, K last: the layout the GEMM reads
@@ -69,7 +60,7 @@ def test_casts_equal_the_twins_bit_for_bit(tile, dtype, power_of_2):
     eps = 1e-4 if tile[0] == 0 else 1e-12  # a row below eps takes fp8_max / eps
     square = tile == (128, 128)
     q, q_t = kernels.fine_cast(x, dtype, tile, power_of_2, eps, transpose=square)
-    data, scale = reference(x, tile, dtype, power_of_2, eps)
+    data, scale = fine_cast_twin(x, tile, dtype, power_of_2, eps)
     assert_same_operand(q, data, scale)
     assert q.kind == ("row" if tile in (ROW, COLUMN) else "block")
     if square:  # W.T's blocks, for dgrad: the same codes and scales, transposed
@@ -82,11 +73,11 @@ def test_bf16_input_transposed_view_and_tiny_shapes():
     x = awkward(136, 260, seed=1).bfloat16().t()  # (260, 136), read in place through its strides
     for tile in (ROW, COLUMN, (1, 128), (128, 1)):
         q, _ = kernels.fine_cast(x, E4M3, tile, True, 1e-12)
-        assert_same_operand(q, *reference(x, tile, E4M3, True, 1e-12))
+        assert_same_operand(q, *fine_cast_twin(x, tile, E4M3, True))
     for shape in ((1, 1), (3, 17)):
         x = torch.randn(shape)
         q, q_t = kernels.fine_cast(x, E5M2, (128, 128), False, transpose=True)
-        data, scale = reference(x, (128, 128), E5M2, False, 0.0)
+        data, scale = fine_cast_twin(x, (128, 128), E5M2, False)
         assert_same_operand(q, data, scale)
         assert_same_operand(q_t, data.t(), scale.t())
 
@@ -230,7 +221,7 @@ def test_traced_cast_op_runs_the_kernels_with_the_fakes_layouts(fine_cast_calls)
     plan = fine_cast_plan(BlockwiseScaling())
     outputs = traced_fine_cast(x, plan, "input", E4M3, columnwise=True)
     assert fine_cast_calls == [(1, 128), (128, 1)]
-    (row, row_scale), (col, col_scale) = reference(x, (1, 128), E4M3, True, 0), reference(x, (128, 1), E4M3, True, 0)
+    (row, row_scale), (col, col_scale) = (fine_cast_twin(x, tile, E4M3, True) for tile in ((1, 128), (128, 1)))
     for actual, expected in zip(outputs, (row, row_scale, col, col_scale)):
         assert actual.is_contiguous() and actual.shape == expected.shape
     assert_same_fp8(outputs[0], row)
