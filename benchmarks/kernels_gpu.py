@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -35,7 +36,11 @@ from pathlib import Path
 import torch
 
 from fp8_lightning import kernels
+from fp8_lightning.blockwise import quantize_blockwise
+from fp8_lightning.fine_grained import fine_cast_twin
 from fp8_lightning.kernels.availability import DISABLE_ENV, EXPLICIT_ROUNDING_ENV, device_status
+from fp8_lightning.kernels.fine_grained_layout import TILES
+from fp8_lightning.rowwise import quantize_rowwise
 from fp8_lightning.settings import reload_settings
 from fp8_lightning.backends import (
     amax,
@@ -147,11 +152,28 @@ def check_kernels() -> list[tuple[str, bool]]:
                                  ((rows.data, ref_r[0]), (rows.scale.view(torch.uint8), ref_r[1].view(torch.uint8)),
                                   (cols.data, ref_c[0]), (cols.scale.view(torch.uint8), ref_c[1].view(torch.uint8))))
                         results.append((f"mx_quantize {name} {fp8} {rule} {tag} vs CPU twin", ok))
+                    results += check_fine_casts(x, x_cpu, fp8, f"{name} {fp8} {tag}")
     results.append(("mx_gemm within the float32 accumulation bound", check_gemm()))
     x = inputs["bf16"][:256]
     used = kernels.kernels_usable(x)
     results.append(("core quantize_tensorwise on CUDA takes the kernel and matches CPU",
                     used and same_bytes(quantize_tensorwise(x)[0], quantize_tensorwise(x.cpu())[0])))
+    return results
+
+
+def check_fine_casts(x: torch.Tensor, x_cpu: torch.Tensor, fp8: torch.dtype, case: str) -> list[tuple[str, bool]]:
+    """Every rowwise and blockwise tile, both scale roundings, against the CPU twin: codes, scales, inverses."""
+    results = []
+    for tile, power_of_2 in itertools.product(TILES, (True, False)):
+        square = tile == (128, 128)
+        q, q_t = kernels.fine_cast(x, fp8, tile, power_of_2, transpose=square)
+        data, scale = fine_cast_twin(x_cpu, tile, fp8, power_of_2)
+        copies = [(q, data, scale)] + ([(q_t, data.t(), scale.t())] if square else [])
+        ok = all(
+            same_bytes(c.data, d.contiguous()) and same_bytes(c.scale, s) and same_bytes(c.inverse, s.reciprocal())
+            for c, d, s in copies
+        )
+        results.append((f"fine_cast {tile[0]}x{tile[1]} power_of_2={int(power_of_2)} {case} vs CPU twin", ok))
     return results
 
 
@@ -200,6 +222,13 @@ def bandwidth_cases(x: torch.Tensor) -> list[tuple[str, int, object, object]]:
         ("mxfp8 rowwise + columnwise", n * s + 2 * (n + mx_scales),
          lambda: kernels.mx_quantize(x, columnwise=True),
          lambda: (pure(quantize_mxfp8, x), pure(quantize_mxfp8, x.t()))),
+        ("rowwise, one copy (per row)", n * s + n, lambda: kernels.fine_cast(x, E4M3, (1, 0)),
+         lambda: pure(quantize_rowwise, x, E4M3)),
+        ("blockwise 1x128 + 128x1 copies", 2 * (n * s + n), lambda: (kernels.fine_cast(x, E4M3, (1, 128)),
+                                                                    kernels.fine_cast(x, E4M3, (128, 1))),
+         lambda: (pure(quantize_blockwise, x, (1, 128), E4M3), pure(quantize_blockwise, x, (128, 1), E4M3))),
+        ("blockwise 128x128 + W.T", n * s + 2 * n, lambda: kernels.fine_cast(x, E4M3, (128, 128), transpose=True),
+         lambda: pure(quantize_blockwise, x, (128, 128), E4M3)),
     ]
 
 

@@ -8,6 +8,11 @@ kernels, which run in Triton's interpreter on CPU tensors, the per-tensor GEMMs 
 view. One step = the weight changed by an optimizer (so it is cast again), forward, backward; ``sync_scales`` runs
 between steps, outside the count. The counts are the same on any machine.
 
+The rowwise and blockwise recipes have no cuBLAS GEMM on CPU (their GEMMs are emulated here), so their rows count
+the part of a step that does not depend on it: the casts of x, W and the output gradient with their transposed
+copies, and the layout of the three GEMMs' ``torch._scaled_mm`` arguments, on the Triton kernels and on the
+pure-torch chain the CUDA branch ran before them.
+
 Usage::
 
     python benchmarks/launch_count.py [--out FILE.md]
@@ -32,9 +37,12 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import fp8_lightning.backends as backends  # noqa: E402
 from fp8_lightning import DelayedScaling, FP8Linear, TensorwiseScaling, fp8_autocast, kernels, sync_scales  # noqa: E402
+from fp8_lightning.blockwise import blockwise_scaled_mm_args  # noqa: E402
+from fp8_lightning.recipes import BlockwiseScaling, RowwiseScaling  # noqa: E402
+from fp8_lightning.rowwise import rowwise_scaled_mm_args  # noqa: E402
 
 VIEWS = {"view", "t", "transpose", "reshape", "_unsafe_view", "as_strided", "detach", "alias", "expand", "slice",
-         "_reshape_alias", "empty", "empty_strided"}  # fmt: skip
+         "_reshape_alias", "empty", "empty_strided", "unsqueeze"}  # fmt: skip
 
 
 class _Count(TorchDispatchMode):
@@ -73,6 +81,24 @@ def count(recipe, autocast_dtype: torch.dtype | None = None) -> collections.Coun
     return counted.ops
 
 
+def count_fine(recipe, use_kernels: bool) -> collections.Counter:
+    """Operations of a rowwise or blockwise layer step (64 -> 64, 32 tokens) outside its GEMMs: the casts of x, W
+    and the output gradient with their transposed copies, and the ``torch._scaled_mm`` arguments of fprop, dgrad and
+    wgrad; on the Triton kernels (``use_kernels``) or on the pure-torch chain."""
+    backends.cuda_kernels = lambda x: kernels if use_kernels and kernels.supports_input(x) else None
+    torch.manual_seed(0)
+    x, w, g = torch.randn(32, 64), torch.randn(64, 64), torch.randn(32, 64)
+    forward, backward = recipe.fp8_format.forward_dtype, recipe.fp8_format.backward_dtype
+    layout = blockwise_scaled_mm_args if isinstance(recipe, BlockwiseScaling) else rowwise_scaled_mm_args
+    with _Count() as counted:
+        x_row, x_col = backends.fine_operands(recipe, "input", x, forward, True)
+        w_row, w_col = backends.fine_operands(recipe, "weight", w, forward, True)
+        g_row, g_col = backends.fine_operands(recipe, "grad_output", g, backward, True)
+        for a, b in ((x_row, w_row), (g_row, w_col), (g_col, x_col)):
+            layout(a, b)
+    return counted.ops
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="markdown file to write (default: print only)")
@@ -90,6 +116,16 @@ def main(argv: list[str] | None = None) -> dict:
         lines.append(f"| {name} | {sum(ops.values())} | " + ", ".join(f"{k} {v}" for k, v in ops.most_common()) + " |")
     lines += ["", "Includes the stand-in optimizer's `mul_` and autograd's three gradient accumulations (`add_`): the",
               "layer's own step is the rest (casts, GEMMs, the bias add where it is not in the GEMM, the bias gradient)."]
+    fine = {}
+    for name, recipe in (("rowwise", RowwiseScaling()), ("blockwise", BlockwiseScaling())):
+        for label, use_kernels in (("pure-torch casts", False), ("Triton casts", True)):
+            fine[f"{name}, {label}"] = count_fine(recipe, use_kernels)
+    lines += ["", "Rowwise and blockwise: a step's casts (x, W, output gradient, each with its transposed copy) and the",
+              "layout of its three `torch._scaled_mm` calls' arguments, the GEMMs themselves not included.", "",
+              "| recipe | operations | by name |", "|---|---:|---|"]  # fmt: skip
+    for name, ops in fine.items():
+        lines.append(f"| {name} | {sum(ops.values())} | " + ", ".join(f"{k} {v}" for k, v in ops.most_common()) + " |")
+    rows.update(fine)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -34,12 +34,16 @@ from typing import NamedTuple
 
 import torch
 
-from fp8_lightning import kernels, mx, quantize
+from fp8_lightning import fine_grained, kernels, mx, quantize
+from fp8_lightning.blockwise import COLUMN_TILE, ROW_TILE, WEIGHT_BLOCK
 from fp8_lightning.fine_grained import fine_dequantize
 from fp8_lightning.formats import Format, fp8_dtype
 from fp8_lightning.kernels import cpu_codec as codec_module
 from fp8_lightning.kernels.availability import kernels_usable
+from fp8_lightning.kernels.fine_grained_layout import ROWWISE_TILES
 from fp8_lightning.quantize import Quantized, _check_floating, is_transposed_2d
+from fp8_lightning.recipes import BlockwiseScaling
+from fp8_lightning.rowwise import high_precision_operand, tensorwise_column_operand
 
 # --------------------------------------------------------------------------------------------------------
 # Which implementation
@@ -340,3 +344,33 @@ def dequantize_mxfp8(data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.d
     values = codec.mx_decode(data.reshape(-1, k), scale.reshape(-1, n_blocks), False)
     return values.view(data.shape).to(out_dtype)
 
+
+
+# --------------------------------------------------------------------------------------------------------
+# Rowwise and blockwise
+# --------------------------------------------------------------------------------------------------------
+
+
+def fine_operands(recipe, role: str, x: torch.Tensor, dtype: torch.dtype, columnwise: bool):
+    """:func:`fp8_lightning.fine_grained.fine_operands`. On CUDA each copy it casts is one Triton launch
+    (``kernels.fine_cast``) that also writes ``1 / scale`` and both in cuBLAS's layouts, with the wgrad copies
+    (``x.T``, ``g.T``) written transposed and a weight's ``W.T`` blocks from the same launch as ``W``'s. A
+    high-precision weight gradient's copies (``x.T`` itself, ``W.T`` with one scale) stay on the reference."""
+    kernels = cuda_kernels(x)
+    if kernels is None or x.dim() != 2 or x.numel() == 0:
+        return fine_grained.fine_operands(recipe, role, x, dtype, columnwise)
+    y, power_of_2 = x.detach(), recipe.power_of_2_scales
+    if isinstance(recipe, BlockwiseScaling):
+        if role == "weight":
+            return kernels.fine_cast(y, dtype, WEIGHT_BLOCK, power_of_2, transpose=columnwise)
+        row = kernels.fine_cast(y, dtype, ROW_TILE, power_of_2)[0]
+        return row, (kernels.fine_cast(y, dtype, COLUMN_TILE, power_of_2)[0] if columnwise else None)
+    per_row, per_column = ROWWISE_TILES
+    row = kernels.fine_cast(y, dtype, per_row, power_of_2, recipe.eps)[0]
+    if not columnwise:
+        return row, None
+    if not recipe.high_precision_wgrad:
+        return row, kernels.fine_cast(y, dtype, per_column, power_of_2, recipe.eps)[0]
+    if role == "weight":
+        return row, tensorwise_column_operand(x, dtype, recipe.eps, power_of_2)
+    return row, high_precision_operand(x)

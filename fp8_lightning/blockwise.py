@@ -142,10 +142,12 @@ def blockwise_gemm_support(device: torch.device | str) -> tuple[bool, str]:
 def _scale_layout(q: Quantized, rows: int) -> torch.Tensor:
     """``1 / scale`` of an operand with (rows x 128) tiles and K last, in the layout cuBLAS reads for it:
     1x128 "outer-dim-major" (column-major, stride (1, M)); 128x128 "inner-dim-major" with the row stride padded to a
-    multiple of 4 (16 bytes)."""
-    inverse = q.scale.float().reciprocal()
+    multiple of 4 (16 bytes). The CUDA cast kernels write the operand's ``inverse`` in that layout: no copy then."""
+    inverse = q.inverse_scale()
     if rows == 1:
         return row_major(inverse.t()).t()
+    if inverse.stride(1) == 1 and inverse.stride(0) % 4 == 0:
+        return inverse
     k_tiles = inverse.shape[1]
     return row_major(pad_dim(inverse, 1, 4)).narrow(1, 0, k_tiles)  # narrow: fake tensors refuse indexing
 

@@ -22,10 +22,16 @@ from typing import NamedTuple
 import torch
 from torch.library import custom_op
 
-from fp8_lightning.blockwise import TILE, blockwise_mm, blockwise_operands, dequantize_blockwise
+from fp8_lightning.blockwise import TILE, blockwise_mm, blockwise_operands, dequantize_blockwise, quantize_blockwise
 from fp8_lightning.quantize import Quantized
 from fp8_lightning.recipes import BlockwiseScaling, Recipe, RowwiseScaling
-from fp8_lightning.rowwise import dequantize_rowwise, high_precision_mm, rowwise_mm, rowwise_operands
+from fp8_lightning.rowwise import (
+    dequantize_rowwise,
+    high_precision_mm,
+    quantize_rowwise,
+    rowwise_mm,
+    rowwise_operands,
+)
 
 FINE_KINDS = ("row", "block", "hp")
 
@@ -52,6 +58,19 @@ def fine_operands(
     (``"input"``, ``"weight"`` or ``"grad_output"``) under a rowwise or blockwise recipe."""
     cast = rowwise_operands if isinstance(recipe, RowwiseScaling) else blockwise_operands
     return cast(x, role, dtype, recipe, columnwise)
+
+
+def fine_cast_twin(
+    x: torch.Tensor, tile: tuple[int, int], dtype: torch.dtype, power_of_2: bool, eps: float = 1e-12
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data, scale)`` of one copy as ``kernels.fine_cast`` makes it, from the reference casts: ``tile`` (1, 0) or
+    (0, 1) one scale per row or per column (rowwise, ``eps``), else a blockwise tile; the copies scaled down x's
+    columns ((0, 1), (128, 1)) are the operand of ``x.T`` (transposed views here)."""
+    if tile in ((1, 0), (0, 1)):
+        data, scale = quantize_rowwise(x, dtype, -1 if tile == (1, 0) else 0, eps, power_of_2)
+    else:
+        data, scale = quantize_blockwise(x, tile, dtype, power_of_2)
+    return (data.t(), scale.t()) if tile in ((0, 1), (TILE, 1)) else (data, scale)
 
 
 def fine_dequantize(q: Quantized) -> torch.Tensor:
@@ -121,11 +140,13 @@ def fine_operand_cast(
     x: torch.Tensor, role: str, dtype: torch.dtype, blockwise: bool, power_of_2: bool, eps: float,
     high_precision_wgrad: bool, columnwise: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from fp8_lightning.backends import fine_operands as cast  # the CUDA branch (backends imports this module)
+
     recipe = _recipe(blockwise, power_of_2, eps, high_precision_wgrad)
-    row, col = fine_operands(recipe, role, x, dtype, columnwise)
+    row, col = cast(recipe, role, x, dtype, columnwise)
     if col is None:
-        return row.data, row.scale, x.new_empty((0,), dtype=dtype), x.new_empty((0,), dtype=torch.float32)
-    return row.data, row.scale, col.data.contiguous(), col.scale.contiguous()
+        return row.data, row.scale.contiguous(), x.new_empty((0,), dtype=dtype), x.new_empty((0,), dtype=torch.float32)
+    return row.data, row.scale.contiguous(), col.data.contiguous(), col.scale.contiguous()  # the fake's layouts
 
 
 @fine_operand_cast.register_fake

@@ -37,8 +37,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fp8_lightning.autocast import autocast_state
-from fp8_lightning.backends import quantize_mx_operands
-from fp8_lightning.fine_grained import fine_operands, is_fine_grained
+from fp8_lightning.backends import fine_operands, quantize_mx_operands
+from fp8_lightning.fine_grained import is_fine_grained
 from fp8_lightning.gemm import LAYOUT_MULTIPLE, check_device, fp8_mm
 from fp8_lightning.quantize import Quantized
 from fp8_lightning.recipes import MXFP8BlockScaling, Recipe

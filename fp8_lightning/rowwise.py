@@ -121,10 +121,10 @@ def rowwise_scaled_mm_args(a: Quantized, b: Quantized) -> tuple[torch.Tensor, to
     columns get 1)."""
     mat1, padded_b = scaled_mm_layout(a.data, b.data)
     mat2 = padded_b.t()
-    scale_a = a.scale.float().reciprocal().reshape(-1, 1).contiguous()
-    inverse_b = b.scale.float().reciprocal().reshape(-1)
+    scale_a = a.inverse_scale().reshape(-1, 1).contiguous()  # the CUDA cast kernels wrote it: no copy
+    inverse_b = b.inverse_scale().reshape(-1)
     extra = mat2.shape[1] - inverse_b.numel()
-    scale_b = torch.cat([inverse_b, inverse_b.new_ones(extra)]).reshape(1, -1)
+    scale_b = (torch.cat([inverse_b, inverse_b.new_ones(extra)]) if extra else inverse_b).reshape(1, -1)
     return mat1, mat2, scale_a, scale_b
 
 

@@ -13,6 +13,8 @@ kernel                       what it does                                    pur
 ``cast_transpose``           the same, also writing the transposed copy      ``...`` + ``.t().contiguous()``
 ``mx_quantize``              MXFP8 rowwise and/or columnwise from one read   ``mx.quantize_mxfp8``
 ``mx_gemm``                  block-scaled FP8 GEMM for MX operands (sm8x/9x)  ``gemm`` emulation
+``fine_cast``                rowwise / blockwise copy, scales in cuBLAS's    ``rowwise.quantize_rowwise``,
+                             layout, one launch                              ``blockwise.quantize_blockwise``
 ===========================  ==============================================  ======================================
 
 How the library uses them: the core (``quantize.py``, ``mx.py``, ``scaling.py``, ``gemm.py``) asks
@@ -25,7 +27,8 @@ no suitable GPU) instead of falling back silently. Under ``TRITON_INTERPRET=1`` 
 are first used, and while they run) the kernels run on CPU tensors, which is how they are tested without a GPU.
 
 Modules: ``availability`` (can they run here; no Triton import), ``per_tensor`` (amax and per-tensor casts),
-``mxfp8`` (MX quantization), ``block_gemm`` (MX GEMM and its autotune configs), ``ops`` (``torch.library``), and
+``mxfp8`` (MX quantization), ``fine_grained_cast`` (rowwise and blockwise casts; their output layouts in
+``fine_grained_layout``), ``block_gemm`` (MX GEMM and its autotune configs), ``ops`` (``torch.library``), and
 ``cpu_codec`` (not Triton: the CPU casts and MX (de)quantization fused in C, built with the machine's C compiler
 on first use, which the core uses for CPU tensors; same bits as the core's pure-torch code).
 
@@ -39,6 +42,7 @@ from __future__ import annotations
 import torch
 
 from fp8_lightning.formats import fp8_dtype
+from fp8_lightning.kernels.fine_grained_layout import TILE, TILES
 from fp8_lightning.kernels.availability import (
     DISABLE_ENV,
     device_status,
@@ -62,6 +66,7 @@ __all__ = [
     "delayed_operand_cast",
     "device_status",
     "disabled_by_env",
+    "fine_cast",
     "kernels_usable",
     "mx_gemm",
     "mx_gemm_supported",
@@ -240,3 +245,39 @@ def mx_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype = torch.bfloat16)
         raise ValueError(f"fp8_lightning.kernels.mx_gemm: {reason}. Use fp8_lightning.fp8_mm (it emulates).")
     dense = [t.contiguous() for t in (a.data, a.scale.view(torch.uint8), b.data, b.scale.view(torch.uint8))]
     return _ops().mx_gemm(*dense, out_dtype)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Rowwise and blockwise
+# --------------------------------------------------------------------------------------------------------
+
+
+def fine_cast(
+    x: torch.Tensor, fp8_format="E4M3", tile: tuple[int, int] = (1, 0), power_of_2: bool = True, eps: float = 1e-12,
+    transpose: bool = False,
+) -> tuple[Quantized, Quantized | None]:
+    """One rowwise or blockwise copy of a 2-D ``x`` (M, K) in one launch, and with ``transpose`` (128x128 blocks
+    only) the copy of ``x.T`` from the same launch: operands of kind ``"row"`` or ``"block"`` whose scales and
+    ``inverse`` (``1 / scale``) lie in cuBLAS's layouts (:mod:`~fp8_lightning.kernels.fine_grained_layout`).
+
+    ``tile``: ``(1, 0)`` one scale per row, ``(0, 1)`` one per column (the operand of ``x.T``: codes (K, M)),
+    ``(1, 128)``, ``(128, 1)`` (the operand of ``x.T``) or ``(128, 128)``. Values equal
+    ``rowwise.quantize_rowwise`` (``eps``; rowwise tiles) and ``blockwise.quantize_blockwise`` bit for bit.
+    """
+    _check_input(x, "fine_cast")
+    if x.dim() != 2 or x.numel() == 0:
+        raise ValueError(f"fp8_lightning.kernels.fine_cast needs a non-empty 2-D tensor; got shape {tuple(x.shape)}.")
+    tile = tuple(tile)
+    if tile not in TILES:
+        raise ValueError(f"tile={tile} is not supported; allowed: {', '.join(map(str, TILES))}.")
+    if transpose and tile != (TILE, TILE):
+        raise ValueError(
+            f"fine_cast writes a transposed copy for 128x128 blocks only (got tile={tile}): the scales of other tiles "
+            "follow the reduction dimension, so cast the other direction's tile instead."
+        )
+    data, scale, inverse, data_t, scale_t, inverse_t = _ops().fine_cast(
+        x, fp8_dtype(fp8_format), *tile, power_of_2, float(eps), transpose
+    )
+    kind = "block" if TILE in tile else "row"
+    row = Quantized(data, scale, kind, inverse=inverse)
+    return row, (Quantized(data_t, scale_t, kind, inverse=inverse_t) if transpose else None)

@@ -68,9 +68,9 @@ class Report:
 
 
 def _kernel_fn(name: str):
-    from fp8_lightning.kernels import block_gemm, fp8_adam, mxfp8, per_tensor
+    from fp8_lightning.kernels import block_gemm, fine_grained_cast, fp8_adam, mxfp8, per_tensor
 
-    for module in (per_tensor, mxfp8, block_gemm, fp8_adam):
+    for module in (per_tensor, mxfp8, block_gemm, fp8_adam, fine_grained_cast):
         if hasattr(module, name):
             return getattr(module, name)
     raise KeyError(f"no kernel named {name!r} in fp8_lightning.kernels")
@@ -190,9 +190,45 @@ def _fp8_adam_variants() -> list[Variant]:
     return out
 
 
+def _fine_cast_variants() -> list[Variant]:
+    """The rowwise and blockwise casts: every tile, with the scale strides a launch on a contiguous x passes (a
+    stride of 1 is specialized)."""
+    from fp8_lightning.kernels.fine_grained_cast import NUM_WARPS
+    from fp8_lightning.kernels.fine_grained_layout import TILE, TILES, along_rows, piece
+    from fp8_lightning.kernels.per_tensor import format_constants
+
+    def scale_strides(tile, transpose):  # (line, window) strides of scale, then of scale_t
+        own = {(TILE, TILE): ("i32", 1), (1, TILE): (1, "i32"), (TILE, 1): (1, "i32")}.get(tile, (1, 1))
+        return own + (("i32", 1) if transpose else ("i32", "i32"))
+
+    requests = [(tile, False) for tile in TILES] + [((TILE, TILE), True)]
+    out = []
+    for x, q, (tile, transpose), pow2, rounding in itertools.product(
+        INPUT_DTYPES, FP8, requests, (False, True), (False, True)
+    ):
+        rows = along_rows(tile)
+        block_lines, chunk = piece(tile, rows)
+        s_line, s_window, t_window, t_line = scale_strides(tile, transpose)
+        out.append(Variant("_fine_cast_kernel", (
+            f"x={short(x)} out={short(q)} tile={tile[0]}x{tile[1]} transpose={int(transpose)} power_of_2={int(pow2)} "
+            f"explicit_rounding={int(rounding)}"), (
+            ("x_ptr", ptr(x)), ("data_ptr", ptr(q)), ("data_t_ptr", ptr(q)), ("scale_ptr", "*fp32"),
+            ("inverse_ptr", "*fp32"), ("scale_t_ptr", "*fp32"), ("inverse_t_ptr", "*fp32"), ("LINES", "i32"),
+            ("LENGTH", "i32"), ("WINDOW", "i32"), ("stride_line", "i32" if rows else 1),
+            ("stride_pos", 1 if rows else "i32"), ("stride_scale_line", s_line), ("stride_scale_window", s_window),
+            ("stride_scale_t_window", t_window), ("stride_scale_t_line", t_line), ("eps", "fp32"),
+            *{**format_constants(q), "EXPLICIT_ROUNDING": rounding}.items(), ("POWER_OF_2", pow2),
+            ("BLOCKWISE", TILE in tile), ("SQUARE", tile == (TILE, TILE)), ("TRANSPOSE", transpose),
+            ("BLOCK_LINES", block_lines), ("CHUNK", chunk)), num_warps=NUM_WARPS))  # fmt: skip
+    return out
+
+
 def launch_space() -> list[Variant]:
     """Every configuration the wrappers can launch (dtypes, constexprs, every autotune config)."""
-    return _per_tensor_variants() + _mx_quantize_variants() + _mx_gemm_variants() + _fp8_adam_variants()
+    return (
+        _per_tensor_variants() + _mx_quantize_variants() + _mx_gemm_variants() + _fp8_adam_variants()
+        + _fine_cast_variants()
+    )
 
 
 def axes(variant: Variant) -> dict:

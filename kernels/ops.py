@@ -16,6 +16,8 @@ plain tensors (E8M0 scales as ``uint8``); :mod:`fp8_lightning.kernels` wraps the
     torch.ops.fp8_lightning.mx_quantize(x, block_size, scale_rounding, dtype, rowwise, colwise)
                                                                         -> (row, row_scale, col, col_scale)
     torch.ops.fp8_lightning.mx_gemm(a, a_scale, b, b_scale, out_dtype)  -> out
+    torch.ops.fp8_lightning.fine_cast(x, dtype, tile_rows, tile_cols, power_of_2, eps, transpose)
+                                                -> (data, scale, inverse, data_t, scale_t, inverse_t)
 
 ``amax`` outputs are float32 scalars; when ``record_amax`` is False the ``amax`` output is 0.
 """
@@ -187,3 +189,32 @@ def mx_gemm(
 @mx_gemm.register_fake
 def _(a, a_scale, b, b_scale, out_dtype):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Rowwise and blockwise
+# --------------------------------------------------------------------------------------------------------
+
+
+@custom_op(f"{NAMESPACE}::fine_cast", mutates_args=())
+def fine_cast(
+    x: torch.Tensor, dtype: torch.dtype, tile_rows: int, tile_cols: int, power_of_2: bool, eps: float,
+    transpose: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    impl = _implementation("fine_grained_cast", x)
+
+    return impl.fine_cast(x, dtype, (tile_rows, tile_cols), power_of_2, eps, transpose)
+
+
+@fine_cast.register_fake
+def _(x, dtype, tile_rows, tile_cols, power_of_2, eps, transpose):
+    from fp8_lightning.kernels.fine_grained_layout import output_layouts
+
+    layouts = output_layouts(tuple(x.shape), (tile_rows, tile_cols), transpose)
+    f32 = torch.float32
+    data, scale = x.new_empty_strided(*layouts["data"], dtype=dtype), x.new_empty_strided(*layouts["scale"], dtype=f32)
+    inverse = x.new_empty_strided(*layouts["scale"], dtype=f32)
+    if not transpose:
+        return data, scale, inverse, x.new_empty(0, dtype=dtype), x.new_empty(0, dtype=f32), x.new_empty(0, dtype=f32)
+    scale_t, inverse_t = (x.new_empty_strided(*layouts["scale_t"], dtype=f32) for _ in range(2))
+    return data, scale, inverse, x.new_empty_strided(*layouts["data_t"], dtype=dtype), scale_t, inverse_t

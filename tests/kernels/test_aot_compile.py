@@ -23,11 +23,11 @@ def covering_jobs():
 
 
 def _jit_kernels() -> set[str]:
-    from fp8_lightning.kernels import block_gemm, fp8_adam, mxfp8, per_tensor
+    from fp8_lightning.kernels import block_gemm, fine_grained_cast, fp8_adam, mxfp8, per_tensor
 
     return {
         name
-        for module in (per_tensor, mxfp8, block_gemm, fp8_adam)
+        for module in (per_tensor, mxfp8, block_gemm, fp8_adam, fine_grained_cast)
         for name, value in vars(module).items()
         if name.endswith("_kernel") and type(value).__name__ == "JITFunction"
     }

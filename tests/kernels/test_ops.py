@@ -34,10 +34,13 @@ def _cases():
         (OPS.mx_quantize, (x[:, :40], 32, "floor", E4M3, True, True)),  # ragged: padded outputs
         (OPS.mx_quantize, (x, 32, "rceil", E5M2, False, True)),
         (OPS.mx_gemm, (a.data, a.scale.view(torch.uint8), b.data, b.scale.view(torch.uint8), torch.bfloat16)),
+        (OPS.fine_cast, (x[:, :40], E4M3, 1, 0, True, 1e-12, False)),  # rowwise: (40, 1) scales
+        (OPS.fine_cast, (x.t(), E5M2, 128, 1, False, 0.0, False)),  # 128x1 of a strided view: column-major scales
+        (OPS.fine_cast, (x, E4M3, 128, 128, True, 0.0, True)),  # 128x128 and W.T: padded rows of scales
     ]
 
 
-@pytest.mark.parametrize("case", range(11))
+@pytest.mark.parametrize("case", range(14))
 def test_fake_implementations_match_the_kernels(case):
     op, args = _cases()[case]
     # The schema checker multiplies inputs to detect mutation, which float8 inputs (the GEMM's) do not support.

@@ -69,6 +69,8 @@ def test_launch_count_reports_both_per_tensor_recipes(tmp_path):
     assert len(rows) == 4 and all("_scaled_mm 3" in row for row in rows)
     bf16 = [row for row in rows if "bf16 autocast" in row]
     assert len(bf16) == 2 and all("| add " not in row and ", add " not in row for row in bf16)  # bias in the GEMM
+    fine = [line for line in out.read_text().splitlines() if "Triton casts" in line]  # one launch per copy
+    assert fine == ["| rowwise, Triton casts | 6 | fine_cast 6 |", "| blockwise, Triton casts | 5 | fine_cast 5 |"]
 
 
 def test_host_time_reports_every_layer_eagerly(tmp_path):
