@@ -1,9 +1,9 @@
-"""Ahead-of-time compilation of every kernel launch configuration for GPUs that are not here (sm_90a, sm_100a).
+"""Ahead-of-time compilation of every kernel launch configuration for GPUs that are not here (sm_89, sm_90a, sm_100a).
 
 Why: the Triton interpreter, which runs the kernel tests on a CPU, accepts code that the GPU compiler refuses, and
 says nothing about registers. Triton compiles down to a cubin without a GPU (``triton.compile`` with a
 ``GPUTarget``, ptxas from the triton wheel), so a CPU can prove that every configuration the wrappers can launch
-compiles for Hopper and Blackwell, and read ptxas's report: registers per thread, spilled bytes, and the shared
+compiles for Ada, Hopper and Blackwell, and read ptxas's report: registers per thread, spilled bytes, and the shared
 memory Triton allocates.
 
 :func:`launch_space` lists the configurations the wrappers launch, built from the wrappers' own constants (tile
@@ -26,7 +26,8 @@ import torch
 
 from fp8_lightning.formats import fp8_emax
 
-TARGETS = {"sm_90a": 90, "sm_100a": 100}
+# Ada (L4, L40, RTX 4090: FP8 mma.sync, no wgmma or TMA), Hopper, Blackwell.
+TARGETS = {"sm_89": 89, "sm_90a": 90, "sm_100a": 100}
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _TYPE = {
