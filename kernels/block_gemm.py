@@ -59,22 +59,35 @@ def mx_gemm_configs(capability: tuple[int, int] | None = None) -> list[triton.Co
     Each program holds the running float32 accumulator *and* the block's partial product in registers (the fold
     needs both), so tiles are sized for two (BLOCK_M, BLOCK_N) float32 tensors per warpgroup. Compiled ahead of
     time (``benchmarks/aot_compile.py``), 128-row tiles fit on Hopper's wgmma (sm90) but spill on sm100 (the
-    partial is copied out of tensor memory every K step) and on sm89; 256-wide tiles spill everywhere.
+    partial is copied out of tensor memory every K step); 256-wide tiles spill everywhere. Ada (sm89) has no TMA:
+    Triton lowers the descriptors to plain loads into registers (no shared-memory pipelining, so ``num_stages``
+    changes nothing there), and each tile of 64x64 or more tried there spills at block size 64 or 128, so Ada
+    gets its own tiles of 2,048 outputs.
     """
     shapes = [
-        # BLOCK_M, BLOCK_N, num_warps, num_stages, only on sm90
-        (128, 128, 8, 4, True),
-        (128, 64, 4, 4, True),
-        (64, 128, 4, 3, False),
-        (64, 128, 4, 4, False),
-        (64, 64, 4, 5, False),
+        # BLOCK_M, BLOCK_N, num_warps, num_stages, the GPUs that select it
+        (128, 128, 8, 4, "sm90"),
+        (128, 64, 4, 4, "sm90"),
+        (64, 128, 4, 3, "sm90+"),
+        (64, 128, 4, 4, "sm90+"),
+        (64, 64, 4, 5, "sm90+"),
+        (32, 64, 4, 3, "sm89"),
+        (32, 64, 8, 3, "sm89"),
+        (64, 32, 8, 3, "sm89"),
     ]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8}, num_warps=warps, num_stages=stages,
                       pre_hook=_set_descriptor_blocks)
-        for bm, bn, warps, stages, hopper_only in shapes
-        if capability is None or not hopper_only or capability[0] == 9
+        for bm, bn, warps, stages, gpus in shapes
+        if capability is None or _selects(gpus, capability)
     ]
+
+
+def _selects(gpus: str, capability: tuple[int, int]) -> bool:
+    """Whether a tile meant for ``gpus`` ("sm89": Ada; "sm90": Hopper; "sm90+": Hopper and later) runs on
+    ``capability``."""
+    ada, hopper = capability[0] == 8, capability[0] == 9
+    return {"sm89": ada, "sm90": hopper, "sm90+": not ada}[gpus]
 
 
 def _set_descriptor_blocks(args: dict) -> None:
