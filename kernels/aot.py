@@ -248,11 +248,13 @@ def parse_ptxas_log(log: str) -> tuple[int, int]:
     return int(registers.group(1)), spilled
 
 
-def _source(variant: Variant):
+def _source(variant: Variant, fn=None):
     from triton.compiler import ASTSource
 
-    fn = _kernel_fn(variant.kernel)
-    if type(fn).__name__ != "JITFunction":
+    fn = fn or _kernel_fn(variant.kernel)
+    if type(fn).__name__ == "GluonJITFunction":  # Triton's lower-level dialect (an experiment's kernel)
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
+    elif type(fn).__name__ != "JITFunction":
         raise RuntimeError(
             f"{variant.kernel} is a {type(fn).__name__}: ahead-of-time compilation needs the compiled kernels; "
             "import fp8_lightning.kernels without TRITON_INTERPRET=1"
@@ -274,8 +276,9 @@ def _source(variant: Variant):
     return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
 
 
-def compile_variant(variant: Variant, target: str) -> Report:
-    """Compile ``variant`` for ``target`` (a key of :data:`TARGETS`) and read ptxas's report.
+def compile_variant(variant: Variant, target: str, fn=None) -> Report:
+    """Compile ``variant`` for ``target`` (a key of :data:`TARGETS`) and read ptxas's report. ``fn``: compile this
+    ``@triton.jit`` function, with the variant's arguments, instead of the kernel the variant names.
 
     ptxas only runs when Triton's cache misses, so each call compiles into a fresh cache directory.
     """
@@ -291,7 +294,7 @@ def compile_variant(variant: Variant, target: str) -> Report:
         knobs.nvidia.dump_ptxas_log = True
         with contextlib.redirect_stdout(log):
             kernel = triton.compile(
-                _source(variant), target=GPUTarget("cuda", TARGETS[target], 32),
+                _source(variant, fn), target=GPUTarget("cuda", TARGETS[target], 32),
                 options={"num_warps": variant.num_warps, "num_stages": variant.num_stages},
             )
     registers, spilled = parse_ptxas_log(log.getvalue())
