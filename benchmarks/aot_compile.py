@@ -10,7 +10,7 @@ Usage::
 
     python benchmarks/aot_compile.py [--kernel NAME ...] [--target sm_89 ...] [--cover] [--jobs N] [--out FILE.md]
 
-``--cover`` compiles the suite's pairwise covering only (about 70 compiles, a minute on an idle core).
+``--cover`` compiles the suite's pairwise covering only (about 100 compiles, a minute with 2 processes).
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ Usage::
 
     python benchmarks/mx_gemm_overlap.py [--out FILE.md]
 
-The forms take the kernel's arguments and compute the same result (K a multiple of two blocks for
-``two_blocks_per_iteration``); only their PTX is looked at here.
+The forms take the kernel's arguments and are written to compute its result (K a multiple of two blocks for
+``two_blocks_per_iteration``), but only their PTX is looked at: none of them has run.
 """
 
 from __future__ import annotations
