@@ -1,5 +1,5 @@
-"""Compile every kernel launch configuration for sm_90a and sm_100a on this machine (no GPU needed) and tabulate
-ptxas's report: registers per thread, spilled bytes, shared memory.
+"""Compile every kernel launch configuration for sm_89, sm_90a and sm_100a on this machine (no GPU needed) and
+tabulate ptxas's report: registers per thread, spilled bytes, shared memory.
 
 The configurations are ``fp8_lightning.kernels.aot.launch_space()``: every dtype, constexpr and autotune config
 the wrappers can launch (about 1,700 per target; some 20 minutes on one core). The test suite compiles a covering
@@ -8,9 +8,9 @@ compile or spills.
 
 Usage::
 
-    python benchmarks/aot_compile.py [--kernel NAME ...] [--cover] [--jobs N] [--out FILE.md]
+    python benchmarks/aot_compile.py [--kernel NAME ...] [--target sm_89 ...] [--cover] [--jobs N] [--out FILE.md]
 
-``--cover`` compiles the suite's pairwise covering only (about 70 compiles, a minute on an idle core).
+``--cover`` compiles the suite's pairwise covering only (about 100 compiles, a minute with 2 processes).
 """
 
 from __future__ import annotations
@@ -44,15 +44,16 @@ def _cell(result) -> list[str]:
     return [str(registers), str(spilled) if not spilled else f"**{spilled}**", str(shared)]
 
 
-def render(results: dict, command: str, seconds: float, cover: bool = False) -> str:
-    """The markdown report: a summary per kernel and target, then one row per configuration."""
+def render(results: dict, command: str, seconds: float, cover: bool = False, targets=tuple(TARGETS)) -> str:
+    """The markdown report: a summary per kernel and target (columns for ``targets``), then one row per
+    configuration."""
     import torch
     import triton
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = [
         f"# Ahead-of-time compilation of {'a pairwise covering of the' if cover else 'every'} kernel configuration"
-        f"{'s' if cover else ''} for {' and '.join(TARGETS)}",
+        f"{'s' if cover else ''} for {', '.join(targets)}",
         "",
         f"- command: `{command}`",
         f"- machine: CPU only (no GPU); triton {triton.__version__} (its bundled ptxas), torch {torch.__version__}",
@@ -64,27 +65,27 @@ def render(results: dict, command: str, seconds: float, cover: bool = False) -> 
         "",
         "## Summary",
         "",
-        "| kernel | configurations compiled | " + " | ".join(f"{t} max registers | {t} spilling | {t} failed" for t in TARGETS)
+        "| kernel | configurations compiled | " + " | ".join(f"{t} max registers | {t} spilling | {t} failed" for t in targets)
         + " |",
-        "|---|---:|" + "---:|---:|---:|" * len(TARGETS),
+        "|---|---:|" + "---:|---:|---:|" * len(targets),
     ]
     by_kernel = collections.defaultdict(list)
     for variant, per_target in results.items():
         by_kernel[variant.kernel].append(per_target)
     for kernel, rows in by_kernel.items():
         cells = [kernel, str(len(rows))]
-        for target in TARGETS:
+        for target in targets:
             launched = [row[target] for row in rows if target in row]
             done = [r for r in launched if r is not None]
             cells += [str(max((r[0] for r in done), default=0)), str(sum(1 for r in done if r[1])),
                       str(len(launched) - len(done))]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Every configuration", "",
-              "| kernel | configuration | " + " | ".join(f"{t} registers | {t} spills | {t} shared" for t in TARGETS)
-              + " |", "|---|---|" + "---:|---:|---:|" * len(TARGETS)]
+              "| kernel | configuration | " + " | ".join(f"{t} registers | {t} spills | {t} shared" for t in targets)
+              + " |", "|---|---|" + "---:|---:|---:|" * len(targets)]
     for variant, per_target in results.items():
         cells = [variant.kernel, variant.config]
-        for target in TARGETS:
+        for target in targets:
             cells += _cell(per_target[target]) if target in per_target else ["-", "", ""]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -93,6 +94,8 @@ def render(results: dict, command: str, seconds: float, cover: bool = False) -> 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernel", action="append", help="only this kernel (repeatable), e.g. _mx_gemm_kernel")
+    parser.add_argument("--target", action="append", choices=sorted(TARGETS),
+                        help="only this GPU (repeatable; default: every one)")
     parser.add_argument("--cover", action="store_true", help="only the test suite's pairwise covering")
     parser.add_argument("--jobs", type=int, default=1, help="compile processes (default 1)")
     parser.add_argument("--out", type=Path, help="write the markdown table here (default: print the summary)")
@@ -102,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         names = sorted({v.kernel for v in launch_space()})
         print(f"no kernel matches --kernel {args.kernel}; kernels: {', '.join(names)}")
         return 2
+    targets = tuple(t for t in TARGETS if not args.target or t in args.target)
     jobs = pairwise_cover(variants) if args.cover else [(v, t) for v in variants for t in v.targets]
+    jobs = [(variant, target) for variant, target in jobs if target in targets]
     results = {}
     for variant, target in jobs:  # rows in launch-space order, a cell per compiled target
         results.setdefault(variant, {})[target] = None
@@ -116,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             if error:
                 failures.append(f"{variant.kernel} [{variant.config}] {target}:\n{error}")
     seconds = time.perf_counter() - start
-    text = render(results, "python benchmarks/aot_compile.py " + " ".join(argv or sys.argv[1:]), seconds, args.cover)
+    command = "python benchmarks/aot_compile.py " + " ".join(argv or sys.argv[1:])
+    text = render(results, command, seconds, args.cover, targets)
     if args.out:
         args.out.write_text(text)
         print(f"wrote {args.out}")

@@ -16,20 +16,27 @@ and one add per output element and block. The result equals the twin up to float
 
 Tiles: (BLOCK_M, BLOCK_N) outputs per program, programs ordered in groups of ``GROUP_M`` rows of tiles so that
 neighbouring programs share operand tiles in L2. The tile configurations the autotuner tries on a GPU are kept in
-one named function, :func:`mx_gemm_configs`, sized so that no selectable configuration spills registers on sm_90a
-or sm_100a (``benchmarks/aot_compile.py`` compiles every one ahead of time; ``tests/kernels/test_aot_compile.py``
+one named function, :func:`mx_gemm_configs`, sized so that no selectable configuration spills registers on sm_89,
+sm_90a or sm_100a (``benchmarks/aot_compile.py`` compiles every one ahead of time; ``tests/kernels/test_aot_compile.py``
 fails on a spill). Operand tiles are read through tensor descriptors: on sm90+ the compiled kernel loads them with
 TMA (``cp.async.bulk.tensor``) into the pipelined shared-memory stages, rows past M/N arrive as zeros, and the
-inner loop has no masks; only the store is masked. An operand whose rows are not 16-byte aligned or not
-K-contiguous is copied first (``_descriptor_ready``).
+inner loop has no masks; only the store is masked. Ada (sm89) has no TMA: there Triton passes each descriptor as
+a pointer, shape and strides and loads tiles straight into registers for FP8 ``mma.sync``. An operand whose rows
+are not 16-byte aligned or not K-contiguous is copied first (``_descriptor_ready``).
 
 Why the wgmma is waited on every K step (sm_90a PTX: one ``wgmma.wait_group 0`` per step): Triton keeps a wgmma
 in flight across iterations only when its result feeds nothing but the next wgmma's accumulator (the rules of its
 MMAv3 pipeliner); here every block's product must be scaled before it is added, so the scale math waits for its
-own wgmma. The exact alternatives do not pay: rescaling the running accumulator by a ratio of scales overflows
-float32 (E8M0 spans 2**-127 .. 2**127), and pre-scaling the operands in bf16 halves the tensor-core rate. What
-remains for overlap is between warpgroups: with 8 warps (two per 128-row tile) each waits only for its own
-wgmma, so one's scale math can run under the other's (not measured: no GPU has run this kernel yet).
+own wgmma. Issuing block k+1's product before folding block k's (software pipelining by hand, with a fresh or a
+hoisted zero accumulator), two blocks per iteration, and ``tl.range``'s ``num_stages``, ``loop_unroll_factor``,
+``disallow_acc_multi_buffer`` and ``warp_specialize`` all still compile to ``wait_group 0`` on Triton 3.6 and 3.9
+(``benchmarks/mx_gemm_overlap.py``; ``benchmarks/results/mx-gemm-overlap-20261124.md``). The same loop written
+in Gluon (Triton's lower-level dialect: ``warpgroup_mma(is_async=True)``, ``warpgroup_mma_wait(1)``) compiles to
+``wait_group 1`` without spills, but the interpreter that tests this kernel against its twin cannot run Gluon.
+The exact alternatives do not pay: rescaling the running accumulator by a ratio of scales overflows float32
+(E8M0 spans 2**-127 .. 2**127), and pre-scaling the operands in bf16 halves the tensor-core rate. What remains
+for overlap is between warpgroups: with 8 warps (two per 128-row tile) each waits only for its own wgmma, so
+one's scale math can run under the other's (not measured: no GPU has run this kernel yet).
 
 Supported: any M, N >= 1; K a multiple of the block size; block sizes 32, 64, 128 (``tl.dot`` needs a K step
 of at least 32 for FP8 on Hopper); E4M3 and E5M2 in either operand (HYBRID's E5M2 x E4M3 backward GEMMs);
@@ -59,22 +66,35 @@ def mx_gemm_configs(capability: tuple[int, int] | None = None) -> list[triton.Co
     Each program holds the running float32 accumulator *and* the block's partial product in registers (the fold
     needs both), so tiles are sized for two (BLOCK_M, BLOCK_N) float32 tensors per warpgroup. Compiled ahead of
     time (``benchmarks/aot_compile.py``), 128-row tiles fit on Hopper's wgmma (sm90) but spill on sm100 (the
-    partial is copied out of tensor memory every K step) and on sm89; 256-wide tiles spill everywhere.
+    partial is copied out of tensor memory every K step); 256-wide tiles spill everywhere. Ada (sm89) has no TMA:
+    Triton lowers the descriptors to plain loads into registers (no shared-memory pipelining, so ``num_stages``
+    changes nothing there), and each tile of 64x64 or more tried there spills at block size 64 or 128, so Ada
+    gets its own tiles of 2,048 outputs.
     """
     shapes = [
-        # BLOCK_M, BLOCK_N, num_warps, num_stages, only on sm90
-        (128, 128, 8, 4, True),
-        (128, 64, 4, 4, True),
-        (64, 128, 4, 3, False),
-        (64, 128, 4, 4, False),
-        (64, 64, 4, 5, False),
+        # BLOCK_M, BLOCK_N, num_warps, num_stages, the GPUs that select it
+        (128, 128, 8, 4, "sm90"),
+        (128, 64, 4, 4, "sm90"),
+        (64, 128, 4, 3, "sm90+"),
+        (64, 128, 4, 4, "sm90+"),
+        (64, 64, 4, 5, "sm90+"),
+        (32, 64, 4, 3, "sm89"),
+        (32, 64, 8, 3, "sm89"),
+        (64, 32, 8, 3, "sm89"),
     ]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8}, num_warps=warps, num_stages=stages,
                       pre_hook=_set_descriptor_blocks)
-        for bm, bn, warps, stages, hopper_only in shapes
-        if capability is None or not hopper_only or capability[0] == 9
+        for bm, bn, warps, stages, gpus in shapes
+        if capability is None or _selects(gpus, capability)
     ]
+
+
+def _selects(gpus: str, capability: tuple[int, int]) -> bool:
+    """Whether a tile meant for ``gpus`` ("sm89": Ada; "sm90": Hopper; "sm90+": Hopper and later) runs on
+    ``capability``."""
+    ada, hopper = capability[0] == 8, capability[0] == 9
+    return {"sm89": ada, "sm90": hopper, "sm90+": not ada}[gpus]
 
 
 def _set_descriptor_blocks(args: dict) -> None:

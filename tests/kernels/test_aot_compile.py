@@ -1,4 +1,5 @@
-"""Every kernel compiles for Hopper (sm_90a) and Blackwell (sm_100a) on this CPU, without spilling registers.
+"""Every kernel compiles for Ada (sm_89), Hopper (sm_90a) and Blackwell (sm_100a) on this CPU, without spilling
+registers.
 
 The interpreter that runs the other kernel tests accepts code the GPU compiler refuses; this compiles the real
 thing ahead of time (``fp8_lightning.kernels.aot``, ptxas from the triton wheel). The suite compiles a pairwise
@@ -80,7 +81,8 @@ def test_ptxas_report_is_read():
 
 
 @pytest.mark.timeout(400)
-def test_covering_configurations_compile_for_sm90a_and_sm100a_without_spills(covering_jobs):
+def test_covering_configurations_compile_for_sm89_sm90a_and_sm100a_without_spills(covering_jobs):
+    assert {target for _, target in covering_jobs} == set(aot.TARGETS)
     problems = []
     for variant, target in covering_jobs:
         try:
@@ -118,6 +120,27 @@ def test_blackwell_mx_gemm_uses_tcgen05_with_tma():
     assert re.search(r"cp\.async\.bulk\.tensor\.2d", ptx) and "tcgen05.mma" in ptx
 
 
+def test_ada_mx_gemm_multiplies_fp8_on_mma_sync_without_tma():
+    from fp8_lightning.kernels.block_gemm import _config_key, mx_gemm_configs
+
+    ada, hopper = ({_config_key(c) for c in mx_gemm_configs(cap)} for cap in ((8, 9), (9, 0)))
+    assert ada and not ada & hopper, "Ada has no wgmma or TMA: its tiles are its own"
+    ptx = aot.compile_variant(_gemm_variant((8, 9)), "sm_89").ptx
+    assert re.search(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.f32\.e4m3\.e4m3", ptx), "FP8 tensor-core MMA"
+    assert "wgmma" not in ptx and "cp.async.bulk.tensor" not in ptx
+
+
 def test_compile_refuses_an_unknown_target():
     with pytest.raises(ValueError, match="sm_90a"):
         aot.compile_variant(aot.launch_space()[0], "sm_80")
+
+
+
+def test_hopper_mx_gemm_waits_on_each_wgmma_as_its_docstring_says():
+    """One wgmma, waited with wait_group 0 (``benchmarks/mx_gemm_overlap.py`` has the forms that were tried)."""
+    from benchmarks import mx_gemm_overlap
+
+    ptx = aot.compile_variant(mx_gemm_overlap._variant("64x128/warps4/stages3"), "sm_90a").ptx
+    assert mx_gemm_overlap.wgmma_waits(ptx) == (1, [0])
+    in_flight = "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {...};\nwgmma.wait_group.sync.aligned 1;\n"
+    assert mx_gemm_overlap.wgmma_waits(in_flight * 2) == (2, [1, 1])

@@ -64,8 +64,10 @@ def test_tile_configs_are_valid_and_grouped_order_covers_every_tile():
     from fp8_lightning.kernels.block_gemm import mx_gemm as launch
 
     a, b = mx_operand(150, 64, E4M3, seed=5), mx_operand(70, 64, E5M2, seed=6)
-    # 5 x 3 tiles of 32 in groups of 2 rows, and 3 x 2 tiles of 64 in groups of 8: every output written once.
-    for config in ({"BLOCK_M": 32, "BLOCK_N": 32, "GROUP_M": 2}, {"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 8}):
+    # 5 x 3 tiles of 32 in groups of 2 rows, 3 x 2 tiles of 64 in groups of 8, and Ada's non-square tiles (32x64,
+    # 64x32): every output written once.
+    ada = [config.kwargs for config in mx_gemm_configs((8, 9))]
+    for config in ({"BLOCK_M": 32, "BLOCK_N": 32, "GROUP_M": 2}, {"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 8}, *ada):
         out = launch(a.data, a.scale.view(torch.uint8), b.data, b.scale.view(torch.uint8), torch.float32, config)
         check(out, a, b, torch.float32)
 
