@@ -294,7 +294,7 @@ class FP8Linear(nn.Linear):
         recipe = state.recipe or self.fp8_recipe
         if not state.enabled or self.fp8_disabled_reason is not None or self._runtime_fallback(x, recipe):
             return F.linear(x, self.fp8_gemm_weight, self.bias)
-        device_type = x.device.type
+        device_type = "cpu" if x.is_cpu else x.device.type  # is_cpu: a flag; .device builds an object
         autocasting = torch.is_autocast_enabled(device_type)
         out_dtype = torch.get_autocast_dtype(device_type) if autocasting else x.dtype
         if torch.compiler.is_compiling() and self._traceable():
@@ -318,18 +318,20 @@ class FP8Linear(nn.Linear):
 
     @torch.compiler.disable
     def _eager_forward(self, x: torch.Tensor, recipe: Recipe, out_dtype: torch.dtype, autocasting: bool):
-        check_device(x.device, self.fp8_emulate)
-        device_type = x.device.type
-        scaling = self.fp8_scaling(recipe)
-        if self.training and scaling.booked and scaling.step_boundary_passed(self.weight):
+        if not x.is_cpu:  # a CPU always runs FP8 GEMMs
+            check_device(x.device, self.fp8_emulate)
+        scaling = self._fp8_scalings.get(recipe) or self.fp8_scaling(recipe)
+        weight = self.fp8_gemm_weight
+        if self.training and scaling.step_boundary_passed(weight) and scaling.booked:
             scaling.update()  # no one called update_scales() after the optimizer step: advance locally
-        # the FP8 path picks its own dtypes: autocast stays out of it (entering the context costs a few us)
-        with torch.autocast(device_type, enabled=False) if autocasting else contextlib.nullcontext():
-            x2d = x.reshape(-1, x.shape[-1])
-            y = _FP8LinearFunction.apply(
-                x2d, self.fp8_gemm_weight, self.bias, self, scaling, self.training, self.fp8_emulate, out_dtype
-            )
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        args = (x2d, weight, self.bias, self, scaling, self.training, self.fp8_emulate, out_dtype)
+        if autocasting:  # the FP8 path picks its own dtypes: autocast stays out of it
+            with torch.autocast(x.device.type, enabled=False):
+                y = _FP8LinearFunction.apply(*args)
+        else:
+            y = _FP8LinearFunction.apply(*args)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
     def _runtime_fallback(self, x: torch.Tensor, recipe: Recipe) -> bool:
         if not x.is_floating_point():

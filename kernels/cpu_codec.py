@@ -178,7 +178,7 @@ def _over_ranges(call, ranges: list[tuple[int, int]]) -> None:
 def _require(x: torch.Tensor, dtypes, what: str) -> torch.Tensor:
     """``x`` detached and contiguous, after checking it is a plain CPU tensor of one of ``dtypes`` (the C code
     reads its memory directly: anything else would be read wrong, or crash)."""
-    if not torch.is_tensor(x) or x.device.type != "cpu" or type(x) not in PLAIN_TYPES:
+    if type(x) not in PLAIN_TYPES or not x.is_cpu:
         got = f"a {type(x).__name__} on {x.device}" if torch.is_tensor(x) else type(x).__name__
         raise TypeError(f"cpu_codec.{what} takes plain CPU tensors; got {got}. Use fp8_lightning.quantize instead.")
     if x.dtype not in dtypes:
@@ -196,9 +196,13 @@ def cast(
     n = x.numel()
     codes = torch.empty(x.shape, dtype=torch.uint8)
     values = torch.empty(x.shape, dtype=torch.float32)
+    function, source, fmt = _library().fp8_cast, x.data_ptr(), FORMATS[dtype]
+    if n < PARALLEL_MIN_ELEMENTS:  # one range on this thread: the common, small case, without the machinery below
+        amax_out = (ctypes.c_float * 1)() if with_amax else None
+        function(source, INPUT_DTYPES[x.dtype], 0, n, scale, fmt, codes.data_ptr(), values.data_ptr(), amax_out)
+        return codes.view(dtype), values, (amax_out[0] if with_amax else None)
     ranges = _ranges(n, n)
     amaxes = torch.zeros(len(ranges), dtype=torch.float32) if with_amax else None
-    function, source, fmt = _library().fp8_cast, x.data_ptr(), FORMATS[dtype]
 
     def call(i, begin, end):
         amax_out = amaxes.data_ptr() + 4 * i if with_amax else None
@@ -254,6 +258,9 @@ def decode(codes: torch.Tensor) -> torch.Tensor:
     n = codes.numel()
     values = torch.empty(codes.shape, dtype=torch.float32)
     function, fmt = _library().fp8_decode, FORMATS[codes.dtype]
+    if n < PARALLEL_MIN_ELEMENTS:
+        function(codes.data_ptr(), 0, n, fmt, values.data_ptr())
+        return values
 
     def call(_, begin, end):
         function(codes.data_ptr(), begin, end, fmt, values.data_ptr())
