@@ -88,11 +88,9 @@ def amax_and_value(x: torch.Tensor) -> tuple[torch.Tensor, float | None]:
     on_cpu = x.is_cpu
     if x.numel() == 0:
         return quantize.amax(x), (0.0 if on_cpu else None)
-    kernels = cuda_kernels(x)
-    if kernels is not None:
-        return kernels.amax(x.detach()), None
     if not on_cpu:
-        return quantize.amax(x), None
+        kernels = cuda_kernels(x)
+        return (quantize.amax(x) if kernels is None else kernels.amax(x.detach())), None
     low, high = torch.aminmax(x.detach())
     lo, hi = low.item(), high.item()
     top, value = (high, hi) if math.isnan(hi) or hi >= -lo else (low.neg(), -lo)  # NaN anywhere: both ends NaN

@@ -202,7 +202,7 @@ def fp8_mm(
     backend = "emulate" if emulate else requested_backend()
     if a.kind in FINE_KINDS:  # rowwise, blockwise (fp8_lightning.fine_grained)
         return fine_mm(a, b, out_dtype, backend == "emulate" or emulation_requested(), bias)
-    if backend == "auto" and a.data.device.type == "cpu":
+    if backend == "auto" and a.data.is_cpu:
         return _float_matmul(a, b, out_dtype, bias)
     if a.kind == "mx":
         block_32 = a.data.shape[-1] == 32 * a.scale.shape[-1]

@@ -194,8 +194,8 @@ def cast(
     NaN when x holds NaN)."""
     x = _require(x, INPUT_DTYPES, "cast")
     n = x.numel()
-    codes = torch.empty(x.shape, dtype=torch.uint8)
-    values = torch.empty(x.shape, dtype=torch.float32)
+    codes = torch.empty_like(x, dtype=torch.uint8)  # x is contiguous: so are these (faster than empty(shape))
+    values = torch.empty_like(x, dtype=torch.float32)
     function, source, fmt = _library().fp8_cast, x.data_ptr(), FORMATS[dtype]
     if n < PARALLEL_MIN_ELEMENTS:  # one range on this thread: the common, small case, without the machinery below
         amax_out = (ctypes.c_float * 1)() if with_amax else None
@@ -256,7 +256,7 @@ def decode(codes: torch.Tensor) -> torch.Tensor:
     """The float32 values of E4M3 or E5M2 ``codes`` (``codes.float()``, bit for bit; NaN codes give NaN)."""
     codes = _require(codes, FORMATS, "decode")
     n = codes.numel()
-    values = torch.empty(codes.shape, dtype=torch.float32)
+    values = torch.empty_like(codes, dtype=torch.float32)
     function, fmt = _library().fp8_decode, FORMATS[codes.dtype]
     if n < PARALLEL_MIN_ELEMENTS:
         function(codes.data_ptr(), 0, n, fmt, values.data_ptr())
