@@ -270,7 +270,7 @@ def dequantize_operand(q: Quantized, out_dtype: torch.dtype = torch.float32) -> 
 
 
 def _mx_kernels(x: torch.Tensor, block_size: int):
-    kernels = cuda_kernels(x)
+    kernels = None if x.is_cpu else cuda_kernels(x)
     return kernels if kernels is not None and block_size in kernels.MX_BLOCK_SIZES and x.numel() > 0 else None
 
 

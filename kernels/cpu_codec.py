@@ -246,7 +246,10 @@ def mx_quantize(
         work = torch.empty(2 * k, dtype=torch.float32)
         function(x.data_ptr(), INPUT_DTYPES[x.dtype], m, begin, end, k, block, *args, *pointers, work.data_ptr())
 
-    _over_ranges(call, _ranges(groups, m * k))
+    if m * k < PARALLEL_MIN_ELEMENTS:
+        call(0, 0, groups)  # one range on this thread: the common, small case
+    else:
+        _over_ranges(call, _ranges(groups, m * k))
     return tuple(
         None if q is None else (q[0].view(dtype), q[1].view(torch.float8_e8m0fnu), q[2]) for q in (row, col)
     )
