@@ -122,13 +122,15 @@ def quantize_with_scale(
 
 
 def quantize_operand(
-    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, saturate: bool = True, nan_free: bool = False
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, saturate: bool = True, nan_free: bool = False,
+    scale_value: float | None = None,
 ) -> Quantized:
     """:func:`quantize_with_scale` as a GEMM operand. With the C codec, the codes' float32 values (what the CPU
-    GEMM multiplies) come from the same pass and ride on the operand."""
+    GEMM multiplies) come from the same pass and ride on the operand. ``scale_value``: the scale as a Python
+    float, when the caller has read it already."""
     codec = cast_codec(x, scale)
     if codec is not None:
-        data, values, _ = codec.cast(x, scale.item(), dtype)
+        data, values, _ = codec.cast(x, scale.item() if scale_value is None else scale_value, dtype)
         return Quantized(data, scale, "tensor", values, nan_free)
     return Quantized(quantize_with_scale(x, scale, dtype, saturate), scale, "tensor", nan_free=nan_free)
 

@@ -194,13 +194,13 @@ def cast(
     NaN when x holds NaN)."""
     x = _require(x, INPUT_DTYPES, "cast")
     n = x.numel()
-    codes = torch.empty_like(x, dtype=torch.uint8)  # x is contiguous: so are these (faster than empty(shape))
+    codes = torch.empty_like(x, dtype=dtype)  # x is contiguous: so are these (faster than empty(shape))
     values = torch.empty_like(x, dtype=torch.float32)
     function, source, fmt = _library().fp8_cast, x.data_ptr(), FORMATS[dtype]
     if n < PARALLEL_MIN_ELEMENTS:  # one range on this thread: the common, small case, without the machinery below
         amax_out = (ctypes.c_float * 1)() if with_amax else None
         function(source, INPUT_DTYPES[x.dtype], 0, n, scale, fmt, codes.data_ptr(), values.data_ptr(), amax_out)
-        return codes.view(dtype), values, (amax_out[0] if with_amax else None)
+        return codes, values, (amax_out[0] if with_amax else None)
     ranges = _ranges(n, n)
     amaxes = torch.zeros(len(ranges), dtype=torch.float32) if with_amax else None
 
@@ -210,7 +210,7 @@ def cast(
 
     _over_ranges(call, ranges)
     top = None if amaxes is None else (amaxes.max().item() if len(ranges) > 1 else amaxes.item())
-    return codes.view(dtype), values, top
+    return codes, values, top
 
 
 def mx_quantize(
@@ -233,10 +233,10 @@ def mx_quantize(
     groups = -(-m // block)
     row = col = None
     if rowwise:
-        row = (torch.empty((m, k), dtype=torch.uint8), torch.empty((m, k // block), dtype=torch.uint8),
+        row = (torch.empty((m, k), dtype=dtype), torch.empty((m, k // block), dtype=torch.float8_e8m0fnu),
                torch.empty((m, k), dtype=torch.float32))
     if columnwise:
-        col = (torch.empty((groups * block, k), dtype=torch.uint8), torch.empty((groups, k), dtype=torch.uint8),
+        col = (torch.empty((groups * block, k), dtype=dtype), torch.empty((groups, k), dtype=torch.float8_e8m0fnu),
                torch.empty((groups * block, k), dtype=torch.float32) if column_values else None)
     outputs = (row or (None,) * 3) + (col or (None,) * 3)  # codes, scales, values: rowwise, then columnwise
     pointers = [None if t is None else t.data_ptr() for t in outputs]
@@ -250,9 +250,7 @@ def mx_quantize(
         call(0, 0, groups)  # one range on this thread: the common, small case
     else:
         _over_ranges(call, _ranges(groups, m * k))
-    return tuple(
-        None if q is None else (q[0].view(dtype), q[1].view(torch.float8_e8m0fnu), q[2]) for q in (row, col)
-    )
+    return row, col  # written in place, allocated in their final dtypes
 
 
 def decode(codes: torch.Tensor) -> torch.Tensor:
