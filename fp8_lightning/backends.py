@@ -88,9 +88,11 @@ def amax_and_value(x: torch.Tensor) -> tuple[torch.Tensor, float | None]:
     on_cpu = x.is_cpu
     if x.numel() == 0:
         return quantize.amax(x), (0.0 if on_cpu else None)
+    kernels = cuda_kernels(x)
+    if kernels is not None:
+        return kernels.amax(x.detach()), None
     if not on_cpu:
-        kernels = cuda_kernels(x)
-        return (quantize.amax(x) if kernels is None else kernels.amax(x.detach())), None
+        return quantize.amax(x), None
     low, high = torch.aminmax(x.detach())
     lo, hi = low.item(), high.item()
     top, value = (high, hi) if math.isnan(hi) or hi >= -lo else (low.neg(), -lo)  # NaN anywhere: both ends NaN
@@ -272,7 +274,7 @@ def dequantize_operand(q: Quantized, out_dtype: torch.dtype = torch.float32) -> 
 
 
 def _mx_kernels(x: torch.Tensor, block_size: int):
-    kernels = None if x.is_cpu else cuda_kernels(x)
+    kernels = cuda_kernels(x)
     return kernels if kernels is not None and block_size in kernels.MX_BLOCK_SIZES and x.numel() > 0 else None
 
 

@@ -300,9 +300,11 @@ class FP8Linear(nn.Linear):
         device_type = "cpu" if x.is_cpu else x.device.type  # is_cpu: a flag; .device builds an object
         autocasting = torch.is_autocast_enabled(device_type)
         out_dtype = torch.get_autocast_dtype(device_type) if autocasting else x.dtype
-        if torch.compiler.is_compiling() and self._traceable():
+        if not torch.compiler.is_compiling():  # eager: no compiler wrapper to pass through
+            return self._eager_forward(x, recipe, out_dtype, autocasting)
+        if self._traceable():
             return self._traced_forward(x, recipe, out_dtype, autocasting)
-        return self._eager_forward(x, recipe, out_dtype, autocasting)
+        return self._eager_island(x, recipe, out_dtype, autocasting)
 
     def _traceable(self) -> bool:
         """Whether the traced step serves this call: not while an observer watches each cast (the stats monitor,
@@ -319,7 +321,6 @@ class FP8Linear(nn.Linear):
             y = traced_linear(x2d, self.fp8_gemm_weight, self.bias, plan, scaling.operands, self.training)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
-    @torch.compiler.disable
     def _eager_forward(self, x: torch.Tensor, recipe: Recipe, out_dtype: torch.dtype, autocasting: bool):
         if not x.is_cpu:  # a CPU always runs FP8 GEMMs
             check_device(x.device, self.fp8_emulate)
@@ -335,6 +336,9 @@ class FP8Linear(nn.Linear):
         else:
             y = _FP8LinearFunction.apply(*args)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+
+    # Under torch.compile a layer the traced step cannot serve runs eagerly between graphs.
+    _eager_island = torch.compiler.disable(_eager_forward)
 
     def _runtime_fallback(self, x: torch.Tensor, recipe: Recipe) -> bool:
         if not x.is_floating_point():

@@ -155,7 +155,7 @@ class OperandScaling:
         transpose = transpose and x.dim() == 2
         if not record:
             return self._evaluation_cast(x, transpose)
-        outputs = None if x.is_cpu else backends.operand_state_cast(self, x, record, transpose)  # CUDA kernels
+        outputs = backends.operand_state_cast(self, x, record, transpose)  # the CUDA kernels, where they run
         if outputs is not None:
             return self._book_state_cast(outputs, record, transpose)
         fused = backends.fused_cast(x, self.scale, self.dtype) if self.delayed and self.initialized else None
