@@ -80,14 +80,19 @@ def sync(device: torch.device) -> None:
 
 
 def interleaved_medians(
-    fns: dict[str, Callable[[], object]], device: torch.device, warmup: int, rounds: int, host: dict | None = None
+    fns: dict[str, Callable[[], object]], device: torch.device, warmup: int, rounds: int, host: dict | None = None,
+    after: dict[str, Callable[[], object]] | None = None,
 ) -> dict:
     """Median seconds per call of each function, run round-robin (see the module docstring). ``host``, when given,
     receives each function's median host time: until it returns, before the device is synchronized (on a GPU,
-    a host time close to the total means the host, not the GPU, sets the pace)."""
-    for fn in fns.values():
+    a host time close to the total means the host, not the GPU, sets the pace). ``after``: per name, work run
+    after each call of that function, outside the timing (e.g. what an optimizer does between steps)."""
+    after = after or {}
+    for name, fn in fns.items():
         for _ in range(warmup):
             fn()
+            if name in after:
+                after[name]()
     sync(device)
     times: dict[str, list[float]] = {name: [] for name in fns}
     host_times: dict[str, list[float]] = {name: [] for name in fns}
@@ -99,6 +104,8 @@ def interleaved_medians(
             host_times[name].append(time.perf_counter() - start)
             sync(device)
             times[name].append(time.perf_counter() - start)
+            if name in after:
+                after[name]()
     if host is not None:
         host.update({name: statistics.median(ts) for name, ts in host_times.items()})
     return {name: statistics.median(ts) for name, ts in times.items()}

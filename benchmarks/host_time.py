@@ -4,7 +4,9 @@ At a tiny shape (16 tokens, 64 x 64 by default) the arithmetic costs next to not
 host spends on Python, the dispatcher and the per-operation overheads: the part of a GPU step that does not shrink
 with a faster GPU and that a model of a hundred FP8 layers pays a hundred times. Each configuration is one layer's
 forward + backward; between steps the weight is changed in place (as an optimizer does, so the eager layer casts it
-again) and, for delayed scaling, ``sync_scales`` advances the histories (outside the timing). "compiled" is
+again) and ``sync_scales`` advances the delayed histories, outside the step's timing: it runs once per optimizer
+step for the whole model (one batched update for all its layers), not once per layer, and its own median time is
+reported next to the step ("sync_scales us", measured on this one layer). "compiled" is
 ``torch.compile(layer, fullgraph=True)`` with inductor; the FP8 layers then run the traced step
 (:mod:`fp8_lightning.traced`). All rows of one run are interleaved (``bench_common.interleaved_medians``).
 
@@ -18,7 +20,9 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -32,8 +36,9 @@ from fp8_lightning import fp8_autocast, sync_scales  # noqa: E402
 RECIPES = [DelayedScaling(), TensorwiseScaling(), MXFP8BlockScaling()]
 
 
-def _step(layer: nn.Module, run: nn.Module, x: torch.Tensor, fp8: bool):
-    """One timed training step of ``run`` (``layer`` or its compiled form) and the untimed work between steps."""
+def _step(layer: nn.Module, run: nn.Module, x: torch.Tensor, fp8: bool, sync_times: list[float]):
+    """One timed training step of ``run`` (``layer`` or its compiled form) and the untimed work between steps,
+    which appends the time ``sync_scales`` took to ``sync_times``."""
 
     def step():
         with fp8_autocast(enabled=fp8):
@@ -44,7 +49,9 @@ def _step(layer: nn.Module, run: nn.Module, x: torch.Tensor, fp8: bool):
             layer.weight.mul_(1.0)  # an in-place update: a new weight version, as after an optimizer step
         layer.weight.grad = None
         if fp8:
+            start = time.perf_counter()
             sync_scales(layer)
+            sync_times.append(time.perf_counter() - start)
 
     return step, between
 
@@ -73,28 +80,24 @@ def measure(
     torchao = _torchao_layer(base)
     if torchao is not None:
         layers["torchao.float8 tensorwise"] = (torchao, False)
-    fns, between = {}, {}
+    fns, between, sync_times = {}, {}, {}
     for name, (layer, fp8) in layers.items():
         for mode in modes:
             run = torch.compile(layer, fullgraph=True) if mode == "compiled" else layer
             module = layer if isinstance(layer, nn.Linear) else next(m for m in layer.modules() if isinstance(m, nn.Linear))
-            step, after = _step(module, run, x, fp8)
-            fns[(name, mode)], between[(name, mode)] = step, after
+            sync_times[(name, mode)] = []
+            fns[(name, mode)], between[(name, mode)] = _step(module, run, x, fp8, sync_times[(name, mode)])
 
-    def timed(key):
-        def fn():
-            fns[key]()
-            between[key]()  # tiny next to the step; keeps every configuration's loop the same shape
-        return fn
-
-    medians = interleaved_medians({k: timed(k) for k in fns}, device, warmup=5, rounds=rounds)
+    medians = interleaved_medians(fns, device, warmup=5, rounds=rounds, after=between)
     linear = medians[("nn.Linear", "eager")]
     rows = []
-    for name in layers:
+    for name, (_, fp8) in layers.items():
         row = {"layer": name}
         for mode in modes:
             row[f"{mode}_us"] = medians[(name, mode)] * 1e6
             row[f"{mode}_x"] = medians[(name, mode)] / linear
+        if fp8:
+            row["sync_us"] = statistics.median(sync_times[(name, modes[0])]) * 1e6
         rows.append(row)
     return rows
 
@@ -106,8 +109,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--rounds", type=int, default=300)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--modes", default="eager,compiled", help="comma-separated: eager, compiled")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's); 1 keeps a busy shared machine from stalling the "
+                             "tiny GEMMs on a descheduled second thread")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     modes = tuple(m for m in args.modes.split(",") if m)
     if not modes or set(modes) - {"eager", "compiled"}:
@@ -117,6 +125,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for mode in modes:
         against = "nn.Linear" if mode == "eager" else "nn.Linear eager"
         columns += [(f"{mode}_us", f"{mode} us", "{:.0f}"), (f"{mode}_x", f"{mode} / {against}", "{:.2f}")]
+    columns.append(("sync_us", f"sync_scales us ({modes[0]})", "{:.0f}"))
     text = (f"One layer's forward + backward, {args.tokens} tokens, {args.features} x {args.features}, on "
             f"{device.type}; medians of {args.rounds} interleaved rounds.\n\n{markdown_table(columns, rows)}\n")
     print(text)

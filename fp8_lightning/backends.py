@@ -59,7 +59,7 @@ def cpu_codec(x: torch.Tensor | None = None):
     """The C codec when it is built and enabled, for a CPU tensor ``x`` it takes (float32/bf16 input to quantize;
     any tensor with ``x=None``), else None. Never while ``torch.compile`` traces (the codec reads raw memory), nor
     for tensor subclasses (FSDP2's FP8 weights, DTensor), which may have no memory of their own to read."""
-    if x is not None and x.device.type != "cpu" or torch.compiler.is_compiling():
+    if x is not None and not x.is_cpu or torch.compiler.is_compiling():  # is_cpu: a flag, .device an object
         return None
     if x is not None and (type(x) not in codec_module.PLAIN_TYPES or x.dtype not in codec_module.INPUT_DTYPES):
         return None
@@ -72,7 +72,7 @@ def _one_float32_scale(scale) -> bool:
 
 def cast_codec(x: torch.Tensor, scale):
     """The C codec when it can cast ``x`` with ``scale`` (a float32/bf16 CPU tensor, one float32 CPU scale)."""
-    return cpu_codec(x) if _one_float32_scale(scale) and scale.device.type == "cpu" else None
+    return cpu_codec(x) if _one_float32_scale(scale) and scale.is_cpu else None
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -89,7 +89,7 @@ def amax_and_value(x: torch.Tensor) -> tuple[torch.Tensor, float | None]:
     """:func:`~fp8_lightning.quantize.amax`, and its value as a Python float where reading it costs no device
     synchronisation (CPU; else None). On CPU one ``aminmax`` pass gives both ends; the larger magnitude is picked
     on the host."""
-    on_cpu = x.device.type == "cpu"
+    on_cpu = x.is_cpu
     if x.numel() == 0:
         return quantize.amax(x), (0.0 if on_cpu else None)
     kernels = cuda_kernels(x)
@@ -109,7 +109,7 @@ def amax_and_value(x: torch.Tensor) -> tuple[torch.Tensor, float | None]:
 def to_fp8_saturated(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """:func:`fp8_lightning.quantize.to_fp8_saturated`; the CPU cast to E4M3 saturates by itself (infinities
     included; ``tests/core/test_formats_bits.py`` holds it to that), so the clamp, a full pass, is skipped there."""
-    if dtype == torch.float8_e4m3fn and x.device.type == "cpu":
+    if dtype == torch.float8_e4m3fn and x.is_cpu:
         return x.to(dtype)
     return quantize.to_fp8_saturated(x, dtype)
 
@@ -128,13 +128,15 @@ def quantize_with_scale(
 
 
 def quantize_operand(
-    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, saturate: bool = True, nan_free: bool = False
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, saturate: bool = True, nan_free: bool = False,
+    scale_value: float | None = None,
 ) -> Quantized:
     """:func:`quantize_with_scale` as a GEMM operand. With the C codec, the codes' float32 values (what the CPU
-    GEMM multiplies) come from the same pass and ride on the operand."""
+    GEMM multiplies) come from the same pass and ride on the operand. ``scale_value``: the scale as a Python
+    float, when the caller has read it already."""
     codec = cast_codec(x, scale)
     if codec is not None:
-        data, values, _ = codec.cast(x, scale.item(), dtype)
+        data, values, _ = codec.cast(x, scale.item() if scale_value is None else scale_value, dtype)
         return Quantized(data, scale, "tensor", values, nan_free)
     return Quantized(quantize_with_scale(x, scale, dtype, saturate), scale, "tensor", nan_free=nan_free)
 
@@ -222,7 +224,7 @@ def fp8_to_float32(data: torch.Tensor, nan_free: bool = False) -> torch.Tensor:
     Both give exactly the values of ``data.float()`` several times faster; the C codec does it in one pass. A
     transposed 2-D view is decoded through its contiguous base and stays a transposed view.
     """
-    if data.device.type != "cpu" or data.dtype.itemsize != 1 or not data.is_floating_point():
+    if not data.is_cpu or data.dtype.itemsize != 1 or not data.is_floating_point():
         return data.float()
     if is_transposed_2d(data):
         return fp8_to_float32(data.t(), nan_free).t()
@@ -336,7 +338,7 @@ def _transposed_operand(data: torch.Tensor, scale: torch.Tensor, values: torch.T
 def dequantize_mxfp8(data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32):
     """:func:`fp8_lightning.mx.dequantize_mxfp8`."""
     k, n_blocks = mx.check_mx_scales(data, scale)
-    codec = cpu_codec() if data.device.type == "cpu" and data.numel() > 0 else None
+    codec = cpu_codec() if data.is_cpu and data.numel() > 0 else None
     if codec is None or data.dtype not in codec.FORMATS:
         return mx.dequantize_mxfp8(data, scale, out_dtype, decode=fp8_to_float32)
     if is_transposed_2d(data):  # blocks down base rows

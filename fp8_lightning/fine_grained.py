@@ -83,10 +83,14 @@ def fine_dequantize(q: Quantized) -> torch.Tensor:
 
 
 def fine_mm(
-    a: Quantized, b: Quantized, out_dtype: torch.dtype, emulate: bool = False, bias: torch.Tensor | None = None
+    a: Quantized, b: Quantized, out_dtype: torch.dtype, emulate: bool = False, bias: torch.Tensor | None = None,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """``a @ b.T (+ bias)`` for rowwise, blockwise or high-precision operands with K last. ``emulate``: multiply the
-    dequantized operands in float32 (GPUs without the scaled GEMM)."""
+    dequantized operands in float32 (GPUs without the scaled GEMM). ``fast_accum``: the recipe's fast accumulation
+    for this GEMM, which cuBLAS's rowwise GEMM takes; its 1x128 / 128x128 block-scaled GEMM is left to its own
+    accumulation (it promotes the partial sums of every 128-long slice of K to float32 with that slice's scales,
+    the precision block scaling is chosen for), and the CPU GEMMs accumulate in float32."""
     if a.kind == "hp":
         out = high_precision_mm(a, b, out_dtype)
     elif a.kind == "block":
@@ -94,7 +98,7 @@ def fine_mm(
     elif emulate:
         out = (fine_dequantize(a) @ fine_dequantize(b).t()).to(out_dtype)
     else:
-        out = rowwise_mm(a, b, out_dtype)
+        out = rowwise_mm(a, b, out_dtype, fast_accum)
     return out if bias is None else out + bias.to(out.dtype)
 
 

@@ -194,15 +194,16 @@ def fp8_mm(
     fast_accum: bool = False,
 ) -> torch.Tensor:
     """``a @ b.T (+ bias)`` for FP8 operands with K last: ``a`` is (M, K), ``b`` is (N, K); returns (M, N).
-    ``fast_accum`` asks cuBLAS's per-tensor GEMM for fast accumulation (other backends accumulate in float32)."""
+    ``fast_accum`` asks cuBLAS's per-tensor and rowwise GEMMs for fast accumulation (other backends accumulate in
+    float32)."""
     if a.data.shape[-1] != b.data.shape[-1]:
         raise ValueError(f"fp8_mm: K differs: a is {tuple(a.data.shape)}, b is {tuple(b.data.shape)}.")
     if a.kind != b.kind:
         raise ValueError(f"fp8_mm: cannot mix scaling kinds {a.kind!r} and {b.kind!r}.")
     backend = "emulate" if emulate else requested_backend()
     if a.kind in FINE_KINDS:  # rowwise, blockwise (fp8_lightning.fine_grained)
-        return fine_mm(a, b, out_dtype, backend == "emulate" or emulation_requested(), bias)
-    if backend == "auto" and a.data.device.type == "cpu":
+        return fine_mm(a, b, out_dtype, backend == "emulate" or emulation_requested(), bias, fast_accum)
+    if backend == "auto" and a.data.is_cpu:
         return _float_matmul(a, b, out_dtype, bias)
     if a.kind == "mx":
         block_32 = a.data.shape[-1] == 32 * a.scale.shape[-1]

@@ -167,58 +167,61 @@ class _FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2d, weight, bias, layer, scaling: LayerScaling, record: bool, emulate: bool, out_dtype):
+        recipe = scaling.recipe
+        per_tensor = recipe.per_tensor
+        observer = layer.__dict__.get("fp8_observer")  # read where set: a module's missing-attribute path is slow
         # ------------------------------------------------ fprop ------------------------------------------------
         xq, x_col = scaling.cast("input", x2d, record, columnwise=True, columnwise_f32=False)  # x_col: saved
         # FSDP2 marks the modules it manages; it refills their gathered weights in place at every forward
-        wq, w_col = scaling.weight_operands(weight, record, getattr(layer, "_is_fsdp_managed_module", False))
-        _observe(layer, "input", x2d, xq)
-        _observe(layer, "weight", weight, wq)
-        y = fp8_mm(xq, wq, out_dtype, emulate, bias, scaling.recipe.fprop_fast_accum)
+        wq, w_col = scaling.weight_operands(weight, record, layer.__dict__.get("_is_fsdp_managed_module", False))
+        if observer is not None:
+            observer(layer, "input", x2d, xq)
+            observer(layer, "weight", weight, wq)
+        y = fp8_mm(xq, wq, out_dtype, emulate, bias, recipe.fprop_fast_accum)
         # Save the FP8 operands backward multiplies, x.T for wgrad and W.T for dgrad: for per-tensor recipes the
         # transposed rowwise copies (contiguous where the cast wrote them, else views), for MX the columnwise ones.
-        x_saved = xq.t() if scaling.recipe.per_tensor else x_col
-        w_saved = wq.t() if scaling.recipe.per_tensor else w_col
+        x_saved = xq.t() if per_tensor else x_col
+        w_saved = wq.t() if per_tensor else w_col
         ctx.save_for_backward(x_saved.data, x_saved.scale, w_saved.data, w_saved.scale)
-        ctx.meta = (layer, scaling, emulate, x2d.dtype, weight.dtype, None if bias is None else bias.dtype)
-        # the cached FP8 weight in float32, when a CPU float GEMM made it (the weight cache keeps it for the step
-        # anyway): dgrad reuses it instead of decoding the saved bytes again.
-        ctx.w_f32 = w_saved.f32
-        # a block-scaled weight's columnwise operand is the weight cache's own object: what dgrad derives from it
-        # (its float32 form, cuBLAS's swizzled scales) is then made once per optimizer step, not per micro-batch
-        ctx.w_operand = None if scaling.recipe.per_tensor else w_saved
-        ctx.nan_free = (x_saved.nan_free, w_saved.nan_free)
-        ctx.inverses = (x_saved.inverse, w_saved.inverse)  # 1 / scale, when the fprop GEMM made it (CUDA)
-        ctx.kinds = (x_saved.kind, w_saved.kind)  # per operand: a high-precision wgrad saves x unquantized
+        # Besides the layer, its state and the dtypes: per saved operand its kind (a high-precision wgrad saves x
+        # unquantized), whether it is known NaN-free and its 1 / scale when the fprop GEMM made it (CUDA). The
+        # cached FP8 weight's float32 form, when a CPU float GEMM made it (the weight cache keeps it for the step
+        # anyway), lets dgrad skip decoding the saved bytes again; a block-scaled weight's columnwise operand is
+        # the weight cache's own object, so what dgrad derives from it (its float32 form, cuBLAS's swizzled scales)
+        # is made once per optimizer step, not per micro-batch.
+        ctx.meta = (
+            layer, scaling, emulate, x2d.dtype, weight.dtype, None if bias is None else bias.dtype,
+            (x_saved.kind, x_saved.nan_free, x_saved.inverse),
+            (w_saved.kind, w_saved.nan_free, w_saved.inverse, w_saved.f32, None if per_tensor else w_saved),
+        )
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         x_data, x_scale, w_data, w_scale = ctx.saved_tensors
-        layer, scaling, emulate, x_dtype, w_dtype, bias_dtype = ctx.meta
-        (x_kind, w_kind), per_tensor = ctx.kinds, scaling.recipe.per_tensor
-        x_saved = Quantized(x_data, x_scale, x_kind, nan_free=ctx.nan_free[0], inverse=ctx.inverses[0])
-        w_saved = ctx.w_operand or Quantized(w_data, w_scale, w_kind, ctx.w_f32, ctx.nan_free[1], ctx.inverses[1])
+        layer, scaling, emulate, x_dtype, w_dtype, bias_dtype, x_meta, w_meta = ctx.meta
+        x_kind, x_nan_free, x_inverse = x_meta
+        w_kind, w_nan_free, w_inverse, w_f32, w_operand = w_meta
+        needs_x, needs_w, needs_bias = ctx.needs_input_grad[:3]
         g = grad_y.contiguous()
-        gq, g_col = scaling.cast("grad_output", g, record=True, columnwise=ctx.needs_input_grad[1])
-        _observe(layer, "grad_output", g, gq)
+        gq, g_col = scaling.cast("grad_output", g, record=True, columnwise=needs_w)
+        observer = layer.__dict__.get("fp8_observer")
+        if observer is not None:
+            observer(layer, "grad_output", g, gq)
         grad_x = grad_w = grad_bias = None
         fast = scaling.recipe.grad_fast_accum
         # ------------------------------------------------ dgrad ------------------------------------------------
-        if ctx.needs_input_grad[0]:
+        if needs_x:
+            w_saved = w_operand or Quantized(w_data, w_scale, w_kind, w_f32, w_nan_free, w_inverse)
             grad_x = fp8_mm(gq, w_saved, x_dtype, emulate, fast_accum=fast)  # (M, N) @ (K, N).T
         # ------------------------------------------------ wgrad ------------------------------------------------
-        if ctx.needs_input_grad[1]:
-            g_t = gq.t() if per_tensor else g_col  # (N, M)
+        if needs_w:
+            x_saved = Quantized(x_data, x_scale, x_kind, nan_free=x_nan_free, inverse=x_inverse)
+            g_t = gq.t() if scaling.recipe.per_tensor else g_col  # (N, M)
             grad_w = fp8_mm(g_t, x_saved, w_dtype, emulate, fast_accum=fast)  # (N, M) @ (K, M).T
-        if ctx.needs_input_grad[2]:
+        if needs_bias:
             grad_bias = g.sum(0, dtype=bias_dtype)  # one reduction, accumulated in the bias dtype or wider
         return grad_x, grad_w, grad_bias, None, None, None, None, None
-
-
-def _observe(layer: nn.Module, role: str, x: torch.Tensor, q: Quantized) -> None:
-    observer = getattr(layer, "fp8_observer", None)
-    if observer is not None:
-        observer(layer, role, x, q)
 
 
 class FP8Linear(nn.Linear):
@@ -294,12 +297,14 @@ class FP8Linear(nn.Linear):
         recipe = state.recipe or self.fp8_recipe
         if not state.enabled or self.fp8_disabled_reason is not None or self._runtime_fallback(x, recipe):
             return F.linear(x, self.fp8_gemm_weight, self.bias)
-        device_type = x.device.type
+        device_type = "cpu" if x.is_cpu else x.device.type  # is_cpu: a flag; .device builds an object
         autocasting = torch.is_autocast_enabled(device_type)
         out_dtype = torch.get_autocast_dtype(device_type) if autocasting else x.dtype
-        if torch.compiler.is_compiling() and self._traceable():
+        if not torch.compiler.is_compiling():  # eager: no compiler wrapper to pass through
+            return self._eager_forward(x, recipe, out_dtype, autocasting)
+        if self._traceable():
             return self._traced_forward(x, recipe, out_dtype, autocasting)
-        return self._eager_forward(x, recipe, out_dtype, autocasting)
+        return self._eager_island(x, recipe, out_dtype, autocasting)
 
     def _traceable(self) -> bool:
         """Whether the traced step serves this call: not while an observer watches each cast (the stats monitor,
@@ -316,20 +321,24 @@ class FP8Linear(nn.Linear):
             y = traced_linear(x2d, self.fp8_gemm_weight, self.bias, plan, scaling.operands, self.training)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
-    @torch.compiler.disable
     def _eager_forward(self, x: torch.Tensor, recipe: Recipe, out_dtype: torch.dtype, autocasting: bool):
-        check_device(x.device, self.fp8_emulate)
-        device_type = x.device.type
-        scaling = self.fp8_scaling(recipe)
-        if self.training and scaling.booked and scaling.step_boundary_passed(self.weight):
+        if not x.is_cpu:  # a CPU always runs FP8 GEMMs
+            check_device(x.device, self.fp8_emulate)
+        scaling = self._fp8_scalings.get(recipe) or self.fp8_scaling(recipe)
+        weight = self.fp8_gemm_weight
+        if self.training and scaling.step_boundary_passed(weight) and scaling.booked:
             scaling.update()  # no one called update_scales() after the optimizer step: advance locally
-        # the FP8 path picks its own dtypes: autocast stays out of it (entering the context costs a few us)
-        with torch.autocast(device_type, enabled=False) if autocasting else contextlib.nullcontext():
-            x2d = x.reshape(-1, x.shape[-1])
-            y = _FP8LinearFunction.apply(
-                x2d, self.fp8_gemm_weight, self.bias, self, scaling, self.training, self.fp8_emulate, out_dtype
-            )
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        args = (x2d, weight, self.bias, self, scaling, self.training, self.fp8_emulate, out_dtype)
+        if autocasting:  # the FP8 path picks its own dtypes: autocast stays out of it
+            with torch.autocast(x.device.type, enabled=False):
+                y = _FP8LinearFunction.apply(*args)
+        else:
+            y = _FP8LinearFunction.apply(*args)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+
+    # Under torch.compile a layer the traced step cannot serve runs eagerly between graphs.
+    _eager_island = torch.compiler.disable(_eager_forward)
 
     def _runtime_fallback(self, x: torch.Tensor, recipe: Recipe) -> bool:
         if not x.is_floating_point():

@@ -40,9 +40,9 @@ class Recipe:
     """Base class: common construction from names and dicts.
 
     ``fprop_fast_accum`` / ``grad_fast_accum``: cuBLAS's fast accumulation for the forward GEMM and for the two
-    backward GEMMs (dgrad, wgrad) of per-tensor recipes on CUDA (``torch._scaled_mm(use_fast_accum=)``). It is
-    faster on Hopper and accumulates FP8 products less precisely; the defaults follow torchao.float8 (forward on,
-    gradients off). Other GEMMs (CPU, MX block-scaled) always accumulate in float32 and ignore them.
+    backward GEMMs (dgrad, wgrad) of per-tensor and rowwise recipes on CUDA (``torch._scaled_mm(use_fast_accum=)``).
+    It is faster on Hopper and accumulates FP8 products less precisely; the defaults follow torchao.float8 (forward
+    on, gradients off). Other GEMMs (CPU, MX and 1x128 / 128x128 block-scaled) accumulate in float32 and ignore them.
     """
 
     name: ClassVar[str] = ""

@@ -128,14 +128,16 @@ def rowwise_scaled_mm_args(a: Quantized, b: Quantized) -> tuple[torch.Tensor, to
     return mat1, mat2, scale_a, scale_b
 
 
-def rowwise_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+def rowwise_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     """``a @ b.T`` for rowwise operands (M, K) and (N, K), scales applied to the float32 accumulator.
 
     CPU: a float32 matmul of the codes' exact values, then ``* (1 / scale_a) * (1 / scale_b)``: with power-of-two
     scales the bits of CPU ``torch._scaled_mm`` (measured equal; the codes decode several times faster than its
     float8 conversion), with float32 scales within a rounding of them. CUDA: ``torch._scaled_mm`` in cuBLAS's layout
     (:func:`rowwise_scaled_mm_args`); its rowwise kernel writes bf16 only, so other output dtypes take its tensorwise
-    kernel with unit scales (float32 output) and apply ``scale_a * scale_b`` after it, the same arithmetic."""
+    kernel with unit scales (float32 output) and apply ``scale_a * scale_b`` after it, the same arithmetic.
+    ``fast_accum``: cuBLAS's fast accumulation (``use_fast_accum``), as for the per-tensor GEMMs; the CPU GEMM
+    accumulates in float32 either way."""
     mm_dtype = out_dtype if out_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
     if a.data.device.type == "cpu":
         acc = fp8_to_float32(a.data) @ fp8_to_float32(b.data).t()
@@ -144,11 +146,15 @@ def rowwise_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tens
     n = b.data.shape[0]
     mat1, mat2, scale_a, scale_b = rowwise_scaled_mm_args(a, b)
     if out_dtype == torch.bfloat16:
-        out = torch._scaled_mm(mat1, mat2, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+        out = torch._scaled_mm(
+            mat1, mat2, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum
+        )
     else:
         one = scale_a.new_ones(())
-        out = torch._scaled_mm(mat1, mat2, scale_a=one, scale_b=one, out_dtype=torch.float32) * (scale_a * scale_b)
-    return out[:, :n].to(out_dtype)
+        out = torch._scaled_mm(
+            mat1, mat2, scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=fast_accum
+        ) * (scale_a * scale_b)
+    return out.narrow(1, 0, n).to(out_dtype)  # the padded columns cut (narrow: also on fake CUDA tensors)
 
 
 def high_precision_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:

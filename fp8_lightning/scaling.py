@@ -100,6 +100,7 @@ class OperandScaling:
             raise ValueError(f"OperandScaling is for per-tensor recipes; got {type(recipe).__name__}.")
         self.recipe = recipe
         self.dtype = dtype
+        self.max_value = fp8_max(dtype)
         self.delayed = isinstance(recipe, DelayedScaling)
         length = recipe.amax_history_len if self.delayed else 1
         self.scale = torch.ones((), dtype=torch.float32, device=device)
@@ -154,7 +155,7 @@ class OperandScaling:
         transpose = transpose and x.dim() == 2
         if not record:
             return self._evaluation_cast(x, transpose)
-        outputs = backends.operand_state_cast(self, x, record, transpose)
+        outputs = backends.operand_state_cast(self, x, record, transpose)  # the CUDA kernels, where they run
         if outputs is not None:
             return self._book_state_cast(outputs, record, transpose)
         fused = backends.fused_cast(x, self.scale, self.dtype) if self.delayed and self.initialized else None
@@ -168,10 +169,12 @@ class OperandScaling:
 
     def _cast_with(self, x: torch.Tensor, scale: torch.Tensor, host_amax: float | None) -> Quantized:
         """``saturate(x * scale)``; a finite amax known on the host (``host_amax``) tells whether any value can
-        reach the clamp (the cast rounds values a hair above fp8_max down to it)."""
+        reach the clamp (the cast rounds values a hair above fp8_max down to it). On CPU the scale is read once,
+        here, for both uses."""
         finite = host_amax is not None
-        in_range = finite and host_amax * scale.item() <= fp8_max(self.dtype) * (1 + 2**-20)
-        return backends.quantize_operand(x, scale, self.dtype, saturate=not in_range, nan_free=finite)
+        scale_value = scale.item() if finite or scale.is_cpu else None
+        in_range = finite and host_amax * scale_value <= self.max_value * (1 + 2**-20)
+        return backends.quantize_operand(x, scale, self.dtype, not in_range, finite, scale_value)
 
     def _evaluation_cast(self, x: torch.Tensor, transpose: bool) -> Quantized:
         """The cast of an evaluation forward, which leaves every tensor, flag and counter of the state as it

@@ -178,7 +178,7 @@ def _over_ranges(call, ranges: list[tuple[int, int]]) -> None:
 def _require(x: torch.Tensor, dtypes, what: str) -> torch.Tensor:
     """``x`` detached and contiguous, after checking it is a plain CPU tensor of one of ``dtypes`` (the C code
     reads its memory directly: anything else would be read wrong, or crash)."""
-    if not torch.is_tensor(x) or x.device.type != "cpu" or type(x) not in PLAIN_TYPES:
+    if type(x) not in PLAIN_TYPES or not x.is_cpu:
         got = f"a {type(x).__name__} on {x.device}" if torch.is_tensor(x) else type(x).__name__
         raise TypeError(f"cpu_codec.{what} takes plain CPU tensors; got {got}. Use fp8_lightning.quantize instead.")
     if x.dtype not in dtypes:
@@ -194,11 +194,15 @@ def cast(
     NaN when x holds NaN)."""
     x = _require(x, INPUT_DTYPES, "cast")
     n = x.numel()
-    codes = torch.empty(x.shape, dtype=torch.uint8)
-    values = torch.empty(x.shape, dtype=torch.float32)
+    codes = torch.empty_like(x, dtype=dtype)  # x is contiguous: so are these (faster than empty(shape))
+    values = torch.empty_like(x, dtype=torch.float32)
+    function, source, fmt = _library().fp8_cast, x.data_ptr(), FORMATS[dtype]
+    if n < PARALLEL_MIN_ELEMENTS:  # one range on this thread: the common, small case, without the machinery below
+        amax_out = (ctypes.c_float * 1)() if with_amax else None
+        function(source, INPUT_DTYPES[x.dtype], 0, n, scale, fmt, codes.data_ptr(), values.data_ptr(), amax_out)
+        return codes, values, (amax_out[0] if with_amax else None)
     ranges = _ranges(n, n)
     amaxes = torch.zeros(len(ranges), dtype=torch.float32) if with_amax else None
-    function, source, fmt = _library().fp8_cast, x.data_ptr(), FORMATS[dtype]
 
     def call(i, begin, end):
         amax_out = amaxes.data_ptr() + 4 * i if with_amax else None
@@ -206,7 +210,7 @@ def cast(
 
     _over_ranges(call, ranges)
     top = None if amaxes is None else (amaxes.max().item() if len(ranges) > 1 else amaxes.item())
-    return codes.view(dtype), values, top
+    return codes, values, top
 
 
 def mx_quantize(
@@ -229,10 +233,10 @@ def mx_quantize(
     groups = -(-m // block)
     row = col = None
     if rowwise:
-        row = (torch.empty((m, k), dtype=torch.uint8), torch.empty((m, k // block), dtype=torch.uint8),
+        row = (torch.empty((m, k), dtype=dtype), torch.empty((m, k // block), dtype=torch.float8_e8m0fnu),
                torch.empty((m, k), dtype=torch.float32))
     if columnwise:
-        col = (torch.empty((groups * block, k), dtype=torch.uint8), torch.empty((groups, k), dtype=torch.uint8),
+        col = (torch.empty((groups * block, k), dtype=dtype), torch.empty((groups, k), dtype=torch.float8_e8m0fnu),
                torch.empty((groups * block, k), dtype=torch.float32) if column_values else None)
     outputs = (row or (None,) * 3) + (col or (None,) * 3)  # codes, scales, values: rowwise, then columnwise
     pointers = [None if t is None else t.data_ptr() for t in outputs]
@@ -242,18 +246,22 @@ def mx_quantize(
         work = torch.empty(2 * k, dtype=torch.float32)
         function(x.data_ptr(), INPUT_DTYPES[x.dtype], m, begin, end, k, block, *args, *pointers, work.data_ptr())
 
-    _over_ranges(call, _ranges(groups, m * k))
-    return tuple(
-        None if q is None else (q[0].view(dtype), q[1].view(torch.float8_e8m0fnu), q[2]) for q in (row, col)
-    )
+    if m * k < PARALLEL_MIN_ELEMENTS:
+        call(0, 0, groups)  # one range on this thread: the common, small case
+    else:
+        _over_ranges(call, _ranges(groups, m * k))
+    return row, col  # written in place, allocated in their final dtypes
 
 
 def decode(codes: torch.Tensor) -> torch.Tensor:
     """The float32 values of E4M3 or E5M2 ``codes`` (``codes.float()``, bit for bit; NaN codes give NaN)."""
     codes = _require(codes, FORMATS, "decode")
     n = codes.numel()
-    values = torch.empty(codes.shape, dtype=torch.float32)
+    values = torch.empty_like(codes, dtype=torch.float32)
     function, fmt = _library().fp8_decode, FORMATS[codes.dtype]
+    if n < PARALLEL_MIN_ELEMENTS:
+        function(codes.data_ptr(), 0, n, fmt, values.data_ptr())
+        return values
 
     def call(_, begin, end):
         function(codes.data_ptr(), begin, end, fmt, values.data_ptr())

@@ -202,7 +202,7 @@ def test_gemm_refused_where_cublas_lacks_it_with_the_emulation_option_named(monk
             blockwise_mm(a, a, torch.bfloat16)
     set_env(monkeypatch, FP8_LIGHTNING_EMULATE="1")  # the named option reaches the blockwise GEMM as emulate=True
     seen = []
-    monkeypatch.setattr(gemm, "fine_mm", lambda a, b, out_dtype, emulate, bias: seen.append(emulate))
+    monkeypatch.setattr(gemm, "fine_mm", lambda a, b, out_dtype, emulate, bias, fast_accum: seen.append(emulate))
     q = Quantized(*quantize_blockwise(torch.randn(4, 32), ROW_TILE, E4M3), "block")
     gemm.fp8_mm(q, q, torch.float32)
     assert seen == [True]

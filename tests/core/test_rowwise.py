@@ -166,3 +166,45 @@ def test_fine_grained_recipes_keep_no_state_and_checkpoint_their_recipe():
         convert_to_fp8(other, recipe)
         load_fp8_state_dict(other, state)
         assert fp8_state_dict(other) == state
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fast_accum", [True, False])
+def test_cuda_gemm_hands_fast_accumulation_to_scaled_mm(out_dtype, fast_accum):
+    """Both of cuBLAS's rowwise routes (bf16 output with rowwise scales; other outputs through unit scales) get the
+    GEMM's fast accumulation flag, recorded from the ``_scaled_mm`` call torch's CUDA checks accept."""
+    from fp8_lightning.rowwise import rowwise_mm
+    from tests.core.test_scaled_mm import RecordScaledMM
+
+    with fake_cuda(), RecordScaledMM() as record:
+        out = rowwise_mm(fake_operand((40, 64), (40, 1), "row"), fake_operand((24, 64), (24, 1), "row"), out_dtype,
+                         fast_accum)  # fmt: skip
+        assert out.device.type == "cuda" and out.shape == (40, 24) and out.dtype == out_dtype
+    assert [call["use_fast_accum"] for call in record.calls] == [fast_accum]
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+@pytest.mark.parametrize("fprop, grad", [(True, False), (False, True)])
+def test_each_rowwise_gemm_gets_the_recipes_fast_accumulation(fprop, grad, traced, monkeypatch):
+    """fprop, dgrad and wgrad of a rowwise layer step ask for the recipe's fast accumulation, eager and traced."""
+    from fp8_lightning import fine_grained
+    from fp8_lightning.traced import make_plan, traced_linear
+
+    seen, rowwise_mm = [], fine_grained.rowwise_mm
+
+    def recording_mm(a, b, out_dtype, fast_accum):
+        seen.append(fast_accum)
+        return rowwise_mm(a, b, out_dtype, fast_accum)
+
+    monkeypatch.setattr(fine_grained, "rowwise_mm", recording_mm)
+    recipe = RowwiseScaling(fprop_fast_accum=fprop, grad_fast_accum=grad)
+    layer = FP8Linear.from_linear(torch.nn.Linear(32, 16), recipe)
+    x = torch.randn(8, 32, requires_grad=True)
+    if traced:
+        plan = make_plan(recipe, x.device, torch.float32, False)
+        y = traced_linear(x, layer.weight, layer.bias, plan, layer.fp8_scaling(recipe).operands, True)
+    else:
+        with fp8_autocast():
+            y = layer(x)
+    y.sum().backward()
+    assert seen == [fprop, grad, grad]  # fprop, then the two backward GEMMs
