@@ -30,10 +30,11 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_common import interleaved_medians, markdown_table, write_markdown_report  # noqa: E402
-from fp8_lightning import DelayedScaling, MXFP8BlockScaling, TensorwiseScaling, convert_to_fp8  # noqa: E402
+from fp8_lightning import BlockwiseScaling, DelayedScaling, MXFP8BlockScaling, RowwiseScaling, TensorwiseScaling  # noqa: E402
+from fp8_lightning import convert_to_fp8  # noqa: E402
 from fp8_lightning import fp8_autocast, sync_scales  # noqa: E402
 
-RECIPES = [DelayedScaling(), TensorwiseScaling(), MXFP8BlockScaling()]
+RECIPES = [DelayedScaling(), TensorwiseScaling(), MXFP8BlockScaling(), RowwiseScaling(), BlockwiseScaling()]
 
 
 def _step(layer: nn.Module, run: nn.Module, x: torch.Tensor, fp8: bool, sync_times: list[float]):

@@ -226,11 +226,12 @@ def fp8_to_float32(data: torch.Tensor, nan_free: bool = False) -> torch.Tensor:
     """
     if not data.is_cpu or data.dtype.itemsize != 1 or not data.is_floating_point():
         return data.float()
-    if is_transposed_2d(data):
-        return fp8_to_float32(data.t(), nan_free).t()
+    transposed = is_transposed_2d(data)
     codec = cpu_codec()
-    if codec is not None and data.dtype in codec.FORMATS:
-        return codec.decode(data)  # one vectorized pass, any size
+    if codec is not None and data.dtype in codec.FORMATS:  # one vectorized pass, any size
+        return codec.decode(data.t()).t() if transposed else codec.decode(data)
+    if transposed:
+        return fp8_to_float32(data.t(), nan_free).t()
     codes = data.contiguous().view(torch.uint8)
     if data.dtype == torch.float8_e5m2:
         return codes.to(torch.int16).mul_(256).view(torch.float16).float()
