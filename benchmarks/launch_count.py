@@ -37,12 +37,13 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import fp8_lightning.backends as backends  # noqa: E402
 from fp8_lightning import DelayedScaling, FP8Linear, TensorwiseScaling, fp8_autocast, kernels, sync_scales  # noqa: E402
+from fp8_lightning.gemm import swizzled_scales  # noqa: E402
 from fp8_lightning.blockwise import blockwise_scaled_mm_args  # noqa: E402
-from fp8_lightning.recipes import BlockwiseScaling, RowwiseScaling  # noqa: E402
+from fp8_lightning.recipes import BlockwiseScaling, MXFP8BlockScaling, RowwiseScaling  # noqa: E402
 from fp8_lightning.rowwise import rowwise_scaled_mm_args  # noqa: E402
 
-VIEWS = {"view", "t", "transpose", "reshape", "_unsafe_view", "as_strided", "detach", "alias", "expand", "slice",
-         "_reshape_alias", "empty", "empty_strided", "unsqueeze"}  # fmt: skip
+VIEWS = {"view", "t", "transpose", "permute", "reshape", "_unsafe_view", "as_strided", "detach", "alias", "expand",
+         "slice", "_reshape_alias", "empty", "empty_strided", "unsqueeze"}  # fmt: skip
 
 
 class _Count(TorchDispatchMode):
@@ -99,6 +100,31 @@ def count_fine(recipe, use_kernels: bool) -> collections.Counter:
     return counted.ops
 
 
+def count_mx(recipe: MXFP8BlockScaling, use_kernels: bool) -> collections.Counter:
+    """Operations of an MXFP8 layer step (64 -> 64, 32 tokens) outside its GEMMs, for cuBLAS's native MX GEMM
+    (sm100): the rowwise and columnwise casts of x, W and the output gradient, and the scales of the six operands
+    in cuBLAS's swizzled layout; on the Triton kernels (``use_kernels``) or on the pure-torch chain."""
+    backends.cuda_kernels = lambda x: kernels if use_kernels and kernels.supports_input(x) else None
+    torch.manual_seed(0)
+    x, w, g = torch.randn(32, 64), torch.randn(64, 64), torch.randn(32, 64)
+    forward, backward = recipe.fp8_format.forward_dtype, recipe.fp8_format.backward_dtype
+    with _Count() as counted:
+        operands = [
+            backends.quantize_mx_operands(t, recipe.block_size, recipe.scale_rounding, dtype)
+            for t, dtype in ((x, forward), (w, forward), (g, backward))
+        ]
+        for row, col in operands:
+            swizzled_scales(row), swizzled_scales(col)
+    return counted.ops
+
+
+def _table(rows: dict) -> list[str]:
+    lines = ["| recipe | operations | by name |", "|---|---:|---|"]
+    for name, ops in rows.items():
+        lines.append(f"| {name} | {sum(ops.values())} | " + ", ".join(f"{k} {v}" for k, v in ops.most_common()) + " |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="markdown file to write (default: print only)")
@@ -111,9 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
     lines = [f"# Tensor operations per FP8 layer training step on the CUDA branch (commit {commit or '?'})", "",
              f"- command: `python benchmarks/launch_count.py{' --out ' + args.out if args.out else ''}`",
              f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}", "",
-             "| recipe | operations | by name |", "|---|---:|---|"]  # fmt: skip
-    for name, ops in rows.items():
-        lines.append(f"| {name} | {sum(ops.values())} | " + ", ".join(f"{k} {v}" for k, v in ops.most_common()) + " |")
+             *_table(rows)]  # fmt: skip
     lines += ["", "Includes the stand-in optimizer's `mul_` and autograd's three gradient accumulations (`add_`): the",
               "layer's own step is the rest (casts, GEMMs, the bias add where it is not in the GEMM, the bias gradient)."]
     fine = {}
@@ -122,10 +146,16 @@ def main(argv: list[str] | None = None) -> dict:
             fine[f"{name}, {label}"] = count_fine(recipe, use_kernels)
     lines += ["", "Rowwise and blockwise: a step's casts (x, W, output gradient, each with its transposed copy) and the",
               "layout of its three `torch._scaled_mm` calls' arguments, the GEMMs themselves not included.", "",
-              "| recipe | operations | by name |", "|---|---:|---|"]  # fmt: skip
-    for name, ops in fine.items():
-        lines.append(f"| {name} | {sum(ops.values())} | " + ", ".join(f"{k} {v}" for k, v in ops.most_common()) + " |")
+              *_table(fine)]  # fmt: skip
     rows.update(fine)
+    mx_rows = {f"mxfp8, {label}": count_mx(MXFP8BlockScaling(), use_kernels)
+               for label, use_kernels in (("pure-torch casts", False), ("Triton casts", True))}
+    lines += ["", "MXFP8 for cuBLAS's native MX GEMM (sm100): a step's rowwise and columnwise casts of x, W and the",
+              "output gradient and the six operands' scales in cuBLAS's swizzled layout, the GEMMs themselves not",
+              "included (the weight's two copies are cast and swizzled once per optimizer step, whatever the number",
+              "of micro-batches).",
+              "", *_table(mx_rows)]  # fmt: skip
+    rows.update(mx_rows)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -36,6 +36,7 @@ from fp8_lightning.quantize import (
     Quantized,
     fp8_to_float32,
     max_over_amax,
+    pad_2d,
     pad_dim,
     round_scale_to_power_of_2,
     row_major,
@@ -72,7 +73,7 @@ def quantize_blockwise(
     if tile not in (ROW_TILE, COLUMN_TILE, WEIGHT_BLOCK):
         raise ValueError(f"tile={tile} is invalid; allowed: {ROW_TILE}, {COLUMN_TILE}, {WEIGHT_BLOCK}.")
     rows, cols = tile
-    (m, k), padded = x.shape, pad_dim(pad_dim(wide(x.detach()), 0, rows), 1, cols)
+    (m, k), padded = x.shape, pad_2d(wide(x.detach()), rows, cols)
     tiles = padded.view(padded.shape[0] // rows, rows, padded.shape[1] // cols, cols)
     scale = block_scale(tiles.abs().amax(dim=(1, 3)), dtype, power_of_2)
     data = to_fp8_saturated(tiles * scale[:, None, :, None], dtype).view(padded.shape)

@@ -36,7 +36,7 @@ from fp8_lightning.backends import dequantize_operand, operand_f32
 from fp8_lightning.kernels.availability import kernels_usable
 from fp8_lightning.fine_grained import FINE_KINDS, fine_mm
 from fp8_lightning.formats import FP8_MIN_CAPABILITY, NATIVE_MX_MIN_CAPABILITY
-from fp8_lightning.quantize import LAYOUT_MULTIPLE, Quantized, pad_dim, scaled_mm_layout
+from fp8_lightning.quantize import LAYOUT_MULTIPLE, Quantized, pad_2d, pad_dim, scaled_mm_layout
 from fp8_lightning.settings import GEMM_BACKENDS as BACKENDS
 from fp8_lightning.settings import settings
 
@@ -157,7 +157,7 @@ def swizzle_mx_scales(scale: torch.Tensor) -> torch.Tensor:
     Rows are padded to 128 and scale columns to 4 (with zero bytes); each 128x4 tile becomes 32x16 with the scale
     of (row r, column c) at ``tile * 512 + (r % 32) * 16 + (r // 32) * 4 + c``, tiles in row-major order.
     """
-    padded = pad_dim(pad_dim(scale.contiguous().view(torch.uint8), 0, 128), 1, 4)
+    padded = pad_2d(scale.contiguous().view(torch.uint8), 128, 4)
     row_tiles, col_tiles = padded.shape[0] // 128, padded.shape[1] // 4
     tiles = padded.view(row_tiles, 128, col_tiles, 4).permute(0, 2, 1, 3)  # (tile_r, tile_c, 128, 4)
     swizzled = tiles.reshape(-1, 4, 32, 4).transpose(1, 2)  # row r = 32 * i + j goes to (j, i)

@@ -210,18 +210,27 @@ def scaled_mm_layout(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, to
     """The FP8 data of ``a @ b.T`` (``a``: (M, K), ``b``: (N, K)) as ``torch._scaled_mm`` takes it: ``a`` row-major
     with K zero-padded to :data:`LAYOUT_MULTIPLE`, and ``b`` row-major with K and N padded (so that ``b.T``, the
     GEMM's second operand, is column-major). Zeros add nothing to a sum; padded output columns are cut after."""
-    padded_b = pad_dim(pad_dim(row_major(b), -1, LAYOUT_MULTIPLE), 0, LAYOUT_MULTIPLE)
+    padded_b = pad_2d(row_major(b), LAYOUT_MULTIPLE, LAYOUT_MULTIPLE)
     return pad_dim(row_major(a), -1, LAYOUT_MULTIPLE), padded_b
 
 
 def pad_dim(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     """Zero-pad dimension ``dim`` up to a multiple of ``multiple`` (works for float8 via a uint8 view)."""
-    size = t.shape[dim]
-    extra = (-size) % multiple
-    if extra == 0:
+    return _pad(t, {dim % t.dim(): multiple})
+
+
+def pad_2d(t: torch.Tensor, row_multiple: int, col_multiple: int) -> torch.Tensor:
+    """Zero-pad the last two dimensions up to multiples of ``row_multiple`` and ``col_multiple`` in one pass (one
+    kernel on a GPU, where padding one dimension after the other is two)."""
+    return _pad(t, {t.dim() - 2: row_multiple, t.dim() - 1: col_multiple})
+
+
+def _pad(t: torch.Tensor, multiples: dict[int, int]) -> torch.Tensor:
+    """Zero-pad each dimension ``d`` of ``multiples`` up to a multiple of ``multiples[d]``, in one ``F.pad``."""
+    extras = {d: (-t.shape[d]) % m for d, m in multiples.items()}
+    if not any(extras.values()):
         return t
-    dim = dim % t.dim()
-    pad = [0, 0] * (t.dim() - 1 - dim) + [0, extra]
+    pad = [side for d in range(t.dim() - 1, min(multiples) - 1, -1) for side in (0, extras.get(d, 0))]  # last first
     if t.dtype.itemsize == 1 and t.is_floating_point():
         return F.pad(t.view(torch.uint8), pad).view(t.dtype)  # 0x00 is +0.0 in every float8 format
     return F.pad(t, pad)

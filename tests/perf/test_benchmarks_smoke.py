@@ -70,12 +70,15 @@ def test_launch_count_reports_both_per_tensor_recipes(tmp_path):
     bf16 = [row for row in rows if "bf16 autocast" in row]
     assert len(bf16) == 2 and all("| add " not in row and ", add " not in row for row in bf16)  # bias in the GEMM
     fine = [line for line in out.read_text().splitlines() if "Triton casts" in line]  # one launch per copy
-    assert fine == ["| rowwise, Triton casts | 6 | fine_cast 6 |", "| blockwise, Triton casts | 5 | fine_cast 5 |"]
+    assert fine[:2] == ["| rowwise, Triton casts | 6 | fine_cast 6 |", "| blockwise, Triton casts | 5 | fine_cast 5 |"]
+    # MXFP8: three casts (each both copies), then per operand one pad of its scales and one swizzling copy
+    assert fine[2] == "| mxfp8, Triton casts | 15 | constant_pad_nd 6, clone 6, mx_quantize 3 |"
 
 
 def test_host_time_reports_every_layer_eagerly(tmp_path):
     out = tmp_path / "host.md"
     rows = host_time.main(["--rounds", "2", "--features", "32", "--modes", "eager", "--out", str(out)])
-    assert {"nn.Linear", "ours delayed", "ours tensorwise", "ours mxfp8"} <= {r["layer"] for r in rows}
+    recipes = ("delayed", "tensorwise", "mxfp8", "rowwise", "blockwise")
+    assert {f"ours {name}" for name in recipes} <= {r["layer"] for r in rows}
     assert all(r["eager_us"] > 0 for r in rows) and rows[0]["eager_x"] == 1.0
     assert "eager / nn.Linear" in out.read_text()
