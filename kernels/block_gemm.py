@@ -181,11 +181,17 @@ def mx_gemm(
     config: dict | None = None,
 ) -> torch.Tensor:
     """``a @ b.T`` for validated MX operands (scales as uint8). ``config`` pins a tile (else autotuned;
-    under the interpreter a small fixed tile)."""
+    under the interpreter a small fixed tile). Without ``config``, on Hopper, ``FP8_LIGHTNING_GLUON_MX_GEMM=1``
+    hands the call to the Gluon kernel (:mod:`~fp8_lightning.kernels.block_gemm_gluon`)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from fp8_lightning.kernels.availability import interpreting
+    from fp8_lightning.kernels.availability import gluon_mx_gemm_status, interpreting
 
+    if config is None and gluon_mx_gemm_status(a.device)[0]:  # opt-in (FP8_LIGHTNING_GLUON_MX_GEMM), Hopper only
+        from fp8_lightning.kernels import block_gemm_gluon
+
+        if block_gemm_gluon.refusal(a_scale, b_scale) is None:
+            return block_gemm_gluon.mx_gemm(a, a_scale, b, b_scale, out_dtype)
     m, k = a.shape
     n = b.shape[0]
     block_size = k // a_scale.shape[1]
