@@ -167,26 +167,26 @@ def _mx_gemm_variants() -> list[Variant]:
 
 
 def _gluon_mx_gemm_variants() -> list[Variant]:
-    """The Hopper-only Gluon MX GEMM (opt-in): every tile it picks, for sm_90a alone; none when this Triton has no
-    usable Gluon. Its descriptors carry their shared-memory layout in their type."""
+    """The Hopper-only Gluon MX GEMM (opt-in): every tile it can pick at each block size, for sm_90a alone; none
+    when this Triton has no usable Gluon. Its descriptors carry their shared-memory layout in their type."""
     from fp8_lightning.kernels import GEMM_OUT_DTYPES, MX_GEMM_BLOCK_SIZES
     from fp8_lightning.kernels.availability import gluon_status
 
     if not gluon_status()[0]:
         return []
-    from fp8_lightning.kernels.block_gemm_gluon import GROUP_M, TILES, shared_layout
+    from fp8_lightning.kernels.block_gemm_gluon import GROUP_M, shared_layout, tiles_for_block
 
     def desc(dtype, rows, bs):
         return f"tensordesc<{short(dtype)}[{rows}, {bs}],{shared_layout(rows, bs, dtype)!r}>"
 
     out = []
-    for a, b, c, bs, (bm, bn, warps) in itertools.product(FP8, FP8, GEMM_OUT_DTYPES, MX_GEMM_BLOCK_SIZES, TILES):
-        out.append(Variant("_gluon_mx_gemm_kernel", (
+    for a, b, c, bs in itertools.product(FP8, FP8, GEMM_OUT_DTYPES, MX_GEMM_BLOCK_SIZES):
+        out += [Variant("_gluon_mx_gemm_kernel", (
             f"a={short(a)} b={short(b)} out={short(c)} block={bs} tile={bm}x{bn}/warps{warps}"), (
             ("a_desc", desc(a, bm, bs)), ("a_scale_ptr", "*u8"), ("b_desc", desc(b, bn, bs)), ("b_scale_ptr", "*u8"),
             ("c_ptr", ptr(c)), *((name, "i32") for name in ("M", "N", "K", "stride_asm", "stride_bsn", "stride_cm")),
             ("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_K", bs), ("GROUP_M", GROUP_M), ("num_warps", warps)),
-            num_warps=warps, targets=("sm_90a",)))  # fmt: skip
+            num_warps=warps, targets=("sm_90a",)) for bm, bn, warps in tiles_for_block(bs)]  # fmt: skip
     return out
 
 

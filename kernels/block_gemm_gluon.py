@@ -39,17 +39,26 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from fp8_lightning.kernels.block_gemm import _descriptor_ready
 
-# (BLOCK_M, BLOCK_N, num_warps), largest first: 4 warps per 64 rows (one warpgroup issues a 64-row wgmma).
-TILES = ((128, 128, 8), (64, 128, 4), (64, 64, 4))
+# (BLOCK_M, BLOCK_N, num_warps), largest first: each warp owns 16 rows (a warpgroup issues a 64-row wgmma).
+TILES = ((128, 128, 8), (64, 128, 4), (128, 64, 8), (64, 64, 4))
+# The largest block size (K step) each tile takes: 128-wide tiles at block 128 spill 16 bytes under Triton 3.6
+# (the GPU image's; not under 3.9), benchmarks/results/aot-compile-gluon-mx-gemm-*.md.
+MAX_BLOCK_K = {(128, 128, 8): 64, (64, 128, 4): 64, (128, 64, 8): 128, (64, 64, 4): 128}
 GROUP_M = 8  # rows of tiles swept before moving to the next columns (operand reuse in L2), as the shipped kernel
 WGMMA_K = 32  # K of one FP8 wgmma instruction
 _GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # renamed after Triton 3.6
 
 
-def tile_for(m: int, n: int) -> tuple[int, int, int]:
-    """The (BLOCK_M, BLOCK_N, num_warps) of an (m, n) output: the largest tile that the output fills."""
-    return next((t for t in TILES if m >= t[0] and n >= t[1]), TILES[-1])
+def tiles_for_block(block_k: int) -> tuple[tuple[int, int, int], ...]:
+    """The tiles compiled (and selectable) for block size ``block_k``."""
+    return tuple(tile for tile in TILES if block_k <= MAX_BLOCK_K[tile])
+
+
+def tile_for(m: int, n: int, block_k: int) -> tuple[int, int, int]:
+    """The (BLOCK_M, BLOCK_N, num_warps) of an (m, n) output at ``block_k``: the largest tile the output fills."""
+    tiles = tiles_for_block(block_k)
+    return next((t for t in tiles if m >= t[0] and n >= t[1]), tiles[-1])
 
 
 def shared_layout(rows: int, block_k: int, dtype: torch.dtype):
@@ -147,21 +156,24 @@ def mx_gemm(
     tile: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """``a @ b.T`` for validated MX operands (scales as K-contiguous uint8), on the Gluon kernel. ``tile``: one of
-    :data:`TILES` (else :func:`tile_for`)."""
+    :func:`tiles_for_block` (else :func:`tile_for`)."""
     m, k = a.shape
     n = b.shape[0]
     reason = refusal(a_scale, b_scale)
     if reason:
         raise ValueError(f"the Gluon MX GEMM cannot take these operands: {reason}. Use block_gemm.mx_gemm.")
-    if tile is not None and tuple(tile) not in TILES:
-        raise ValueError(f"tile={tile} is not one of the compiled tiles {TILES} (BLOCK_M, BLOCK_N, num_warps).")
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out
     if k == 0:
         return out.zero_()
-    block_m, block_n, warps = tile or tile_for(m, n)
     block_k = k // a_scale.shape[1]
+    if tile is not None and tuple(tile) not in tiles_for_block(block_k):
+        raise ValueError(
+            f"tile={tile} is not one of the tiles compiled for block size {block_k}: {tiles_for_block(block_k)} "
+            "(BLOCK_M, BLOCK_N, num_warps)."
+        )
+    block_m, block_n, warps = tile or tile_for(m, n, block_k)
     a, b = _descriptor_ready(a), _descriptor_ready(b)
     a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], [block_m, block_k], shared_layout(block_m, block_k, a.dtype))
     b_desc = TensorDescriptor(b, [n, k], [b.stride(0), 1], [block_n, block_k], shared_layout(block_n, block_k, b.dtype))
