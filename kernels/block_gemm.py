@@ -32,7 +32,9 @@ hoisted zero accumulator), two blocks per iteration, and ``tl.range``'s ``num_st
 ``disallow_acc_multi_buffer`` and ``warp_specialize`` all still compile to ``wait_group 0`` on Triton 3.6 and 3.9
 (``benchmarks/mx_gemm_overlap.py``; ``benchmarks/results/mx-gemm-overlap-20261124.md``). The same loop written
 in Gluon (Triton's lower-level dialect: ``warpgroup_mma(is_async=True)``, ``warpgroup_mma_wait(1)``) compiles to
-``wait_group 1`` without spills, but the interpreter that tests this kernel against its twin cannot run Gluon.
+``wait_group 1`` without spills: that is :mod:`~fp8_lightning.kernels.block_gemm_gluon`, which
+``FP8_LIGHTNING_GLUON_MX_GEMM=1`` selects on Hopper (opt-in: the interpreter that tests this kernel against its twin
+cannot run Gluon, and it has not run on a GPU yet).
 The exact alternatives do not pay: rescaling the running accumulator by a ratio of scales overflows float32
 (E8M0 spans 2**-127 .. 2**127), and pre-scaling the operands in bf16 halves the tensor-core rate. What remains
 for overlap is between warpgroups: with 8 warps (two per 128-row tile) each waits only for its own wgmma, so

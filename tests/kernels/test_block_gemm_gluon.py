@@ -109,16 +109,21 @@ def test_what_the_gluon_kernel_refuses_goes_to_the_shipped_kernel(monkeypatch):
 
 
 @needs_gluon
-def test_tiles_are_compiled_ones_and_fit_the_output():
-    from fp8_lightning.kernels.block_gemm_gluon import TILES, tile_for
+def test_tiles_fit_the_output_and_the_block_size():
+    from fp8_lightning.kernels.block_gemm_gluon import TILES, tile_for, tiles_for_block
 
-    assert tile_for(4096, 4096) == (128, 128, 8) == TILES[0]
-    assert tile_for(100, 4096) == (64, 128, 4) and tile_for(4096, 100) == (64, 64, 4) and tile_for(1, 1) == TILES[-1]
+    assert tile_for(4096, 4096, 32) == (128, 128, 8) == TILES[0] and tile_for(4096, 4096, 64) == TILES[0]
+    assert tile_for(4096, 4096, 128) == (128, 64, 8), "128-wide tiles spill at block 128 (Triton 3.6)"
+    assert tile_for(100, 4096, 32) == (64, 128, 4) and tile_for(4096, 100, 32) == (128, 64, 8)
+    assert tile_for(1, 1, 32) == tile_for(100, 100, 128) == (64, 64, 4)
+    assert tiles_for_block(32) == TILES and (128, 128, 8) not in tiles_for_block(128)
     assert all(bm == 16 * warps for bm, _, warps in TILES), "each warp owns 16 rows of the wgmma tile"
 
 
 @needs_gluon
-@pytest.mark.parametrize("m, n, block, tile", [(200, 333, 32, None), (4096, 130, 128, (64, 128, 4))])
+@pytest.mark.parametrize("m, n, block, tile", [
+    (200, 333, 32, None), (4096, 130, 128, None), (70, 300, 64, (64, 64, 4)),
+])  # fmt: skip
 def test_launcher_binds_the_kernel_signature_with_compiled_layouts(monkeypatch, m, n, block, tile):
     from fp8_lightning.kernels import block_gemm_gluon as module
 
@@ -137,7 +142,7 @@ def test_launcher_binds_the_kernel_signature_with_compiled_layouts(monkeypatch, 
     (grid, args, kwargs), = launches
     bound = dict(zip(Recorder.arg_names, args)) | kwargs
     assert set(bound) == set(Recorder.arg_names), "every kernel argument given once"
-    bm, bn, warps = tile or module.tile_for(m, n)
+    bm, bn, warps = tile or module.tile_for(m, n, block)
     assert (bound["BLOCK_M"], bound["BLOCK_N"], bound["BLOCK_K"], bound["num_warps"]) == (bm, bn, block, warps)
     assert grid == (-(-m // bm) * -(-n // bn),)
     assert (bound["M"], bound["N"], bound["K"], bound["stride_cm"]) == (m, n, 256, n)
@@ -145,5 +150,5 @@ def test_launcher_binds_the_kernel_signature_with_compiled_layouts(monkeypatch, 
         assert desc.block_shape == [rows, block] and desc.base.dtype == dtype
         assert desc.layout == module.shared_layout(rows, block, dtype)
         assert desc.layout.swizzle_byte_width == min(block, 128), "widest swizzle of a K-wide FP8 row"
-    with pytest.raises(ValueError, match="not one of the compiled tiles"):
-        module.mx_gemm(*_dense(a), *_dense(b), torch.float16, tile=(32, 32, 4))
+    with pytest.raises(ValueError, match=f"not one of the tiles compiled for block size {block}"):
+        module.mx_gemm(*_dense(a), *_dense(b), torch.float16, tile=(128, 128, 8) if block == 128 else (32, 32, 4))
