@@ -53,8 +53,8 @@ class Settings:
     disable_triton: bool = False
     triton_explicit_rounding: bool = False
     disable_cpu_codec: bool = False
-    gluon_mx_gemm: bool = False
     cache: Path = Path.home() / ".cache" / "fp8_lightning"
+    gluon_mx_gemm: bool = False
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> "Settings":
@@ -72,8 +72,8 @@ class Settings:
             disable_triton=_flag(environ, "DISABLE_TRITON"),
             triton_explicit_rounding=_flag(environ, "TRITON_EXPLICIT_ROUNDING"),
             disable_cpu_codec=_flag(environ, "DISABLE_CPU_CODEC"),
-            gluon_mx_gemm=_flag(environ, "GLUON_MX_GEMM"),
             cache=Path(cache).expanduser() if cache else cls.cache,
+            gluon_mx_gemm=_flag(environ, "GLUON_MX_GEMM"),
         )
 
 
