@@ -40,7 +40,13 @@ import torch
 from fp8_lightning import kernels
 from fp8_lightning.blockwise import quantize_blockwise
 from fp8_lightning.fine_grained import fine_cast_twin
-from fp8_lightning.kernels.availability import DISABLE_ENV, EXPLICIT_ROUNDING_ENV, GLUON_MX_GEMM_ENV, device_status
+from fp8_lightning.kernels.availability import (
+    DISABLE_ENV,
+    EXPLICIT_ROUNDING_ENV,
+    GLUON_MX_GEMM_ENV,
+    device_status,
+    gluon_mx_gemm_status,
+)
 from fp8_lightning.kernels.fine_grained_layout import TILES
 from fp8_lightning.rowwise import quantize_rowwise
 from fp8_lightning.settings import reload_settings
@@ -232,6 +238,10 @@ def check_gluon_gemm() -> list[tuple[str, bool]]:
         results.append((f"{case} vs shipped kernel, bit for bit", same_bytes(got, shipped)))
         within = bool(((got.double() - a64 @ b64.t()).abs() <= bound).all())
         results.append((f"{case} within the float32 bound", within))
+        if tile == block_gemm_gluon.tile_for(200, 333, block):
+            with environment(**{GLUON_MX_GEMM_ENV: "1"}):  # the opt-in route through the library's op
+                chosen = gluon_mx_gemm_status("cuda")[0] and same_bytes(kernels.mx_gemm(a, b, out_dtype), got)
+            results.append((f"{case} chosen by {GLUON_MX_GEMM_ENV}=1 through kernels.mx_gemm", chosen))
     return results
 
 
