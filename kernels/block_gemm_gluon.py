@@ -45,7 +45,6 @@ TILES = ((128, 128, 8), (64, 128, 4), (128, 64, 8), (64, 64, 4))
 # (the GPU image's; not under 3.9), benchmarks/results/aot-compile-gluon-mx-gemm-*.md.
 MAX_BLOCK_K = {(128, 128, 8): 64, (64, 128, 4): 64, (128, 64, 8): 128, (64, 64, 4): 128}
 GROUP_M = 8  # rows of tiles swept before moving to the next columns (operand reuse in L2), as the shipped kernel
-WGMMA_K = 32  # K of one FP8 wgmma instruction
 _GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # renamed after Triton 3.6
 
@@ -109,7 +108,7 @@ def _gluon_mx_gemm_kernel(
     off_n = ((pid % group_size) // rows_in_group) * BLOCK_N
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, BLOCK_N, 32])  # fmt: skip
+                                                  instr_shape=[16, BLOCK_N, 32])  # K 32: one FP8 wgmma  # fmt: skip
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [2, BLOCK_M, BLOCK_K], a_desc.layout)
     b_smem = gl.allocate_shared_memory(b_desc.dtype, [2, BLOCK_N, BLOCK_K], b_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
