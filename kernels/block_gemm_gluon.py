@@ -107,8 +107,9 @@ def _gluon_mx_gemm_kernel(
     off_m = (first_m + (pid % group_size) % rows_in_group) * BLOCK_M
     off_n = ((pid % group_size) // rows_in_group) * BLOCK_N
 
+    # The wgmma accumulator's register layout: 16 rows per warp, K 32 per FP8 wgmma instruction.
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, BLOCK_N, 32])  # K 32: one FP8 wgmma  # fmt: skip
+                                                  instr_shape=[16, BLOCK_N, 32])  # fmt: skip
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [2, BLOCK_M, BLOCK_K], a_desc.layout)
     b_smem = gl.allocate_shared_memory(b_desc.dtype, [2, BLOCK_N, BLOCK_K], b_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
