@@ -11,7 +11,9 @@ Benchmark (times are medians of ``triton.testing.do_bench``, which flushes L2 be
   measured in the same run (``dst.copy_(src)`` on 256 MB: 2 bytes moved per byte copied). Target: >= 0.8.
   The pure-torch fallback is timed on the same shapes and counted with the same bytes.
 * the MXFP8 GEMM at 4096 and 8192 cubed: TFLOP/s (2*M*N*K / time) of the Triton kernel against ``torch.matmul``
-  in bf16 and against the pure-torch fallback (dequantize + float32 matmul). Target: faster than bf16.
+  in bf16 and against the pure-torch fallback (dequantize + float32 matmul). Target: faster than bf16. On Hopper
+  also the opt-in Gluon kernel (``block_gemm_gluon``), whose wgmma overlaps the scale math, as a ratio to the
+  shipped kernel; before that, the check runs it bit for bit against the shipped kernel on every tile.
 
 Usage::
 
@@ -38,7 +40,13 @@ import torch
 from fp8_lightning import kernels
 from fp8_lightning.blockwise import quantize_blockwise
 from fp8_lightning.fine_grained import fine_cast_twin
-from fp8_lightning.kernels.availability import DISABLE_ENV, EXPLICIT_ROUNDING_ENV, device_status
+from fp8_lightning.kernels.availability import (
+    DISABLE_ENV,
+    EXPLICIT_ROUNDING_ENV,
+    GLUON_MX_GEMM_ENV,
+    device_status,
+    gluon_mx_gemm_status,
+)
 from fp8_lightning.kernels.fine_grained_layout import TILES
 from fp8_lightning.rowwise import quantize_rowwise
 from fp8_lightning.settings import reload_settings
@@ -154,6 +162,7 @@ def check_kernels() -> list[tuple[str, bool]]:
                         results.append((f"mx_quantize {name} {fp8} {rule} {tag} vs CPU twin", ok))
                     results += check_fine_casts(x, x_cpu, fp8, f"{name} {fp8} {tag}")
     results.append(("mx_gemm within the float32 accumulation bound", check_gemm()))
+    results += check_gluon_gemm()
     x = inputs["bf16"][:256]
     used = kernels.kernels_usable(x)
     results.append(("core quantize_tensorwise on CUDA takes the kernel and matches CPU",
@@ -185,6 +194,55 @@ def check_gemm() -> bool:
     a64, b64 = dequantize_operand(a).double(), dequantize_operand(b).double()
     bound = 2048 * 2.0**-23 * (a64.abs() @ b64.abs().t())
     return bool(((out - a64 @ b64.t()).abs() <= bound).all())
+
+
+def gluon_refusal() -> str | None:
+    """Why the opt-in Gluon MX GEMM cannot be checked or timed on this GPU (None: it can)."""
+    from fp8_lightning.kernels.availability import GLUON_CAPABILITY_MAJOR, gluon_status
+
+    major, minor = torch.cuda.get_device_capability()
+    if major != GLUON_CAPABILITY_MAJOR:
+        return f"the Gluon MX GEMM is Hopper's (capability 9.x); this GPU has {major}.{minor}"
+    ok, reason = gluon_status()
+    return None if ok else reason
+
+
+def _dense(q) -> tuple[torch.Tensor, torch.Tensor]:
+    return q.data.contiguous(), q.scale.view(torch.uint8).contiguous()
+
+
+def check_gluon_gemm() -> list[tuple[str, bool]]:
+    """The Gluon MX GEMM, every tile, block size and operand format, on ragged M and N: bit for bit against the
+    shipped kernel (same fold order, same wgmma products), and within the float32 accumulation bound of float64
+    math. Skipped, with the reason printed, off Hopper."""
+    reason = gluon_refusal()
+    if reason is not None:
+        print(f"  Gluon MX GEMM not checked: {reason}")
+        return []
+    from fp8_lightning.kernels import block_gemm, block_gemm_gluon
+
+    results = []
+    g = torch.Generator().manual_seed(2)
+    for tile, block, (fa, fb), out_dtype in itertools.product(
+        block_gemm_gluon.TILES, (32, 64, 128), ((E4M3, E4M3), (E5M2, E4M3)), (torch.float32, torch.bfloat16)
+    ):
+        a = quantize_mx_operand(torch.randn(200, 1024, generator=g).cuda(), block, "rceil", fa)
+        b = quantize_mx_operand(torch.randn(333, 1024, generator=g).cuda(), block, "rceil", fb)
+        got = block_gemm_gluon.mx_gemm(*_dense(a), *_dense(b), out_dtype, tile=tile)
+        with environment(**{GLUON_MX_GEMM_ENV: "0"}):  # the shipped kernel even if the session opted in
+            shipped = block_gemm.mx_gemm(*_dense(a), *_dense(b), out_dtype)
+        a64, b64 = dequantize_operand(a).double(), dequantize_operand(b).double()
+        bound = 1024 * 2.0**-23 * (a64.abs() @ b64.abs().t()) + (0 if out_dtype == torch.float32 else 2.0**-8 * (
+            a64 @ b64.t()).abs())  # fmt: skip
+        case = f"Gluon mx_gemm tile={tile} block={block} a={fa} b={fb} out={out_dtype}"
+        results.append((f"{case} vs shipped kernel, bit for bit", same_bytes(got, shipped)))
+        within = bool(((got.double() - a64 @ b64.t()).abs() <= bound).all())
+        results.append((f"{case} within the float32 bound", within))
+        if tile == block_gemm_gluon.tile_for(200, 333, block):
+            with environment(**{GLUON_MX_GEMM_ENV: "1"}):  # the opt-in route through the library's op
+                chosen = gluon_mx_gemm_status("cuda")[0] and same_bytes(kernels.mx_gemm(a, b, out_dtype), got)
+            results.append((f"{case} chosen by {GLUON_MX_GEMM_ENV}=1 through kernels.mx_gemm", chosen))
+    return results
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -264,12 +322,21 @@ def bench_gemm() -> list[dict]:
         t_bf16 = seconds(lambda: torch.matmul(a_hp, b_hp.t()))
         t_mx = seconds(lambda: kernels.mx_gemm(a, b, torch.bfloat16))
         t_pure = seconds(lambda: pure(fp8_mm, a, b, torch.bfloat16))
+        t_gluon = None
+        if gluon_refusal() is None:  # the opt-in Hopper kernel, timed in the same run
+            from fp8_lightning.kernels.block_gemm_gluon import mx_gemm as gluon_mx_gemm
+
+            dense = (*_dense(a), *_dense(b))
+            t_gluon = seconds(lambda: gluon_mx_gemm(*dense, torch.bfloat16))
         rows.append({
             "n": n, "bf16_tflops": flops / t_bf16 / 1e12, "mx_triton_tflops": flops / t_mx / 1e12,
             "pure_torch_tflops": flops / t_pure / 1e12, "mx_over_bf16": t_bf16 / t_mx,
             "best_config": str(getattr(_mx_gemm_autotuned, "best_config", None)),
+            "mx_gluon_tflops": flops / t_gluon / 1e12 if t_gluon else None,
+            "gluon_over_shipped": t_mx / t_gluon if t_gluon else None,
         })
-        print(f"  {n}^3: bf16 {rows[-1]['bf16_tflops']:.0f}, MX Triton {rows[-1]['mx_triton_tflops']:.0f}, "
+        gluon = f", MX Gluon {rows[-1]['mx_gluon_tflops']:.0f}" if t_gluon else ""
+        print(f"  {n}^3: bf16 {rows[-1]['bf16_tflops']:.0f}, MX Triton {rows[-1]['mx_triton_tflops']:.0f}{gluon}, "
               f"pure torch {rows[-1]['pure_torch_tflops']:.1f} TFLOP/s")
         del a_hp, b_hp, a, b
         torch.cuda.empty_cache()
@@ -311,12 +378,14 @@ def markdown(meta: dict, checks: list[tuple[str, bool]], copy_bw: float | None, 
             "",
             "## MXFP8 GEMM (TFLOP/s; target: faster than bf16)",
             "",
-            "| M=N=K | torch.matmul bf16 | MX Triton kernel | pure torch (dequantize + fp32 matmul) | MX / bf16 |",
-            "|---|---|---|---|---|",
+            "| M=N=K | torch.matmul bf16 | MX Triton kernel | pure torch (dequantize + fp32 matmul) | MX / bf16 "
+            "| MX Gluon kernel (Hopper, opt-in) | Gluon / shipped |",
+            "|---|---|---|---|---|---|---|",
         ]
         lines += [
             f"| {r['n']} | {r['bf16_tflops']:.0f} | {r['mx_triton_tflops']:.0f} | {r['pure_torch_tflops']:.1f} | "
-            f"{r['mx_over_bf16']:.2f}x |"
+            f"{r['mx_over_bf16']:.2f}x | " + (f"{r['mx_gluon_tflops']:.0f} | {r['gluon_over_shipped']:.2f}x |"
+                                              if r["mx_gluon_tflops"] else "- | - |")
             for r in mm
         ]
     return "\n".join(lines) + "\n"

@@ -7,15 +7,16 @@ than 0. This compiles, for sm_90a on this CPU (ptxas from the triton wheel), the
 could give that overlap: the product of the next block issued before the fold (software pipelining by hand, with
 a fresh accumulator or a hoisted zero one), two blocks per iteration, ``loop_unroll_factor``,
 ``disallow_acc_multi_buffer`` and ``warp_specialize``; and, for comparison, the overlap written out by hand in
-Gluon, Triton's lower-level dialect (which the Triton interpreter cannot run). Per form and tile it prints
+Gluon, Triton's lower-level dialect: the package's opt-in Hopper kernel (``kernels/block_gemm_gluon.py``, which the
+Triton interpreter cannot run). Per form and tile it prints
 registers, spilled bytes, the number of wgmma sites and the N of every ``wgmma.wait_group N`` in the PTX.
 
 Usage::
 
     python benchmarks/mx_gemm_overlap.py [--out FILE.md]
 
-The forms take the kernel's arguments and are written to compute its result (K a multiple of two blocks for
-``two_blocks_per_iteration``), but only their PTX is looked at: none of them has run.
+The ``triton.language`` forms take the kernel's arguments and are written to compute its result (K a multiple of
+two blocks for ``two_blocks_per_iteration``), but only their PTX is looked at: none of them has run.
 """
 
 from __future__ import annotations
@@ -29,10 +30,6 @@ from pathlib import Path
 
 import triton
 import triton.language as tl
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-
 from fp8_lightning.kernels import aot
 from fp8_lightning.kernels.block_gemm import _e8m0_to_float, _mx_gemm_kernel
 
@@ -140,75 +137,12 @@ def _two_blocks_per_iteration(a_desc, a_scale_ptr, b_desc, b_scale_ptr, c_ptr, M
     _store(c_ptr, acc, off_m, off_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N)
 
 
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # renamed after Triton 3.6
-
-
-@gluon.jit
-def _e8m0_to_float_gluon(byte):
-    b = byte.to(gl.int32)
-    bits = gl.where(b == 0, 0x00400000, gl.where(b == 255, 0x7FC00000, b << 23))
-    return bits.to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _gluon_overlapped(a_desc, a_scale_ptr, b_desc, b_scale_ptr, c_ptr, M, N, K, stride_asm, stride_bsn, stride_cm,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                      num_warps: gl.constexpr):  # fmt: skip
-    """The overlap written out in Gluon (explicit TMA, mbarriers and asynchronous wgmma, two shared-memory
-    stages): block k's wgmma is issued, then ``warpgroup_mma_wait(1)`` leaves it in flight while block k-1's
-    product is scaled and added. Compiled here only for its PTX; it has never run."""
-    off_m = gl.program_id(0) * BLOCK_M
-    off_n = gl.program_id(1) * BLOCK_N
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, BLOCK_N, 32])  # fmt: skip
-    a_smem = gl.allocate_shared_memory(a_desc.dtype, [2, BLOCK_M, BLOCK_K], a_desc.layout)
-    b_smem = gl.allocate_shared_memory(b_desc.dtype, [2, BLOCK_N, BLOCK_K], b_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(bars.index(0), count=1)
-    mbarrier.init(bars.index(1), count=1)
-    rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
-    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-    acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=mma)
-    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
-    mbarrier.expect(bars.index(0), nbytes)
-    _tma_load(a_desc, [off_m, 0], bars.index(0), a_smem.index(0))
-    _tma_load(b_desc, [off_n, 0], bars.index(0), b_smem.index(0))
-    mbarrier.wait(bars.index(0), 0)
-    p = warpgroup_mma(a_smem.index(0), b_smem.index(0).permute((1, 0)), acc, use_acc=False, is_async=True)
-    for kb in range(1, K // BLOCK_K):
-        s = kb % 2
-        mbarrier.expect(bars.index(s), nbytes)
-        _tma_load(a_desc, [off_m, kb * BLOCK_K], bars.index(s), a_smem.index(s))
-        _tma_load(b_desc, [off_n, kb * BLOCK_K], bars.index(s), b_smem.index(s))
-        mbarrier.wait(bars.index(s), (kb // 2) & 1)
-        p_next = warpgroup_mma(a_smem.index(s), b_smem.index(s).permute((1, 0)), acc, use_acc=False, is_async=True)
-        p = warpgroup_mma_wait(1, deps=(p,))  # block kb-1's product; block kb's stays in flight
-        sa = _e8m0_to_float_gluon(gl.load(a_scale_ptr + (rows % M) * stride_asm + kb - 1))
-        sb = _e8m0_to_float_gluon(gl.load(b_scale_ptr + (cols % N) * stride_bsn + kb - 1))
-        acc += (p * sa[:, None]) * sb[None, :]
-        p = p_next
-    p = warpgroup_mma_wait(0, deps=(p,))
-    sa = _e8m0_to_float_gluon(gl.load(a_scale_ptr + (rows % M) * stride_asm + K // BLOCK_K - 1))
-    sb = _e8m0_to_float_gluon(gl.load(b_scale_ptr + (cols % N) * stride_bsn + K // BLOCK_K - 1))
-    acc += (p * sa[:, None]) * sb[None, :]
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    gl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
-
-
 def _gluon_variant(tile: str) -> aot.Variant:
-    """The Gluon form's arguments for ``tile`` (its descriptors carry their shared-memory layout)."""
-    shape, warps, _ = tile.split("/")
-    bm, bn = map(int, shape.split("x"))
-    num_warps = int(warps.removeprefix("warps"))
-
-    def desc(rows):
-        return (f"tensordesc<fp8e4nv[{rows}, 32],NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=8, "
-                "rank=2, transposed=False, fp4_padded=False, cga_layout=[])>")
-
-    return aot.Variant("_gluon_overlapped", tile, (
-        ("a_desc", desc(bm)), ("a_scale_ptr", "*u8"), ("b_desc", desc(bn)), ("b_scale_ptr", "*u8"),
-        ("c_ptr", "*bf16"), *((name, "i32") for name in ("M", "N", "K", "stride_asm", "stride_bsn", "stride_cm")),
-        ("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_K", 32), ("num_warps", num_warps)), num_warps=num_warps)  # fmt: skip
+    """The package's Gluon kernel (``kernels/block_gemm_gluon.py``) at ``tile`` (its stages suffix dropped: the
+    Gluon kernel always has two)."""
+    shape_and_warps = tile.rsplit("/", 1)[0]
+    return next(v for v in aot.launch_space() if v.kernel == "_gluon_mx_gemm_kernel"
+                and v.config == f"a=fp8e4nv b=fp8e4nv out=bf16 block=32 tile={shape_and_warps}")  # fmt: skip
 
 
 def _options(zero_acc=False, stages=None, unroll=None, disallow=False, warp_specialize=False) -> tuple:
@@ -217,7 +151,7 @@ def _options(zero_acc=False, stages=None, unroll=None, disallow=False, warp_spec
 
 
 def forms() -> dict:
-    """Name -> (kernel, its constexpr arguments beyond the MX GEMM's; None: the Gluon form's own arguments)."""
+    """Name -> (kernel, its constexpr arguments beyond the MX GEMM's); kernel None: the package's Gluon kernel."""
     pipelined, looped = _software_pipelined, _one_block_per_iteration
     return {
         "as shipped (block_gemm._mx_gemm_kernel)": (_mx_gemm_kernel, ()),
@@ -232,7 +166,7 @@ def forms() -> dict:
         "one block per iteration, tl.range(loop_unroll_factor=2)": (looped, _options(unroll=2)),
         "one block per iteration, tl.range(disallow_acc_multi_buffer=True)": (looped, _options(disallow=True)),
         "one block per iteration, tl.range(warp_specialize=True)": (looped, _options(warp_specialize=True)),
-        "Gluon: asynchronous wgmma, warpgroup_mma_wait(1) before the fold": (_gluon_overlapped, None),
+        "Gluon: asynchronous wgmma, warpgroup_mma_wait(1) before the fold (block_gemm_gluon)": (None, None),
     }
 
 
@@ -251,7 +185,7 @@ def measure() -> list[tuple]:
     rows = []
     for name, (fn, options) in forms().items():
         for tile in TILES:
-            variant = _gluon_variant(tile) if options is None else _variant(tile)
+            variant = _gluon_variant(tile) if fn is None else _variant(tile)
             variant = dataclasses.replace(variant, args=variant.args + (options or ()))
             try:
                 report = aot.compile_variant(variant, "sm_90a", fn)

@@ -20,6 +20,9 @@ variable                                    default    effect
 ``FP8_LIGHTNING_TRITON_EXPLICIT_ROUNDING``  ``0``      ``1``: the Triton cast kernels round to the FP8 grid in float32
                                                        before converting (always on under ``TRITON_INTERPRET=1``)
 ``FP8_LIGHTNING_DISABLE_CPU_CODEC``         ``0``      ``1``: CPU tensors take the pure-torch path, not the C codec
+``FP8_LIGHTNING_GLUON_MX_GEMM``             ``0``      ``1``: on Hopper (capability 9.x) the MX GEMM runs the Gluon
+                                                       kernel whose wgmma overlaps the scale math (not yet run on
+                                                       a GPU), not the shipped Triton kernel
 ``FP8_LIGHTNING_CACHE``                     ``~/.cache/fp8_lightning``  where the C codec is built and the
                                                        measured GPU roofline is kept (``FP8_LIGHTNING_CACHE_DIR`` is
                                                        read as its older name)
@@ -51,6 +54,7 @@ class Settings:
     triton_explicit_rounding: bool = False
     disable_cpu_codec: bool = False
     cache: Path = Path.home() / ".cache" / "fp8_lightning"
+    gluon_mx_gemm: bool = False
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> "Settings":
@@ -69,6 +73,7 @@ class Settings:
             triton_explicit_rounding=_flag(environ, "TRITON_EXPLICIT_ROUNDING"),
             disable_cpu_codec=_flag(environ, "DISABLE_CPU_CODEC"),
             cache=Path(cache).expanduser() if cache else cls.cache,
+            gluon_mx_gemm=_flag(environ, "GLUON_MX_GEMM"),
         )
 
 

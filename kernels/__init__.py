@@ -28,7 +28,8 @@ are first used, and while they run) the kernels run on CPU tensors, which is how
 
 Modules: ``availability`` (can they run here; no Triton import), ``per_tensor`` (amax and per-tensor casts),
 ``mxfp8`` (MX quantization), ``fine_grained_cast`` (rowwise and blockwise casts; their output layouts in
-``fine_grained_layout``), ``block_gemm`` (MX GEMM and its autotune configs), ``ops`` (``torch.library``), and
+``fine_grained_layout``), ``block_gemm`` (MX GEMM and its autotune configs; ``block_gemm_gluon``: its opt-in Hopper
+form in Gluon, whose wgmma overlaps the scale math), ``ops`` (``torch.library``), and
 ``cpu_codec`` (not Triton: the CPU casts and MX (de)quantization fused in C, built with the machine's C compiler
 on first use, which the core uses for CPU tensors; same bits as the core's pure-torch code).
 

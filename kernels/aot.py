@@ -69,9 +69,13 @@ class Report:
 
 
 def _kernel_fn(name: str):
-    from fp8_lightning.kernels import block_gemm, fine_grained_cast, fp8_adam, mxfp8, per_tensor
+    import importlib
 
-    for module in (per_tensor, mxfp8, block_gemm, fp8_adam, fine_grained_cast):
+    from fp8_lightning.kernels import block_gemm, fine_grained_cast, fp8_adam, mxfp8, per_tensor
+    from fp8_lightning.kernels.availability import gluon_status
+
+    gluon = [importlib.import_module("fp8_lightning.kernels.block_gemm_gluon")] if gluon_status()[0] else []
+    for module in (per_tensor, mxfp8, block_gemm, fp8_adam, fine_grained_cast, *gluon):
         if hasattr(module, name):
             return getattr(module, name)
     raise KeyError(f"no kernel named {name!r} in fp8_lightning.kernels")
@@ -162,6 +166,30 @@ def _mx_gemm_variants() -> list[Variant]:
     return out
 
 
+def _gluon_mx_gemm_variants() -> list[Variant]:
+    """The Hopper-only Gluon MX GEMM (opt-in): every tile it can pick at each block size, for sm_90a alone; none
+    when this Triton has no usable Gluon. Its descriptors carry their shared-memory layout in their type."""
+    from fp8_lightning.kernels import GEMM_OUT_DTYPES, MX_GEMM_BLOCK_SIZES
+    from fp8_lightning.kernels.availability import gluon_status
+
+    if not gluon_status()[0]:
+        return []
+    from fp8_lightning.kernels.block_gemm_gluon import GROUP_M, shared_layout, tiles_for_block
+
+    def desc(dtype, rows, bs):
+        return f"tensordesc<{short(dtype)}[{rows}, {bs}],{shared_layout(rows, bs, dtype)!r}>"
+
+    out = []
+    for a, b, c, bs in itertools.product(FP8, FP8, GEMM_OUT_DTYPES, MX_GEMM_BLOCK_SIZES):
+        out += [Variant("_gluon_mx_gemm_kernel", (
+            f"a={short(a)} b={short(b)} out={short(c)} block={bs} tile={bm}x{bn}/warps{warps}"), (
+            ("a_desc", desc(a, bm, bs)), ("a_scale_ptr", "*u8"), ("b_desc", desc(b, bn, bs)), ("b_scale_ptr", "*u8"),
+            ("c_ptr", ptr(c)), *((name, "i32") for name in ("M", "N", "K", "stride_asm", "stride_bsn", "stride_cm")),
+            ("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_K", bs), ("GROUP_M", GROUP_M), ("num_warps", warps)),
+            num_warps=warps, targets=("sm_90a",)) for bm, bn, warps in tiles_for_block(bs)]  # fmt: skip
+    return out
+
+
 def _fp8_adam_variants() -> list[Variant]:
     from fp8_lightning.kernels.fp8_adam import (
         MASTER_CODES, MAX_BLOCK, MIN_BLOCK, adam_num_warps, kernel_formats, state_constants,
@@ -227,8 +255,8 @@ def _fine_cast_variants() -> list[Variant]:
 def launch_space() -> list[Variant]:
     """Every configuration the wrappers can launch (dtypes, constexprs, every autotune config)."""
     return (
-        _per_tensor_variants() + _mx_quantize_variants() + _mx_gemm_variants() + _fp8_adam_variants()
-        + _fine_cast_variants()
+        _per_tensor_variants() + _mx_quantize_variants() + _mx_gemm_variants() + _gluon_mx_gemm_variants()
+        + _fp8_adam_variants() + _fine_cast_variants()
     )
 
 

@@ -10,6 +10,9 @@ runs on machines without it:
 * :func:`kernels_usable` -- should the *core* use the kernels for this tensor? Only for CUDA tensors, only when
   the device supports them, and never when ``FP8_LIGHTNING_DISABLE_TRITON=1`` asked for the pure-torch path.
   The core never sends CPU tensors here, so CPU behaviour is untouched.
+* :func:`gluon_mx_gemm_status` -- should the MX GEMM run its Gluon form (``block_gemm_gluon``)? Only when
+  ``FP8_LIGHTNING_GLUON_MX_GEMM=1`` opted in, on a CUDA device of capability 9.x (Hopper), with a Triton whose
+  Gluon dialect imports (:func:`gluon_status`); otherwise the shipped ``block_gemm`` kernel runs.
 
 Every check returns ``(ok, reason)``; the same reason feeds errors (:func:`require_triton`) and test skips.
 """
@@ -26,6 +29,8 @@ from fp8_lightning.formats import FP8_MIN_CAPABILITY
 from fp8_lightning.settings import settings
 
 DISABLE_ENV = "FP8_LIGHTNING_DISABLE_TRITON"
+GLUON_MX_GEMM_ENV = "FP8_LIGHTNING_GLUON_MX_GEMM"
+GLUON_CAPABILITY_MAJOR = 9  # the Gluon MX GEMM is written for Hopper's wgmma and TMA
 INTERPRET_ENV = "TRITON_INTERPRET"
 EXPLICIT_ROUNDING_ENV = "FP8_LIGHTNING_TRITON_EXPLICIT_ROUNDING"
 MIN_CAPABILITY = FP8_MIN_CAPABILITY  # hardware FP8 conversions (Ada, Hopper, Blackwell)
@@ -117,3 +122,37 @@ def require_triton(what: str, device: torch.device | str) -> None:
             "an NVIDIA GPU with compute capability 8.9+, or call the pure-PyTorch twin in fp8_lightning.quantize / "
             "fp8_lightning.gemm, which the library uses automatically when the kernels are unavailable."
         )
+
+
+@functools.lru_cache(maxsize=1)
+def gluon_status() -> tuple[bool, str]:
+    """Whether the Gluon MX GEMM's module imports with this Triton (Gluon is experimental: its names move between
+    versions, and older Tritons have none), and the import error when not."""
+    ok, reason = triton_status()
+    if not ok:
+        return False, reason
+    try:
+        importlib.import_module("fp8_lightning.kernels.block_gemm_gluon")
+    except Exception as err:  # ImportError, or a Gluon whose API differs (AttributeError at import)
+        return False, f"{reason} has no usable Gluon dialect ({type(err).__name__}: {err})"
+    return True, f"{reason} with Gluon"
+
+
+def gluon_mx_gemm_status(device: torch.device | str) -> tuple[bool, str]:
+    """Whether the MX GEMM on ``device`` runs the Gluon kernel, and why (not): opted in, not interpreting, a CUDA
+    device of capability 9.x, Gluon importable. The shipped kernel runs whenever this says no."""
+    if not settings().gluon_mx_gemm:
+        return False, f"not opted in ({GLUON_MX_GEMM_ENV}=1 selects it on Hopper)"
+    if interpreting():
+        return False, f"the Triton interpreter ({INTERPRET_ENV}=1) cannot run Gluon kernels"
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False, f"the Gluon MX GEMM runs on CUDA devices; got {device.type}"
+    capability = torch.cuda.get_device_capability(device)
+    if capability[0] != GLUON_CAPABILITY_MAJOR:
+        return False, (
+            f"the Gluon MX GEMM is written for Hopper (capability {GLUON_CAPABILITY_MAJOR}.x); this device has "
+            f"{capability[0]}.{capability[1]}"
+        )
+    ok, reason = gluon_status()
+    return ok, reason if not ok else f"{GLUON_MX_GEMM_ENV}=1 on capability {capability[0]}.{capability[1]}, {reason}"

@@ -32,7 +32,9 @@ hoisted zero accumulator), two blocks per iteration, and ``tl.range``'s ``num_st
 ``disallow_acc_multi_buffer`` and ``warp_specialize`` all still compile to ``wait_group 0`` on Triton 3.6 and 3.9
 (``benchmarks/mx_gemm_overlap.py``; ``benchmarks/results/mx-gemm-overlap-20261124.md``). The same loop written
 in Gluon (Triton's lower-level dialect: ``warpgroup_mma(is_async=True)``, ``warpgroup_mma_wait(1)``) compiles to
-``wait_group 1`` without spills, but the interpreter that tests this kernel against its twin cannot run Gluon.
+``wait_group 1`` without spills: that is :mod:`~fp8_lightning.kernels.block_gemm_gluon`, which
+``FP8_LIGHTNING_GLUON_MX_GEMM=1`` selects on Hopper (opt-in: the interpreter that tests this kernel against its twin
+cannot run Gluon, and it has not run on a GPU yet).
 The exact alternatives do not pay: rescaling the running accumulator by a ratio of scales overflows float32
 (E8M0 spans 2**-127 .. 2**127), and pre-scaling the operands in bf16 halves the tensor-core rate. What remains
 for overlap is between warpgroups: with 8 warps (two per 128-row tile) each waits only for its own wgmma, so
@@ -181,11 +183,17 @@ def mx_gemm(
     config: dict | None = None,
 ) -> torch.Tensor:
     """``a @ b.T`` for validated MX operands (scales as uint8). ``config`` pins a tile (else autotuned;
-    under the interpreter a small fixed tile)."""
+    under the interpreter a small fixed tile). Without ``config``, on Hopper, ``FP8_LIGHTNING_GLUON_MX_GEMM=1``
+    hands the call to the Gluon kernel (:mod:`~fp8_lightning.kernels.block_gemm_gluon`)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from fp8_lightning.kernels.availability import interpreting
+    from fp8_lightning.kernels.availability import gluon_mx_gemm_status, interpreting
 
+    if config is None and gluon_mx_gemm_status(a.device)[0]:  # opt-in (FP8_LIGHTNING_GLUON_MX_GEMM), Hopper only
+        from fp8_lightning.kernels import block_gemm_gluon
+
+        if block_gemm_gluon.refusal(a_scale, b_scale) is None:
+            return block_gemm_gluon.mx_gemm(a, a_scale, b, b_scale, out_dtype)
     m, k = a.shape
     n = b.shape[0]
     block_size = k // a_scale.shape[1]

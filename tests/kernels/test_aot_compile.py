@@ -10,12 +10,15 @@ about 100 compiles); ``benchmarks/aot_compile.py`` sweeps all of it and writes t
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 import pytest
 
 from fp8_lightning.kernels import aot
+from fp8_lightning.kernels.availability import gluon_status
 
 COMPILED_KERNELS = True  # conftest: import the kernel modules compiled, not interpreted
+needs_gluon = pytest.mark.skipif(not gluon_status()[0], reason=gluon_status()[1])
 
 
 @pytest.fixture(scope="module")
@@ -24,13 +27,17 @@ def covering_jobs():
 
 
 def _jit_kernels() -> set[str]:
-    from fp8_lightning.kernels import block_gemm, fine_grained_cast, fp8_adam, mxfp8, per_tensor
+    import importlib
 
+    from fp8_lightning.kernels import block_gemm, fine_grained_cast, fp8_adam, mxfp8, per_tensor
+    from fp8_lightning.kernels.availability import gluon_status
+
+    gluon = [importlib.import_module("fp8_lightning.kernels.block_gemm_gluon")] if gluon_status()[0] else []
     return {
         name
-        for module in (per_tensor, mxfp8, block_gemm, fp8_adam, fine_grained_cast)
+        for module in (per_tensor, mxfp8, block_gemm, fp8_adam, fine_grained_cast, *gluon)
         for name, value in vars(module).items()
-        if name.endswith("_kernel") and type(value).__name__ == "JITFunction"
+        if name.endswith("_kernel") and type(value).__name__ in ("JITFunction", "GluonJITFunction")
     }
 
 
@@ -49,6 +56,19 @@ def test_launch_space_has_every_kernel_and_every_wrapper_choice():
     assert min(adam_blocks) == MIN_BLOCK and max(adam_blocks) == MAX_BLOCK and len(adam_blocks) == 10
     mx_blocks = {int(aot.axes(v)["block"]) for v in space if v.kernel == "_mx_quantize_kernel"}
     assert mx_blocks == set(MX_BLOCK_SIZES)
+
+
+@needs_gluon
+def test_gluon_mx_gemm_is_compiled_for_hopper_alone_in_every_tile_and_block():
+    from fp8_lightning.kernels import GEMM_OUT_DTYPES, MX_GEMM_BLOCK_SIZES
+    from fp8_lightning.kernels.block_gemm_gluon import tiles_for_block
+
+    gluon = [v for v in aot.launch_space() if v.kernel == "_gluon_mx_gemm_kernel"]
+    assert {v.targets for v in gluon} == {("sm_90a",)}
+    for block in MX_GEMM_BLOCK_SIZES:
+        tiles = [aot.axes(v)["tile"] for v in gluon if aot.axes(v)["block"] == str(block)]
+        per_tile = 4 * len(GEMM_OUT_DTYPES)  # operand format pairs x output dtypes
+        assert Counter(tiles) == {f"{bm}x{bn}/warps{w}": per_tile for bm, bn, w in tiles_for_block(block)}
 
 
 def test_cover_pairs_every_shape_and_option_value_and_meets_every_dtype():
@@ -144,3 +164,38 @@ def test_hopper_mx_gemm_waits_on_each_wgmma_as_its_docstring_says():
     assert mx_gemm_overlap.wgmma_waits(ptx) == (1, [0])
     in_flight = "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {...};\nwgmma.wait_group.sync.aligned 1;\n"
     assert mx_gemm_overlap.wgmma_waits(in_flight * 2) == (2, [1, 1])
+
+
+def loop_bodies(ptx: str) -> list[str]:
+    """The PTX of every loop: from a ``$L__BB`` label to the last branch back to it."""
+    lines = ptx.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\$L__BB\d+_\d+):", line))}
+    backward = {}
+    for i, line in enumerate(lines):
+        target = re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);", line)
+        if target and labels.get(target.group(1), i) < i:
+            backward[target.group(1)] = i
+    return ["\n".join(lines[labels[label]: end + 1]) for label, end in backward.items()]
+
+
+@needs_gluon
+@pytest.mark.parametrize("config", [
+    "a=fp8e4nv b=fp8e4nv out=bf16 block=32 tile=128x128/warps8",  # the tile large GEMMs get
+    "a=fp8e5 b=fp8e4nv out=fp32 block=128 tile=128x64/warps8",
+])  # fmt: skip
+def test_gluon_mx_gemm_keeps_one_wgmma_in_flight_while_folding_and_loads_by_tma(config):
+    """The K loop issues block k's wgmma, waits with ``wait_group 1`` (block k-1's product only), and TMA-loads
+    both operand tiles; the only ``wait_group 0`` is after the loop, for the last block."""
+    from benchmarks.mx_gemm_overlap import wgmma_waits
+
+    variant = next(v for v in aot.launch_space() if v.kernel == "_gluon_mx_gemm_kernel" and v.config == config)
+    report = aot.compile_variant(variant, "sm_90a")
+    assert report.spill_bytes == 0
+    (loop,) = [body for body in loop_bodies(report.ptx) if "wgmma.mma_async" in body]
+    sites, waits = wgmma_waits(loop)
+    block_steps = int(aot.axes(variant)["block"]) // 32  # one wgmma instruction per 32 of K
+    assert (sites, waits) == (block_steps, [1]), "one asynchronous group per block, one left in flight"
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d", loop)) == 2, "both operand tiles by TMA"
+    assert "cp.async.cg" not in report.ptx and "cp.async.ca" not in report.ptx
+    assert wgmma_waits(report.ptx)[1] == [1, 0], "wait_group 0 only once, after the loop"
+    assert loop_bodies("$L__BB0_1:\nx;\n@%p bra $L__BB0_1;\n$L__BB0_2:\n@%p bra $L__BB0_2;\n")[0].count("x;") == 1
