@@ -77,6 +77,9 @@ def render(results: dict, command: str, seconds: float, cover: bool = False, tar
         for target in targets:
             launched = [row[target] for row in rows if target in row]
             done = [r for r in launched if r is not None]
+            if not launched:  # never compiled for this target
+                cells += ["-", "-", "-"]
+                continue
             cells += [str(max((r[0] for r in done), default=0)), str(sum(1 for r in done if r[1])),
                       str(len(launched) - len(done))]
         lines.append("| " + " | ".join(cells) + " |")
