@@ -280,13 +280,13 @@ INLINE float fine_scale(uint32_t top, const Format *f, float eps, int power_of_2
 }
 
 /* One band of rows [first, last) of x (m, k) whose tiles are `cols` wide (the last may be short): the amax of each
- * tile over the band, its scale (written to scales, one row of tiles), then codes = saturate(x * scale) and
+ * tile over the band, its scale and 1 / scale (written to scales and inverses, one row of tiles), then codes = saturate(x * scale) and
  * values = the codes' float32 values times `inverse` (1 / scale with block_rule: dequantized, what the emulated
  * blockwise GEMM multiplies; 1 otherwise: the codes' values, the rowwise GEMM scaling its accumulator). */
 INLINE void fine_band(const void *x, int dtype, int64_t first, int64_t last, int64_t k, int64_t cols,
                       const Format *f, float eps, int power_of_2, int block_rule, uint8_t *restrict codes,
-                      float *restrict scales, float *restrict values, float *restrict scale,
-                      float *restrict inverse) {
+                      float *restrict scales, float *restrict inverses, float *restrict values,
+                      float *restrict scale, float *restrict inverse) {
     int64_t tiles = (k + cols - 1) / cols;
     uint32_t *top = (uint32_t *)scale; /* the tile maxima, then (same memory) their scales */
     for (int64_t j = 0; j < tiles; ++j) top[j] = 0;
@@ -312,7 +312,8 @@ INLINE void fine_band(const void *x, int dtype, int64_t first, int64_t last, int
         float s = fine_scale(top[j], f, eps, power_of_2, block_rule);
         scale[j] = s;
         scales[j] = s;
-        inverse[j] = block_rule ? 1.0f / s : 1.0f;
+        inverses[j] = 1.0f / s;
+        inverse[j] = block_rule ? inverses[j] : 1.0f;
     }
     for (int64_t r = first; r < last; ++r) {
         const int64_t row = r * k;
@@ -338,16 +339,17 @@ INLINE void fine_band(const void *x, int dtype, int64_t first, int64_t last, int
 
 /* Rowwise or blockwise quantization of x (m, k) in tiles of `rows` x `cols` elements (rowwise: 1 x k, one scale
  * per row, or m x 1, one per column; blockwise: 1 x 128, 128 x 1 or 128 x 128, ragged at the edges), for the
- * bands of `rows` rows [begin, end). codes and values (m, k); scales (ceil(m / rows), ceil(k / cols)) float32.
+ * bands of `rows` rows [begin, end). codes and values (m, k); scales and inverses (1 / scale, the factor a
+ * scaled GEMM applies) (ceil(m / rows), ceil(k / cols)) float32.
  * block_rule: blockwise's scale rule and dequantized values (see fine_band). work: 2 * ceil(k / cols) floats. */
 void fine_quantize(const void *x, int dtype, int64_t m, int64_t k, int64_t begin, int64_t end, int64_t rows,
                    int64_t cols, int format, float eps, int power_of_2, int block_rule, uint8_t *codes,
-                   float *scales, float *values, float *work) {
+                   float *scales, float *inverses, float *values, float *work) {
     int64_t tiles = (k + cols - 1) / cols;
     for (int64_t g = begin; g < end; ++g) {
         int64_t first = g * rows, last = first + rows < m ? first + rows : m;
 #define FINE(D, F) fine_band(x, D, first, last, k, cols, &FORMATS[F], eps, power_of_2, block_rule, codes, \
-                             scales + g * tiles, values, work, work + tiles)
+                             scales + g * tiles, inverses + g * tiles, values, work, work + tiles)
         SPECIALIZE(dtype, format, FINE);
 #undef FINE
     }

@@ -48,7 +48,7 @@ _SIGNATURES = {
     "mx_quantize": [_P, _I, _I64, _I64, _I64, _I64, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P],
     "fp8_decode": [_P, _I64, _I64, _I, _P],
     "mx_decode": [_P, _P, _I64, _I64, _I64, _I, _I, _I, _P],
-    "fine_quantize": [_P, _I, _I64, _I64, _I64, _I64, _I64, _I64, _I, _F, _I, _I, _P, _P, _P, _P],
+    "fine_quantize": [_P, _I, _I64, _I64, _I64, _I64, _I64, _I64, _I, _F, _I, _I, _P, _P, _P, _P, _P],
 }
 FINE_TILES = ((1, 0), (0, 1), (1, 128), (128, 1), (128, 128))  # rowwise per row / per column, then blockwise
 
@@ -294,8 +294,8 @@ def mx_decode(codes: torch.Tensor, scales: torch.Tensor, columnwise: bool) -> to
 
 def fine_quantize(
     x: torch.Tensor, tile: tuple[int, int], dtype: torch.dtype, power_of_2: bool, eps: float = 0.0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(data, scale, values)`` of a non-empty 2-D ``x`` (M, K) cast in ``tile`` windows, in x's layout, in one
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(data, scale, inverse, values)`` of a non-empty 2-D ``x`` (M, K) cast in ``tile`` windows, in x's layout, in one
     pass per band of tile rows:
 
     * rowwise, ``(1, 0)`` one scale per row (scale (M, 1)) or ``(0, 1)`` one per column (scale (1, K)): the bits of
@@ -304,6 +304,8 @@ def fine_quantize(
     * blockwise, ``(1, 128)``, ``(128, 1)`` or ``(128, 128)`` (ragged edges make smaller tiles): the bits of
       ``blockwise.quantize_blockwise`` (``eps`` unused); scale (ceil(M / rows), ceil(K / cols)); values are the
       dequantized ``code * (1 / scale)`` in float32, what the emulated blockwise GEMM multiplies.
+
+    ``inverse`` is ``scale.reciprocal()`` (the factor a scaled GEMM applies), bit for bit.
     """
     x = _require(x, INPUT_DTYPES, "fine_quantize")
     tile = tuple(tile)
@@ -316,9 +318,9 @@ def fine_quantize(
     rows, cols = (tile[0] or m), (tile[1] or k)
     bands, tiles = -(-m // rows), -(-k // cols)
     data, values = torch.empty_like(x, dtype=dtype), torch.empty_like(x, dtype=torch.float32)
-    scale = torch.empty((bands, tiles), dtype=torch.float32)
+    scale, inverse = torch.empty((2, bands, tiles), dtype=torch.float32)
     function, fmt = _library().fine_quantize, FORMATS[dtype]
-    pointers = (data.data_ptr(), scale.data_ptr(), values.data_ptr())
+    pointers = (data.data_ptr(), scale.data_ptr(), inverse.data_ptr(), values.data_ptr())
 
     def call(_, begin, end):
         work = torch.empty(2 * tiles, dtype=torch.float32)
@@ -329,4 +331,4 @@ def fine_quantize(
         call(0, 0, bands)  # one range on this thread: the common, small case
     else:
         _over_ranges(call, _ranges(bands, m * k))
-    return data, scale, values
+    return data, scale, inverse, values
