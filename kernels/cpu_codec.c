@@ -270,10 +270,10 @@ void mx_decode(const uint8_t *codes, const uint8_t *scales, int64_t begin, int64
 /* The float32 scale of a row, column or tile whose max |x| has the bits `top`: fp8_max / max(amax, eps) divided
  * in float64 and rounded once to float32, capped at float32's max; with power_of_2, the largest power of two not
  * above it (torch's frexp/ldexp: the mantissa bits cleared; every scale here is a positive normal). 1 where the
- * amax is inf or NaN, and with block_rule (blockwise: eps = 0) where it is 0. */
+ * amax is inf or NaN, and with block_rule (blockwise, which ignores eps) where it is 0. */
 INLINE float fine_scale(uint32_t top, const Format *f, float eps, int power_of_2, int block_rule) {
     if (top >= 0x7F800000u || (block_rule && top == 0)) return 1.0f;
-    float amax = float_of(top), clamped = amax > eps ? amax : eps;
+    float amax = float_of(top), clamped = block_rule || amax > eps ? amax : eps; /* blockwise: no eps */
     float scale = (float)((double)f->max_value / (double)clamped); /* an amax of 0 (eps 0): inf, capped below */
     if (scale > 0x1.fffffep127f) scale = 0x1.fffffep127f;
     return power_of_2 ? float_of(bits_of(scale) & 0xFF800000u) : scale;
