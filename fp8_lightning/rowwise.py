@@ -145,10 +145,10 @@ def rowwise_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: b
     ``fast_accum``: cuBLAS's fast accumulation (``use_fast_accum``), as for the per-tensor GEMMs; the CPU GEMM
     accumulates in float32 either way."""
     mm_dtype = out_dtype if out_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
-    if a.data.device.type == "cpu":
+    if a.data.is_cpu:
         acc = codes_f32(a) @ codes_f32(b).t()
         inverse_a, inverse_b = a.inverse_scale().reshape(-1, 1), b.inverse_scale().reshape(1, -1)
-        return (acc * inverse_a * inverse_b).to(out_dtype)
+        return acc.mul_(inverse_a).mul_(inverse_b).to(out_dtype)  # in place: acc is this GEMM's own
     n = b.data.shape[0]
     mat1, mat2, scale_a, scale_b = rowwise_scaled_mm_args(a, b)
     if out_dtype == torch.bfloat16:

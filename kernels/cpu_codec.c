@@ -13,6 +13,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef struct {
@@ -341,11 +342,14 @@ INLINE void fine_band(const void *x, int dtype, int64_t first, int64_t last, int
  * per row, or m x 1, one per column; blockwise: 1 x 128, 128 x 1 or 128 x 128, ragged at the edges), for the
  * bands of `rows` rows [begin, end). codes and values (m, k); scales and inverses (1 / scale, the factor a
  * scaled GEMM applies) (ceil(m / rows), ceil(k / cols)) float32.
- * block_rule: blockwise's scale rule and dequantized values (see fine_band). work: 2 * ceil(k / cols) floats. */
-void fine_quantize(const void *x, int dtype, int64_t m, int64_t k, int64_t begin, int64_t end, int64_t rows,
-                   int64_t cols, int format, float eps, int power_of_2, int block_rule, uint8_t *codes,
-                   float *scales, float *inverses, float *values, float *work) {
+ * block_rule: blockwise's scale rule and dequantized values (see fine_band). Returns 0, or -1 when the scratch
+ * memory (2 * ceil(k / cols) floats) cannot be allocated. */
+int fine_quantize(const void *x, int dtype, int64_t m, int64_t k, int64_t begin, int64_t end, int64_t rows,
+                  int64_t cols, int format, float eps, int power_of_2, int block_rule, uint8_t *codes,
+                  float *scales, float *inverses, float *values) {
     int64_t tiles = (k + cols - 1) / cols;
+    float *work = malloc(2 * (size_t)tiles * sizeof(float));
+    if (work == NULL) return -1;
     for (int64_t g = begin; g < end; ++g) {
         int64_t first = g * rows, last = first + rows < m ? first + rows : m;
 #define FINE(D, F) fine_band(x, D, first, last, k, cols, &FORMATS[F], eps, power_of_2, block_rule, codes, \
@@ -353,4 +357,6 @@ void fine_quantize(const void *x, int dtype, int64_t m, int64_t k, int64_t begin
         SPECIALIZE(dtype, format, FINE);
 #undef FINE
     }
+    free(work);
+    return 0;
 }

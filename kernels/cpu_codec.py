@@ -48,7 +48,7 @@ _SIGNATURES = {
     "mx_quantize": [_P, _I, _I64, _I64, _I64, _I64, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P],
     "fp8_decode": [_P, _I64, _I64, _I, _P],
     "mx_decode": [_P, _P, _I64, _I64, _I64, _I, _I, _I, _P],
-    "fine_quantize": [_P, _I, _I64, _I64, _I64, _I64, _I64, _I64, _I, _F, _I, _I, _P, _P, _P, _P, _P],
+    "fine_quantize": [_P, _I, _I64, _I64, _I64, _I64, _I64, _I64, _I, _F, _I, _I, _P, _P, _P, _P],
 }
 FINE_TILES = ((1, 0), (0, 1), (1, 128), (128, 1), (128, 128))  # rowwise per row / per column, then blockwise
 
@@ -127,6 +127,7 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     for name, argtypes in _SIGNATURES.items():
         function = getattr(library, name)
         function.argtypes, function.restype = argtypes, None
+    library.fine_quantize.restype = _I  # 0, or -1 when its scratch memory could not be allocated
     return library
 
 
@@ -318,14 +319,14 @@ def fine_quantize(
     rows, cols = (tile[0] or m), (tile[1] or k)
     bands, tiles = -(-m // rows), -(-k // cols)
     data, values = torch.empty_like(x, dtype=dtype), torch.empty_like(x, dtype=torch.float32)
-    scale, inverse = torch.empty((2, bands, tiles), dtype=torch.float32)
-    function, fmt = _library().fine_quantize, FORMATS[dtype]
-    pointers = (data.data_ptr(), scale.data_ptr(), inverse.data_ptr(), values.data_ptr())
+    scale, inverse = torch.empty((bands, tiles), dtype=torch.float32), torch.empty((bands, tiles), dtype=torch.float32)
+    function, head = _library().fine_quantize, (x.data_ptr(), INPUT_DTYPES[x.dtype], m, k)
+    tail = (rows, cols, FORMATS[dtype], eps, int(power_of_2), int(block_rule), data.data_ptr(), scale.data_ptr(),
+            inverse.data_ptr(), values.data_ptr())
 
     def call(_, begin, end):
-        work = torch.empty(2 * tiles, dtype=torch.float32)
-        function(x.data_ptr(), INPUT_DTYPES[x.dtype], m, k, begin, end, rows, cols, fmt, eps, int(power_of_2),
-                 int(block_rule), *pointers, work.data_ptr())
+        if function(*head, begin, end, *tail):
+            raise MemoryError(f"cpu_codec.fine_quantize: no memory for {2 * tiles} floats of scratch.")
 
     if m * k < PARALLEL_MIN_ELEMENTS:
         call(0, 0, bands)  # one range on this thread: the common, small case
