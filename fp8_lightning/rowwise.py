@@ -137,11 +137,12 @@ def codes_f32(q: Quantized) -> torch.Tensor:
 def rowwise_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     """``a @ b.T`` for rowwise operands (M, K) and (N, K), scales applied to the float32 accumulator.
 
-    CPU: a float32 matmul of the codes' exact values (:func:`codes_f32`), then ``* (1 / scale_a) * (1 / scale_b)``: with power-of-two
-    scales the bits of CPU ``torch._scaled_mm`` (measured equal; the codes decode several times faster than its
-    float8 conversion), with float32 scales within a rounding of them. CUDA: ``torch._scaled_mm`` in cuBLAS's layout
-    (:func:`rowwise_scaled_mm_args`); its rowwise kernel writes bf16 only, so other output dtypes take its tensorwise
-    kernel with unit scales (float32 output) and apply ``scale_a * scale_b`` after it, the same arithmetic.
+    CPU: a float32 matmul of the codes' exact values (:func:`codes_f32`), then ``* (1 / scale_a) * (1 / scale_b)``:
+    with power-of-two scales the bits of CPU ``torch._scaled_mm`` (measured equal; the codes decode several times
+    faster than its float8 conversion), with float32 scales within a rounding of them. CUDA: ``torch._scaled_mm`` in
+    cuBLAS's layout (:func:`rowwise_scaled_mm_args`); its rowwise kernel writes bf16 only, so other output dtypes
+    take its tensorwise kernel with unit scales (float32 output) and apply ``scale_a * scale_b`` after it, the same
+    arithmetic.
     ``fast_accum``: cuBLAS's fast accumulation (``use_fast_accum``), as for the per-tensor GEMMs; the CPU GEMM
     accumulates in float32 either way."""
     mm_dtype = out_dtype if out_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32

@@ -281,9 +281,10 @@ INLINE float fine_scale(uint32_t top, const Format *f, float eps, int power_of_2
 }
 
 /* One band of rows [first, last) of x (m, k) whose tiles are `cols` wide (the last may be short): the amax of each
- * tile over the band, its scale and 1 / scale (written to scales and inverses, one row of tiles), then codes = saturate(x * scale) and
- * values = the codes' float32 values times `inverse` (1 / scale with block_rule: dequantized, what the emulated
- * blockwise GEMM multiplies; 1 otherwise: the codes' values, the rowwise GEMM scaling its accumulator). */
+ * tile over the band, its scale and 1 / scale (written to scales and inverses, one row of tiles), then
+ * codes = saturate(x * scale) and values = the codes' float32 values times `inverse` (1 / scale with block_rule:
+ * dequantized, what the emulated blockwise GEMM multiplies; 1 otherwise: the codes' values, the rowwise GEMM
+ * scaling its accumulator). */
 INLINE void fine_band(const void *x, int dtype, int64_t first, int64_t last, int64_t k, int64_t cols,
                       const Format *f, float eps, int power_of_2, int block_rule, uint8_t *restrict codes,
                       float *restrict scales, float *restrict inverses, float *restrict values,

@@ -296,8 +296,8 @@ def mx_decode(codes: torch.Tensor, scales: torch.Tensor, columnwise: bool) -> to
 def fine_quantize(
     x: torch.Tensor, tile: tuple[int, int], dtype: torch.dtype, power_of_2: bool, eps: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(data, scale, inverse, values)`` of a non-empty 2-D ``x`` (M, K) cast in ``tile`` windows, in x's layout, in one
-    pass per band of tile rows:
+    """``(data, scale, inverse, values)`` of a non-empty 2-D ``x`` (M, K) cast in ``tile`` windows, in x's layout,
+    in one pass per band of tile rows:
 
     * rowwise, ``(1, 0)`` one scale per row (scale (M, 1)) or ``(0, 1)`` one per column (scale (1, K)): the bits of
       ``rowwise.quantize_rowwise`` with ``eps``; values are the codes' float32 values (the rowwise GEMM scales
@@ -311,7 +311,8 @@ def fine_quantize(
     x = _require(x, INPUT_DTYPES, "fine_quantize")
     tile = tuple(tile)
     if tile not in FINE_TILES:
-        raise ValueError(f"cpu_codec.fine_quantize: tile={tile} is invalid; allowed: {', '.join(map(str, FINE_TILES))}.")
+        allowed = ", ".join(map(str, FINE_TILES))
+        raise ValueError(f"cpu_codec.fine_quantize: tile={tile} is invalid; allowed: {allowed}.")
     if x.dim() != 2 or x.numel() == 0:
         raise ValueError(f"cpu_codec.fine_quantize takes a non-empty 2-D tensor; got shape {tuple(x.shape)}.")
     m, k = x.shape
