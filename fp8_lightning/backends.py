@@ -255,11 +255,11 @@ def dequantize_tensorwise(data: torch.Tensor, scale: torch.Tensor, out_dtype: to
 
 
 def operand_f32(q: Quantized) -> torch.Tensor:
-    """The operand in float32 for a float GEMM (``q.f32``: the codes' exact values for per-tensor scaling, the
-    dequantized values for block-scaled kinds), made on the first call and kept on the operand for its other
-    GEMMs."""
+    """The operand in float32 for a float GEMM (``q.f32``: the codes' exact values where the GEMM scales its
+    product, per-tensor and rowwise; the dequantized values for MX and blockwise), made on the first call and kept
+    on the operand for its other GEMMs."""
     if q.f32 is None:
-        if q.kind == "tensor":
+        if q.kind in ("tensor", "row"):
             q.f32 = fp8_to_float32(q.data, q.nan_free)
         else:
             q.f32 = dequantize_mxfp8(q.data, q.scale) if q.kind == "mx" else fine_dequantize(q)
@@ -268,7 +268,7 @@ def operand_f32(q: Quantized) -> torch.Tensor:
 
 def dequantize_operand(q: Quantized, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The high-precision values an operand stands for."""
-    if q.kind != "tensor":
+    if q.kind not in ("tensor", "row"):
         return operand_f32(q).to(out_dtype)
     return dequantize_with_scale(q.data, q.scale, out_dtype)
 
@@ -355,25 +355,53 @@ def dequantize_mxfp8(data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.d
 
 
 def fine_operands(recipe, role: str, x: torch.Tensor, dtype: torch.dtype, columnwise: bool):
-    """:func:`fp8_lightning.fine_grained.fine_operands`. On CUDA each copy it casts is one Triton launch
-    (``kernels.fine_cast``) that also writes ``1 / scale`` and both in cuBLAS's layouts, with the wgrad copies
-    (``x.T``, ``g.T``) written transposed and a weight's ``W.T`` blocks from the same launch as ``W``'s. A
+    """:func:`fp8_lightning.fine_grained.fine_operands`, each copy it casts in one pass over ``x``: on CUDA one Triton
+    launch (``kernels.fine_cast``) that also writes ``1 / scale`` and both in cuBLAS's layouts, with the wgrad copies
+    (``x.T``, ``g.T``) written transposed and a weight's ``W.T`` blocks from the same launch as ``W``'s; on CPU one
+    call of the C codec (:func:`codec_fine_cast`), which also makes the float32 values the CPU GEMM multiplies. A
     high-precision weight gradient's copies (``x.T`` itself, ``W.T`` with one scale) stay on the reference."""
-    kernels = cuda_kernels(x)
-    if kernels is None or x.dim() != 2 or x.numel() == 0:
+    fine_cast = _fine_caster(x)
+    if fine_cast is None:
         return fine_grained.fine_operands(recipe, role, x, dtype, columnwise)
     y, power_of_2 = x.detach(), recipe.power_of_2_scales
     if isinstance(recipe, BlockwiseScaling):
         if role == "weight":
-            return kernels.fine_cast(y, dtype, WEIGHT_BLOCK, power_of_2, transpose=columnwise)
-        row = kernels.fine_cast(y, dtype, ROW_TILE, power_of_2)[0]
-        return row, (kernels.fine_cast(y, dtype, COLUMN_TILE, power_of_2)[0] if columnwise else None)
+            return fine_cast(y, dtype, WEIGHT_BLOCK, power_of_2, transpose=columnwise)
+        row = fine_cast(y, dtype, ROW_TILE, power_of_2)[0]
+        return row, (fine_cast(y, dtype, COLUMN_TILE, power_of_2)[0] if columnwise else None)
     per_row, per_column = ROWWISE_TILES
-    row = kernels.fine_cast(y, dtype, per_row, power_of_2, recipe.eps)[0]
+    row = fine_cast(y, dtype, per_row, power_of_2, recipe.eps)[0]
     if not columnwise:
         return row, None
     if not recipe.high_precision_wgrad:
-        return row, kernels.fine_cast(y, dtype, per_column, power_of_2, recipe.eps)[0]
+        return row, fine_cast(y, dtype, per_column, power_of_2, recipe.eps)[0]
     if role == "weight":
         return row, tensorwise_column_operand(x, dtype, recipe.eps, power_of_2)
     return row, high_precision_operand(x)
+
+
+def _fine_caster(x: torch.Tensor):
+    """The rowwise/blockwise cast for ``x``, with ``kernels.fine_cast``'s signature: the Triton kernel (CUDA), the C
+    codec (plain CPU tensors, :func:`cpu_codec`), or None for the reference."""
+    if x.dim() != 2 or x.numel() == 0:
+        return None
+    if cuda_kernels(x) is not None:
+        return kernels.fine_cast
+    return codec_fine_cast if cpu_codec(x) is not None else None
+
+
+def codec_fine_cast(
+    x: torch.Tensor, dtype: torch.dtype, tile: tuple[int, int], power_of_2: bool, eps: float = 1e-12,
+    transpose: bool = False,
+) -> tuple[Quantized, Quantized | None]:
+    """``kernels.fine_cast`` on a CPU tensor through the C codec: one copy of a 2-D ``x`` as an operand of kind
+    ``"row"`` (tiles ``(1, 0)``, ``(0, 1)``) or ``"block"``, the copies scaled down x's columns handed out as the
+    operand of ``x.T`` (transposed views), and with ``transpose`` (128x128 blocks) the operand of ``x.T`` from the
+    same blocks. ``Quantized.f32`` holds what the CPU GEMM multiplies: the codes' values (rowwise), the dequantized
+    values (blockwise); ``Quantized.inverse`` the ``1 / scale`` the rowwise GEMM scales its product with."""
+    data, scale, inverse, values = codec_module.fine_quantize(x, tile, dtype, power_of_2, eps)
+    kind = "row" if 0 in tile else "block"
+    if tile in ((0, 1), COLUMN_TILE):
+        return Quantized(data.t(), scale.t(), kind, values.t(), inverse=inverse.t()), None
+    row = Quantized(data, scale, kind, values, inverse=inverse)
+    return row, (Quantized(data.t(), scale.t(), kind, values.t(), inverse=inverse.t()) if transpose else None)

@@ -172,8 +172,14 @@ def blockwise_scaled_mm_args(
     return mat1, b_data.t(), _scale_layout(a, a_rows), _scale_layout(b_q, b_rows).t()
 
 
+def dequantized_f32(q: Quantized) -> torch.Tensor:
+    """A blockwise operand's dequantized float32 values, which the emulated GEMM multiplies: ``q.f32`` where the
+    cast made them (the CPU codec), else computed here."""
+    return q.f32 if q.f32 is not None else dequantize_blockwise(q.data, q.scale)
+
+
 def _emulated(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
-    return (dequantize_blockwise(a.data, a.scale) @ dequantize_blockwise(b.data, b.scale).t()).to(out_dtype)
+    return (dequantized_f32(a) @ dequantized_f32(b).t()).to(out_dtype)
 
 
 def blockwise_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, emulate: bool = False) -> torch.Tensor:

@@ -161,7 +161,7 @@ class Quantized:
     kind: str = "tensor"
     # The float32 matrix a CPU float GEMM multiplies, made by the CPU codec's cast or on first use
     # (``backends.operand_f32``), and kept for the operand's other GEMMs: the codes' exact values for per-tensor
-    # scaling (the scales multiply the product), the dequantized values for MX.
+    # and rowwise scaling (the scales multiply the product), the dequantized values for MX and blockwise.
     f32: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
     nan_free: bool = dataclasses.field(default=False, repr=False, compare=False)  # known to hold no NaN code
     inverse: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)  # see inverse_scale

@@ -128,21 +128,28 @@ def rowwise_scaled_mm_args(a: Quantized, b: Quantized) -> tuple[torch.Tensor, to
     return mat1, mat2, scale_a, scale_b
 
 
+def codes_f32(q: Quantized) -> torch.Tensor:
+    """The float32 values of a rowwise operand's codes, which the CPU GEMM multiplies: ``q.f32`` where the cast
+    made them (the CPU codec), else decoded here."""
+    return q.f32 if q.f32 is not None else fp8_to_float32(q.data)
+
+
 def rowwise_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     """``a @ b.T`` for rowwise operands (M, K) and (N, K), scales applied to the float32 accumulator.
 
-    CPU: a float32 matmul of the codes' exact values, then ``* (1 / scale_a) * (1 / scale_b)``: with power-of-two
-    scales the bits of CPU ``torch._scaled_mm`` (measured equal; the codes decode several times faster than its
-    float8 conversion), with float32 scales within a rounding of them. CUDA: ``torch._scaled_mm`` in cuBLAS's layout
-    (:func:`rowwise_scaled_mm_args`); its rowwise kernel writes bf16 only, so other output dtypes take its tensorwise
-    kernel with unit scales (float32 output) and apply ``scale_a * scale_b`` after it, the same arithmetic.
+    CPU: a float32 matmul of the codes' exact values (:func:`codes_f32`), then ``* (1 / scale_a) * (1 / scale_b)``:
+    with power-of-two scales the bits of CPU ``torch._scaled_mm`` (measured equal; the codes decode several times
+    faster than its float8 conversion), with float32 scales within a rounding of them. CUDA: ``torch._scaled_mm`` in
+    cuBLAS's layout (:func:`rowwise_scaled_mm_args`); its rowwise kernel writes bf16 only, so other output dtypes
+    take its tensorwise kernel with unit scales (float32 output) and apply ``scale_a * scale_b`` after it, the same
+    arithmetic.
     ``fast_accum``: cuBLAS's fast accumulation (``use_fast_accum``), as for the per-tensor GEMMs; the CPU GEMM
     accumulates in float32 either way."""
     mm_dtype = out_dtype if out_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
-    if a.data.device.type == "cpu":
-        acc = fp8_to_float32(a.data) @ fp8_to_float32(b.data).t()
-        inverse_a, inverse_b = a.scale.float().reciprocal().reshape(-1, 1), b.scale.float().reciprocal().reshape(1, -1)
-        return (acc * inverse_a * inverse_b).to(out_dtype)
+    if a.data.is_cpu:
+        acc = codes_f32(a) @ codes_f32(b).t()
+        inverse_a, inverse_b = a.inverse_scale().reshape(-1, 1), b.inverse_scale().reshape(1, -1)
+        return acc.mul_(inverse_a).mul_(inverse_b).to(out_dtype)  # in place: acc is this GEMM's own
     n = b.data.shape[0]
     mat1, mat2, scale_a, scale_b = rowwise_scaled_mm_args(a, b)
     if out_dtype == torch.bfloat16:

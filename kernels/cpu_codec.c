@@ -13,6 +13,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef struct {
@@ -263,4 +264,100 @@ void mx_decode(const uint8_t *codes, const uint8_t *scales, int64_t begin, int64
         mx_decode_range(codes, scales, begin, end, k, block, columnwise, &FORMATS[0], values);
     else
         mx_decode_range(codes, scales, begin, end, k, block, columnwise, &FORMATS[1], values);
+}
+
+/* ---- Rowwise and blockwise casts (fp8_lightning/rowwise.py, fp8_lightning/blockwise.py) ---- */
+
+/* The float32 scale of a row, column or tile whose max |x| has the bits `top`: fp8_max / max(amax, eps) divided
+ * in float64 and rounded once to float32, capped at float32's max; with power_of_2, the largest power of two not
+ * above it (torch's frexp/ldexp: the mantissa bits cleared; every scale here is a positive normal). 1 where the
+ * amax is inf or NaN, and with block_rule (blockwise, which ignores eps) where it is 0. */
+INLINE float fine_scale(uint32_t top, const Format *f, float eps, int power_of_2, int block_rule) {
+    if (top >= 0x7F800000u || (block_rule && top == 0)) return 1.0f;
+    float amax = float_of(top), clamped = block_rule || amax > eps ? amax : eps; /* blockwise: no eps */
+    float scale = (float)((double)f->max_value / (double)clamped); /* an amax of 0 (eps 0): inf, capped below */
+    if (scale > 0x1.fffffep127f) scale = 0x1.fffffep127f;
+    return power_of_2 ? float_of(bits_of(scale) & 0xFF800000u) : scale;
+}
+
+/* One band of rows [first, last) of x (m, k) whose tiles are `cols` wide (the last may be short): the amax of each
+ * tile over the band, its scale and 1 / scale (written to scales and inverses, one row of tiles), then
+ * codes = saturate(x * scale) and values = the codes' float32 values times `inverse` (1 / scale with block_rule:
+ * dequantized, what the emulated blockwise GEMM multiplies; 1 otherwise: the codes' values, the rowwise GEMM
+ * scaling its accumulator). */
+INLINE void fine_band(const void *x, int dtype, int64_t first, int64_t last, int64_t k, int64_t cols,
+                      const Format *f, float eps, int power_of_2, int block_rule, uint8_t *restrict codes,
+                      float *restrict scales, float *restrict inverses, float *restrict values,
+                      float *restrict scale, float *restrict inverse) {
+    int64_t tiles = (k + cols - 1) / cols;
+    uint32_t *top = (uint32_t *)scale; /* the tile maxima, then (same memory) their scales */
+    for (int64_t j = 0; j < tiles; ++j) top[j] = 0;
+    for (int64_t r = first; r < last; ++r) {
+        if (cols == 1) {
+            for (int64_t c = 0; c < k; ++c) {
+                uint32_t a = magnitude_bits(load(x, dtype, r * k + c));
+                top[c] = a > top[c] ? a : top[c];
+            }
+            continue;
+        }
+        for (int64_t j = 0; j < tiles; ++j) {
+            int64_t start = j * cols, stop = start + cols < k ? start + cols : k;
+            uint32_t t = top[j];
+            for (int64_t c = start; c < stop; ++c) {
+                uint32_t a = magnitude_bits(load(x, dtype, r * k + c));
+                t = a > t ? a : t;
+            }
+            top[j] = t;
+        }
+    }
+    for (int64_t j = 0; j < tiles; ++j) {
+        float s = fine_scale(top[j], f, eps, power_of_2, block_rule);
+        scale[j] = s;
+        scales[j] = s;
+        inverses[j] = 1.0f / s;
+        inverse[j] = block_rule ? inverses[j] : 1.0f;
+    }
+    for (int64_t r = first; r < last; ++r) {
+        const int64_t row = r * k;
+        if (cols == 1) {
+            for (int64_t c = 0; c < k; ++c) {
+                float value;
+                codes[row + c] = encode(load(x, dtype, row + c) * scale[c], f, &value);
+                values[row + c] = value * inverse[c];
+            }
+            continue;
+        }
+        for (int64_t j = 0; j < tiles; ++j) {
+            int64_t start = j * cols, stop = start + cols < k ? start + cols : k;
+            float s = scale[j], inv = inverse[j];
+            for (int64_t c = start; c < stop; ++c) {
+                float value;
+                codes[row + c] = encode(load(x, dtype, row + c) * s, f, &value);
+                values[row + c] = value * inv;
+            }
+        }
+    }
+}
+
+/* Rowwise or blockwise quantization of x (m, k) in tiles of `rows` x `cols` elements (rowwise: 1 x k, one scale
+ * per row, or m x 1, one per column; blockwise: 1 x 128, 128 x 1 or 128 x 128, ragged at the edges), for the
+ * bands of `rows` rows [begin, end). codes and values (m, k); scales and inverses (1 / scale, the factor a
+ * scaled GEMM applies) (ceil(m / rows), ceil(k / cols)) float32.
+ * block_rule: blockwise's scale rule and dequantized values (see fine_band). Returns 0, or -1 when the scratch
+ * memory (2 * ceil(k / cols) floats) cannot be allocated. */
+int fine_quantize(const void *x, int dtype, int64_t m, int64_t k, int64_t begin, int64_t end, int64_t rows,
+                  int64_t cols, int format, float eps, int power_of_2, int block_rule, uint8_t *codes,
+                  float *scales, float *inverses, float *values) {
+    int64_t tiles = (k + cols - 1) / cols;
+    float *work = malloc(2 * (size_t)tiles * sizeof(float));
+    if (work == NULL) return -1;
+    for (int64_t g = begin; g < end; ++g) {
+        int64_t first = g * rows, last = first + rows < m ? first + rows : m;
+#define FINE(D, F) fine_band(x, D, first, last, k, cols, &FORMATS[F], eps, power_of_2, block_rule, codes, \
+                             scales + g * tiles, inverses + g * tiles, values, work, work + tiles)
+        SPECIALIZE(dtype, format, FINE);
+#undef FINE
+    }
+    free(work);
+    return 0;
 }

@@ -48,7 +48,9 @@ _SIGNATURES = {
     "mx_quantize": [_P, _I, _I64, _I64, _I64, _I64, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P],
     "fp8_decode": [_P, _I64, _I64, _I, _P],
     "mx_decode": [_P, _P, _I64, _I64, _I64, _I, _I, _I, _P],
+    "fine_quantize": [_P, _I, _I64, _I64, _I64, _I64, _I64, _I64, _I, _F, _I, _I, _P, _P, _P, _P],
 }
+FINE_TILES = ((1, 0), (0, 1), (1, 128), (128, 1), (128, 128))  # rowwise per row / per column, then blockwise
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -125,6 +127,7 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     for name, argtypes in _SIGNATURES.items():
         function = getattr(library, name)
         function.argtypes, function.restype = argtypes, None
+    library.fine_quantize.restype = _I  # 0, or -1 when its scratch memory could not be allocated
     return library
 
 
@@ -288,3 +291,46 @@ def mx_decode(codes: torch.Tensor, scales: torch.Tensor, columnwise: bool) -> to
 
     _over_ranges(call, _ranges(m, m * k))
     return values
+
+
+def fine_quantize(
+    x: torch.Tensor, tile: tuple[int, int], dtype: torch.dtype, power_of_2: bool, eps: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(data, scale, inverse, values)`` of a non-empty 2-D ``x`` (M, K) cast in ``tile`` windows, in x's layout,
+    in one pass per band of tile rows:
+
+    * rowwise, ``(1, 0)`` one scale per row (scale (M, 1)) or ``(0, 1)`` one per column (scale (1, K)): the bits of
+      ``rowwise.quantize_rowwise`` with ``eps``; values are the codes' float32 values (the rowwise GEMM scales
+      its float32 accumulator);
+    * blockwise, ``(1, 128)``, ``(128, 1)`` or ``(128, 128)`` (ragged edges make smaller tiles): the bits of
+      ``blockwise.quantize_blockwise`` (``eps`` unused); scale (ceil(M / rows), ceil(K / cols)); values are the
+      dequantized ``code * (1 / scale)`` in float32, what the emulated blockwise GEMM multiplies.
+
+    ``inverse`` is ``scale.reciprocal()`` (the factor a scaled GEMM applies), bit for bit.
+    """
+    x = _require(x, INPUT_DTYPES, "fine_quantize")
+    tile = tuple(tile)
+    if tile not in FINE_TILES:
+        allowed = ", ".join(map(str, FINE_TILES))
+        raise ValueError(f"cpu_codec.fine_quantize: tile={tile} is invalid; allowed: {allowed}.")
+    if x.dim() != 2 or x.numel() == 0:
+        raise ValueError(f"cpu_codec.fine_quantize takes a non-empty 2-D tensor; got shape {tuple(x.shape)}.")
+    m, k = x.shape
+    block_rule = 0 not in tile
+    rows, cols = (tile[0] or m), (tile[1] or k)
+    bands, tiles = -(-m // rows), -(-k // cols)
+    data, values = torch.empty_like(x, dtype=dtype), torch.empty_like(x, dtype=torch.float32)
+    scale, inverse = torch.empty((bands, tiles), dtype=torch.float32), torch.empty((bands, tiles), dtype=torch.float32)
+    function, head = _library().fine_quantize, (x.data_ptr(), INPUT_DTYPES[x.dtype], m, k)
+    tail = (rows, cols, FORMATS[dtype], eps, int(power_of_2), int(block_rule), data.data_ptr(), scale.data_ptr(),
+            inverse.data_ptr(), values.data_ptr())
+
+    def call(_, begin, end):
+        if function(*head, begin, end, *tail):
+            raise MemoryError(f"cpu_codec.fine_quantize: no memory for {2 * tiles} floats of scratch.")
+
+    if m * k < PARALLEL_MIN_ELEMENTS:
+        call(0, 0, bands)  # one range on this thread: the common, small case
+    else:
+        _over_ranges(call, _ranges(bands, m * k))
+    return data, scale, inverse, values
