@@ -16,6 +16,7 @@ import torch
 
 from fp8_lightning import backends, mx
 from fp8_lightning.kernels import cpu_codec
+from fp8_lightning.recipes import BlockwiseScaling, RowwiseScaling
 from tests.environment import set_env
 
 pytestmark = pytest.mark.skipif(
@@ -172,21 +173,27 @@ def test_threads_split_the_work_without_changing_a_bit(reference, monkeypatch):
     assert same_bits(col.scale, want_col.scale) and same_bits(row.f32, backends.operand_f32(want_row))
 
 
-@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "mxfp8"])
+@pytest.mark.parametrize(
+    "recipe",
+    ["delayed", "tensorwise", "mxfp8", RowwiseScaling(), RowwiseScaling(power_of_2_scales=False),
+     RowwiseScaling(high_precision_wgrad=True), BlockwiseScaling(), BlockwiseScaling(power_of_2_scales=False)],
+    ids=["delayed", "tensorwise", "mxfp8", "rowwise", "rowwise-f32", "rowwise-hp-wgrad", "blockwise", "blockwise-f32"],
+)
 def test_a_layer_trains_bit_for_bit_as_on_the_reference_path(recipe, monkeypatch):
-    """Forward outputs and every gradient of an FP8 layer over three steps (delayed scaling's fused cast-and-amax
-    included) are the same with and without the codec."""
+    """Forward outputs and every gradient of a two-layer FP8 model over three steps (delayed scaling's fused
+    cast-and-amax, ragged 1x128 tiles and 128x128 blocks included) are the same with and without the codec."""
     from fp8_lightning import convert_to_fp8, fp8_autocast, sync_scales
 
     def train(codec_off: bool):
         set_env(monkeypatch, **{cpu_codec.DISABLE_ENV: "1" if codec_off else "0"})
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 32))
-        convert_to_fp8(model, recipe, profitability=False)
+        model = torch.nn.Sequential(torch.nn.Linear(160, 192), torch.nn.GELU(), torch.nn.Linear(192, 32))
+        report = convert_to_fp8(model, recipe, profitability=False)
+        assert len(report.converted) == 2, report  # both layers run FP8: the comparison is not a vacuous one
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         results = []
         for step in range(3):
-            x = torch.randn(40, 64) * (step + 1)
+            x = torch.randn(40, 160) * (step + 1)
             with fp8_autocast():
                 y = model(x)
             y.square().mean().backward()
