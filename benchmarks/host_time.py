@@ -57,6 +57,36 @@ def _step(layer: nn.Module, run: nn.Module, x: torch.Tensor, fp8: bool, sync_tim
     return step, between
 
 
+def stub_cuda_branch() -> None:
+    """Send the FP8 layers down the core's CUDA branch on CPU tensors, with every Triton kernel op and
+    ``torch._scaled_mm`` (the per-tensor GEMMs, as on a GPU) answering with empty outputs of the right shapes: no
+    arithmetic. What the step then costs is the host time the framework spends around its launches on a GPU, minus
+    each launch's own cost in the driver (a few microseconds, the same for any caller; ``nn.Linear``'s row keeps
+    its tiny CPU GEMMs). MX GEMMs take the Hopper route (the block-scaled Triton kernel's op); rowwise and
+    blockwise GEMMs still compute on CPU (their cuBLAS route needs a CUDA tensor). For this process only."""
+    from fp8_lightning import backends, gemm, kernels
+    from fp8_lightning.kernels import ops
+    from fp8_lightning.settings import reload_settings
+
+    os.environ["FP8_LIGHTNING_GEMM"] = "scaled_mm"
+    os.environ["FP8_LIGHTNING_DISABLE_CPU_CODEC"] = "1"  # CUDA tensors never meet the CPU codec
+    reload_settings()
+    backends.cuda_kernels = lambda x: kernels if kernels.supports_input(x) else None
+    gemm.kernels_usable = lambda x: True
+    for name in vars(ops.EAGER):  # each kernel op answers with its fake: outputs allocated, nothing computed
+        fake = getattr(ops, name)._abstract_fn
+        setattr(ops.EAGER, name, fake)  # eager calls (fp8_lightning.kernels calls the implementations directly)
+        getattr(ops, name).register_kernel("cpu")(fake)  # calls through torch.ops
+    _STUBS.impl("_scaled_mm", _empty_scaled_mm, "CPU")
+
+
+_STUBS = torch.library.Library("aten", "IMPL")  # kept for the process: the registration lives as long as it does
+
+
+def _empty_scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype or a.dtype)
+
+
 def _torchao_layer(base: nn.Linear) -> nn.Module | None:
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -113,8 +143,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's); 1 keeps a busy shared machine from stalling the "
                              "tiny GEMMs on a descheduled second thread")
+    parser.add_argument("--cuda-branch", action="store_true",
+                        help="time the core's CUDA branch on CPU tensors with the Triton kernels answering from their "
+                             "fake implementations (stub_cuda_branch): the framework's host time around GPU launches")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.cuda_branch:
+        if args.device != "cpu":
+            parser.error("--cuda-branch runs the CUDA branch on CPU tensors: leave --device at cpu")
+        stub_cuda_branch()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -128,7 +165,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         columns += [(f"{mode}_us", f"{mode} us", "{:.0f}"), (f"{mode}_x", f"{mode} / {against}", "{:.2f}")]
     columns.append(("sync_us", f"sync_scales us ({modes[0]})", "{:.0f}"))
     text = (f"One layer's forward + backward, {args.tokens} tokens, {args.features} x {args.features}, on "
-            f"{device.type}; medians of {args.rounds} interleaved rounds.\n\n{markdown_table(columns, rows)}\n")
+            f"{device.type}{' on the CUDA branch with stubbed kernels (--cuda-branch)' if args.cuda_branch else ''}; "
+            f"medians of {args.rounds} interleaved rounds.\n\n{markdown_table(columns, rows)}\n")
     print(text)
     if args.out:
         write_markdown_report(args.out, "Host time per layer step", "host_time.py", argv, text)

@@ -79,9 +79,15 @@ __all__ = [
 ]
 
 
-def _ops():
+def _ops(x: torch.Tensor):
+    """The kernels for a call on ``x``: their implementations called directly in eager code on plain tensors (a
+    custom op's dispatch costs more host time than the launch it wraps), the custom ops ``torch.ops.fp8_lightning``
+    where they must be seen: while a compiler traces, under a dispatch mode (fake tensors, operation counters) and
+    for tensor subclasses."""
     from fp8_lightning.kernels import ops  # registers torch.ops.fp8_lightning.* on first use
 
+    if type(x) is torch.Tensor and not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0:
+        return ops.EAGER
     return torch.ops.fp8_lightning
 
 
@@ -125,7 +131,7 @@ def _check_transpose(x: torch.Tensor, transpose: bool, what: str) -> None:
 def amax(x: torch.Tensor) -> torch.Tensor:
     """max |x| as a float32 scalar (NaN when x holds NaN), in one read."""
     _check_input(x, "amax")
-    return _ops().amax(x)
+    return _ops(x).amax(x)
 
 
 def cast(
@@ -134,7 +140,7 @@ def cast(
     """``(saturate(x * scale), max |x|)`` with one read and one write (delayed scaling)."""
     _check_input(x, "cast")
     _check_scale(scale, x, "cast")
-    return _ops().cast(x, scale, fp8_dtype(fp8_format), record_amax)
+    return _ops(x).cast(x, scale, fp8_dtype(fp8_format), record_amax)
 
 
 def cast_transpose(
@@ -144,7 +150,7 @@ def cast_transpose(
     _check_input(x, "cast_transpose")
     _check_scale(scale, x, "cast_transpose")
     _check_transpose(x, True, "cast_transpose")
-    return _ops().cast_transpose(x, scale, fp8_dtype(fp8_format), record_amax)
+    return _ops(x).cast_transpose(x, scale, fp8_dtype(fp8_format), record_amax)
 
 
 def tensorwise_cast(
@@ -152,7 +158,7 @@ def tensorwise_cast(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Current scaling in two passes: ``(data, scale)`` exactly as ``quantize.quantize_tensorwise``."""
     _check_input(x, "tensorwise_cast")
-    data, scale, _ = _ops().tensorwise_cast(x, fp8_dtype(fp8_format), float(eps), power_of_2)
+    data, scale, _ = _ops(x).tensorwise_cast(x, fp8_dtype(fp8_format), float(eps), power_of_2)
     return data, scale
 
 
@@ -169,7 +175,7 @@ def tensorwise_operand_cast(
     _check_scale(prev_scale, x, "tensorwise_operand_cast")
     _check_transpose(x, transpose, "tensorwise_operand_cast")
     dtype = fp8_dtype(fp8_format)
-    return _ops().tensorwise_operand_cast(x, prev_scale, count, dtype, float(eps), power_of_2, transpose)
+    return _ops(x).tensorwise_operand_cast(x, prev_scale, count, dtype, float(eps), power_of_2, transpose)
 
 
 def delayed_operand_cast(
@@ -183,7 +189,7 @@ def delayed_operand_cast(
     _check_input(x, "delayed_operand_cast")
     _check_scale(scale, x, "delayed_operand_cast")
     _check_transpose(x, transpose, "delayed_operand_cast")
-    return _ops().delayed_operand_cast(x, scale, pending, count, fp8_dtype(fp8_format), record, transpose)
+    return _ops(x).delayed_operand_cast(x, scale, pending, count, fp8_dtype(fp8_format), record, transpose)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -215,7 +221,7 @@ def mx_quantize(
         raise ValueError(f"block_size={block_size} is not supported; allowed: {MX_BLOCK_SIZES}.")
     if scale_rounding not in ("rceil", "floor"):
         raise ValueError(f"scale_rounding={scale_rounding!r} is invalid; allowed: rceil or floor.")
-    row, row_s, col, col_s = _ops().mx_quantize(
+    row, row_s, col, col_s = _ops(x).mx_quantize(
         x, block_size, scale_rounding, fp8_dtype(fp8_format), rowwise, columnwise
     )
     rows = Quantized(row, row_s.view(E8M0_DTYPE), "mx") if rowwise else None
@@ -245,7 +251,7 @@ def mx_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype = torch.bfloat16)
     if not ok:
         raise ValueError(f"fp8_lightning.kernels.mx_gemm: {reason}. Use fp8_lightning.fp8_mm (it emulates).")
     dense = [t.contiguous() for t in (a.data, a.scale.view(torch.uint8), b.data, b.scale.view(torch.uint8))]
-    return _ops().mx_gemm(*dense, out_dtype)
+    return _ops(dense[0]).mx_gemm(*dense, out_dtype)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -276,7 +282,7 @@ def fine_cast(
             f"fine_cast writes a transposed copy for 128x128 blocks only (got tile={tile}): the scales of other tiles "
             "follow the reduction dimension, so cast the other direction's tile instead."
         )
-    data, scale, inverse, data_t, scale_t, inverse_t = _ops().fine_cast(
+    data, scale, inverse, data_t, scale_t, inverse_t = _ops(x).fine_cast(
         x, fp8_dtype(fp8_format), *tile, power_of_2, float(eps), transpose
     )
     kind = "block" if TILE in tile else "row"

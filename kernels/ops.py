@@ -20,11 +20,15 @@ plain tensors (E8M0 scales as ``uint8``); :mod:`fp8_lightning.kernels` wraps the
                                                 -> (data, scale, inverse, data_t, scale_t, inverse_t)
 
 ``amax`` outputs are float32 scalars; when ``record_amax`` is False the ``amax`` output is 0.
+
+``EAGER`` holds the same implementations as plain functions: eager code calls them directly, since a custom op's
+dispatch (schema checks, the autograd and dispatcher layers) costs more host time than the launch it wraps.
 """
 
 from __future__ import annotations
 
 import importlib
+import types
 
 import torch
 from torch.library import custom_op
@@ -32,6 +36,17 @@ from torch.library import custom_op
 from fp8_lightning.kernels.availability import require_triton
 
 NAMESPACE = "fp8_lightning"
+EAGER = types.SimpleNamespace()  # name -> the op's implementation, a plain function (see the module docstring)
+
+
+def _op(name: str):
+    """``@custom_op`` for ``NAMESPACE::name`` (functional: mutates nothing), the function also kept in ``EAGER``."""
+
+    def register(fn):
+        setattr(EAGER, name, fn)
+        return custom_op(f"{NAMESPACE}::{name}", fn, mutates_args=())
+
+    return register
 
 
 def _implementation(module: str, x: torch.Tensor):
@@ -57,7 +72,7 @@ def _scalar(x: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------------
 
 
-@custom_op(f"{NAMESPACE}::amax", mutates_args=())
+@_op("amax")
 def amax(x: torch.Tensor) -> torch.Tensor:
     impl = _implementation("per_tensor", x)
 
@@ -69,7 +84,7 @@ def _(x):
     return _scalar(x)
 
 
-@custom_op(f"{NAMESPACE}::cast", mutates_args=())
+@_op("cast")
 def cast(
     x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, record_amax: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +98,7 @@ def _(x, scale, dtype, record_amax):
     return torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format), _scalar(x)
 
 
-@custom_op(f"{NAMESPACE}::cast_transpose", mutates_args=())
+@_op("cast_transpose")
 def cast_transpose(
     x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, record_amax: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -98,7 +113,7 @@ def _(x, scale, dtype, record_amax):
     return x.new_empty((m, k), dtype=dtype), x.new_empty((k, m), dtype=dtype), _scalar(x)
 
 
-@custom_op(f"{NAMESPACE}::tensorwise_cast", mutates_args=())
+@_op("tensorwise_cast")
 def tensorwise_cast(
     x: torch.Tensor, dtype: torch.dtype, eps: float, power_of_2: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -113,7 +128,7 @@ def _(x, dtype, eps, power_of_2):
     return torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format), _scalar(x), _scalar(x)
 
 
-@custom_op(f"{NAMESPACE}::delayed_operand_cast", mutates_args=())
+@_op("delayed_operand_cast")
 def delayed_operand_cast(
     x: torch.Tensor, scale: torch.Tensor, pending: torch.Tensor, count: torch.Tensor, dtype: torch.dtype, record: bool,
     transpose: bool,
@@ -136,7 +151,7 @@ def _(x, scale, pending, count, dtype, record, transpose):
     return _operand_cast_outputs(x, count, dtype, transpose)
 
 
-@custom_op(f"{NAMESPACE}::tensorwise_operand_cast", mutates_args=())
+@_op("tensorwise_operand_cast")
 def tensorwise_operand_cast(
     x: torch.Tensor, prev_scale: torch.Tensor, count: torch.Tensor, dtype: torch.dtype, eps: float, power_of_2: bool,
     transpose: bool,
@@ -156,7 +171,7 @@ def _(x, prev_scale, count, dtype, eps, power_of_2, transpose):
 # --------------------------------------------------------------------------------------------------------
 
 
-@custom_op(f"{NAMESPACE}::mx_quantize", mutates_args=())
+@_op("mx_quantize")
 def mx_quantize(
     x: torch.Tensor, block_size: int, scale_rounding: str, dtype: torch.dtype, rowwise: bool, colwise: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -177,7 +192,7 @@ def _(x, block_size, scale_rounding, dtype, rowwise, colwise):
     return row, row_scale, col, col_scale
 
 
-@custom_op(f"{NAMESPACE}::mx_gemm", mutates_args=())
+@_op("mx_gemm")
 def mx_gemm(
     a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
@@ -196,7 +211,7 @@ def _(a, a_scale, b, b_scale, out_dtype):
 # --------------------------------------------------------------------------------------------------------
 
 
-@custom_op(f"{NAMESPACE}::fine_cast", mutates_args=())
+@_op("fine_cast")
 def fine_cast(
     x: torch.Tensor, dtype: torch.dtype, tile_rows: int, tile_cols: int, power_of_2: bool, eps: float,
     transpose: bool,

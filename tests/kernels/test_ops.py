@@ -66,3 +66,30 @@ def test_torch_compile_traces_the_ops_in_one_graph():
             assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
         else:
             assert torch.equal(got, expected)
+
+
+class _SeenOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def test_eager_calls_skip_the_op_dispatch_where_nothing_needs_to_see_it(monkeypatch):
+    """Eager calls on plain tensors run the implementation directly (a custom op's dispatch costs more host time
+    than a launch); under a dispatch mode (fake tensors, counters) and for tensor subclasses they go through the
+    op, with the same result."""
+    direct = []
+    implementation = ops.EAGER.amax
+    monkeypatch.setattr(ops.EAGER, "amax", lambda x: direct.append(x) or implementation(x))
+    x = torch.randn(40, 64)
+    plain = kernels.amax(x)
+    assert len(direct) == 1 and plain.item() == x.abs().max().item()
+    with _SeenOps() as seen:
+        watched = kernels.amax(x)
+    assert len(direct) == 1 and "fp8_lightning.amax" in seen.names and watched.item() == plain.item()
+    parameter = torch.nn.Parameter(x.clone(), requires_grad=False)  # a subclass: the op's dispatch serves it
+    assert kernels.amax(parameter).item() == plain.item() and len(direct) == 1
