@@ -82,3 +82,16 @@ def test_host_time_reports_every_layer_eagerly(tmp_path):
     assert {f"ours {name}" for name in recipes} <= {r["layer"] for r in rows}
     assert all(r["eager_us"] > 0 for r in rows) and rows[0]["eager_x"] == 1.0
     assert "eager / nn.Linear" in out.read_text()
+
+
+def test_host_time_of_the_cuda_branch_reports_every_layer(tmp_path):
+    """In its own process: the probe replaces the kernels and CPU torch._scaled_mm with their fakes for good."""
+    import subprocess
+
+    out = tmp_path / "host.md"
+    subprocess.run([sys.executable, "benchmarks/host_time.py", "--cuda-branch", "--rounds", "2", "--features", "32",
+                    "--modes", "eager", "--out", str(out)], check=True, cwd=Path(__file__).resolve().parents[2],
+                   capture_output=True, timeout=300)  # fmt: skip
+    text = out.read_text()
+    assert "CUDA branch with stubbed kernels" in text
+    assert all(f"| ours {name} |" in text for name in ("delayed", "tensorwise", "mxfp8"))
