@@ -91,6 +91,49 @@ def test_scale_edges_on_single_rows():
     assert scale.flatten().tolist() == [1.0, big, 1.0, 1.0, 1.0]  # blockwise: a zero tile gets 1
 
 
+@pytest.mark.parametrize(
+    "recipe",
+    [RowwiseScaling(), RowwiseScaling(power_of_2_scales=False), RowwiseScaling(high_precision_wgrad=True),
+     BlockwiseScaling(), BlockwiseScaling(power_of_2_scales=False)],
+    ids=["rowwise", "rowwise-f32", "rowwise-hp-wgrad", "blockwise", "blockwise-f32"],
+)
+@pytest.mark.parametrize("role", ["input", "weight", "grad_output"])
+def test_backend_operands_match_the_reference_operands(recipe, role):
+    x = hard_input(150, 140, seed=3)
+    got = backends.fine_operands(recipe, role, x, torch.float8_e4m3fn, columnwise=True)
+    want = fine_grained.fine_operands(recipe, role, x, torch.float8_e4m3fn, columnwise=True)
+    assert got[0].f32 is not None  # the codec made the row copy and its GEMM values
+    for q, r in zip(got, want):
+        assert q.kind == r.kind and q.data.shape == r.data.shape
+        assert same_bits(q.data, r.data) and same_bits(q.scale.float(), r.scale.float())
+        if q.kind == "row":
+            assert same_bits(backends.operand_f32(q), r.data.float())
+            assert same_bits(q.inverse_scale(), r.scale.reciprocal())
+        elif q.kind == "block":
+            assert same_bits(q.f32, dequantize_blockwise(r.data, r.scale))
+        assert same_bits(backends.dequantize_operand(q), backends.dequantize_operand(r))
+
+
+def test_disabling_the_codec_keeps_the_reference(monkeypatch):
+    set_env(monkeypatch, **{cpu_codec.DISABLE_ENV: "1"})
+    row, col = backends.fine_operands(BlockwiseScaling(), "input", torch.randn(8, 256), torch.float8_e4m3fn, True)
+    assert row.f32 is None and col.f32 is None
+
+
+def test_threads_split_the_bands_without_changing_a_bit(monkeypatch):
+    monkeypatch.setattr(cpu_codec, "PARALLEL_MIN_ELEMENTS", 1024)  # split this small tensor too
+    threads = torch.get_num_threads()
+    x = hard_input(520, 300, seed=5)
+    try:
+        torch.set_num_threads(2)
+        casts = {tile: cpu_codec.fine_quantize(x, tile, torch.float8_e5m2, True, 1e-12) for tile in ROWWISE + BLOCKWISE}
+    finally:
+        torch.set_num_threads(threads)
+    for tile, (data, scale, _, values) in casts.items():
+        want_data, want_scale, want_values = reference_cast(x, tile, torch.float8_e5m2, True, 1e-12)
+        assert same_bits(data, want_data) and same_bits(scale, want_scale) and same_bits(values, want_values)
+
+
 def test_direct_calls_refuse_what_the_c_code_cannot_read():
     with pytest.raises(ValueError, match=r"tile=\(64, 64\) is invalid; allowed: \(1, 0\)"):
         cpu_codec.fine_quantize(torch.ones(4, 4), (64, 64), torch.float8_e4m3fn, True)
