@@ -35,15 +35,13 @@ from typing import NamedTuple
 import torch
 
 from fp8_lightning import fine_grained, kernels, mx, quantize
-from fp8_lightning.blockwise import COLUMN_TILE, ROW_TILE, WEIGHT_BLOCK
+from fp8_lightning.blockwise import COLUMN_TILE
 from fp8_lightning.fine_grained import fine_dequantize
 from fp8_lightning.formats import Format, fp8_dtype
 from fp8_lightning.kernels import cpu_codec as codec_module
 from fp8_lightning.kernels.availability import kernels_usable
 from fp8_lightning.kernels.fine_grained_layout import ROWWISE_TILES
 from fp8_lightning.quantize import Quantized, _check_floating, is_transposed_2d
-from fp8_lightning.recipes import BlockwiseScaling
-from fp8_lightning.rowwise import high_precision_operand, tensorwise_column_operand
 
 # --------------------------------------------------------------------------------------------------------
 # Which implementation
@@ -358,26 +356,11 @@ def fine_operands(recipe, role: str, x: torch.Tensor, dtype: torch.dtype, column
     """:func:`fp8_lightning.fine_grained.fine_operands`, each copy it casts in one pass over ``x``: on CUDA one Triton
     launch (``kernels.fine_cast``) that also writes ``1 / scale`` and both in cuBLAS's layouts, with the wgrad copies
     (``x.T``, ``g.T``) written transposed and a weight's ``W.T`` blocks from the same launch as ``W``'s; on CPU one
-    call of the C codec (:func:`codec_fine_cast`), which also makes the float32 values the CPU GEMM multiplies. A
-    high-precision weight gradient's copies (``x.T`` itself, ``W.T`` with one scale) stay on the reference."""
-    fine_cast = _fine_caster(x)
-    if fine_cast is None:
+    call of the C codec (:func:`codec_fine_cast`), which also makes the float32 values the CPU GEMM multiplies."""
+    cast = _fine_caster(x)
+    if cast is None:
         return fine_grained.fine_operands(recipe, role, x, dtype, columnwise)
-    y, power_of_2 = x.detach(), recipe.power_of_2_scales
-    if isinstance(recipe, BlockwiseScaling):
-        if role == "weight":
-            return fine_cast(y, dtype, WEIGHT_BLOCK, power_of_2, transpose=columnwise)
-        row = fine_cast(y, dtype, ROW_TILE, power_of_2)[0]
-        return row, (fine_cast(y, dtype, COLUMN_TILE, power_of_2)[0] if columnwise else None)
-    per_row, per_column = ROWWISE_TILES
-    row = fine_cast(y, dtype, per_row, power_of_2, recipe.eps)[0]
-    if not columnwise:
-        return row, None
-    if not recipe.high_precision_wgrad:
-        return row, fine_cast(y, dtype, per_column, power_of_2, recipe.eps)[0]
-    if role == "weight":
-        return row, tensorwise_column_operand(x, dtype, recipe.eps, power_of_2)
-    return row, high_precision_operand(x)
+    return fine_grained.fine_operands(recipe, role, x.detach(), dtype, columnwise, cast)
 
 
 def _fine_caster(x: torch.Tensor):
@@ -401,7 +384,7 @@ def codec_fine_cast(
     values (blockwise); ``Quantized.inverse`` the ``1 / scale`` the rowwise GEMM scales its product with."""
     data, scale, inverse, values = codec_module.fine_quantize(x, tile, dtype, power_of_2, eps)
     kind = "row" if 0 in tile else "block"
-    if tile in ((0, 1), COLUMN_TILE):
+    if tile in (ROWWISE_TILES[1], COLUMN_TILE):
         return Quantized(data.t(), scale.t(), kind, values.t(), inverse=inverse.t()), None
     row = Quantized(data, scale, kind, values, inverse=inverse)
     return row, (Quantized(data.t(), scale.t(), kind, values.t(), inverse=inverse.t()) if transpose else None)

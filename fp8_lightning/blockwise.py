@@ -103,23 +103,6 @@ def dequantize_blockwise(data: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
     return fp8_to_float32(data) * per_element(scale.float().reciprocal(), data.shape)
 
 
-def blockwise_operands(
-    x: torch.Tensor, role: str, dtype: torch.dtype, recipe, columnwise: bool
-) -> tuple[Quantized, Quantized | None]:
-    """The copies of a 2-D operand under :class:`~fp8_lightning.recipes.BlockwiseScaling`: the one reducing over its
-    last dimension and, when ``columnwise``, the one of its transpose (see the module docstring)."""
-    power_of_2 = recipe.power_of_2_scales
-    if role == "weight":
-        data, scale = quantize_blockwise(x, WEIGHT_BLOCK, dtype, power_of_2)
-        row = Quantized(data, scale, "block")
-        return row, (Quantized(data.t(), scale.t(), "block") if columnwise else None)
-    row = Quantized(*quantize_blockwise(x, ROW_TILE, dtype, power_of_2), "block")
-    if not columnwise:
-        return row, None
-    data, scale = quantize_blockwise(x, COLUMN_TILE, dtype, power_of_2)
-    return row, Quantized(data.t(), scale.t(), "block")
-
-
 # --------------------------------------------------------------------------------------------------------
 # GEMMs
 # --------------------------------------------------------------------------------------------------------

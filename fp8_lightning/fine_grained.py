@@ -22,15 +22,25 @@ from typing import NamedTuple
 import torch
 from torch.library import custom_op
 
-from fp8_lightning.blockwise import TILE, blockwise_mm, blockwise_operands, dequantize_blockwise, quantize_blockwise
+from fp8_lightning.blockwise import (
+    COLUMN_TILE,
+    ROW_TILE,
+    TILE,
+    WEIGHT_BLOCK,
+    blockwise_mm,
+    dequantize_blockwise,
+    quantize_blockwise,
+)
+from fp8_lightning.kernels.fine_grained_layout import ROWWISE_TILES
 from fp8_lightning.quantize import Quantized
 from fp8_lightning.recipes import BlockwiseScaling, Recipe, RowwiseScaling
 from fp8_lightning.rowwise import (
     dequantize_rowwise,
     high_precision_mm,
+    high_precision_operand,
     quantize_rowwise,
     rowwise_mm,
-    rowwise_operands,
+    tensorwise_column_operand,
 )
 
 FINE_KINDS = ("row", "block", "hp")
@@ -52,12 +62,41 @@ def wgrad_kind(recipe: Recipe) -> str:
 
 
 def fine_operands(
-    recipe: Recipe, role: str, x: torch.Tensor, dtype: torch.dtype, columnwise: bool
+    recipe: Recipe, role: str, x: torch.Tensor, dtype: torch.dtype, columnwise: bool, cast=None
 ) -> tuple[Quantized, Quantized | None]:
     """(operand of ``x``, operand of ``x.T`` when ``columnwise``) of a 2-D ``x`` in GEMM role ``role``
-    (``"input"``, ``"weight"`` or ``"grad_output"``) under a rowwise or blockwise recipe."""
-    cast = rowwise_operands if isinstance(recipe, RowwiseScaling) else blockwise_operands
-    return cast(x, role, dtype, recipe, columnwise)
+    (``"input"``, ``"weight"`` or ``"grad_output"``) under a rowwise or blockwise recipe: which copies each role
+    gets (see the modules :mod:`~fp8_lightning.rowwise` and :mod:`~fp8_lightning.blockwise`), each made by ``cast``,
+    a function with ``kernels.fine_cast``'s signature (default :func:`reference_fine_cast`; the Triton kernel and
+    the C codec in :func:`fp8_lightning.backends.fine_operands`). A high-precision weight gradient's copies (``x.T``
+    itself, ``W.T`` with one scale) are made by the reference."""
+    cast = cast or reference_fine_cast
+    power_of_2 = recipe.power_of_2_scales
+    if isinstance(recipe, BlockwiseScaling):
+        if role == "weight":  # 128x128 blocks: W.T's operand is the same blocks, transposed
+            return cast(x, dtype, WEIGHT_BLOCK, power_of_2, transpose=columnwise)
+        row = cast(x, dtype, ROW_TILE, power_of_2)[0]
+        return row, (cast(x, dtype, COLUMN_TILE, power_of_2)[0] if columnwise else None)
+    per_row, per_column = ROWWISE_TILES
+    row = cast(x, dtype, per_row, power_of_2, recipe.eps)[0]
+    if not columnwise:
+        return row, None
+    if not recipe.high_precision_wgrad:
+        return row, cast(x, dtype, per_column, power_of_2, recipe.eps)[0]
+    if role == "weight":
+        return row, tensorwise_column_operand(x, dtype, recipe.eps, power_of_2)
+    return row, high_precision_operand(x)
+
+
+def reference_fine_cast(
+    x: torch.Tensor, dtype: torch.dtype, tile: tuple[int, int], power_of_2: bool, eps: float = 1e-12,
+    transpose: bool = False,
+) -> tuple[Quantized, Quantized | None]:
+    """``kernels.fine_cast`` from the reference casts (:func:`fine_cast_twin`): the operand of one copy, and with
+    ``transpose`` (128x128 blocks) the operand of ``x.T`` from the same blocks."""
+    data, scale = fine_cast_twin(x, tile, dtype, power_of_2, eps)
+    kind = "row" if 0 in tile else "block"
+    return Quantized(data, scale, kind), (Quantized(data.t(), scale.t(), kind) if transpose else None)
 
 
 def fine_cast_twin(
@@ -66,11 +105,11 @@ def fine_cast_twin(
     """``(data, scale)`` of one copy as ``kernels.fine_cast`` makes it, from the reference casts: ``tile`` (1, 0) or
     (0, 1) one scale per row or per column (rowwise, ``eps``), else a blockwise tile; the copies scaled down x's
     columns ((0, 1), (128, 1)) are the operand of ``x.T`` (transposed views here)."""
-    if tile in ((1, 0), (0, 1)):
-        data, scale = quantize_rowwise(x, dtype, -1 if tile == (1, 0) else 0, eps, power_of_2)
+    if tile in ROWWISE_TILES:
+        data, scale = quantize_rowwise(x, dtype, -1 if tile == ROWWISE_TILES[0] else 0, eps, power_of_2)
     else:
         data, scale = quantize_blockwise(x, tile, dtype, power_of_2)
-    return (data.t(), scale.t()) if tile in ((0, 1), (TILE, 1)) else (data, scale)
+    return (data.t(), scale.t()) if tile in (ROWWISE_TILES[1], COLUMN_TILE) else (data, scale)
 
 
 def fine_dequantize(q: Quantized) -> torch.Tensor:

@@ -68,18 +68,6 @@ def dequantize_rowwise(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return data.float() * scale.reciprocal()
 
 
-def row_operand(x: torch.Tensor, dtype: torch.dtype, eps: float, power_of_2: bool) -> Quantized:
-    """The operand of ``x`` (M, K) for a GEMM reducing over K: one scale per row, scale shape (M, 1)."""
-    return Quantized(*quantize_rowwise(x, dtype, -1, eps, power_of_2), "row")
-
-
-def column_operand(x: torch.Tensor, dtype: torch.dtype, eps: float, power_of_2: bool) -> Quantized:
-    """The operand of ``x.T`` (K, M) for a GEMM reducing over M: ``x`` quantized down its columns in its own layout,
-    handed out as transposed views (data (K, M), scale (K, 1))."""
-    data, scale = quantize_rowwise(x, dtype, 0, eps, power_of_2)
-    return Quantized(data.t(), scale.t(), "row")
-
-
 def tensorwise_column_operand(x: torch.Tensor, dtype: torch.dtype, eps: float, power_of_2: bool) -> Quantized:
     """The operand of ``x.T`` with one scale for the whole tensor, repeated per row as a rowwise GEMM takes it."""
     amax = x.detach().abs().amax().float().reshape(1, 1)
@@ -91,22 +79,6 @@ def tensorwise_column_operand(x: torch.Tensor, dtype: torch.dtype, eps: float, p
 def high_precision_operand(x: torch.Tensor) -> Quantized:
     """``x.T`` unquantized, for a GEMM computed in high precision (kind ``"hp"``, no scale)."""
     return Quantized(x.detach().t(), x.new_empty((0,), dtype=torch.float32), "hp")
-
-
-def rowwise_operands(
-    x: torch.Tensor, role: str, dtype: torch.dtype, recipe, columnwise: bool
-) -> tuple[Quantized, Quantized | None]:
-    """The copies of a 2-D operand under :class:`~fp8_lightning.recipes.RowwiseScaling`: the one reducing over its
-    last dimension and, when ``columnwise``, the one of its transpose (see the module docstring)."""
-    args = (recipe.eps, recipe.power_of_2_scales)
-    row = row_operand(x, dtype, *args)
-    if not columnwise:
-        return row, None
-    if not recipe.high_precision_wgrad:
-        return row, column_operand(x, dtype, *args)
-    if role == "weight":
-        return row, tensorwise_column_operand(x, dtype, *args)
-    return row, high_precision_operand(x)
 
 
 # --------------------------------------------------------------------------------------------------------

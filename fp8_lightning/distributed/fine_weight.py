@@ -21,10 +21,10 @@ from __future__ import annotations
 import torch
 
 from fp8_lightning.blockwise import TILE, WEIGHT_BLOCK, quantize_blockwise
-from fp8_lightning.fine_grained import fine_dequantize
+from fp8_lightning.fine_grained import fine_dequantize, fine_operands
 from fp8_lightning.quantize import Quantized
 from fp8_lightning.recipes import BlockwiseScaling, Recipe
-from fp8_lightning.rowwise import quantize_rowwise, rowwise_operands
+from fp8_lightning.rowwise import quantize_rowwise
 
 SCALE_BYTES = 4  # float32
 
@@ -76,4 +76,4 @@ def gathered_operands(row: Quantized, recipe: Recipe) -> tuple[Quantized, Quanti
     row = Quantized(row.data.contiguous(), row.scale.contiguous(), row.kind)  # dense for the GEMM
     if row.kind == "block":
         return row, Quantized(row.data.t(), row.scale.t(), "block")
-    return row, rowwise_operands(fine_dequantize(row), "weight", row.data.dtype, recipe, columnwise=True)[1]
+    return row, fine_operands(recipe, "weight", fine_dequantize(row), row.data.dtype, columnwise=True)[1]
