@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from fp8_lightning.kernels.fine_grained_layout import TILES as FINE_TILES  # rowwise per row / column, blockwise
 from fp8_lightning.settings import settings
 
 DISABLE_ENV = "FP8_LIGHTNING_DISABLE_CPU_CODEC"
@@ -50,7 +51,6 @@ _SIGNATURES = {
     "mx_decode": [_P, _P, _I64, _I64, _I64, _I, _I, _I, _P],
     "fine_quantize": [_P, _I, _I64, _I64, _I64, _I64, _I64, _I64, _I, _F, _I, _I, _P, _P, _P, _P],
 }
-FINE_TILES = ((1, 0), (0, 1), (1, 128), (128, 1), (128, 128))  # rowwise per row / per column, then blockwise
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -173,6 +173,15 @@ def _over_ranges(call, ranges: list[tuple[int, int]]) -> None:
         future.result()
 
 
+def _run(call, units: int, elements: int) -> None:
+    """``call(i, begin, end)`` over :func:`_ranges` of ``units``; small work (the common case) in one call on this
+    thread, without building the ranges."""
+    if elements < PARALLEL_MIN_ELEMENTS:
+        call(0, 0, units)
+    else:
+        _over_ranges(call, _ranges(units, elements))
+
+
 # --------------------------------------------------------------------------------------------------------
 # The casts
 # --------------------------------------------------------------------------------------------------------
@@ -249,10 +258,7 @@ def mx_quantize(
         work = torch.empty(2 * k, dtype=torch.float32)
         function(x.data_ptr(), INPUT_DTYPES[x.dtype], m, begin, end, k, block, *args, *pointers, work.data_ptr())
 
-    if m * k < PARALLEL_MIN_ELEMENTS:
-        call(0, 0, groups)  # one range on this thread: the common, small case
-    else:
-        _over_ranges(call, _ranges(groups, m * k))
+    _run(call, groups, m * k)
     return row, col  # written in place, allocated in their final dtypes
 
 
@@ -262,14 +268,11 @@ def decode(codes: torch.Tensor) -> torch.Tensor:
     n = codes.numel()
     values = torch.empty_like(codes, dtype=torch.float32)
     function, fmt = _library().fp8_decode, FORMATS[codes.dtype]
-    if n < PARALLEL_MIN_ELEMENTS:
-        function(codes.data_ptr(), 0, n, fmt, values.data_ptr())
-        return values
 
     def call(_, begin, end):
         function(codes.data_ptr(), begin, end, fmt, values.data_ptr())
 
-    _over_ranges(call, _ranges(n, n))
+    _run(call, n, n)
     return values
 
 
@@ -289,7 +292,7 @@ def mx_decode(codes: torch.Tensor, scales: torch.Tensor, columnwise: bool) -> to
     def call(_, begin, end):
         function(codes.data_ptr(), scales.data_ptr(), begin, end, k, block, int(columnwise), fmt, values.data_ptr())
 
-    _over_ranges(call, _ranges(m, m * k))
+    _run(call, m, m * k)
     return values
 
 
@@ -329,8 +332,5 @@ def fine_quantize(
         if function(*head, begin, end, *tail):
             raise MemoryError(f"cpu_codec.fine_quantize: no memory for {2 * tiles} floats of scratch.")
 
-    if m * k < PARALLEL_MIN_ELEMENTS:
-        call(0, 0, bands)  # one range on this thread: the common, small case
-    else:
-        _over_ranges(call, _ranges(bands, m * k))
+    _run(call, bands, m * k)
     return data, scale, inverse, values
