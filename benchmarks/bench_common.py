@@ -167,3 +167,12 @@ def bar_plot(
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def route_cuda_branch_to_kernels(enabled: bool = True) -> None:
+    """Point the core's CUDA dispatch (``backends.cuda_kernels``) at the Triton kernels for tensors on any device
+    (``enabled``), or at nothing: the probes that run the CUDA branch on CPU tensors (``launch_count.py``,
+    ``host_time.py --cuda-branch``). For the calling process only."""
+    from fp8_lightning import backends, kernels
+
+    backends.cuda_kernels = lambda x: kernels if enabled and kernels.supports_input(x) else None

@@ -29,7 +29,8 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.bench_common import interleaved_medians, markdown_table, write_markdown_report  # noqa: E402
+from benchmarks.bench_common import interleaved_medians, markdown_table, route_cuda_branch_to_kernels  # noqa: E402
+from benchmarks.bench_common import write_markdown_report  # noqa: E402
 from fp8_lightning import BlockwiseScaling, DelayedScaling, MXFP8BlockScaling, RowwiseScaling, TensorwiseScaling  # noqa: E402
 from fp8_lightning import convert_to_fp8  # noqa: E402
 from fp8_lightning import fp8_autocast, sync_scales  # noqa: E402
@@ -64,14 +65,14 @@ def stub_cuda_branch() -> None:
     each launch's own cost in the driver (a few microseconds, the same for any caller; ``nn.Linear``'s row keeps
     its tiny CPU GEMMs). MX GEMMs take the Hopper route (the block-scaled Triton kernel's op); rowwise and
     blockwise GEMMs still compute on CPU (their cuBLAS route needs a CUDA tensor). For this process only."""
-    from fp8_lightning import backends, gemm, kernels
+    from fp8_lightning import gemm
     from fp8_lightning.kernels import ops
     from fp8_lightning.settings import reload_settings
 
     os.environ["FP8_LIGHTNING_GEMM"] = "scaled_mm"
     os.environ["FP8_LIGHTNING_DISABLE_CPU_CODEC"] = "1"  # CUDA tensors never meet the CPU codec
     reload_settings()
-    backends.cuda_kernels = lambda x: kernels if kernels.supports_input(x) else None
+    route_cuda_branch_to_kernels()
     gemm.kernels_usable = lambda x: True
     for name in vars(ops.EAGER):  # each kernel op answers with its fake: outputs allocated, nothing computed
         fake = getattr(ops, name)._abstract_fn

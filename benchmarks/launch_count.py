@@ -25,18 +25,21 @@ import collections
 import contextlib
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 os.environ["FP8_LIGHTNING_DISABLE_CPU_CODEC"] = "1"  # CUDA tensors never meet the CPU codec
 os.environ["FP8_LIGHTNING_GEMM"] = "scaled_mm"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import fp8_lightning.backends as backends  # noqa: E402
-from fp8_lightning import DelayedScaling, FP8Linear, TensorwiseScaling, fp8_autocast, kernels, sync_scales  # noqa: E402
+from benchmarks.bench_common import route_cuda_branch_to_kernels  # noqa: E402
+from fp8_lightning import DelayedScaling, FP8Linear, TensorwiseScaling, fp8_autocast, sync_scales  # noqa: E402
 from fp8_lightning.gemm import swizzled_scales  # noqa: E402
 from fp8_lightning.blockwise import blockwise_scaled_mm_args  # noqa: E402
 from fp8_lightning.recipes import BlockwiseScaling, MXFP8BlockScaling, RowwiseScaling  # noqa: E402
@@ -60,7 +63,7 @@ class _Count(TorchDispatchMode):
 def count(recipe, autocast_dtype: torch.dtype | None = None) -> collections.Counter:
     """Operations of one training step of a 64 -> 64 FP8 layer (with bias) on 32 tokens, in float32 or under
     ``torch.autocast`` to ``autocast_dtype`` (bf16 output: the bias rides in the forward GEMM)."""
-    backends.cuda_kernels = lambda x: kernels if kernels.supports_input(x) else None  # the CUDA branch, on CPU
+    route_cuda_branch_to_kernels()  # the CUDA branch, on CPU
     torch.manual_seed(0)
     layer = FP8Linear.from_linear(torch.nn.Linear(64, 64), recipe)
     x, grad_y = torch.randn(32, 64, requires_grad=True), torch.randn(32, 64)
@@ -82,14 +85,20 @@ def count(recipe, autocast_dtype: torch.dtype | None = None) -> collections.Coun
     return counted.ops
 
 
+def _step_tensors(recipe, use_kernels: bool):
+    """(x, W, output gradient, forward dtype, backward dtype) of a 64 -> 64 layer step on 32 tokens, with the CUDA
+    branch's casts on the Triton kernels (``use_kernels``) or on the pure-torch chain."""
+    route_cuda_branch_to_kernels(use_kernels)
+    torch.manual_seed(0)
+    x, w, g = torch.randn(32, 64), torch.randn(64, 64), torch.randn(32, 64)
+    return x, w, g, recipe.fp8_format.forward_dtype, recipe.fp8_format.backward_dtype
+
+
 def count_fine(recipe, use_kernels: bool) -> collections.Counter:
     """Operations of a rowwise or blockwise layer step (64 -> 64, 32 tokens) outside its GEMMs: the casts of x, W
     and the output gradient with their transposed copies, and the ``torch._scaled_mm`` arguments of fprop, dgrad and
     wgrad; on the Triton kernels (``use_kernels``) or on the pure-torch chain."""
-    backends.cuda_kernels = lambda x: kernels if use_kernels and kernels.supports_input(x) else None
-    torch.manual_seed(0)
-    x, w, g = torch.randn(32, 64), torch.randn(64, 64), torch.randn(32, 64)
-    forward, backward = recipe.fp8_format.forward_dtype, recipe.fp8_format.backward_dtype
+    x, w, g, forward, backward = _step_tensors(recipe, use_kernels)
     layout = blockwise_scaled_mm_args if isinstance(recipe, BlockwiseScaling) else rowwise_scaled_mm_args
     with _Count() as counted:
         x_row, x_col = backends.fine_operands(recipe, "input", x, forward, True)
@@ -104,10 +113,7 @@ def count_mx(recipe: MXFP8BlockScaling, use_kernels: bool) -> collections.Counte
     """Operations of an MXFP8 layer step (64 -> 64, 32 tokens) outside its GEMMs, for cuBLAS's native MX GEMM
     (sm100): the rowwise and columnwise casts of x, W and the output gradient, and the scales of the six operands
     in cuBLAS's swizzled layout; on the Triton kernels (``use_kernels``) or on the pure-torch chain."""
-    backends.cuda_kernels = lambda x: kernels if use_kernels and kernels.supports_input(x) else None
-    torch.manual_seed(0)
-    x, w, g = torch.randn(32, 64), torch.randn(64, 64), torch.randn(32, 64)
-    forward, backward = recipe.fp8_format.forward_dtype, recipe.fp8_format.backward_dtype
+    x, w, g, forward, backward = _step_tensors(recipe, use_kernels)
     with _Count() as counted:
         operands = [
             backends.quantize_mx_operands(t, recipe.block_size, recipe.scale_rounding, dtype)
