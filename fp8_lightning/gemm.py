@@ -128,7 +128,10 @@ def _float_matmul(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torc
     alpha = 1.0 / (a.scale.item() * b.scale.item()) if a.kind == "tensor" else 1.0
     fused_bias = bias is not None and bias.dtype == out_dtype == torch.float32
     start = bias if fused_bias else _ZERO
-    out = torch.addmm(start, operand_f32(a), operand_f32(b).t(), beta=int(fused_bias), alpha=alpha)
+    # Row-major operands whatever layout the cast wrote (a transposed copy or a view of one): MKL's float GEMM
+    # sums in a different order for transposed inputs, and the bits must not depend on who made the operand.
+    a32, b32 = operand_f32(a).contiguous(), operand_f32(b).contiguous()
+    out = torch.addmm(start, a32, b32.t(), beta=int(fused_bias), alpha=alpha)
     return out if fused_bias else _add_bias(out.to(out_dtype), bias)
 
 
