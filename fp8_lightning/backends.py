@@ -36,12 +36,11 @@ import torch
 
 from fp8_lightning import fine_grained, kernels, mx, quantize
 from fp8_lightning.blockwise import COLUMN_TILE
-from fp8_lightning.fine_grained import fine_dequantize
 from fp8_lightning.formats import Format, fp8_dtype
 from fp8_lightning.kernels import cpu_codec as codec_module
 from fp8_lightning.kernels.availability import kernels_usable
 from fp8_lightning.kernels.fine_grained_layout import ROWWISE_TILES
-from fp8_lightning.quantize import Quantized, _check_floating, is_transposed_2d
+from fp8_lightning.quantize import BLOCK, MX, Quantized, ROW, TENSOR, _check_floating, is_transposed_2d
 
 # --------------------------------------------------------------------------------------------------------
 # Which implementation
@@ -135,8 +134,8 @@ def quantize_operand(
     codec = cast_codec(x, scale)
     if codec is not None:
         data, values, _ = codec.cast(x, scale.item() if scale_value is None else scale_value, dtype)
-        return Quantized(data, scale, "tensor", values, nan_free)
-    return Quantized(quantize_with_scale(x, scale, dtype, saturate), scale, "tensor", nan_free=nan_free)
+        return Quantized(data, scale, TENSOR, values, nan_free)
+    return Quantized(quantize_with_scale(x, scale, dtype, saturate), scale, TENSOR, nan_free=nan_free)
 
 
 class FusedCast(NamedTuple):
@@ -158,21 +157,26 @@ def fused_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Fuse
     return FusedCast(data, torch.scalar_tensor(host_amax, dtype=torch.float32), host_amax, values)
 
 
-def operand_state_cast(state, x: torch.Tensor, record: bool, transpose: bool):
-    """A scaling state's whole cast with its bookkeeping in Triton kernels (CUDA), where they run: delayed (after
-    its first, just-in-time scaled cast) in one pass, tensorwise in two, instead of four to ten scalar tensor
-    operations per cast, each a launch that costs more host time than it computes. Returns the kernel's outputs
-    (see ``kernels.delayed_operand_cast`` / ``kernels.tensorwise_operand_cast``), or None."""
+def delayed_state_cast(state, x: torch.Tensor, record: bool, transpose: bool):
+    """A delayed-scaled operand's whole cast with its bookkeeping in one Triton kernel (CUDA), after its first, just
+    in time scaled cast, instead of four to ten scalar tensor operations per cast, each a launch that costs more host
+    time than it computes. Returns the kernel's outputs (see ``kernels.delayed_operand_cast``), or None."""
     kernels = cuda_kernels(x)
-    if kernels is None or not (state.initialized or not state.delayed):
+    if kernels is None or not state.initialized:
         return None
-    y, r = x.detach(), state.recipe
-    if state.delayed:
-        return kernels.delayed_operand_cast(
-            y, state.scale, state.pending_amax, state.nonfinite_count, state.dtype, record, transpose
-        )
+    return kernels.delayed_operand_cast(
+        x.detach(), state.scale, state.pending_amax, state.nonfinite_count, state.dtype, record, transpose
+    )
+
+
+def tensorwise_state_cast(state, x: torch.Tensor, transpose: bool, eps: float, power_of_2: bool):
+    """A tensorwise-scaled operand's whole cast with its bookkeeping in two Triton launches (CUDA); returns the
+    kernel's outputs (see ``kernels.tensorwise_operand_cast``), or None where the kernels do not run."""
+    kernels = cuda_kernels(x)
+    if kernels is None:
+        return None
     return kernels.tensorwise_operand_cast(
-        y, state.scale, state.nonfinite_count, state.dtype, r.eps, r.power_of_2_scales, transpose
+        x.detach(), state.scale, state.nonfinite_count, state.dtype, eps, power_of_2, transpose
     )
 
 
@@ -254,21 +258,16 @@ def dequantize_tensorwise(data: torch.Tensor, scale: torch.Tensor, out_dtype: to
 
 def operand_f32(q: Quantized) -> torch.Tensor:
     """The operand in float32 for a float GEMM (``q.f32``: the codes' exact values where the GEMM scales its
-    product, per-tensor and rowwise; the dequantized values for MX and blockwise), made on the first call and kept
-    on the operand for its other GEMMs."""
+    product, per-tensor and rowwise; the dequantized values for MX and blockwise; its kind says which), made on the
+    first call and kept on the operand for its other GEMMs."""
     if q.f32 is None:
-        if q.kind in ("tensor", "row"):
-            q.f32 = fp8_to_float32(q.data, q.nan_free)
-        else:
-            q.f32 = dequantize_mxfp8(q.data, q.scale) if q.kind == "mx" else fine_dequantize(q)
+        q.f32 = q.kind.to_f32(q)
     return q.f32
 
 
 def dequantize_operand(q: Quantized, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The high-precision values an operand stands for."""
-    if q.kind not in ("tensor", "row"):
-        return operand_f32(q).to(out_dtype)
-    return dequantize_with_scale(q.data, q.scale, out_dtype)
+    return q.kind.dequantize(q, out_dtype)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -301,7 +300,7 @@ def quantize_mxfp8(
 def quantize_mx_operand(x: torch.Tensor, block_size: int, scale_rounding: str, dtype: torch.dtype) -> Quantized:
     """:func:`fp8_lightning.mx.quantize_mx_operand`."""
     data, scale = quantize_mxfp8(x, block_size=block_size, scale_rounding=scale_rounding, fp8_format=dtype)
-    return Quantized(data, scale, "mx")
+    return Quantized(data, scale, MX)
 
 
 def quantize_mx_operands(
@@ -315,7 +314,7 @@ def quantize_mx_operands(
         return kernels.mx_quantize(x.detach(), block_size, scale_rounding, dtype, rowwise=True, columnwise=columnwise)
     if codec is not None and x.numel() > 0:
         row, col = codec.mx_quantize(x, block_size, scale_rounding, dtype, True, columnwise, columnwise_f32)
-        return Quantized(row[0], row[1], "mx", row[2]), (None if col is None else _transposed_operand(*col))
+        return Quantized(row[0], row[1], MX, row[2]), (None if col is None else _transposed_operand(*col))
     return mx.quantize_mx_operands(x, block_size, scale_rounding, dtype, columnwise)
 
 
@@ -331,7 +330,7 @@ def quantize_mx_columns(x: torch.Tensor, block_size: int, scale_rounding: str, d
 
 def _transposed_operand(data: torch.Tensor, scale: torch.Tensor, values: torch.Tensor | None) -> Quantized:
     """The MX operand of x.T from columnwise blocks quantized in x's layout (views, no copy)."""
-    return Quantized(data.t(), scale.t(), "mx", None if values is None else values.t())
+    return Quantized(data.t(), scale.t(), MX, None if values is None else values.t())
 
 
 def dequantize_mxfp8(data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32):
@@ -357,13 +356,13 @@ def fine_operands(recipe, role: str, x: torch.Tensor, dtype: torch.dtype, column
     launch (``kernels.fine_cast``) that also writes ``1 / scale`` and both in cuBLAS's layouts, with the wgrad copies
     (``x.T``, ``g.T``) written transposed and a weight's ``W.T`` blocks from the same launch as ``W``'s; on CPU one
     call of the C codec (:func:`codec_fine_cast`), which also makes the float32 values the CPU GEMM multiplies."""
-    cast = _fine_caster(x)
+    cast = fine_caster(x)
     if cast is None:
         return fine_grained.fine_operands(recipe, role, x, dtype, columnwise)
     return fine_grained.fine_operands(recipe, role, x.detach(), dtype, columnwise, cast)
 
 
-def _fine_caster(x: torch.Tensor):
+def fine_caster(x: torch.Tensor):
     """The rowwise/blockwise cast for ``x``, with ``kernels.fine_cast``'s signature: the Triton kernel (CUDA), the C
     codec (plain CPU tensors, :func:`cpu_codec`), or None for the reference."""
     if x.dim() != 2 or x.numel() == 0:
@@ -383,7 +382,7 @@ def codec_fine_cast(
     same blocks. ``Quantized.f32`` holds what the CPU GEMM multiplies: the codes' values (rowwise), the dequantized
     values (blockwise); ``Quantized.inverse`` the ``1 / scale`` the rowwise GEMM scales its product with."""
     data, scale, inverse, values = codec_module.fine_quantize(x, tile, dtype, power_of_2, eps)
-    kind = "row" if 0 in tile else "block"
+    kind = ROW if 0 in tile else BLOCK
     if tile in (ROWWISE_TILES[1], COLUMN_TILE):
         return Quantized(data.t(), scale.t(), kind, values.t(), inverse=inverse.t()), None
     row = Quantized(data, scale, kind, values, inverse=inverse)

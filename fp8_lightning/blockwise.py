@@ -33,6 +33,7 @@ import torch
 
 from fp8_lightning.formats import BLOCKWISE_CAPABILITY_MAJOR, fp8_max
 from fp8_lightning.quantize import (
+    BLOCK,
     Quantized,
     fp8_to_float32,
     max_over_amax,
@@ -151,7 +152,7 @@ def blockwise_scaled_mm_args(
     b_q = b
     if b_rows == 1 and b_data.shape[0] != b.data.shape[0]:  # padded rows of b: one more factor each (value 1)
         ones = b.scale.new_ones((b_data.shape[0] - b.data.shape[0], b.scale.shape[1]))
-        b_q = Quantized(b_data, torch.cat([b.scale.float(), ones]), "block")
+        b_q = Quantized(b_data, torch.cat([b.scale.float(), ones]), BLOCK)
     return mat1, b_data.t(), _scale_layout(a, a_rows), _scale_layout(b_q, b_rows).t()
 
 

@@ -34,7 +34,6 @@ import torch
 from fp8_lightning import kernels
 from fp8_lightning.backends import dequantize_operand, operand_f32
 from fp8_lightning.kernels.availability import kernels_usable
-from fp8_lightning.fine_grained import FINE_KINDS, fine_mm
 from fp8_lightning.formats import FP8_MIN_CAPABILITY, NATIVE_MX_MIN_CAPABILITY
 from fp8_lightning.quantize import LAYOUT_MULTIPLE, Quantized, pad_2d, pad_dim, scaled_mm_layout
 from fp8_lightning.settings import GEMM_BACKENDS as BACKENDS
@@ -121,11 +120,12 @@ def scaled_mm(
     return out if fused else _add_bias(out, bias)
 
 
-def _float_matmul(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+def _float_matmul(
+    a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tensor | None, alpha: float = 1.0
+) -> torch.Tensor:
     """The FP8 GEMM on CPU, one ``addmm`` of the operands' float32 forms (``backends.operand_f32``) that, in
     float32, also adds the bias. Per-tensor operands are the exact FP8 values and ``alpha`` applies both inverse
-    scales (reading a CPU scalar costs nothing); MX operands are already dequantized."""
-    alpha = 1.0 / (a.scale.item() * b.scale.item()) if a.kind == "tensor" else 1.0
+    scales (reading a CPU scalar costs nothing); MX operands are already dequantized (``alpha`` 1)."""
     fused_bias = bias is not None and bias.dtype == out_dtype == torch.float32
     start = bias if fused_bias else _ZERO
     # Row-major operands whatever layout the cast wrote (a transposed copy or a view of one): MKL's float GEMM
@@ -186,35 +186,47 @@ def _native_mx_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.T
     return out.to(out_dtype)
 
 
-def _emulated(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
-    if a.kind == "mx":  # dequantized values, kept on the operands for their other GEMMs
-        return (operand_f32(a) @ operand_f32(b).t()).to(out_dtype)
-    return (dequantize_operand(a) @ dequantize_operand(b).t()).to(out_dtype)
-
-
 def fp8_mm(
     a: Quantized, b: Quantized, out_dtype: torch.dtype, emulate: bool = False, bias: torch.Tensor | None = None,
     fast_accum: bool = False,
 ) -> torch.Tensor:
     """``a @ b.T (+ bias)`` for FP8 operands with K last: ``a`` is (M, K), ``b`` is (N, K); returns (M, N).
     ``fast_accum`` asks cuBLAS's per-tensor and rowwise GEMMs for fast accumulation (other backends accumulate in
-    float32)."""
+    float32). The operands' kind runs the GEMM (:class:`~fp8_lightning.quantize.OperandKind`)."""
     if a.data.shape[-1] != b.data.shape[-1]:
         raise ValueError(f"fp8_mm: K differs: a is {tuple(a.data.shape)}, b is {tuple(b.data.shape)}.")
-    if a.kind != b.kind:
-        raise ValueError(f"fp8_mm: cannot mix scaling kinds {a.kind!r} and {b.kind!r}.")
+    if a.kind is not b.kind:
+        raise ValueError(f"fp8_mm: cannot mix scaling kinds {str(a.kind)!r} and {str(b.kind)!r}.")
+    return a.kind.gemm(a, b, out_dtype, emulate, bias, fast_accum)
+
+
+def per_tensor_mm(
+    a: Quantized, b: Quantized, out_dtype: torch.dtype, emulate: bool = False, bias: torch.Tensor | None = None,
+    fast_accum: bool = False,
+) -> torch.Tensor:
+    """The GEMM of two per-tensor operands: the CPU float GEMM, ``torch._scaled_mm`` (CUDA, sm89+), or the
+    dequantized operands multiplied in float32 (``emulate``)."""
     backend = "emulate" if emulate else requested_backend()
-    if a.kind in FINE_KINDS:  # rowwise, blockwise (fp8_lightning.fine_grained)
-        return fine_mm(a, b, out_dtype, backend == "emulate" or emulation_requested(), bias, fast_accum)
+    if backend == "auto" and a.data.is_cpu:
+        return _float_matmul(a, b, out_dtype, bias, 1.0 / (a.scale.item() * b.scale.item()))
+    if not per_tensor_scaled_mm(a.data.device, emulate):
+        return _add_bias((dequantize_operand(a) @ dequantize_operand(b).t()).to(out_dtype), bias)
+    return scaled_mm(a.data, a.inverse_scale(), b.data, b.inverse_scale(), out_dtype, bias, fast_accum)
+
+
+def mx_mm(
+    a: Quantized, b: Quantized, out_dtype: torch.dtype, emulate: bool = False, bias: torch.Tensor | None = None,
+    fast_accum: bool = False,
+) -> torch.Tensor:
+    """The GEMM of two MX operands: the CPU float GEMM, cuBLAS's native MX GEMM (sm100+, blocks of 32), the Triton
+    MX GEMM, or the dequantized operands multiplied in float32 (kept on the operands for their other GEMMs)."""
+    backend = "emulate" if emulate else requested_backend()
     if backend == "auto" and a.data.is_cpu:
         return _float_matmul(a, b, out_dtype, bias)
-    if a.kind == "mx":
+    if backend != "emulate":
         block_32 = a.data.shape[-1] == 32 * a.scale.shape[-1]
-        if backend != "emulate" and block_32 and native_mx_gemm_support(a.data.device)[0]:
+        if block_32 and native_mx_gemm_support(a.data.device)[0]:
             return _add_bias(_native_mx_mm(a, b, out_dtype), bias)
-        if backend != "emulate" and kernels_usable(a.data) and kernels.mx_gemm_supported(a, b, out_dtype)[0]:
+        if kernels_usable(a.data) and kernels.mx_gemm_supported(a, b, out_dtype)[0]:
             return _add_bias(kernels.mx_gemm(a, b, out_dtype), bias)
-        return _add_bias(_emulated(a, b, out_dtype), bias)
-    if not per_tensor_scaled_mm(a.data.device, emulate):
-        return _add_bias(_emulated(a, b, out_dtype), bias)
-    return scaled_mm(a.data, a.inverse_scale(), b.data, b.inverse_scale(), out_dtype, bias, fast_accum)
+    return _add_bias((operand_f32(a) @ operand_f32(b).t()).to(out_dtype), bias)

@@ -25,10 +25,11 @@ from typing import Optional
 import torch
 from torch.library import custom_op
 
+from fp8_lightning.backends import fine_caster, quantize_mx_operands
+from fp8_lightning.fine_grained import reference_fine_cast
 from fp8_lightning.gemm import fp8_mm
-from fp8_lightning.backends import quantize_mx_operands
 from fp8_lightning.mx import E8M0_DTYPE
-from fp8_lightning.quantize import Quantized, is_transposed_2d
+from fp8_lightning.quantize import BLOCK, ROW, Quantized, is_transposed_2d
 
 NAMESPACE = "fp8_lightning"
 
@@ -78,6 +79,49 @@ def _(x, block_size, scale_rounding, dtype, columnwise):
     col = _columns_layout(x, (k, m_pad), dtype)
     col_scale = _columns_layout(x, (k, m_pad // block_size), E8M0_DTYPE)
     return row, row_scale, col, col_scale
+
+
+# --------------------------------------------------------------------------------------------------------
+# Rowwise and blockwise casts
+# --------------------------------------------------------------------------------------------------------
+
+
+def _tile_layout(m: int, k: int, tile: tuple[int, int]) -> tuple[bool, tuple[int, int], tuple[int, int]]:
+    """(whether the copy is the operand of x.T, its codes' shape, its scales' shape) for one tile of
+    ``kernels.fine_cast``: tiles (0, 1) and (128, 1) reduce down x's columns; 0 means the whole dimension."""
+    transposed = tile[1] == 1 and tile[0] != 1
+    along_m = 1 if tile[0] == 0 else -(-m // tile[0])
+    along_k = 1 if tile[1] == 0 else -(-k // tile[1])
+    if transposed:
+        return True, (k, m), (k, along_m)
+    return False, (m, k), (along_m, along_k)
+
+
+@custom_op(f"{NAMESPACE}::fine_tile_cast", mutates_args=())
+def fine_tile_cast(
+    x: torch.Tensor, dtype: torch.dtype, tile_rows: int, tile_cols: int, power_of_2: bool, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cast = fine_caster(x) or reference_fine_cast
+    q = cast(x, dtype, (tile_rows, tile_cols), power_of_2, eps)[0]
+    return q.data.contiguous(), q.scale.contiguous()  # the fake's layouts
+
+
+@fine_tile_cast.register_fake
+def _(x, dtype, tile_rows, tile_cols, power_of_2, eps):
+    _, shape, scale_shape = _tile_layout(*x.shape, (tile_rows, tile_cols))
+    return x.new_empty(shape, dtype=dtype), x.new_empty(scale_shape, dtype=torch.float32)
+
+
+def traced_tile_cast(
+    x: torch.Tensor, dtype: torch.dtype, tile: tuple[int, int], power_of_2: bool, eps: float = 1e-12,
+    transpose: bool = False,
+) -> tuple[Quantized, Quantized | None]:
+    """``kernels.fine_cast`` as traceable code: one copy through the custom op (the eager layer's own cast behind
+    it: Triton, the C codec or the reference), and with ``transpose`` the operand of ``x.T`` from the same blocks
+    (views, made here: an op's outputs may not alias each other)."""
+    data, scale = fine_tile_cast(x, dtype, tile[0], tile[1], power_of_2, eps)
+    kind = BLOCK if 128 in tile else ROW
+    return Quantized(data, scale, kind), (Quantized(data.t(), scale.t(), kind) if transpose else None)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -37,11 +37,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fp8_lightning.autocast import autocast_state
-from fp8_lightning.backends import fine_operands, quantize_mx_operands
-from fp8_lightning.fine_grained import is_fine_grained
-from fp8_lightning.gemm import LAYOUT_MULTIPLE, check_device, fp8_mm
+from fp8_lightning.gemm import check_device, fp8_mm
 from fp8_lightning.quantize import Quantized
-from fp8_lightning.recipes import MXFP8BlockScaling, Recipe
+from fp8_lightning.recipes import Recipe
 from fp8_lightning.scaling import OperandScaling, advance_histories
 from fp8_lightning.traced import make_plan, traced_linear
 
@@ -49,13 +47,8 @@ Observer = Callable[[nn.Module, str, torch.Tensor, Quantized], None]
 
 
 def shape_unsupported_reason(in_features: int, out_features: int, recipe: Recipe) -> str | None:
-    """Why a (out, in) weight cannot run under ``recipe``, or None. K and N must be multiples of 16 (of the
-    block size for MXFP8) for the FP8 GEMM layouts."""
-    multiple = recipe.block_size if isinstance(recipe, MXFP8BlockScaling) else LAYOUT_MULTIPLE
-    bad = [f"{name}={v}" for name, v in (("in_features", in_features), ("out_features", out_features)) if v % multiple]
-    if bad:
-        return f"{', '.join(bad)} not divisible by {multiple} ({type(recipe).__name__})"
-    return None
+    """Why a (out, in) weight cannot run under ``recipe``, or None (the recipe's shape rule)."""
+    return recipe.shape_unsupported_reason(in_features, out_features)
 
 
 class LayerScaling:
@@ -65,13 +58,7 @@ class LayerScaling:
         self.recipe = recipe
         fmt = recipe.fp8_format
         self.forward_dtype, self.backward_dtype = fmt.forward_dtype, fmt.backward_dtype
-        self.operands: dict[str, OperandScaling] = {}
-        if recipe.per_tensor:
-            self.operands = {
-                "input": OperandScaling(recipe, self.forward_dtype),
-                "weight": OperandScaling(recipe, self.forward_dtype),
-                "grad_output": OperandScaling(recipe, self.backward_dtype),
-            }
+        self.operands: dict[str, OperandScaling] = recipe.operand_states(self.forward_dtype, self.backward_dtype)
         self._weight_key: tuple | None = None
         self._weight_cache: tuple[Quantized, Quantized | None] | None = None
         self._evaluation_cache: tuple[tuple, tuple[Quantized, Quantized | None]] | None = None  # (key, operands)
@@ -98,18 +85,13 @@ class LayerScaling:
     def cast(
         self, role: str, x: torch.Tensor, record: bool, columnwise: bool = False, columnwise_f32: bool = True
     ) -> tuple[Quantized, Quantized | None]:
-        """FP8 copies of a 2-D operand: rowwise (K last) and, for MX when ``columnwise``, the copy of ``x.T``
-        quantized along x's first dimension (zero-padded to whole blocks), from the same read of ``x``.
-        Per-tensor recipes have no columnwise copy (None): they transpose the rowwise bytes, which with
-        ``columnwise`` the cast kernels (CUDA) write in the same pass (``Quantized.transposed``).
-        ``columnwise_f32=False``: the columnwise copy is only saved (see :func:`quantize_mx_operands`)."""
-        if self.recipe.per_tensor:
-            return self.operands[role].quantize(x, record, transpose=columnwise), None
+        """FP8 copies of a 2-D operand: rowwise (K last) and, when ``columnwise``, the copy of ``x.T`` where the
+        recipe makes one from the high-precision tensor (MX, rowwise, blockwise: quantized along x's first
+        dimension, from the same read of ``x``). Per-tensor recipes have no columnwise copy (None): they transpose
+        the rowwise bytes, which with ``columnwise`` the cast kernels (CUDA) write in the same pass
+        (``Quantized.transposed``). ``columnwise_f32=False``: the columnwise copy is only saved."""
         dtype = self.backward_dtype if role == "grad_output" else self.forward_dtype
-        recipe = self.recipe
-        if is_fine_grained(recipe):  # rowwise, blockwise
-            return fine_operands(recipe, role, x, dtype, columnwise)
-        return quantize_mx_operands(x, recipe.block_size, recipe.scale_rounding, dtype, columnwise, columnwise_f32)
+        return self.recipe.cast(role, x, dtype, columnwise, columnwise_f32, self.operands.get(role), record)
 
     def weight_operands(
         self, weight: torch.Tensor, record: bool, regathered: bool = False
@@ -168,7 +150,6 @@ class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, weight, bias, layer, scaling: LayerScaling, record: bool, emulate: bool, out_dtype):
         recipe = scaling.recipe
-        per_tensor = recipe.per_tensor
         observer = layer.__dict__.get("fp8_observer")  # read where set: a module's missing-attribute path is slow
         # ------------------------------------------------ fprop ------------------------------------------------
         xq, x_col = scaling.cast("input", x2d, record, columnwise=True, columnwise_f32=False)  # x_col: saved
@@ -180,8 +161,8 @@ class _FP8LinearFunction(torch.autograd.Function):
         y = fp8_mm(xq, wq, out_dtype, emulate, bias, recipe.fprop_fast_accum)
         # Save the FP8 operands backward multiplies, x.T for wgrad and W.T for dgrad: for per-tensor recipes the
         # transposed rowwise copies (contiguous where the cast wrote them, else views), for MX the columnwise ones.
-        x_saved = xq.t() if per_tensor else x_col
-        w_saved = wq.t() if per_tensor else w_col
+        x_saved = recipe.transposed(xq, x_col)
+        w_saved = recipe.transposed(wq, w_col)
         ctx.save_for_backward(x_saved.data, x_saved.scale, w_saved.data, w_saved.scale)
         # Besides the layer, its state and the dtypes: per saved operand its kind (a high-precision wgrad saves x
         # unquantized), whether it is known NaN-free and its 1 / scale when the fprop GEMM made it (CUDA). The
@@ -192,7 +173,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         ctx.meta = (
             layer, scaling, emulate, x2d.dtype, weight.dtype, None if bias is None else bias.dtype,
             (x_saved.kind, x_saved.nan_free, x_saved.inverse),
-            (w_saved.kind, w_saved.nan_free, w_saved.inverse, w_saved.f32, None if per_tensor else w_saved),
+            (w_saved.kind, w_saved.nan_free, w_saved.inverse, w_saved.f32, w_saved if w_saved is w_col else None),
         )
         return y
 
@@ -217,7 +198,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         # ------------------------------------------------ wgrad ------------------------------------------------
         if needs_w:
             x_saved = Quantized(x_data, x_scale, x_kind, nan_free=x_nan_free, inverse=x_inverse)
-            g_t = gq.t() if scaling.recipe.per_tensor else g_col  # (N, M)
+            g_t = scaling.recipe.transposed(gq, g_col)  # (N, M)
             grad_w = fp8_mm(g_t, x_saved, w_dtype, emulate, fast_accum=fast)  # (N, M) @ (K, M).T
         if needs_bias:
             grad_bias = g.sum(0, dtype=bias_dtype)  # one reduction, accumulated in the bias dtype or wider

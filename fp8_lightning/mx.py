@@ -22,6 +22,7 @@ from fp8_lightning.formats import Format, fp8_dtype, fp8_emax, fp8_max
 from typing import Callable
 
 from fp8_lightning.quantize import (
+    MX,
     Quantized,
     _check_floating,
     fp8_to_float32,
@@ -153,7 +154,7 @@ def quantize_mx_operands(
     magnitude = x32.abs()  # shared by both block layouts
     (m, k), blocks = x32.shape, (x32.shape[0], x32.shape[1] // block_size, block_size)
     data, scale = _quantize_blocks(x32.reshape(blocks), 2, scale_rounding, dtype, magnitude.reshape(blocks))
-    row = Quantized(data.reshape(m, k), scale, "mx")
+    row = Quantized(data.reshape(m, k), scale, MX)
     return row, (_mx_columns(x32, magnitude, block_size, scale_rounding, dtype) if columnwise else None)
 
 
@@ -172,7 +173,7 @@ def _mx_columns(x32, magnitude, block_size: int, scale_rounding: str, dtype: tor
     (m, k), blocks = padded.shape, (padded.shape[0] // block_size, block_size, padded.shape[1])
     magnitude = None if magnitude is None else pad_dim(magnitude, 0, block_size).reshape(blocks)
     data, scale = _quantize_blocks(padded.reshape(blocks), 1, scale_rounding, dtype, magnitude)
-    return Quantized(data.reshape(m, k).t(), scale.t(), "mx")
+    return Quantized(data.reshape(m, k).t(), scale.t(), MX)
 
 
 def check_mx_scales(data: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
@@ -205,4 +206,4 @@ def dequantize_mxfp8(
 
 def quantize_mx_operand(x: torch.Tensor, block_size: int, scale_rounding: str, dtype: torch.dtype) -> Quantized:
     data, scale = quantize_mxfp8(x, block_size=block_size, scale_rounding=scale_rounding, fp8_format=dtype)
-    return Quantized(data, scale, "mx")
+    return Quantized(data, scale, MX)

@@ -42,7 +42,7 @@ from typing import Iterator, Union
 import torch
 import torch.nn as nn
 
-from fp8_lightning.recipes import BlockwiseScaling, DelayedScaling, MXFP8BlockScaling, Recipe, RowwiseScaling
+from fp8_lightning.recipes import Recipe
 from fp8_lightning.settings import settings
 
 ACHIEVABLE = 0.7  # fraction of datasheet peaks that large GEMMs and copies reach in practice
@@ -100,11 +100,7 @@ def cast_bytes_per_element(recipe: Recipe) -> float:
     pass and a cast pass over bf16 plus the codes (2 + 2 + 1) and a float32 scale per row or per 128 elements
     (counted as 4/128; the blockwise weight's second copy is a transpose of codes, which costs less), about 10.1.
     """
-    if isinstance(recipe, MXFP8BlockScaling):
-        return 2 * (2 + 1 + 1 / recipe.block_size)
-    if isinstance(recipe, (RowwiseScaling, BlockwiseScaling)):
-        return 2 * (2 + 2 + 1 + 4 / 128)
-    return 5.0 if isinstance(recipe, DelayedScaling) else 7.0
+    return recipe.cast_bytes_per_element()
 
 
 EXTRA_KERNELS = 9  # three casts (with their amax) and three transposed copies, plus scale updates
@@ -118,7 +114,7 @@ def layer_cost(m: int, k: int, n: int, recipe: Recipe, device: DeviceRoofline) -
 
     flops = 2.0 * m * k * n
     bf16 = 3 * gemm(flops, 2.0 * (m * k + n * k + m * n), device.bf16_flops)
-    fp8_gemms = 2 if getattr(recipe, "high_precision_wgrad", False) else 3  # rowwise: wgrad may stay in bf16
+    fp8_gemms = recipe.fp8_gemms()  # rowwise: wgrad may stay in bf16
     fp8 = fp8_gemms * gemm(flops, (m * k + n * k) + 2.0 * m * n, device.fp8_flops) + (3 - fp8_gemms) * bf16 / 3
     fp8 += cast_bytes_per_element(recipe) * (m * k + n * k + m * n) / device.bandwidth
     fp8 += EXTRA_KERNELS * device.launch_s

@@ -146,19 +146,83 @@ def dequantize_tensorwise(
 # --------------------------------------------------------------------------------------------------------
 
 
+class OperandKind(str):
+    """What an operand's scale means, as a type: ``"tensor"`` (one multiplier), ``"row"`` (one per row along K),
+    ``"block"`` (one per 1x128 / 128x128 tile), ``"mx"`` (E8M0 per block of K) or ``"hp"`` (not quantized).
+
+    A kind is declared here, below every backend, so that casts anywhere can mark what they made; the recipe module
+    that makes operands of a kind gives it its behaviour with :meth:`implement` (its GEMM, its float32 form, what
+    its statistics read). The rest of the code calls those methods and never compares kinds. A kind is a ``str``
+    (its name), so it crosses ``torch.library`` op boundaries as one; :meth:`named` gives the kind of a name back.
+    """
+
+    _declared: dict[str, "OperandKind"] = {}
+
+    def __new__(cls, name: str, transposable: bool = False):
+        if name in cls._declared:
+            raise ValueError(f"operand kind {name!r} is declared already; use OperandKind.named({name!r}).")
+        kind = super().__new__(cls, name)
+        kind.transposable = transposable  # one scale for the whole tensor: its transpose is a view of the bytes
+        cls._declared[name] = kind
+        return kind
+
+    @classmethod
+    def named(cls, name: "str | OperandKind") -> "OperandKind":
+        """The declared kind called ``name``."""
+        if isinstance(name, OperandKind):
+            return name
+        try:
+            return cls._declared[name]
+        except KeyError:
+            raise ValueError(f"operand kind {name!r} is unknown; declared: {sorted(cls._declared)}.") from None
+
+    def implement(self, gemm, to_f32, dequantize, scale_multiplier, representative_scale) -> None:
+        """Give the kind its behaviour (once, from the recipe module that makes it):
+
+        * ``gemm(a, b, out_dtype, emulate, bias, fast_accum)``: ``a @ b.T (+ bias)`` of two operands of the kind;
+        * ``to_f32(q)``: the float32 matrix a CPU float GEMM multiplies (codes or dequantized values);
+        * ``dequantize(q, out_dtype)``: the high-precision values the operand stands for;
+        * ``scale_multiplier(q, k)``: each element's factor before the cast, broadcastable to ``q.data[..., :k]``;
+        * ``representative_scale(q)``: one number for the operand's scale (its smallest multiplier).
+        """
+        # instance attributes: a call goes straight to the implementation (the GEMM is on the hot path)
+        self.gemm, self.to_f32, self.dequantize = gemm, to_f32, dequantize
+        self.scale_multiplier, self.representative_scale = scale_multiplier, representative_scale
+
+    def _unimplemented(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"operand kind {str(self)!r} has no behaviour: the recipe module that makes it must call "
+            "OperandKind.implement (import fp8_lightning.recipes)."
+        )
+
+    gemm = to_f32 = dequantize = scale_multiplier = representative_scale = _unimplemented
+
+    def __reduce__(self):
+        return (OperandKind.named, (str(self),))
+
+    __hash__ = str.__hash__
+
+
+TENSOR = OperandKind("tensor", transposable=True)
+ROW = OperandKind("row")
+BLOCK = OperandKind("block")
+MX = OperandKind("mx")
+HIGH_PRECISION = OperandKind("hp")
+
+
 @dataclasses.dataclass
 class Quantized:
     """An FP8 GEMM operand whose *last* dimension is the reduction dimension K.
 
-    ``scale`` is the per-tensor multiplier (``kind="tensor"``, data = x * scale) or the E8M0 block scales
-    (``kind="mx"``, x = data * scale); ``kind="row"`` / ``"block"`` hold float32 multipliers per row / per tile
-    (data = x * scale, :mod:`fp8_lightning.rowwise`, :mod:`fp8_lightning.blockwise`) and ``"hp"`` an unquantized
-    tensor.
+    ``scale`` is the per-tensor multiplier (``kind=TENSOR``, data = x * scale) or the E8M0 block scales
+    (``kind=MX``, x = data * scale); ``ROW`` / ``BLOCK`` hold float32 multipliers per row / per tile
+    (data = x * scale, :mod:`fp8_lightning.rowwise`, :mod:`fp8_lightning.blockwise`) and ``HIGH_PRECISION`` an
+    unquantized tensor (:class:`OperandKind`; a kind's name is accepted and turned into the kind).
     """
 
     data: torch.Tensor
     scale: torch.Tensor
-    kind: str = "tensor"
+    kind: OperandKind = TENSOR
     # The float32 matrix a CPU float GEMM multiplies, made by the CPU codec's cast or on first use
     # (``backends.operand_f32``), and kept for the operand's other GEMMs: the codes' exact values for per-tensor
     # and rowwise scaling (the scales multiply the product), the dequantized values for MX and blockwise.
@@ -172,6 +236,10 @@ class Quantized:
     # (``gemm.swizzled_scales``) and kept for its later GEMMs (the cached weight's: once per optimizer step).
     swizzled: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        if type(self.kind) is not OperandKind:
+            self.kind = OperandKind.named(self.kind)
+
     def inverse_scale(self) -> torch.Tensor:
         """``1 / scale`` (per-tensor: the dequantization factor a scaled GEMM takes), made on the first call and
         kept for the operand's other GEMM: on a GPU each computation is a kernel launch."""
@@ -184,7 +252,7 @@ class Quantized:
         (per-tensor operands only; a GEMM copies a view if it must).
         Block-scaled operands (MX, rowwise, blockwise) cannot be transposed: their scales follow K, so quantize the
         high-precision tensor (or, for 128x128 blocks, transpose data and scales together)."""
-        if self.kind != "tensor":
+        if not self.kind.transposable:
             raise ValueError(
                 f"A {self.kind!r} operand cannot be transposed: its scales follow K, so quantize the high-precision "
                 "tensor along the new K."

@@ -32,7 +32,9 @@ from __future__ import annotations
 import torch
 
 from fp8_lightning.quantize import (
+    HIGH_PRECISION,
     Quantized,
+    ROW,
     fp8_to_float32,
     scaled_mm_layout,
     tensorwise_scale,
@@ -73,12 +75,12 @@ def tensorwise_column_operand(x: torch.Tensor, dtype: torch.dtype, eps: float, p
     amax = x.detach().abs().amax().float().reshape(1, 1)
     scale = rowwise_scale(amax, dtype, eps, power_of_2)
     data = to_fp8_saturated(wide(x.detach()) * scale, dtype)
-    return Quantized(data.t(), scale.expand(x.shape[1], 1), "row")
+    return Quantized(data.t(), scale.expand(x.shape[1], 1), ROW)
 
 
 def high_precision_operand(x: torch.Tensor) -> Quantized:
     """``x.T`` unquantized, for a GEMM computed in high precision (kind ``"hp"``, no scale)."""
-    return Quantized(x.detach().t(), x.new_empty((0,), dtype=torch.float32), "hp")
+    return Quantized(x.detach().t(), x.new_empty((0,), dtype=torch.float32), HIGH_PRECISION)
 
 
 # --------------------------------------------------------------------------------------------------------

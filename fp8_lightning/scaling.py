@@ -35,12 +35,10 @@ from fp8_lightning import backends
 from fp8_lightning.formats import fp8_max
 from fp8_lightning.quantize import (
     Quantized,
+    TENSOR,
     max_over_amax,
     round_scale_to_power_of_2,
-    tensorwise_scale,
-    tensorwise_scale_value,
 )
-from fp8_lightning.recipes import DelayedScaling, Recipe, TensorwiseScaling
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -95,14 +93,16 @@ def roll_history(amax_history: torch.Tensor, new_amax: torch.Tensor) -> torch.Te
 class OperandScaling:
     """Scale and amax bookkeeping of one GEMM operand under a per-tensor recipe (delayed or tensorwise)."""
 
-    def __init__(self, recipe: Recipe, dtype: torch.dtype, device: torch.device | str = "cpu"):
-        if not recipe.per_tensor:
+    def __init__(self, recipe, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        """``recipe``: a per-tensor recipe (:class:`~fp8_lightning.recipes.per_tensor.PerTensorRecipe`), which says
+        whether scales come from a history (``keeps_history``, ``history_len``) and how a fresh scale is made."""
+        if not hasattr(recipe, "just_in_time_scale"):
             raise ValueError(f"OperandScaling is for per-tensor recipes; got {type(recipe).__name__}.")
         self.recipe = recipe
         self.dtype = dtype
         self.max_value = fp8_max(dtype)
-        self.delayed = isinstance(recipe, DelayedScaling)
-        length = recipe.amax_history_len if self.delayed else 1
+        self.delayed = recipe.keeps_history
+        length = recipe.history_len
         self.scale = torch.ones((), dtype=torch.float32, device=device)
         self.amax_history = torch.zeros(length, dtype=torch.float32, device=device)
         self.pending_amax = torch.zeros((), dtype=torch.float32, device=device)
@@ -155,7 +155,7 @@ class OperandScaling:
         transpose = transpose and x.dim() == 2
         if not record:
             return self._evaluation_cast(x, transpose)
-        outputs = backends.operand_state_cast(self, x, record, transpose)  # the CUDA kernels, where they run
+        outputs = self.recipe.state_cast(self, x, record, transpose)  # the CUDA kernels, where they run
         if outputs is not None:
             return self._book_state_cast(outputs, record, transpose)
         fused = backends.fused_cast(x, self.scale, self.dtype) if self.delayed and self.initialized else None
@@ -164,7 +164,7 @@ class OperandScaling:
         clean_amax = self.book(x_amax, record, finite)
         scale = self.scale_for(clean_amax, host_amax if finite else None)
         if fused is not None:
-            return Quantized(fused.data, scale, "tensor", fused.values, nan_free=finite)
+            return Quantized(fused.data, scale, TENSOR, fused.values, nan_free=finite)
         return self._cast_with(x, scale, host_amax if finite else None)
 
     def _cast_with(self, x: torch.Tensor, scale: torch.Tensor, host_amax: float | None) -> Quantized:
@@ -182,14 +182,14 @@ class OperandScaling:
         a training cast would use: the stored delayed scale, or, where that does not exist yet (delayed before
         its first training cast, and tensorwise), the current scale of ``x`` itself, used once and not kept."""
         stored = self.delayed and self.initialized
-        outputs = backends.operand_state_cast(self, x, False, transpose)
+        outputs = self.recipe.state_cast(self, x, False, transpose)
         if outputs is not None:  # the kernel's bookkeeping outputs are dropped
             data, data_t, fresh_scale, _, _, inverse = outputs
             scale = self.scale if self.delayed else fresh_scale  # the delayed kernel's third output is the amax
-            return Quantized(data, scale, "tensor", inverse=inverse, transposed=data_t if transpose else None)
+            return Quantized(data, scale, TENSOR, inverse=inverse, transposed=data_t if transpose else None)
         fused = backends.fused_cast(x, self.scale, self.dtype) if stored else None
         if fused is not None:
-            return Quantized(fused.data, self.scale, "tensor", fused.values, nan_free=math.isfinite(fused.host_amax))
+            return Quantized(fused.data, self.scale, TENSOR, fused.values, nan_free=math.isfinite(fused.host_amax))
         x_amax, host_amax = backends.amax_and_value(x)
         host_amax = host_amax if host_amax is not None and math.isfinite(host_amax) else None
         return self._cast_with(x, self.evaluation_scale(finite_or_zero(x_amax), host_amax), host_amax)
@@ -203,7 +203,7 @@ class OperandScaling:
 
     def _book_state_cast(self, outputs: tuple, record: bool, transpose: bool) -> Quantized:
         """Take the results of a cast that did the bookkeeping of :meth:`book` and :meth:`scale_for` itself (same
-        bits; :func:`fp8_lightning.backends.operand_state_cast`)."""
+        bits; the recipe's ``state_cast``)."""
         if self.delayed:
             data, data_t, self.last_amax, self.pending_amax, self.nonfinite_count, inverse = outputs
             self._dirty = self._dirty or record
@@ -211,7 +211,7 @@ class OperandScaling:
             data, data_t, self.scale, self.last_amax, self.nonfinite_count, inverse = outputs
             self.initialized = True
         self.casts += 1
-        return Quantized(data, self.scale, "tensor", inverse=inverse, transposed=data_t if transpose else None)
+        return Quantized(data, self.scale, TENSOR, inverse=inverse, transposed=data_t if transpose else None)
 
     def book(self, x_amax: torch.Tensor, record: bool, finite: bool = False) -> torch.Tensor:
         """Count one use of the operand with amax ``x_amax``; returns the amax with NaN/inf replaced by 0.
@@ -242,19 +242,7 @@ class OperandScaling:
         return self.scale
 
     def _current_scale(self, clean_amax: torch.Tensor, host_amax: float | None = None) -> torch.Tensor:
-        r = self.recipe
-        if self.delayed:
-            return delayed_scale(
-                clean_amax.reshape(1), self.scale, fp8_max(self.dtype), r.margin, "max", r.power_of_2_scales
-            )
-        assert isinstance(r, TensorwiseScaling)
-        if host_amax is None:
-            fresh = tensorwise_scale(clean_amax, self.dtype, r.eps, r.power_of_2_scales)
-            return torch.where(clean_amax > 0, fresh, self.scale)
-        if host_amax == 0.0:
-            return self.scale  # an all-zero tensor keeps the previous scale
-        value = tensorwise_scale_value(host_amax, self.dtype, r.eps, r.power_of_2_scales)
-        return torch.scalar_tensor(value, dtype=torch.float32, device=clean_amax.device)
+        return self.recipe.just_in_time_scale(self, clean_amax, host_amax)
 
     # -- once per optimizer step ----------------------------------------------------------------------------
 

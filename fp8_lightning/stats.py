@@ -29,10 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fp8_lightning.blockwise import per_element
 from fp8_lightning.convert import fp8_modules
 from fp8_lightning.formats import fp8_max
-from fp8_lightning.mx import e8m0_to_float
 from fp8_lightning.backends import amax
 from fp8_lightning.quantize import Quantized
 
@@ -52,12 +50,7 @@ def scale_multiplier(q: Quantized, k: int) -> torch.Tensor:
     Per-tensor and rowwise: ``q.scale`` (data = saturate(x * scale), one per tensor or per row). MX:
     ``1 / block_scale`` repeated over each block. Blockwise: each tile's scale repeated over its tile.
     """
-    if q.kind == "mx":
-        block = q.data.shape[-1] // q.scale.shape[-1]
-        return e8m0_to_float(q.scale).reciprocal().repeat_interleave(block, dim=-1)[..., :k]
-    if q.kind == "block":
-        return per_element(q.scale.float(), q.data.shape)[..., :k]
-    return q.scale.float()
+    return q.kind.scale_multiplier(q, k)
 
 
 def saturation_threshold(dtype: torch.dtype) -> float:
@@ -87,9 +80,7 @@ def underflow_count(x: torch.Tensor, q: Quantized) -> torch.Tensor:
 def representative_scale(q: Quantized) -> torch.Tensor:
     """One number for the operand's scale: the per-tensor multiplier, or for MX, rowwise and blockwise the smallest
     row or block multiplier (the one with the largest values, which sets the tensor's headroom)."""
-    if q.kind == "mx":
-        return e8m0_to_float(q.scale).amax().reciprocal()
-    return q.scale.float().amin().reshape(())
+    return q.kind.representative_scale(q)
 
 
 def headroom_bits(amax_value: float, scale: float, max_value: float) -> float:

@@ -28,111 +28,61 @@ attached runs its eager path as an island in the graph (one break per layer whil
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-from fp8_lightning.fine_grained import (
-    FineCastPlan,
-    fine_cast_plan,
-    is_fine_grained,
-    operand_kind,
-    traced_fine_cast,
-    wgrad_kind,
-)
-from fp8_lightning.formats import fp8_max
-from fp8_lightning.gemm import per_tensor_scaled_mm, scaled_mm
-from fp8_lightning.layer_ops import mx_operand_cast, scaled_gemm
-from fp8_lightning.quantize import amax, tensorwise_scale, to_fp8_saturated, wide
-from fp8_lightning.recipes import DelayedScaling, Recipe
-from fp8_lightning.scaling import OperandScaling, delayed_scale, finite_or_zero
+from fp8_lightning.gemm import scaled_mm
+from fp8_lightning.layer_ops import scaled_gemm
+from fp8_lightning.quantize import OperandKind
+from fp8_lightning.scaling import OperandScaling
 
 
 class TracedPlan(NamedTuple):
-    """What the traced step needs besides tensors, in plain values: hashable, a constant to the compiler."""
+    """What the traced step needs besides tensors: hashable, a constant to the compiler."""
 
-    kind: str  # "tensor" (per-tensor recipes) or "mx"
-    delayed: bool
-    margin: int  # delayed only
-    power_of_2: bool  # per-tensor: scales rounded down to powers of two
-    eps: float  # tensorwise only
-    block_size: int  # MX only
-    scale_rounding: str  # MX only
+    recipe: Any  # the frozen recipe: its traced_cast makes the operands
+    kind: OperandKind  # the kind of the operands its casts make
+    wgrad_kind: OperandKind  # the weight-gradient GEMM's operand kind (``kind``, or high precision)
     forward_dtype: torch.dtype
     backward_dtype: torch.dtype
     out_dtype: torch.dtype
     emulate: bool
     transpose: bool  # the cast kernels write the transposed copies the backward GEMMs read (CUDA)
-    scaled_mm: bool  # per-tensor GEMMs are torch._scaled_mm itself in the graph (CUDA, or FP8_LIGHTNING_GEMM=scaled_mm)
+    scaled_mm: bool  # the GEMMs are torch._scaled_mm itself in the graph (per-tensor on CUDA)
     fprop_fast_accum: bool
     grad_fast_accum: bool
-    fine: FineCastPlan | None = None  # rowwise / blockwise recipes (fp8_lightning.fine_grained)
-    wgrad_kind: str = ""  # the weight-gradient GEMM's operand kind: ``kind``, or "hp" for a high-precision wgrad
 
 
-def make_plan(recipe: Recipe, device: torch.device, out_dtype: torch.dtype, emulate: bool) -> TracedPlan:
-    """The plan of one call, from the recipe's fields."""
+def plan_for(
+    recipe: Any, device: torch.device, out_dtype: torch.dtype, emulate: bool, scaled_mm: bool = False,
+    wgrad_kind: OperandKind | None = None,
+) -> TracedPlan:
+    """The plan of one call of ``recipe`` (its ``traced_plan`` fills in what is its own)."""
     fmt = recipe.fp8_format
-    kind = "tensor" if recipe.per_tensor else "mx"
-    fine = None
-    if is_fine_grained(recipe):
-        kind, fine = operand_kind(recipe), fine_cast_plan(recipe)
-    delayed = isinstance(recipe, DelayedScaling)
-    scaled_mm = kind == "tensor" and per_tensor_scaled_mm(device, emulate)
     return TracedPlan(
-        kind, delayed, getattr(recipe, "margin", 0), getattr(recipe, "power_of_2_scales", False),
-        getattr(recipe, "eps", 0.0), getattr(recipe, "block_size", 0), getattr(recipe, "scale_rounding", ""),
-        fmt.forward_dtype, fmt.backward_dtype, out_dtype, emulate, device.type == "cuda", scaled_mm,
-        recipe.fprop_fast_accum, recipe.grad_fast_accum, fine, wgrad_kind(recipe) if fine else kind,
+        recipe, recipe.operand_kind, wgrad_kind or recipe.operand_kind, fmt.forward_dtype, fmt.backward_dtype,
+        out_dtype, emulate, device.type == "cuda", scaled_mm, recipe.fprop_fast_accum, recipe.grad_fast_accum,
     )
 
 
-def _gemm(plan: TracedPlan, a, a_scale, b, b_scale, bias, out_dtype: torch.dtype, fast_accum: bool, kind: str = ""):
-    """``a @ b.T (+ bias)`` of FP8 operands of ``kind`` (default: the plan's): ``torch._scaled_mm`` in the graph for
-    per-tensor operands where it is the GEMM, else the custom op (the eager layer's GEMM: CPU float GEMM, MX,
-    rowwise and blockwise GEMMs)."""
-    kind = kind or plan.kind
-    if plan.scaled_mm and kind == "tensor":
+def make_plan(recipe: Any, device: torch.device, out_dtype: torch.dtype, emulate: bool) -> TracedPlan:
+    """The plan of one call, from the recipe (:meth:`~fp8_lightning.recipes.base.Recipe.traced_plan`)."""
+    return recipe.traced_plan(device, out_dtype, emulate)
+
+
+def _gemm(plan: TracedPlan, a, a_scale, b, b_scale, bias, out_dtype: torch.dtype, fast_accum: bool, kind=None):
+    """``a @ b.T (+ bias)`` of FP8 operands of ``kind`` (default: the plan's): ``torch._scaled_mm`` in the graph
+    where it is the GEMM, else the custom op (the eager layer's GEMM: CPU float GEMM, MX, rowwise and blockwise)."""
+    if plan.scaled_mm:
         return scaled_mm(a, a_scale.reciprocal(), b, b_scale.reciprocal(), out_dtype, bias, fast_accum)
-    return scaled_gemm(a, a_scale, b, b_scale, bias, kind, out_dtype, plan.emulate, fast_accum)
+    return scaled_gemm(a, a_scale, b, b_scale, bias, kind or plan.kind, out_dtype, plan.emulate, fast_accum)
 
 
-def _state_tensors(state: OperandScaling) -> tuple[torch.Tensor, ...]:
+def _state_tensors(state: OperandScaling | None) -> tuple[torch.Tensor, ...]:
+    if state is None:
+        return ()
     return state.scale, state.pending_amax, state.last_amax, state.nonfinite_count, state.flags
-
-
-def traced_cast(x: torch.Tensor, state_tensors, plan: TracedPlan, dtype: torch.dtype, record: bool):
-    """(operand (K last), operand of x.T, their scale) of a 2-D ``x`` under a per-tensor recipe: the reference
-    math in plain tensor operations, which the compiler fuses (amax, scale and cast in one or two kernels), with
-    the scaling state updated in place as :meth:`fp8_lightning.scaling.OperandScaling.quantize` updates it."""
-    scale, pending, last_amax, count, flags = state_tensors
-    x_amax = amax(x)
-    clean = finite_or_zero(x_amax)
-    max_value = fp8_max(dtype)
-    if plan.delayed:  # the stored scale; the first use scales just in time
-        fresh = delayed_scale(clean.reshape(1), scale, max_value, plan.margin, "max", plan.power_of_2)
-        used = torch.where(flags[0] > 0, scale, fresh)
-    else:  # the current scale; an all-zero or non-finite tensor keeps the previous one
-        used = torch.where(clean > 0, tensorwise_scale(clean, dtype, plan.eps, plan.power_of_2), scale)
-    data = to_fp8_saturated(wide(x) * used, dtype)
-    if not record:  # evaluation leaves the state as training left it
-        return data, (data.t().contiguous() if plan.transpose else data.t()), used
-    with torch.no_grad():
-        scale.copy_(used)
-        last_amax.copy_(x_amax)
-        count.add_((clean != x_amax).to(count.dtype))
-        flags[0] = 1.0
-        if plan.delayed:
-            pending.copy_(torch.maximum(pending, clean))
-            flags[1] = 1.0
-    return data, (data.t().contiguous() if plan.transpose else data.t()), used
-
-
-def _mx_cast(x: torch.Tensor, plan: TracedPlan, role: str, dtype: torch.dtype, columnwise: bool):
-    """(rowwise data, scales, columnwise data, scales) of a 2-D ``x`` under MXFP8, rowwise or blockwise scaling."""
-    if plan.fine is not None:
-        return traced_fine_cast(x, plan.fine, role, dtype, columnwise)
-    return mx_operand_cast(x, plan.block_size, plan.scale_rounding, dtype, columnwise)
 
 
 def traced_linear(
@@ -142,22 +92,22 @@ def traced_linear(
     """``x2d @ weight.T + bias`` with the three GEMMs in FP8; casts the input and the weight here (their states
     updated in place) and hands the FP8 operands to the autograd Function."""
     x, w = x2d.detach(), weight.detach()
-    if plan.kind == "tensor":
-        x_row, x_col, x_scale = traced_cast(x, _state_tensors(states["input"]), plan, plan.forward_dtype, record)
-        w_row, w_col, w_scale = traced_cast(w, _state_tensors(states["weight"]), plan, plan.forward_dtype, record)
-        x_col_scale = w_col_scale = None  # the same scales (a tensor may enter the Function only once)
-        grad_state = _state_tensors(states["grad_output"])
-    else:
-        x_row, x_scale, x_col, x_col_scale = _mx_cast(x, plan, "input", plan.forward_dtype, True)
-        w_row, w_scale, w_col, w_col_scale = _mx_cast(w, plan, "weight", plan.forward_dtype, True)
-        grad_state = ()
+    cast = plan.recipe.traced_cast
+    x_row, x_scale, x_col, x_col_scale = cast(
+        x, _state_tensors(states.get("input")), plan, "input", plan.forward_dtype, True, record
+    )
+    w_row, w_scale, w_col, w_col_scale = cast(
+        w, _state_tensors(states.get("weight")), plan, "weight", plan.forward_dtype, True, record
+    )
+    grad_state = _state_tensors(states.get("grad_output"))
     return _TracedFP8Function.apply(
         x2d, weight, bias, plan, x_row, x_scale, w_row, w_scale, x_col, x_col_scale, w_col, w_col_scale, *grad_state
     )
 
 
 class _TracedFP8Function(torch.autograd.Function):
-    """y = x @ W.T + b from FP8 operands cast outside; x and W come in for their gradient edges only."""
+    """y = x @ W.T + b from FP8 operands cast outside; x and W come in for their gradient edges only. A columnwise
+    scale of None means the rowwise one (a per-tensor operand's transpose; a tensor may enter only once)."""
 
     @staticmethod
     def forward(ctx, x2d, weight, bias, plan, x_row, x_scale, w_row, w_scale, x_col, x_col_scale, w_col,
@@ -176,13 +126,10 @@ class _TracedFP8Function(torch.autograd.Function):
         x_col, x_col_scale, w_col, w_col_scale, *grad_state = ctx.saved_tensors
         plan, (x_dtype, w_dtype, bias_dtype) = ctx.plan, ctx.dtypes
         g = grad_y.contiguous()
-        if plan.kind == "tensor":
-            g_row, g_col, g_scale = traced_cast(g, grad_state, plan, plan.backward_dtype, True)
-            g_col_scale = g_scale
-        else:
-            g_row, g_scale, g_col, g_col_scale = _mx_cast(
-                g, plan, "grad_output", plan.backward_dtype, ctx.needs_input_grad[1]
-            )
+        g_row, g_scale, g_col, g_col_scale = plan.recipe.traced_cast(
+            g, tuple(grad_state), plan, "grad_output", plan.backward_dtype, ctx.needs_input_grad[1], True
+        )
+        g_col_scale = g_scale if g_col_scale is None else g_col_scale
         grad_x = grad_w = grad_bias = None
         # ------------------------------------------------ dgrad ------------------------------------------------
         if ctx.needs_input_grad[0]:

@@ -52,7 +52,7 @@ from fp8_lightning.kernels.availability import (
     triton_status,
 )
 from fp8_lightning.mx import E8M0_DTYPE
-from fp8_lightning.quantize import Quantized
+from fp8_lightning.quantize import BLOCK, MX, Quantized, ROW
 
 SUPPORTED_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MX_BLOCK_SIZES = (16, 32, 64, 128)
@@ -224,15 +224,15 @@ def mx_quantize(
     row, row_s, col, col_s = _ops(x).mx_quantize(
         x, block_size, scale_rounding, fp8_dtype(fp8_format), rowwise, columnwise
     )
-    rows = Quantized(row, row_s.view(E8M0_DTYPE), "mx") if rowwise else None
-    cols = Quantized(col, col_s.view(E8M0_DTYPE), "mx") if columnwise else None
+    rows = Quantized(row, row_s.view(E8M0_DTYPE), MX) if rowwise else None
+    cols = Quantized(col, col_s.view(E8M0_DTYPE), MX) if columnwise else None
     return rows, cols
 
 
 def mx_gemm_supported(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> tuple[bool, str]:
     """Whether :func:`mx_gemm` takes these operands, and why not."""
-    if a.kind != "mx" or b.kind != "mx":
-        return False, f"operands must be MX-quantized; got kinds {a.kind!r} and {b.kind!r}"
+    if a.scale.dtype != E8M0_DTYPE or b.scale.dtype != E8M0_DTYPE:
+        return False, f"operands must carry E8M0 block scales (MX); got {a.scale.dtype} and {b.scale.dtype}"
     if a.data.dim() != 2 or b.data.dim() != 2 or a.data.shape[1] != b.data.shape[1]:
         return False, f"needs (M, K) and (N, K) operands; got {tuple(a.data.shape)} and {tuple(b.data.shape)}"
     k, blocks = a.data.shape[1], a.scale.shape[-1]
@@ -285,6 +285,6 @@ def fine_cast(
     data, scale, inverse, data_t, scale_t, inverse_t = _ops(x).fine_cast(
         x, fp8_dtype(fp8_format), *tile, power_of_2, float(eps), transpose
     )
-    kind = "block" if TILE in tile else "row"
+    kind = BLOCK if TILE in tile else ROW
     row = Quantized(data, scale, kind, inverse=inverse)
     return row, (Quantized(data_t, scale_t, kind, inverse=inverse_t) if transpose else None)

@@ -53,7 +53,7 @@ class WeightAmaxSync:
             raise RuntimeError("WeightAmaxSync: the model it was created for no longer exists.")
         layers, params, shards = [], [], []
         for name, module in root.named_modules():
-            if not isinstance(module, FP8Linear) or not module.fp8_recipe.per_tensor:
+            if not isinstance(module, FP8Linear) or not module.fp8_recipe.global_weight_amax:
                 continue
             shard = local_shard(module.weight)
             if isinstance(shard, FP8ShardedWeight):

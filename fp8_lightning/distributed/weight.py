@@ -28,7 +28,7 @@ Scales, per recipe:
   full: gathering a second columnwise copy would double the traffic back to bf16 levels. The price is a second
   rounding of W in dgrad only; the measured effect on the loss is in ``tests/distributed``.
 * rowwise / blockwise: float32 row or 128x128 block scales travel in the same rows as the codes
-  (:mod:`fp8_lightning.distributed.fine_weight`).
+  (:mod:`fp8_lightning.fine_grained`).
 
 Rules FSDP2 imposes and how they are met: gloo cannot all-gather float8 dtypes, so FP8 data and E8M0 scales
 travel as ``uint8`` views (free on NCCL too); the buffers are allocated once at the first gather, so a weight
@@ -46,20 +46,9 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fp8_lightning.distributed.fine_weight import blockwise_shard_reason, gathered_operands, pack_shard, unpack_gathered
-from fp8_lightning.fine_grained import is_fine_grained
-from fp8_lightning.formats import fp8_dtype
-from fp8_lightning.backends import (
-    dequantize_operand,
-    operand_f32,
-    quantize_mx_columns,
-    quantize_mx_operand,
-    quantize_with_scale,
-)
-from fp8_lightning.mx import E8M0_DTYPE
+from fp8_lightning.backends import dequantize_operand
 from fp8_lightning.quantize import Quantized
-from fp8_lightning.recipes import BlockwiseScaling, MXFP8BlockScaling, Recipe
-from fp8_lightning.scaling import finite_or_zero
+from fp8_lightning.recipes import Recipe
 
 aten = torch.ops.aten
 
@@ -94,11 +83,7 @@ def fp8_all_gather_unsupported_reason(shape: torch.Size | tuple, world_size: int
     rows, cols = shape
     if rows % world_size:
         return f"out_features={rows} is not divisible by the shard world size {world_size} (uneven shards)"
-    if isinstance(recipe, MXFP8BlockScaling) and cols % recipe.block_size:
-        return f"in_features={cols} is not divisible by the MX block size {recipe.block_size}"
-    if isinstance(recipe, BlockwiseScaling):
-        return blockwise_shard_reason(rows, world_size)
-    return None
+    return recipe.fsdp_unsupported_reason(rows, cols, world_size)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -163,45 +148,27 @@ class FP8ShardedWeight(torch.Tensor):
     # -- FSDP2 extension ------------------------------------------------------------------------------------
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        """Quantize this rank's shard; return (all-gather inputs as uint8, metadata for post-all-gather)."""
+        """Quantize this rank's shard (the recipe's ``fsdp_pack``); return (all-gather inputs as uint8, metadata for
+        post-all-gather)."""
         recipe = module.fp8_recipe
-        shard = self._hp
-        if recipe.per_tensor:
-            state = module.fp8_scaling(recipe).operands["weight"]
-            group = mesh.get_group(mesh.ndim - 1)  # the shard dimension (the last one of an HSDP mesh)
-            global_amax = self._amax_sync.global_amax(module, group)
-            state.move_to(global_amax.device)  # the scale of the whole weight, as a local cast would pick it
-            clean = finite_or_zero(global_amax)  # evaluation keeps the state as training left it
-            scale = state.scale_for(clean) if module.training else state.evaluation_scale(clean)
-            data = quantize_with_scale(shard, scale, fp8_dtype(recipe.fp8_format))
-            return (data.view(torch.uint8),), (recipe, scale, global_amax)
-        if is_fine_grained(recipe):  # rowwise, blockwise: codes and float32 scales in the same rows
-            return (pack_shard(shard, recipe, fp8_dtype(recipe.fp8_format)),), (recipe, None, None)
-        q = quantize_mx_operand(shard, recipe.block_size, recipe.scale_rounding, fp8_dtype(recipe.fp8_format))
-        # One input per weight: each row carries its K data bytes, then its K/32 scale bytes.
-        packed = torch.cat([q.data.view(torch.uint8), q.scale.view(torch.uint8)], dim=1)
-        return (packed,), (recipe, None, None)
+        # the shard dimension is the mesh's last one (of an HSDP mesh too)
+        agreed_amax = lambda: self._amax_sync.global_amax(module, mesh.get_group(mesh.ndim - 1))  # noqa: E731
+        packed, meta = recipe.fsdp_pack(self._hp, module, agreed_amax)
+        return (packed,), (recipe, meta)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         """Wrap the gathered bytes (no copy) as the unsharded FP8 weight; refresh ``out`` on later gathers."""
-        recipe, scale, global_amax = metadata
-        dtype = fp8_dtype(recipe.fp8_format)
+        recipe, meta = metadata
         (gathered,) = outputs
-        if recipe.per_tensor:
-            q = Quantized(gathered.view(dtype), scale, "tensor")
-        elif is_fine_grained(recipe):
-            q = unpack_gathered(gathered, self._hp.shape[0], self.shape[-1], recipe, dtype)
-        else:
-            k = self.shape[-1]
-            q = Quantized(gathered[:, :k].view(dtype), gathered[:, k:].view(E8M0_DTYPE), "mx")
+        q = recipe.fsdp_unpack(gathered, self._hp.shape[0], self.shape[-1], meta)
         if out is not None:
             if not isinstance(out, FP8GatheredWeight):
                 raise TypeError(f"fsdp_post_all_gather(out=...) expects an FP8GatheredWeight; got {type(out).__name__}.")
             if out._q.data.untyped_storage().data_ptr() != q.data.untyped_storage().data_ptr():
                 raise RuntimeError("FP8 all-gather: FSDP2 refilled a different buffer than the one the weight views.")
-            out._q, out._amax = q, global_amax
+            out._q, out._meta = q, meta
             return None
-        gathered = FP8GatheredWeight(q, recipe, global_amax, param_dtype)
+        gathered = FP8GatheredWeight(q, recipe, meta, param_dtype)
         return gathered, tuple(outputs)
 
 
@@ -219,16 +186,16 @@ class FP8GatheredWeight(torch.Tensor):
 
     _q: Quantized
     _recipe: Recipe
-    _amax: torch.Tensor | None
+    _meta: Any  # what the recipe's fsdp_pack sent beside the bytes (per-tensor: the scale and the agreed amax)
 
     @staticmethod
-    def __new__(cls, q: Quantized, recipe: Recipe, amax: torch.Tensor | None, dtype: torch.dtype):
+    def __new__(cls, q: Quantized, recipe: Recipe, meta: Any, dtype: torch.dtype):
         return torch.Tensor._make_wrapper_subclass(
             cls, q.data.size(), strides=q.data.stride(), dtype=dtype, device=q.data.device, requires_grad=False
         )
 
-    def __init__(self, q: Quantized, recipe: Recipe, amax: torch.Tensor | None, dtype: torch.dtype):
-        self._q, self._recipe, self._amax = q, recipe, amax
+    def __init__(self, q: Quantized, recipe: Recipe, meta: Any, dtype: torch.dtype):
+        self._q, self._recipe, self._meta = q, recipe, meta
 
     def __repr__(self) -> str:
         return f"FP8GatheredWeight(shape={tuple(self.shape)}, kind={self._q.kind}, dtype={self.dtype})"
@@ -241,16 +208,16 @@ class FP8GatheredWeight(torch.Tensor):
         if func in _KEEP_GATHERED and isinstance(args[0], cls):
             w = args[0]
             if func is aten.as_strided.default and tuple(args[1]) == tuple(w.shape):
-                return cls(w._q, w._recipe, w._amax, w.dtype)  # FSDP2 re-views the unsharded tensor as itself
+                return cls(w._q, w._recipe, w._meta, w.dtype)  # FSDP2 re-views the unsharded tensor as itself
             data = func(w._q.data, *args[1:], **kwargs)
             if data.shape != w._q.data.shape:
                 raise NotImplementedError(f"{func} would reshape an FP8-gathered weight; dequantize it first.")
-            return cls(Quantized(data, w._q.scale, w._q.kind), w._recipe, w._amax, w.dtype)
+            return cls(Quantized(data, w._q.scale, w._q.kind), w._recipe, w._meta, w.dtype)
         plain_args, plain_kwargs = pytree.tree_map_only(cls, lambda t: t.dequantize(), (args, kwargs))
         return func(*plain_args, **plain_kwargs)
 
     def __tensor_flatten__(self):
-        return ["_data", "_scale"], (self._q.kind, self._recipe, self._amax, self.dtype)
+        return ["_data", "_scale"], (self._q.kind, self._recipe, self._meta, self.dtype)
 
     @property
     def _data(self) -> torch.Tensor:
@@ -262,8 +229,8 @@ class FP8GatheredWeight(torch.Tensor):
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        kind, recipe, amax, dtype = meta
-        return FP8GatheredWeight(Quantized(inner["_data"], inner["_scale"], kind), recipe, amax, dtype)
+        kind, recipe, recipe_meta, dtype = meta
+        return FP8GatheredWeight(Quantized(inner["_data"], inner["_scale"], kind), recipe, recipe_meta, dtype)
 
     def dequantize(self) -> torch.Tensor:
         """The weight's value as gathered (FP8-rounded), in the weight's dtype."""
@@ -278,13 +245,4 @@ class FP8GatheredWeight(torch.Tensor):
         if recipe != self._recipe:
             w = dequantize_operand(self._q, torch.float32)
             return scaling.cast("weight", w, record, columnwise=True)
-        if recipe.per_tensor:
-            scaling.operands["weight"].book(self._amax, record)  # counted as a local cast counts itself
-            return self._q, None
-        if is_fine_grained(recipe):
-            return gathered_operands(self._q, recipe)
-        # rows of the gathered buffer interleave data and scales: make the operands dense for the GEMM
-        row = Quantized(self._q.data.contiguous(), self._q.scale.contiguous(), "mx")
-        # dgrad's columnwise copy, quantized along N from the exactly dequantized gathered weight
-        values = operand_f32(row)
-        return row, quantize_mx_columns(values, recipe.block_size, recipe.scale_rounding, row.data.dtype)
+        return recipe.fsdp_operands(self._q, scaling, self._meta, record)

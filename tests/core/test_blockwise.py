@@ -22,7 +22,7 @@ from fp8_lightning.blockwise import (
     dequantize_blockwise,
     quantize_blockwise,
 )
-from fp8_lightning import gemm
+from fp8_lightning import fine_grained, gemm
 from fp8_lightning.quantize import Quantized
 from fp8_lightning.recipes import BlockwiseScaling
 from tests.core.fake_cuda import fake_cuda, fake_operand
@@ -202,7 +202,7 @@ def test_gemm_refused_where_cublas_lacks_it_with_the_emulation_option_named(monk
             blockwise_mm(a, a, torch.bfloat16)
     set_env(monkeypatch, FP8_LIGHTNING_EMULATE="1")  # the named option reaches the blockwise GEMM as emulate=True
     seen = []
-    monkeypatch.setattr(gemm, "fine_mm", lambda a, b, out_dtype, emulate, bias, fast_accum: seen.append(emulate))
+    monkeypatch.setattr(fine_grained, "blockwise_mm", lambda a, b, out_dtype, emulate: seen.append(emulate))
     q = Quantized(*quantize_blockwise(torch.randn(4, 32), ROW_TILE, E4M3), "block")
     gemm.fp8_mm(q, q, torch.float32)
     assert seen == [True]

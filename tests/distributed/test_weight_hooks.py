@@ -75,7 +75,7 @@ def test_sharded_weight_behaves_as_its_tensor():
 def test_per_tensor_gather_equals_casting_the_whole_weight(recipe):
     _, layer = _layer(recipe)
     full = layer.weight._hp.clone()
-    weight, inner, wire, (_, scale, amax) = _gather(layer)
+    weight, inner, wire, (_, (scale, amax)) = _gather(layer)
     # reference in float64: one scale from the whole weight's amax (delayed: its just-in-time first scale)
     ref_amax = full.double().abs().max()
     assert amax.item() == pytest.approx(ref_amax.item(), rel=0)
@@ -114,7 +114,7 @@ def test_mx_columnwise_copy_comes_from_the_gathered_weight():
 def test_delayed_records_the_agreed_amax_and_uses_the_delayed_scale_next():
     _, layer = _layer(DelayedScaling(amax_history_len=4, margin=1))
     state = layer.fp8_scaling().operands["weight"]
-    weight, _, _, (_, _, amax) = _gather(layer)
+    weight, _, _, (_, (_, amax)) = _gather(layer)
     weight.fp8_weight_operands(layer.fp8_scaling(), record=True)
     assert state.pending_amax.item() == amax.item() and state.dirty
     state.update()
@@ -122,7 +122,7 @@ def test_delayed_records_the_agreed_amax_and_uses_the_delayed_scale_next():
     assert state.scale.item() == pytest.approx(expected, rel=1e-6)
     with torch.no_grad():
         layer.weight.mul_(10)  # the next gather still uses the delayed scale, not the new amax
-    _, _, _, (_, scale, _) = _gather(layer)
+    _, _, _, (_, (scale, _)) = _gather(layer)
     assert scale.item() == pytest.approx(expected, rel=1e-6)
 
 
@@ -146,7 +146,7 @@ def test_gathered_weight_in_an_fp8_linear_and_outside_fp8():
 
 def test_later_gathers_refill_the_same_buffer():
     _, layer = _layer(TensorwiseScaling())
-    weight, inner, wire, (_, first_scale, _) = _gather(layer)
+    weight, inner, wire, (_, (first_scale, _)) = _gather(layer)
     first_value = weight.dequantize().clone()
     with torch.no_grad():
         layer.weight.mul_(0.5)  # an optimizer-like in-place update: the amax is agreed again

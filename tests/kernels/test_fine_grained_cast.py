@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fp8_lightning.backends as backends
 from fp8_lightning import FP8Linear, fp8_autocast, kernels
 from fp8_lightning.blockwise import blockwise_scaled_mm_args
-from fp8_lightning.fine_grained import fine_cast_plan, fine_cast_twin, traced_fine_cast
+from fp8_lightning.fine_grained import fine_cast_twin
 from fp8_lightning.quantize import Quantized, row_major
 from fp8_lightning.recipes import BlockwiseScaling, RowwiseScaling
 from fp8_lightning.rowwise import rowwise_scaled_mm_args
@@ -218,8 +218,7 @@ def test_layer_step_on_the_kernels_equals_the_reference(fine_cast_calls, monkeyp
 
 def test_traced_cast_op_runs_the_kernels_with_the_fakes_layouts(fine_cast_calls):
     x = awkward(200, 300)
-    plan = fine_cast_plan(BlockwiseScaling())
-    outputs = traced_fine_cast(x, plan, "input", E4M3, columnwise=True)
+    outputs = BlockwiseScaling().traced_cast(x, (), None, "input", E4M3, columnwise=True, record=True)
     assert fine_cast_calls == [(1, 128), (128, 1)]
     (row, row_scale), (col, col_scale) = (fine_cast_twin(x, tile, E4M3, True) for tile in ((1, 128), (128, 1)))
     for actual, expected in zip(outputs, (row, row_scale, col, col_scale)):

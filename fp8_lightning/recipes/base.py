@@ -1,0 +1,221 @@
+"""The recipe protocol: a frozen, validated dataclass that says *what* scaling to use and carries its behaviour.
+
+A recipe is configuration (hashable, built from a name or a plain dict so YAML/Hydra configs carry it) plus the
+methods the rest of the library calls instead of asking which recipe it holds, in the spirit of TransformerEngine's
+Recipe/Quantizer split:
+
+* the layer: :meth:`Recipe.shape_unsupported_reason`, :meth:`Recipe.operand_states` (the mutable scaling state, if
+  any), :meth:`Recipe.cast` (each GEMM operand's rowwise and columnwise copies), :meth:`Recipe.transposed` (what
+  a backward GEMM multiplies), :meth:`Recipe.traced_plan` / :meth:`Recipe.traced_cast` (the same under compile);
+* the GEMM: :attr:`Recipe.operand_kind`, whose behaviour (:class:`~fp8_lightning.quantize.OperandKind`) the
+  recipe's module implements;
+* FSDP2: :meth:`Recipe.fsdp_unsupported_reason`, :meth:`Recipe.fsdp_pack`, :meth:`Recipe.fsdp_unpack`,
+  :meth:`Recipe.fsdp_operands`, :attr:`Recipe.global_weight_amax`;
+* the cost model and statistics: :meth:`Recipe.cast_bytes_per_element`, :meth:`Recipe.fp8_gemms`.
+
+A subclass registers itself under its ``name`` (:func:`recipe_from` and checkpoints find it by that name), so a
+recipe defined outside this package works everywhere a built-in one does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Mapping, Union
+
+import torch
+
+from fp8_lightning.formats import Format
+from fp8_lightning.quantize import LAYOUT_MULTIPLE, OperandKind, Quantized
+from fp8_lightning.traced import TracedPlan, plan_for
+
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+SCALE_ROUNDINGS = ("rceil", "floor")
+MX_BLOCK_SIZES = (16, 32, 64, 128)
+
+
+RECIPES: dict[str, type["Recipe"]] = {}  # name -> class; every subclass with a name adds itself
+
+
+def invalid(cls_name: str, field: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"{cls_name}.{field}={value!r} is invalid; allowed: {allowed}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """Base class: common construction from names and dicts.
+
+    ``fprop_fast_accum`` / ``grad_fast_accum``: cuBLAS's fast accumulation for the forward GEMM and for the two
+    backward GEMMs (dgrad, wgrad) of per-tensor and rowwise recipes on CUDA (``torch._scaled_mm(use_fast_accum=)``).
+    It is faster on Hopper and accumulates FP8 products less precisely; the defaults follow torchao.float8 (forward
+    on, gradients off). Other GEMMs (CPU, MX and 1x128 / 128x128 block-scaled) accumulate in float32 and ignore them.
+    """
+
+    name: ClassVar[str] = ""
+    per_tensor: ClassVar[bool] = True  # one scale per tensor (the FP8 bytes transpose freely)
+    operand_kind: ClassVar[OperandKind]  # the kind of the operands its casts make
+    global_weight_amax: ClassVar[bool] = False  # FSDP2: the gathered weight's scale needs the whole weight's amax
+
+    fp8_format: Format = Format.HYBRID
+    fprop_fast_accum: bool = True
+    grad_fast_accum: bool = False
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "fp8_format", Format.parse(self.fp8_format))
+        except ValueError as err:
+            raise invalid(type(self).__name__, "fp8_format", self.fp8_format, "E4M3, E5M2, HYBRID") from err
+        for flag in ("fprop_fast_accum", "grad_fast_accum"):
+            if not isinstance(getattr(self, flag), bool):
+                raise invalid(type(self).__name__, flag, getattr(self, flag), "True or False")
+        if self.fp8_format is Format.E5M2:  # both operands of every GEMM would be E5M2
+            raise invalid(
+                type(self).__name__, "fp8_format", "E5M2",
+                "HYBRID (E4M3 forward, E5M2 gradients) or E4M3: with E5M2 every GEMM multiplies two E5M2 operands, "
+                "which CUDA refuses ('Multiplication of two Float8_e5m2 matrices is not supported')",
+            )
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("name"):
+            RECIPES[cls.name] = cls
+
+    # -- the layer ------------------------------------------------------------------------------------------
+
+    def shape_unsupported_reason(self, in_features: int, out_features: int) -> str | None:
+        """Why an (out, in) weight cannot run its GEMMs in FP8 under this recipe, or None. By default K and N must
+        be multiples of 16, the FP8 GEMM layouts' rule."""
+        return multiple_reason(self, in_features, out_features, LAYOUT_MULTIPLE)
+
+    def operand_states(self, forward_dtype: torch.dtype, backward_dtype: torch.dtype) -> dict[str, Any]:
+        """The mutable scaling state of one layer, per GEMM role (``"input"``, ``"weight"``, ``"grad_output"``):
+        none for recipes whose every scale comes from the tensor being cast."""
+        return {}
+
+    def cast(
+        self, role: str, x: torch.Tensor, dtype: torch.dtype, columnwise: bool, columnwise_f32: bool, state: Any,
+        record: bool,
+    ) -> tuple[Quantized, Quantized | None]:
+        """The FP8 operand of a 2-D ``x`` in GEMM ``role`` (K last) and, with ``columnwise``, the operand of ``x.T``
+        where the recipe makes one from the high-precision tensor (None where :meth:`transposed` derives it).
+        ``state``: this role's entry of :meth:`operand_states`; ``record``: training (the state books the cast).
+        ``columnwise_f32=False``: the columnwise copy is only saved, so no float32 GEMM form is made for it yet."""
+        raise NotImplementedError(f"{type(self).__name__} does not define cast()")
+
+    def transposed(self, row: Quantized, column: Quantized | None) -> Quantized:
+        """The operand a backward GEMM multiplies for ``x.T``: the columnwise copy :meth:`cast` made."""
+        return column
+
+    def traced_plan(self, device: torch.device, out_dtype: torch.dtype, emulate: bool) -> TracedPlan:
+        """The plain values the traced layer step needs (:mod:`fp8_lightning.traced`)."""
+        return plan_for(self, device, out_dtype, emulate)
+
+    def traced_cast(
+        self, x: torch.Tensor, state: tuple, plan: TracedPlan, role: str, dtype: torch.dtype, columnwise: bool,
+        record: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(data, scale, columnwise data, columnwise scale) of a 2-D ``x`` as traceable code: plain tensor
+        operations or custom ops. ``state``: the role's state tensors (``()`` without state). A columnwise copy that
+        :meth:`transposed` derives is returned as the transposed data with scale None."""
+        raise NotImplementedError(f"{type(self).__name__} does not define traced_cast()")
+
+    # -- FSDP2 all-gather of the weight ---------------------------------------------------------------------
+
+    def fsdp_unsupported_reason(self, rows: int, cols: int, world_size: int) -> str | None:
+        """Why a (rows, cols) weight sharded by rows over ``world_size`` ranks cannot be gathered in FP8."""
+        return None
+
+    def fsdp_pack(self, shard: torch.Tensor, module: Any, global_amax: Any) -> tuple[torch.Tensor, Any]:
+        """(uint8 all-gather input, metadata) of this rank's weight shard. ``global_amax()`` gives the whole
+        weight's amax agreed across the shard group (for :attr:`global_weight_amax` recipes)."""
+        raise NotImplementedError(f"{type(self).__name__} does not define fsdp_pack()")
+
+    def fsdp_unpack(self, gathered: torch.Tensor, shard_rows: int, k: int, metadata: Any) -> Quantized:
+        """The fprop operand of the whole weight from the gathered bytes of all shards (views, no copy)."""
+        raise NotImplementedError(f"{type(self).__name__} does not define fsdp_unpack()")
+
+    def fsdp_operands(self, gathered: Quantized, scaling: Any, metadata: Any, record: bool):
+        """(fprop operand, columnwise operand or None) of a gathered weight, for the layer's ``scaling``."""
+        raise NotImplementedError(f"{type(self).__name__} does not define fsdp_operands()")
+
+    # -- cost model -----------------------------------------------------------------------------------------
+
+    def cast_bytes_per_element(self) -> float:
+        """Extra memory traffic per operand element for the FP8 casts (bf16 in, codes and scales out)."""
+        return 7.0
+
+    def fp8_gemms(self) -> int:
+        """How many of a layer's three GEMMs run in FP8."""
+        return 3
+
+    def to_dict(self) -> dict:
+        """Plain, YAML-friendly form; ``recipe_from(r.to_dict()) == r``."""
+        out = {"name": self.name}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = value.value if isinstance(value, Format) else value
+        return out
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "Recipe":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known - {"name", "_target_"})
+        if unknown:
+            raise ValueError(
+                f"{cls.__name__} got unknown field(s) {unknown}; allowed fields: {sorted(known)}."
+            )
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+
+def multiple_reason(recipe: Recipe, in_features: int, out_features: int, multiple: int) -> str | None:
+    bad = [f"{name}={v}" for name, v in (("in_features", in_features), ("out_features", out_features)) if v % multiple]
+    if bad:
+        return f"{', '.join(bad)} not divisible by {multiple} ({type(recipe).__name__})"
+    return None
+
+
+def check_flags(recipe: Recipe, *flags: str) -> None:
+    for flag in flags:
+        if not isinstance(getattr(recipe, flag), bool):
+            raise invalid(type(recipe).__name__, flag, getattr(recipe, flag), "True or False")
+
+
+ALIASES = {
+    "current": "tensorwise", "jit": "tensorwise", "mx": "mxfp8", "delayed_scaling": "delayed",
+    "axiswise": "rowwise", "block": "blockwise", "deepseek": "blockwise",
+}
+
+RecipeLike = Union[Recipe, str, Mapping[str, Any], None]
+
+
+def recipe_from(spec: RecipeLike, default: Recipe | None = None) -> Recipe:
+    """Build a recipe from a recipe object, a name, or a dict with a ``name`` key (YAML form).
+
+    ``None`` gives ``default`` (the delayed recipe when no default is given).
+    """
+    if spec is None:
+        return default if default is not None else RECIPES["delayed"]()
+    if isinstance(spec, Recipe):
+        return spec
+    if isinstance(spec, str):
+        return _recipe_class(spec)()
+    if isinstance(spec, Mapping):
+        values = dict(spec)
+        name = values.pop("name", None)
+        if name is None:
+            raise ValueError(
+                f"A recipe dict needs a 'name' key (one of {sorted(RECIPES)}); got keys {sorted(values)}."
+            )
+        return _recipe_class(name).from_dict(values)
+    raise TypeError(
+        f"recipe={spec!r} ({type(spec).__name__}) is not a recipe; pass a Recipe, one of {sorted(RECIPES)}, "
+        "or a dict with a 'name' key."
+    )
+
+
+def _recipe_class(name: str) -> type[Recipe]:
+    key = str(name).strip().lower().replace("-", "_")
+    key = ALIASES.get(key, key)
+    if key not in RECIPES:
+        allowed = sorted(RECIPES) + sorted(ALIASES)
+        raise ValueError(f"recipe name {name!r} is unknown; allowed: {', '.join(allowed)}.")
+    return RECIPES[key]

@@ -1,0 +1,110 @@
+"""Blockwise scaling (DeepSeek-V3's recipe, TransformerEngine's ``Float8BlockScaling``): 1x128 tiles for inputs and
+output gradients, 128x128 blocks for weights.
+
+Tiles run along each GEMM's reduction dimension: activations and gradients are cast twice from high precision
+(along the feature and along the token dimension); the weight once, its blocks transposed for the input gradient
+(:mod:`fp8_lightning.blockwise` holds the math).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+
+from fp8_lightning import backends
+from fp8_lightning.blockwise import (
+    COLUMN_TILE,
+    ROW_TILE,
+    WEIGHT_BLOCK,
+    dequantize_blockwise,
+    per_element,
+    quantize_blockwise,
+)
+from fp8_lightning.fine_grained import (
+    block_mm,
+    block_scale_columns,
+    blockwise_shard_reason,
+    pack_shard,
+    traced_fine_cast,
+    unpack_block_scales,
+)
+from fp8_lightning.formats import Format, fp8_dtype
+from fp8_lightning.layer_ops import traced_tile_cast
+from fp8_lightning.quantize import BLOCK, Quantized
+from fp8_lightning.recipes.base import Recipe, check_flags
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockwiseScaling(Recipe):
+    """DeepSeek-V3's block scaling: inputs and output gradients in 1x128 tiles, weights in 128x128 blocks.
+
+    Every tile or block has a float32 scale ``fp8_max / amax`` (rounded down to a power of two when
+    ``power_of_2_scales``, TransformerEngine's default); an all-zero or non-finite block gets scale 1. Tiles run
+    along each GEMM's reduction dimension: activations and gradients are cast twice from high precision (along
+    the feature and along the token dimension); the weight once, its blocks transposed for the input gradient.
+    """
+
+    name: ClassVar[str] = "blockwise"
+    per_tensor: ClassVar[bool] = False
+    operand_kind: ClassVar = BLOCK
+
+    fp8_format: Format = Format.E4M3
+    power_of_2_scales: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_flags(self, "power_of_2_scales")
+
+    # -- the layer ------------------------------------------------------------------------------------------
+
+    def cast(self, role, x, dtype, columnwise, columnwise_f32, state, record):
+        return backends.fine_operands(self, role, x, dtype, columnwise)
+
+    def fine_copies(self, role, x, dtype, columnwise, cast):
+        """1x128 tiles along K for fprop and along x's first dimension for ``x.T``; a weight's 128x128 blocks, whose
+        transpose is W.T's operand."""
+        if role == "weight":
+            return cast(x, dtype, WEIGHT_BLOCK, self.power_of_2_scales, transpose=columnwise)
+        row = cast(x, dtype, ROW_TILE, self.power_of_2_scales)[0]
+        return row, (cast(x, dtype, COLUMN_TILE, self.power_of_2_scales)[0] if columnwise else None)
+
+    def traced_cast(self, x, state, plan, role, dtype, columnwise, record):
+        return traced_fine_cast(x, self, role, dtype, columnwise, traced_tile_cast)
+
+    # -- FSDP2 ----------------------------------------------------------------------------------------------
+
+    def fsdp_unsupported_reason(self, rows: int, cols: int, world_size: int) -> str | None:
+        return blockwise_shard_reason(rows, world_size)
+
+    def fsdp_pack(self, shard, module, global_amax):
+        """The shard's codes, then its 128x128 block scales spread over its rows."""
+        rows, k = shard.shape
+        data, scale = quantize_blockwise(shard, WEIGHT_BLOCK, fp8_dtype(self.fp8_format), self.power_of_2_scales)
+        return pack_shard(data, scale, block_scale_columns(rows, k)), None
+
+    def fsdp_unpack(self, gathered, shard_rows, k, metadata):
+        data = gathered[:, :k].view(fp8_dtype(self.fp8_format))
+        return Quantized(data, unpack_block_scales(gathered, shard_rows, k), BLOCK)
+
+    def fsdp_operands(self, gathered, scaling, metadata, record):
+        """W.T's operand is the gathered blocks transposed (exact, as in one process)."""
+        row = Quantized(gathered.data.contiguous(), gathered.scale.contiguous(), BLOCK)  # dense for the GEMM
+        return row, Quantized(row.data.t(), row.scale.t(), BLOCK)
+
+    # -- cost model -----------------------------------------------------------------------------------------
+
+    def cast_bytes_per_element(self) -> float:
+        """As rowwise: two copies per operand (the weight's second is a transpose of codes, which costs less)."""
+        return 2 * (2 + 2 + 1 + 4 / 128)
+
+
+BLOCK.implement(
+    gemm=block_mm,
+    to_f32=lambda q: dequantize_blockwise(q.data, q.scale),
+    dequantize=lambda q, out_dtype: backends.operand_f32(q).to(out_dtype),
+    scale_multiplier=lambda q, k: per_element(q.scale.float(), q.data.shape)[..., :k],
+    representative_scale=lambda q: q.scale.float().amin().reshape(()),
+)
+
+__all__ = ["BlockwiseScaling"]

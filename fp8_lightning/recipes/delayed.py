@@ -1,0 +1,75 @@
+"""Delayed scaling (TransformerEngine's semantics): per-tensor scales from a rolling history of past amaxes.
+
+The history advances once per optimizer step (:func:`fp8_lightning.scaling.update_scales`, which also agrees the
+step's amaxes across data-parallel ranks); the first use of a tensor scales it just in time from its own amax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+from fp8_lightning import backends
+from fp8_lightning.formats import fp8_max
+from fp8_lightning.recipes.base import AMAX_COMPUTE_ALGOS, invalid
+from fp8_lightning.recipes.per_tensor import PerTensorRecipe
+from fp8_lightning.scaling import delayed_scale
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling(PerTensorRecipe):
+    """Per-tensor scaling from a rolling history of amaxes of previous steps.
+
+    ``scale = (fp8_max / amax) / 2**margin`` with ``amax`` the maximum (``"max"``) or the newest
+    (``"most_recent"``) entry of the last ``amax_history_len`` per-step amaxes. The first use of a tensor
+    scales it just in time from its own amax. ``reduce_amax`` agrees amaxes across data-parallel ranks.
+    """
+
+    name: ClassVar[str] = "delayed"
+    keeps_history: ClassVar[bool] = True
+
+    margin: int = 0
+    amax_history_len: int = 16
+    amax_compute_algo: str = "max"
+    power_of_2_scales: bool = False
+    reduce_amax: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        cls = type(self).__name__
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
+            raise invalid(cls, "margin", self.margin, "an integer >= 0")
+        if (
+            isinstance(self.amax_history_len, bool)
+            or not isinstance(self.amax_history_len, int)
+            or self.amax_history_len < 1
+        ):
+            raise invalid(cls, "amax_history_len", self.amax_history_len, "an integer >= 1")
+        if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+            raise invalid(cls, "amax_compute_algo", self.amax_compute_algo, " or ".join(AMAX_COMPUTE_ALGOS))
+        for flag in ("power_of_2_scales", "reduce_amax"):
+            if not isinstance(getattr(self, flag), bool):
+                raise invalid(cls, flag, getattr(self, flag), "True or False")
+
+    @property
+    def history_len(self) -> int:
+        return self.amax_history_len
+
+    def just_in_time_scale(self, state, clean_amax, host_amax):
+        return delayed_scale(
+            clean_amax.reshape(1), state.scale, fp8_max(state.dtype), self.margin, "max", self.power_of_2_scales
+        )
+
+    def traced_scale(self, clean, scale, flags, dtype):
+        """The stored scale; the first use scales just in time."""
+        fresh = delayed_scale(clean.reshape(1), scale, fp8_max(dtype), self.margin, "max", self.power_of_2_scales)
+        return torch.where(flags[0] > 0, scale, fresh)
+
+    def state_cast(self, state, x, record, transpose):
+        return backends.delayed_state_cast(state, x, record, transpose)
+
+    def cast_bytes_per_element(self) -> float:
+        """The amax comes out of the cast kernel itself: read (2) + write (1) + transposed copy (1 + 1)."""
+        return 5.0

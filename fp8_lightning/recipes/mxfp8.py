@@ -1,0 +1,102 @@
+"""MXFP8 (OCP MX): blocks of ``block_size`` consecutive elements along K share one power-of-two (E8M0) scale.
+
+Block scales follow the reduction dimension, so each GEMM operand is quantized from the high-precision tensor along
+its own K: the rowwise copy for fprop, the columnwise copy (zero-padded to whole blocks) for the backward GEMMs. The
+operand kind ``MX`` runs cuBLAS's native MX GEMM (sm100+), the Triton MX GEMM, or the dequantized operands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+from fp8_lightning import backends
+from fp8_lightning.formats import Format, fp8_dtype
+from fp8_lightning.gemm import mx_mm
+from fp8_lightning.layer_ops import mx_operand_cast
+from fp8_lightning.mx import E8M0_DTYPE, e8m0_to_float
+from fp8_lightning.quantize import MX, Quantized
+from fp8_lightning.recipes.base import MX_BLOCK_SIZES, SCALE_ROUNDINGS, Recipe, multiple_reason, invalid
+
+
+@dataclasses.dataclass(frozen=True)
+class MXFP8BlockScaling(Recipe):
+    """MXFP8: ``block_size`` consecutive elements along K share one power-of-two (E8M0) scale.
+
+    ``scale_rounding="rceil"`` (cuBLAS/TE) picks the smallest power of two that keeps every block value within
+    the FP8 range; ``"floor"`` (OCP MX v1.0) uses ``floor(log2(amax)) - emax`` and saturates the few values that
+    overflow. Scales are powers of two by construction. Data is E4M3; ``fp8_format=HYBRID`` makes the output
+    gradient E5M2.
+    """
+
+    name: ClassVar[str] = "mxfp8"
+    per_tensor: ClassVar[bool] = False
+    operand_kind: ClassVar = MX
+
+    fp8_format: Format = Format.E4M3
+    block_size: int = 32
+    scale_rounding: str = "rceil"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        cls = type(self).__name__
+        if self.block_size not in MX_BLOCK_SIZES or isinstance(self.block_size, bool):
+            raise invalid(cls, "block_size", self.block_size, f"one of {MX_BLOCK_SIZES} (OCP MX uses 32)")
+        if self.scale_rounding not in SCALE_ROUNDINGS:
+            raise invalid(cls, "scale_rounding", self.scale_rounding, " or ".join(SCALE_ROUNDINGS))
+
+    def shape_unsupported_reason(self, in_features: int, out_features: int) -> str | None:
+        return multiple_reason(self, in_features, out_features, self.block_size)
+
+    def cast(self, role, x, dtype, columnwise, columnwise_f32, state, record):
+        return backends.quantize_mx_operands(
+            x, self.block_size, self.scale_rounding, dtype, columnwise, columnwise_f32
+        )
+
+    def traced_cast(self, x, state, plan, role, dtype, columnwise, record):
+        return mx_operand_cast(x, self.block_size, self.scale_rounding, dtype, columnwise)
+
+    # -- FSDP2 ----------------------------------------------------------------------------------------------
+
+    def fsdp_unsupported_reason(self, rows: int, cols: int, world_size: int) -> str | None:
+        if cols % self.block_size:
+            return f"in_features={cols} is not divisible by the MX block size {self.block_size}"
+        return None
+
+    def fsdp_pack(self, shard, module, global_amax):
+        """Blocks run along K and FSDP2 shards rows, so each rank quantizes its rows; each row carries its K data
+        bytes, then its K / block scale bytes (one all-gather input per weight)."""
+        q = backends.quantize_mx_operand(shard, self.block_size, self.scale_rounding, fp8_dtype(self.fp8_format))
+        return torch.cat([q.data.view(torch.uint8), q.scale.view(torch.uint8)], dim=1), None
+
+    def fsdp_unpack(self, gathered, shard_rows, k, metadata):
+        return Quantized(gathered[:, :k].view(fp8_dtype(self.fp8_format)), gathered[:, k:].view(E8M0_DTYPE), MX)
+
+    def fsdp_operands(self, gathered, scaling, metadata, record):
+        """dgrad's columnwise copy is quantized along N from the exactly dequantized gathered weight: no rank
+        holds the high-precision weight in full (a second rounding of W in dgrad only)."""
+        row = Quantized(gathered.data.contiguous(), gathered.scale.contiguous(), MX)  # dense for the GEMM
+        values = backends.operand_f32(row)
+        return row, backends.quantize_mx_columns(values, self.block_size, self.scale_rounding, row.data.dtype)
+
+    def cast_bytes_per_element(self) -> float:
+        """Rowwise and columnwise copies each read bf16 and write codes and block scales."""
+        return 2 * (2 + 1 + 1 / self.block_size)
+
+
+def _mx_multiplier(q: Quantized, k: int) -> torch.Tensor:
+    block = q.data.shape[-1] // q.scale.shape[-1]
+    return e8m0_to_float(q.scale).reciprocal().repeat_interleave(block, dim=-1)[..., :k]
+
+
+MX.implement(
+    gemm=mx_mm,
+    to_f32=lambda q: backends.dequantize_mxfp8(q.data, q.scale),
+    dequantize=lambda q, out_dtype: backends.operand_f32(q).to(out_dtype),
+    scale_multiplier=_mx_multiplier,
+    representative_scale=lambda q: e8m0_to_float(q.scale).amax().reciprocal(),
+)
+
+__all__ = ["MXFP8BlockScaling"]

@@ -1,0 +1,135 @@
+"""What delayed and tensorwise scaling share: one scale per tensor, kept in an :class:`OperandScaling` per GEMM role.
+
+A per-tensor operand transposes freely (a transpose does not change its scale), so the backward GEMMs multiply the
+transposed FP8 bytes of the forward casts. The family's operand kind, ``TENSOR``, runs the per-tensor GEMM
+(``torch._scaled_mm`` on CUDA, the float GEMM on CPU). A subclass says how a fresh scale is made
+(:meth:`PerTensorRecipe.just_in_time_scale` and its traced twin :meth:`PerTensorRecipe.traced_scale`); one that keeps
+an amax history (delayed) also sets ``keeps_history``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+from fp8_lightning import backends
+from fp8_lightning.formats import fp8_dtype
+from fp8_lightning.gemm import per_tensor_mm, per_tensor_scaled_mm
+from fp8_lightning.quantize import TENSOR, Quantized, amax, dequantize_with_scale, to_fp8_saturated, wide
+from fp8_lightning.recipes.base import Recipe
+from fp8_lightning.scaling import OperandScaling, finite_or_zero
+from fp8_lightning.traced import TracedPlan, plan_for
+
+
+@dataclasses.dataclass(frozen=True)
+class PerTensorRecipe(Recipe):
+    """Base of the per-tensor recipes: the layer keeps an :class:`OperandScaling` per GEMM role.
+
+    A subclass defines :meth:`just_in_time_scale` (eager) and :meth:`traced_scale` (traced) with the same bits; the
+    rest of the family's behaviour is here.
+    """
+
+    per_tensor: ClassVar[bool] = True
+    operand_kind: ClassVar = TENSOR
+    global_weight_amax: ClassVar[bool] = True
+    keeps_history: ClassVar[bool] = False  # scales come from an amax history (advanced once per optimizer step)
+
+    @property
+    def history_len(self) -> int:
+        return 1
+
+    # -- scales ---------------------------------------------------------------------------------------------
+
+    def just_in_time_scale(self, state: OperandScaling, clean_amax: torch.Tensor, host_amax: float | None):
+        """The scale of a cast that computes its own (every cast, or a history's first): from ``clean_amax`` (NaN
+        and inf replaced by 0) or the same amax read on the host (``host_amax``, when finite and known)."""
+        raise NotImplementedError(f"{type(self).__name__} does not define just_in_time_scale()")
+
+    def traced_scale(self, clean: torch.Tensor, scale: torch.Tensor, flags: torch.Tensor, dtype: torch.dtype):
+        """:meth:`just_in_time_scale` as traceable code: ``scale`` is the stored scale, ``flags`` the state's
+        ``[initialized, observed]``."""
+        raise NotImplementedError(f"{type(self).__name__} does not define traced_scale()")
+
+    def state_cast(self, state: OperandScaling, x: torch.Tensor, record: bool, transpose: bool):
+        """The whole cast with its bookkeeping in a fused kernel where one runs (CUDA), else None."""
+        return None
+
+    # -- the layer ------------------------------------------------------------------------------------------
+
+    def operand_states(self, forward_dtype: torch.dtype, backward_dtype: torch.dtype) -> dict[str, OperandScaling]:
+        return {
+            "input": OperandScaling(self, forward_dtype),
+            "weight": OperandScaling(self, forward_dtype),
+            "grad_output": OperandScaling(self, backward_dtype),
+        }
+
+    def cast(self, role, x, dtype, columnwise, columnwise_f32, state, record):
+        """The operand with ``state``'s scale; with ``columnwise`` the cast kernels (CUDA) also write the
+        transposed bytes, which :meth:`transposed` hands out (``Quantized.transposed``)."""
+        return state.quantize(x, record, transpose=columnwise), None
+
+    def transposed(self, row: Quantized, column: Quantized | None) -> Quantized:
+        return row.t()
+
+    def traced_plan(self, device: torch.device, out_dtype: torch.dtype, emulate: bool) -> TracedPlan:
+        return plan_for(self, device, out_dtype, emulate, scaled_mm=per_tensor_scaled_mm(device, emulate))
+
+    def traced_cast(self, x, state, plan, role, dtype, columnwise, record):
+        """The reference math in plain tensor operations, which the compiler fuses (amax, scale and cast in one or
+        two kernels), with the scaling state updated in place as :meth:`OperandScaling.quantize` updates it."""
+        scale, pending, last_amax, count, flags = state
+        x_amax = amax(x)
+        clean = finite_or_zero(x_amax)
+        used = self.traced_scale(clean, scale, flags, dtype)
+        data = to_fp8_saturated(wide(x) * used, dtype)
+        data_t = data.t().contiguous() if plan.transpose else data.t()
+        if not record:  # evaluation leaves the state as training left it
+            return data, used, data_t, None
+        with torch.no_grad():
+            scale.copy_(used)
+            last_amax.copy_(x_amax)
+            count.add_((clean != x_amax).to(count.dtype))
+            flags[0] = 1.0
+            if self.keeps_history:
+                pending.copy_(torch.maximum(pending, clean))
+                flags[1] = 1.0
+        return data, used, data_t, None
+
+    # -- FSDP2 ----------------------------------------------------------------------------------------------
+
+    def fsdp_pack(self, shard, module, global_amax):
+        """One scale for the whole weight, identical on every rank, from the agreed amax of the whole weight (as
+        the layer would pick it in one process); it travels as metadata, the codes through the collective."""
+        state = module.fp8_scaling(self).operands["weight"]
+        agreed = global_amax()
+        state.move_to(agreed.device)
+        clean = finite_or_zero(agreed)  # evaluation keeps the state as training left it
+        scale = state.scale_for(clean) if module.training else state.evaluation_scale(clean)
+        data = backends.quantize_with_scale(shard, scale, fp8_dtype(self.fp8_format))
+        return data.view(torch.uint8), (scale, agreed)
+
+    def fsdp_unpack(self, gathered, shard_rows, k, metadata):
+        return Quantized(gathered.view(fp8_dtype(self.fp8_format)), metadata[0], TENSOR)
+
+    def fsdp_operands(self, gathered, scaling, metadata, record):
+        scaling.operands["weight"].book(metadata[1], record)  # counted as a local cast counts itself
+        return gathered, None
+
+
+def _tensor_f32(q: Quantized) -> torch.Tensor:
+    return backends.fp8_to_float32(q.data, q.nan_free)
+
+
+def _tensor_dequantize(q: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+    return dequantize_with_scale(q.data, q.scale, out_dtype)
+
+
+TENSOR.implement(
+    gemm=per_tensor_mm,
+    to_f32=_tensor_f32,
+    dequantize=_tensor_dequantize,
+    scale_multiplier=lambda q, k: q.scale.float(),
+    representative_scale=lambda q: q.scale.float().amin().reshape(()),
+)

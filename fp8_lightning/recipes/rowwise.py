@@ -1,0 +1,127 @@
+"""Rowwise scaling (torchao's ``rowwise`` and ``rowwise_with_gw_hp``): one scale per row of each GEMM operand.
+
+Each GEMM casts its operands from high precision along its own reduction dimension (:mod:`fp8_lightning.rowwise`
+holds the math). With ``high_precision_wgrad`` the weight gradient is computed in high precision and the weight of
+the input-gradient GEMM is scaled per tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+from fp8_lightning import backends
+from fp8_lightning.fine_grained import SCALE_BYTES, pack_shard
+from fp8_lightning.fine_grained import fine_operands, high_precision_gemm, row_mm, traced_fine_cast
+from fp8_lightning.formats import Format, fp8_dtype
+from fp8_lightning.layer_ops import traced_tile_cast
+from fp8_lightning.kernels.fine_grained_layout import ROWWISE_TILES
+from fp8_lightning.quantize import HIGH_PRECISION, ROW, Quantized, dequantize_with_scale
+from fp8_lightning.recipes.base import Recipe, check_flags, invalid
+from fp8_lightning.rowwise import (
+    dequantize_rowwise,
+    high_precision_operand,
+    quantize_rowwise,
+    tensorwise_column_operand,
+)
+from fp8_lightning.traced import plan_for
+
+
+@dataclasses.dataclass(frozen=True)
+class RowwiseScaling(Recipe):
+    """One scale per row of every GEMM operand, taken along the GEMM's reduction dimension (current scaling).
+
+    ``scale = fp8_max / max(amax_row, eps)`` (torchao's rule, rounded down to a power of two when
+    ``power_of_2_scales``); a row whose amax is inf or NaN gets scale 1. Each of the three GEMMs casts its operands
+    from high precision along its own reduction dimension. ``high_precision_wgrad=True`` is torchao's
+    ``rowwise_with_gw_hp``: the weight gradient is computed in high precision and the weight of the input-gradient
+    GEMM is scaled per tensor. Defaults (E4M3 everywhere, power-of-two scales) are torchao's ``rowwise``.
+    """
+
+    name: ClassVar[str] = "rowwise"
+    per_tensor: ClassVar[bool] = False
+    operand_kind: ClassVar = ROW
+
+    fp8_format: Format = Format.E4M3
+    power_of_2_scales: bool = True
+    high_precision_wgrad: bool = False
+    eps: float = 1e-12
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_flags(self, "power_of_2_scales", "high_precision_wgrad")
+        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not 0 < self.eps < 1:
+            raise invalid(type(self).__name__, "eps", self.eps, "a number in (0, 1)")
+        object.__setattr__(self, "eps", float(self.eps))
+
+    # -- the layer ------------------------------------------------------------------------------------------
+
+    def cast(self, role, x, dtype, columnwise, columnwise_f32, state, record):
+        return backends.fine_operands(self, role, x, dtype, columnwise)
+
+    def fine_copies(self, role, x, dtype, columnwise, cast):
+        """A scale per row along K for fprop; for ``x.T`` a scale per column of ``x``, or with a high-precision
+        weight gradient ``x.T`` itself (and ``W.T`` with one scale for dgrad)."""
+        per_row, per_column = ROWWISE_TILES
+        row = cast(x, dtype, per_row, self.power_of_2_scales, self.eps)[0]
+        if not columnwise:
+            return row, None
+        if not self.high_precision_wgrad:
+            return row, cast(x, dtype, per_column, self.power_of_2_scales, self.eps)[0]
+        if role == "weight":
+            return row, tensorwise_column_operand(x, dtype, self.eps, self.power_of_2_scales)
+        return row, high_precision_operand(x)
+
+    def traced_plan(self, device, out_dtype, emulate):
+        return plan_for(self, device, out_dtype, emulate, wgrad_kind=HIGH_PRECISION if self.high_precision_wgrad else ROW)
+
+    def traced_cast(self, x, state, plan, role, dtype, columnwise, record):
+        return traced_fine_cast(x, self, role, dtype, columnwise, traced_tile_cast)
+
+    # -- FSDP2 ----------------------------------------------------------------------------------------------
+
+    def fsdp_pack(self, shard, module, global_amax):
+        """Each row's K codes, then the 4 bytes of its float32 scale."""
+        data, scale = quantize_rowwise(shard, fp8_dtype(self.fp8_format), -1, self.eps, self.power_of_2_scales)
+        return pack_shard(data, scale, SCALE_BYTES), None
+
+    def fsdp_unpack(self, gathered, shard_rows, k, metadata):
+        data = gathered[:, :k].view(fp8_dtype(self.fp8_format))
+        return Quantized(data, gathered[:, k : k + SCALE_BYTES].contiguous().view(torch.float32), ROW)
+
+    def fsdp_operands(self, gathered, scaling, metadata, record):
+        """dgrad needs W scaled down its columns, which no rank can compute from its rows: it is quantized from the
+        gathered weight dequantized exactly (a second rounding in dgrad only, as MXFP8 does)."""
+        row = Quantized(gathered.data.contiguous(), gathered.scale.contiguous(), ROW)  # dense for the GEMM
+        values = dequantize_rowwise(row.data, row.scale)
+        return row, fine_operands(self, "weight", values, row.data.dtype, columnwise=True)[1]
+
+    # -- cost model -----------------------------------------------------------------------------------------
+
+    def cast_bytes_per_element(self) -> float:
+        """Two copies per operand, each an amax pass and a cast pass over bf16 plus the codes, and a float32 scale
+        per row (counted as 4/128)."""
+        return 2 * (2 + 2 + 1 + 4 / 128)
+
+    def fp8_gemms(self) -> int:
+        return 2 if self.high_precision_wgrad else 3
+
+
+ROW.implement(
+    gemm=row_mm,
+    to_f32=lambda q: backends.fp8_to_float32(q.data, q.nan_free),
+    dequantize=lambda q, out_dtype: dequantize_with_scale(q.data, q.scale, out_dtype),
+    scale_multiplier=lambda q, k: q.scale.float(),
+    representative_scale=lambda q: q.scale.float().amin().reshape(()),
+)
+HIGH_PRECISION.implement(
+    gemm=high_precision_gemm,
+    to_f32=lambda q: q.data.float(),
+    dequantize=lambda q, out_dtype: backends.operand_f32(q).to(out_dtype),
+    scale_multiplier=lambda q, k: q.scale.float(),
+    representative_scale=lambda q: q.scale.float().amin().reshape(()),
+)
+
+__all__ = ["RowwiseScaling"]
