@@ -249,12 +249,30 @@ def checkpoint_path(trainer) -> str | None:
     return ckpt.best_model_path or ckpt.last_model_path or None
 
 
+def prepare_resume(ckpt_path: str | None, plugins: list) -> str | None:
+    """Check the checkpoint file to resume from (one clear :class:`ConfigError` for a missing, truncated or corrupted
+    file, instead of the reader's EOFError) and tell the FP8 plugin its path, which its load errors name."""
+    if not ckpt_path or str(ckpt_path) in ("last", "best", "hpc", "registry"):  # Lightning resolves these itself
+        return ckpt_path
+    from fp8_lightning.lightning.checkpoint import CheckpointFileError, check_checkpoint_file
+
+    try:
+        check_checkpoint_file(ckpt_path)
+    except CheckpointFileError as err:
+        raise ConfigError(f"ckpt_path={str(ckpt_path)!r}: {err}") from None
+    for plugin in plugins:
+        if hasattr(plugin, "checkpoint_path"):
+            plugin.checkpoint_path = str(ckpt_path)
+    return ckpt_path
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train (and finally validate) as configured; return the summary dict."""
     check_config(cfg)
     parts = build(cfg)
     trainer, model, datamodule, monitor = parts["trainer"], parts["model"], parts["datamodule"], parts["monitor"]
-    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    ckpt_path = prepare_resume(cfg.get("ckpt_path"), parts["plugins"])
+    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     if cfg.get("validate_at_end") and monitor.last_val_step != trainer.global_step:
         trainer.validate(model, datamodule=datamodule, verbose=False)
     val_loss = _metric(trainer, "val/loss")
