@@ -38,6 +38,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from fp8_lightning.recipes import recipe_from
+from hydra_plugins.fp8_lightning_searchpath.fp8_lightning_searchpath import register_resolvers
+
+register_resolvers()  # ${fp8.pid:} in the run folder's name (conf/hydra/default.yaml)
 
 CHECKOUT_CONF = Path(__file__).resolve().parent.parent / "conf"
 CONFIG_NAME = "train"
