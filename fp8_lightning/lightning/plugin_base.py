@@ -75,6 +75,24 @@ def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     )
 
 
+_TRUE_STRINGS, _FALSE_STRINGS = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def strict_bool(value: Any, owner: str, name: str) -> bool:
+    """A flag given as a bool (or 0/1), or as a string of one ("true"/"false", "1"/"0", "yes"/"no", "on"/"off", any
+    case: YAML and command lines pass strings); anything else is refused, since ``bool("false")`` is True."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE_STRINGS + _FALSE_STRINGS:
+        return value.strip().lower() in _TRUE_STRINGS
+    raise ValueError(
+        f"{owner}({name}={value!r}): {name} takes True or False (or the strings 'true'/'false'); got a "
+        f"{type(value).__name__}. Pass {name}=True or {name}=False."
+    )
+
+
 def autocast_contexts(dtype: torch.dtype | None) -> list[ContextManager]:
     """torch autocast contexts for the high-precision parts. Autocast for a device type only affects ops on that
     device, so enabling CUDA's on a machine with a GPU leaves a CPU run in float32."""
