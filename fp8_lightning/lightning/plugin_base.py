@@ -292,7 +292,9 @@ class FP8PrecisionMixin:
                 )
         modules = state_dict.get("modules", [])
         if not isinstance(modules, list):
-            raise ValueError(f"The FP8 scaling state in {where} has 'modules' of type {type(modules).__name__}, not a list. {fix}")
+            raise ValueError(
+                f"The FP8 scaling state in {where} has 'modules' of type {type(modules).__name__}, not a list. {fix}"
+            )
         for module_state in modules:
             check_fp8_state(module_state, source)
 
