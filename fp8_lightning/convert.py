@@ -15,9 +15,11 @@ once-per-step amax reduction and scale update for the whole model.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import types
 from typing import Callable, Iterator
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
@@ -153,19 +155,153 @@ def fp8_state_dict(module: nn.Module) -> dict:
     return out
 
 
-def load_fp8_state_dict(module: nn.Module, state: dict, strict: bool = True) -> None:
-    """Restore what :func:`fp8_state_dict` saved. ``strict`` refuses missing or unexpected layers."""
+def load_fp8_state_dict(module: nn.Module, state: dict, strict: bool = True, source: str | None = None) -> None:
+    """Restore what :func:`fp8_state_dict` saved. ``strict`` refuses missing or unexpected layers.
+
+    The state is checked before anything is restored (:func:`check_fp8_state`): finite, positive scales, finite
+    non-negative amaxes, and tensors of the shapes this model's layers hold. ``source`` (a checkpoint path) is
+    named in the errors.
+    """
+    where = _where(source)
     layers = dict(fp8_modules(module))
     if strict and set(layers) != set(state):
         missing, unexpected = sorted(set(layers) - set(state)), sorted(set(state) - set(layers))
         raise KeyError(
-            f"FP8 scaling state does not match the model: missing {missing}, unexpected {unexpected}. "
+            f"FP8 scaling state in {where} does not match the model: missing {missing}, unexpected {unexpected}. "
             "Convert the same layers as the run that saved it, or load with strict=False."
         )
+    check_fp8_state(state, source)
+    restores = []
     for name, saved in state.items():
         layer = layers.get(name)
         if layer is None:
             continue
-        layer.fp8_disabled_reason = saved["disabled_reason"]
         for entry in saved["scalings"]:
-            layer.fp8_scaling(recipe_from(entry["recipe"])).load_state_dict(entry)
+            scaling = layer.fp8_scaling(recipe_from(entry["recipe"]))
+            _check_shapes(entry, scaling.state_dict(), f"layer {name!r}", where)
+            restores.append((scaling, entry))
+    for name, saved in state.items():  # everything checked: restore
+        if name in layers:
+            layers[name].fp8_disabled_reason = saved["disabled_reason"]
+    for scaling, entry in restores:
+        scaling.load_state_dict(entry)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Checking saved scaling state
+# --------------------------------------------------------------------------------------------------------
+
+_POSITIVE = ("scale",)  # a scale divides and multiplies every value: 0, negative, NaN or inf corrupts training
+_NON_NEGATIVE = ("amax_history", "pending_amax")  # amaxes that feed future scales (NaN/inf never enter them)
+
+
+def _where(source: str | None) -> str:
+    return f"checkpoint {source}" if source else "the checkpoint being loaded"
+
+
+def check_fp8_state(state: dict, source: str | None = None) -> None:
+    """Raise ``ValueError`` when the saved scaling state of :func:`fp8_state_dict` is malformed or holds a scale
+    that is not finite and positive, or an amax history that is not finite and non-negative: values training
+    never writes, so the checkpoint is corrupted (or was edited). ``source`` (a checkpoint path) is named."""
+    where = _where(source)
+    fix = (
+        "Resume from an earlier checkpoint, or remove the FP8 scaling state from this one to restart FP8 scaling "
+        "from scratch (the model weights are not affected)."
+    )
+    if not isinstance(state, dict):
+        raise ValueError(f"The FP8 scaling state in {where} is a {type(state).__name__}, not a dict of layers. {fix}")
+    for name, saved in state.items():
+        if not isinstance(saved, dict) or not isinstance(saved.get("scalings"), list) or "disabled_reason" not in saved:
+            raise ValueError(
+                f"The FP8 scaling state of layer {name!r} in {where} is malformed (expected a dict with "
+                f"'disabled_reason' and a list 'scalings'; got {_describe(saved)}). {fix}"
+            )
+        for entry in saved["scalings"]:
+            if not isinstance(entry, dict) or "recipe" not in entry:
+                raise ValueError(
+                    f"The FP8 scaling state of layer {name!r} in {where} holds a scaling entry without its recipe "
+                    f"({_describe(entry)}). {fix}"
+                )
+            for path, key, value in _tensors(entry, f"layer {name!r}"):
+                bad = _bad_value(key, value)
+                if bad:
+                    raise ValueError(f"The FP8 scaling state in {where} is corrupted: {path} {bad}. {fix}")
+
+
+def _describe(value) -> str:
+    return f"{type(value).__name__} with keys {sorted(map(str, value))}" if isinstance(value, dict) else type(value).__name__
+
+
+def _tensors(value, path: str):
+    """(path, key, tensor) for every tensor in nested dicts."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if key == "recipe":
+                continue
+            if torch.is_tensor(item):
+                yield f"{path}, {key!r}", key, item
+            else:
+                yield from _tensors(item, f"{path}, {key!r}")
+
+
+def _bad_value(key: str, value: torch.Tensor) -> str | None:
+    if key not in _POSITIVE + _NON_NEGATIVE or value.numel() == 0:
+        return None
+    if not value.is_floating_point():
+        return f"has dtype {value.dtype}; a floating-point tensor is expected"
+    values = value.detach().float()
+    if not bool(torch.isfinite(values).all()):
+        return f"= {_show(values)} is not finite; scales and amaxes must be finite"
+    if key in _POSITIVE and not bool((values > 0).all()):
+        return f"= {_show(values)}; scales must be positive"
+    if key in _NON_NEGATIVE and not bool((values >= 0).all()):
+        return f"= {_show(values)}; amaxes must be non-negative"
+    return None
+
+
+def _show(values: torch.Tensor) -> str:
+    return str(values.item()) if values.numel() == 1 else f"{values.flatten()[:8].tolist()} (shape {tuple(values.shape)})"
+
+
+def _check_shapes(saved: dict, current: dict, path: str, where: str) -> None:
+    """Refuse a saved tensor whose shape differs from the one this layer holds (the recipe's amax_history_len, or
+    the layer's size, changed since it was saved)."""
+    for key, value in saved.items():
+        here = current.get(key) if isinstance(current, dict) else None
+        if isinstance(value, dict) and isinstance(here, dict):
+            _check_shapes(value, here, f"{path}, {key!r}", where)
+        elif torch.is_tensor(value) and torch.is_tensor(here) and value.shape != here.shape:
+            raise ValueError(
+                f"The FP8 scaling state in {where} does not fit this model: {path}, {key!r} has shape "
+                f"{tuple(value.shape)} there but {tuple(here.shape)} here (was amax_history_len or the layer changed?). "
+                "Resume with the recipe the checkpoint was saved with, or remove its FP8 scaling state to restart "
+                "FP8 scaling from scratch."
+            )
+
+
+def fp8_state_checksum(state) -> str:
+    """sha256 of a (nested) scaling state: every tensor's dtype, shape and bytes, and every other value's repr,
+    in key order. Saved with the state and compared on load, so that a changed byte is refused."""
+    digest = hashlib.sha256()
+    _feed(digest, state)
+    return digest.hexdigest()
+
+
+def _feed(digest, value) -> None:
+    if isinstance(value, dict):
+        digest.update(b"{")
+        for key in sorted(value, key=repr):
+            digest.update(repr(key).encode() + b":")
+            _feed(digest, value[key])
+        digest.update(b"}")
+    elif isinstance(value, (list, tuple)):
+        digest.update(b"[")
+        for item in value:
+            _feed(digest, item)
+        digest.update(b"]")
+    elif torch.is_tensor(value):
+        flat = value.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"<{flat.dtype} {tuple(value.shape)}>".encode())
+        digest.update(flat.view(torch.uint8).numpy().tobytes())
+    else:
+        digest.update(repr(value).encode())

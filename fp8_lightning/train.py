@@ -38,6 +38,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from fp8_lightning.recipes import recipe_from
+from hydra_plugins.fp8_lightning_searchpath.fp8_lightning_searchpath import register_resolvers
+
+register_resolvers()  # ${fp8.pid:} in the run folder's name (conf/hydra/default.yaml)
 
 CHECKOUT_CONF = Path(__file__).resolve().parent.parent / "conf"
 CONFIG_NAME = "train"
@@ -187,8 +190,22 @@ def build_precision(cfg: DictConfig) -> tuple[str | None, list]:
     if plugin_cfg is None:
         return str(cfg.precision.lightning), []
     dtype = plugin_cfg.get("dtype")
-    overrides = {"dtype": getattr(torch, str(dtype))} if isinstance(dtype, str) else {}
+    overrides = {"dtype": plugin_dtype(dtype)} if isinstance(dtype, str) else {}
     return None, [instantiate(plugin_cfg, "precision.plugin", **overrides)]
+
+
+def plugin_dtype(name: str) -> torch.dtype:
+    """The torch dtype ``precision.plugin.dtype`` names, or a :class:`ConfigError` saying what is allowed."""
+    from fp8_lightning.lightning.plugin_base import parse_dtype
+
+    try:
+        return parse_dtype(name)
+    except ValueError:
+        raise ConfigError(
+            f"precision.plugin.dtype={name!r} is not a dtype for the non-FP8 parts; allowed: float32, bfloat16, "
+            "float16 (or fp32, bf16, fp16). Override it like precision.plugin.dtype=bfloat16, or precision.plugin."
+            "dtype=null for the device default (bf16 autocast on CUDA, float32 on CPU)."
+        ) from None
 
 
 def build_strategy(cfg: DictConfig) -> Any:
@@ -249,12 +266,48 @@ def checkpoint_path(trainer) -> str | None:
     return ckpt.best_model_path or ckpt.last_model_path or None
 
 
+def check_data(model: Any, datamodule: Any) -> None:
+    """Read the data before training (a :class:`ConfigError` for an empty folder, empty files or text shorter than a
+    block, instead of a traceback from inside ``fit``), and check the model's vocabulary covers the data's."""
+    try:
+        datamodule.setup("fit")  # idempotent: fit's own call reuses what this read
+    except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(f"the data cannot be used: {err}") from None
+    data_vocab = getattr(datamodule, "vocab_size", None)
+    model_vocab = getattr(getattr(model, "hparams", {}), "get", lambda _: None)("vocab_size")
+    if data_vocab is not None and model_vocab is not None and int(model_vocab) < int(data_vocab):
+        raise ConfigError(
+            f"model.vocab_size={model_vocab} is smaller than the data's vocabulary ({data_vocab} token ids, "
+            f"{type(datamodule).__name__}): token ids from {model_vocab} up would index past the embedding. Set "
+            f"model.vocab_size={data_vocab} (or larger, a multiple of 32)."
+        )
+
+
+def prepare_resume(ckpt_path: str | None, plugins: list) -> str | None:
+    """Check the checkpoint file to resume from (one clear :class:`ConfigError` for a missing, truncated or corrupted
+    file, instead of the reader's EOFError) and tell the FP8 plugin its path, which its load errors name."""
+    if not ckpt_path or str(ckpt_path) in ("last", "best", "hpc", "registry"):  # Lightning resolves these itself
+        return ckpt_path
+    from fp8_lightning.lightning.checkpoint import CheckpointFileError, check_checkpoint_file
+
+    try:
+        check_checkpoint_file(ckpt_path)
+    except CheckpointFileError as err:
+        raise ConfigError(f"ckpt_path={str(ckpt_path)!r}: {err}") from None
+    for plugin in plugins:
+        if hasattr(plugin, "checkpoint_path"):
+            plugin.checkpoint_path = str(ckpt_path)
+    return ckpt_path
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train (and finally validate) as configured; return the summary dict."""
     check_config(cfg)
     parts = build(cfg)
     trainer, model, datamodule, monitor = parts["trainer"], parts["model"], parts["datamodule"], parts["monitor"]
-    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    check_data(model, datamodule)
+    ckpt_path = prepare_resume(cfg.get("ckpt_path"), parts["plugins"])
+    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     if cfg.get("validate_at_end") and monitor.last_val_step != trainer.global_step:
         trainer.validate(model, datamodule=datamodule, verbose=False)
     val_loss = _metric(trainer, "val/loss")

@@ -7,9 +7,12 @@ element. The C functions do each in one pass, with the same bits (``tests/core/t
 them with the pure-torch code on every class of input, both formats, both MX roundings, float32 and bfloat16).
 
 Build: ``$CC`` (default ``cc``) with ``-O3 -march=native`` (without ``-march=native`` where the compiler refuses
-it) into ``$FP8_LIGHTNING_CACHE`` (default ``~/.cache/fp8_lightning``), named by a hash of the source, the flags,
-the compiler and the CPU, and written atomically (concurrent processes may build it at once). It takes about a
-second, once per machine. Without a compiler, or when the build fails, :func:`status` says why and the library
+it) into ``$FP8_LIGHTNING_CACHE`` (default ``~/.cache/fp8_lightning``). It takes about a second, once per machine.
+Each build is recorded in ``cpu_codec-<key>.json``, keyed by a hash of the source, the flags, the compiler and the
+CPU: the library's file name (fresh for every build), its size and sha256, and the source's sha256. The library and
+then its record are written to temporary files and renamed into place (concurrent processes may build at once).
+A library is loaded only when its size and sha256 match its record: a truncated file (which would kill the process
+with SIGBUS) or a foreign one is never loaded, and is rebuilt under a fresh name. Without a compiler, or when the build fails, :func:`status` says why and the library
 keeps its pure-torch code, which computes the same bits more slowly. ``FP8_LIGHTNING_DISABLE_CPU_CODEC=1`` asks for
 the pure-torch code (read on every call).
 
@@ -22,11 +25,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -91,36 +96,101 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         source = SOURCE.read_bytes()
     except OSError as err:
         return None, f"the codec's source is missing ({err}); reinstall fp8-lightning"
+    source_hash = hashlib.sha256(source).hexdigest()
     folder = settings().cache
-    errors = []
+    errors, rejected = [], []
     for flags in (["-O3", "-march=native"], ["-O3"]):
         key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), compiler.encode(),
                                           platform.machine().encode(), _cpu_fingerprint().encode()]))
-        target = folder / f"cpu_codec-{key.hexdigest()[:16]}.so"
+        manifest = folder / f"cpu_codec-{key.hexdigest()[:16]}.json"
         try:
-            if not target.exists():
-                _build(compiler, flags, folder, target)
+            target, problem = _verified(manifest, source_hash)
+            if problem:
+                rejected.append(problem)
+            if target is None:  # missing or failed verification: a fresh build under a fresh name
+                target = _build(compiler, flags, folder, manifest, source_hash)
             return _bind(ctypes.CDLL(str(target))), str(target)
-        except (OSError, subprocess.CalledProcessError) as err:
+        except (OSError, AttributeError, ValueError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as err:
             detail = getattr(err, "stderr", None) or err
             errors.append(f"{' '.join(flags)}: {str(detail).strip()[:300]}")
     return None, (
-        f"building the CPU codec in {folder} failed (" + "; ".join(errors) + f"); set {CACHE_ENV} to a writable "
-        "folder if that one is not, or CC to a working C compiler"
+        f"building the CPU codec in {folder} failed (" + "; ".join(rejected + errors) + f"); set {CACHE_ENV} to a "
+        "writable folder if that one is not, or CC to a working C compiler"
     )
 
 
-def _build(compiler: str, flags: list[str], folder: Path, target: Path) -> None:
+def _file_digest(path: Path) -> tuple[int, str]:
+    """(size in bytes, sha256 hex digest) of the file at ``path``."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def _verified(manifest: Path, source_hash: str) -> tuple[Path | None, str | None]:
+    """The library a build recorded in ``manifest`` when its size and sha256 still match the record and it was
+    built from this source, else ``(None, why)`` (``(None, None)`` when nothing was built yet).
+
+    A library is only loaded after this check: a truncated file would kill the process with SIGBUS when the
+    loader maps it, and a file put there by something else would be executed.
+    """
+    try:
+        record = json.loads(manifest.read_text())
+    except FileNotFoundError:
+        return None, None
+    except (OSError, ValueError) as err:
+        return None, f"unreadable record {manifest} ({err}), rebuilt"
+    if not isinstance(record, dict) or not isinstance(record.get("library"), str):
+        return None, f"malformed record {manifest}, rebuilt"
+    library = manifest.parent / Path(record["library"]).name
+    if record.get("source_sha256") != source_hash:
+        return None, f"{library.name} was built from another source, rebuilt"
+    try:
+        size, digest = _file_digest(library)
+    except OSError as err:
+        return None, f"cached library {library} is unreadable ({err}), rebuilt"
+    if (size, digest) != (record.get("size"), record.get("sha256")):
+        _remove(library)  # corrupt or foreign: never loaded; processes that mapped it keep their copy
+        return None, (
+            f"cached library {library.name} did not match its record (size {size} bytes, recorded "
+            f"{record.get('size')}; sha256 {'matches' if digest == record.get('sha256') else 'differs'}), rebuilt"
+        )
+    return library, None
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
+
+
+def _build(compiler: str, flags: list[str], folder: Path, manifest: Path, source_hash: str) -> Path:
+    """Compile the codec into a fresh file next to ``manifest``, then record its size and sha256 in ``manifest``;
+    both are written to temporary files and renamed into place (atomic), library first, so that a record always
+    names a complete library. Concurrent builds each keep their own library; the last record wins."""
     folder.mkdir(parents=True, exist_ok=True)
-    handle, partial = tempfile.mkstemp(suffix=".so", dir=folder)
+    handle, partial = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
     os.close(handle)
+    record_handle, record_partial = tempfile.mkstemp(prefix=".record-", suffix=".json", dir=folder)
+    os.close(record_handle)
     try:
         command = [compiler, *flags, "-fPIC", "-shared", "-o", partial, str(SOURCE), "-lm"]
         subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
-        os.replace(partial, target)  # atomic: a concurrent build writes the same bytes
+        size, digest = _file_digest(Path(partial))
+        target = folder / f"{manifest.stem}-{uuid.uuid4().hex[:12]}.so"  # fresh: never a name a process mapped
+        os.replace(partial, target)
+        Path(record_partial).write_text(json.dumps(
+            {"library": target.name, "size": size, "sha256": digest, "source_sha256": source_hash}
+        ))
+        os.replace(record_partial, manifest)
+        return target
     finally:
-        if os.path.exists(partial):
-            os.remove(partial)
+        for leftover in (partial, record_partial):
+            if os.path.exists(leftover):
+                os.remove(leftover)
 
 
 def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
@@ -199,16 +269,43 @@ def _require(x: torch.Tensor, dtypes, what: str) -> torch.Tensor:
     return x.detach().contiguous()
 
 
+SCALE_ROUNDINGS = ("rceil", "floor")  # as fp8_lightning.recipes.SCALE_ROUNDINGS and the reference (mx.py)
+
+
+def _format(dtype, what: str) -> int:
+    """The C code's number for the FP8 ``dtype``, after checking it is one the codec writes."""
+    if dtype not in FORMATS:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in FORMATS)
+        raise ValueError(f"cpu_codec.{what}: dtype={dtype!r} is not an FP8 format the codec writes; allowed: {allowed}.")
+    return FORMATS[dtype]
+
+
+def _check_mx_arguments(block, rounding, what: str) -> None:
+    """Refuse what the reference refuses: a rounding other than exactly "rceil" or "floor" (the C code would read
+    anything but "rceil" as floor), and a block size that is not a positive integer."""
+    if not isinstance(rounding, str) or rounding not in SCALE_ROUNDINGS:
+        raise ValueError(
+            f"cpu_codec.{what}: scale_rounding={rounding!r} is invalid; allowed: rceil or floor (lower case). "
+            "Pass one of them."
+        )
+    if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+        raise ValueError(
+            f"cpu_codec.{what}: block_size={block!r} is invalid; it must be a positive integer (MX uses 32). Pass the "
+            "number of elements that share one scale."
+        )
+
+
 def cast(
     x: torch.Tensor, scale: float, dtype: torch.dtype, with_amax: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, float | None]:
     """``(saturate(x * scale) in dtype, the codes' float32 values, max |x| or None)`` in one pass (the amax is
     NaN when x holds NaN)."""
     x = _require(x, INPUT_DTYPES, "cast")
+    fmt = _format(dtype, "cast")
     n = x.numel()
     codes = torch.empty_like(x, dtype=dtype)  # x is contiguous: so are these (faster than empty(shape))
     values = torch.empty_like(x, dtype=torch.float32)
-    function, source, fmt = _library().fp8_cast, x.data_ptr(), FORMATS[dtype]
+    function, source = _library().fp8_cast, x.data_ptr()
     if n < PARALLEL_MIN_ELEMENTS:  # one range on this thread: the common, small case, without the machinery below
         amax_out = (ctypes.c_float * 1)() if with_amax else None
         function(source, INPUT_DTYPES[x.dtype], 0, n, scale, fmt, codes.data_ptr(), values.data_ptr(), amax_out)
@@ -237,6 +334,8 @@ def mx_quantize(
       values are not made (None).
     """
     x = _require(x, INPUT_DTYPES, "mx_quantize")
+    _check_mx_arguments(block, rounding, "mx_quantize")
+    fmt = _format(dtype, "mx_quantize")
     if x.dim() != 2 or (rowwise and x.shape[1] % block):
         raise ValueError(
             f"cpu_codec.mx_quantize takes a 2-D tensor whose rows hold whole blocks of {block}; got {tuple(x.shape)}."
@@ -252,7 +351,7 @@ def mx_quantize(
                torch.empty((groups * block, k), dtype=torch.float32) if column_values else None)
     outputs = (row or (None,) * 3) + (col or (None,) * 3)  # codes, scales, values: rowwise, then columnwise
     pointers = [None if t is None else t.data_ptr() for t in outputs]
-    function, args = _library().mx_quantize, (FORMATS[dtype], int(rounding == "rceil"))
+    function, args = _library().mx_quantize, (fmt, int(rounding == "rceil"))
 
     def call(_, begin, end):
         work = torch.empty(2 * k, dtype=torch.float32)
@@ -312,6 +411,7 @@ def fine_quantize(
     ``inverse`` is ``scale.reciprocal()`` (the factor a scaled GEMM applies), bit for bit.
     """
     x = _require(x, INPUT_DTYPES, "fine_quantize")
+    fmt = _format(dtype, "fine_quantize")
     tile = tuple(tile)
     if tile not in FINE_TILES:
         allowed = ", ".join(map(str, FINE_TILES))
@@ -325,7 +425,7 @@ def fine_quantize(
     data, values = torch.empty_like(x, dtype=dtype), torch.empty_like(x, dtype=torch.float32)
     scale, inverse = torch.empty((bands, tiles), dtype=torch.float32), torch.empty((bands, tiles), dtype=torch.float32)
     function, head = _library().fine_quantize, (x.data_ptr(), INPUT_DTYPES[x.dtype], m, k)
-    tail = (rows, cols, FORMATS[dtype], eps, int(power_of_2), int(block_rule), data.data_ptr(), scale.data_ptr(),
+    tail = (rows, cols, fmt, eps, int(power_of_2), int(block_rule), data.data_ptr(), scale.data_ptr(),
             inverse.data_ptr(), values.data_ptr())
 
     def call(_, begin, end):

@@ -56,6 +56,8 @@ def split_files(files: Sequence[Path], val_fraction: float, seed: int) -> tuple[
 def read_bytes(files: Sequence[Path], separator: bytes = b"\n\n") -> torch.Tensor:
     """Concatenated contents of ``files`` as a 1-D ``uint8`` tensor."""
     data = separator.join(Path(f).read_bytes() for f in files)
+    if not data:  # torch.frombuffer refuses an empty buffer
+        return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
@@ -144,8 +146,22 @@ class ByteTextDataModule(pl.LightningDataModule):
         files = list_source_files(root, hp.pattern)
         if hp.max_files is not None:
             files = sorted(random.Random(hp.seed).sample(files, min(hp.max_files, len(files))))
+        if len(files) < 2:
+            raise ValueError(
+                f"data.root={str(root)!r} holds {len(files)} file(s) matching data.pattern={hp.pattern!r} (max_files="
+                f"{hp.max_files}); at least 2 are needed, one for validation. Point data.root at a folder of text "
+                "files, change data.pattern (e.g. data.pattern='*.txt'), or use data.root=null for the standard library."
+            )
         train_files, val_files = split_files(files, hp.val_fraction, hp.seed)
         train_data, val_data = read_bytes(train_files), read_bytes(val_files)
+        for split, data, count in (("training", train_data, len(train_files)), ("validation", val_data, len(val_files))):
+            if data.numel() <= hp.block_size + 1:
+                raise ValueError(
+                    f"the {split} text under data.root={str(root)!r} is {data.numel()} bytes ({count} file(s) matching "
+                    f"{hp.pattern!r}), too short for data.block_size={hp.block_size}: each sample needs "
+                    f"block_size + 1 = {hp.block_size + 1} bytes and more. Add text (empty files count as nothing), "
+                    "or lower data.block_size (and model.block_size with it)."
+                )
         self.stats = {
             "train_files": len(train_files),
             "val_files": len(val_files),

@@ -9,7 +9,7 @@ from fp8_lightning.lightning.fabric import FP8FabricPrecision
 from fp8_lightning.lightning.optimizer_callback import FP8OptimizerStates
 from fp8_lightning.lightning.precision import FP8Precision
 from fp8_lightning.lightning.registration import register_precision_strings
-from fp8_lightning.lightning.strings import PRECISION_RECIPES, PRECISION_STRINGS
+from fp8_lightning.lightning.strings import PRECISION_RECIPES, PRECISION_STRINGS, precision_choices
 
 __all__ = [
     "FP8FabricPrecision",
@@ -18,5 +18,6 @@ __all__ = [
     "FP8StatsMonitor",
     "PRECISION_RECIPES",
     "PRECISION_STRINGS",
+    "precision_choices",
     "register_precision_strings",
 ]

@@ -21,6 +21,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
 from fp8_lightning.distributed.grad_comm import DEFAULT_BLOCK_SIZE, FP8CommState, fp8_compress_hook
+from fp8_lightning.lightning.plugin_base import strict_bool
 
 
 class FP8DDPStrategy(DDPStrategy):
@@ -42,7 +43,7 @@ class FP8DDPStrategy(DDPStrategy):
         block_size: int | None = DEFAULT_BLOCK_SIZE,
         **kwargs: Any,
     ) -> None:
-        self.fp8_gradients = bool(fp8_gradients)
+        self.fp8_gradients = strict_bool(fp8_gradients, type(self).__name__, "fp8_gradients")
         if self.fp8_gradients:
             if kwargs.get("ddp_comm_hook") is not None:
                 raise ValueError(

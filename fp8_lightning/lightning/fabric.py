@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from fp8_lightning.lightning.plugin_base import FP8PrecisionMixin
@@ -24,8 +25,13 @@ from fp8_lightning.lightning.plugin_base import FP8PrecisionMixin
 class FP8FabricHooks(FP8PrecisionMixin):
     """The Fabric-specific hooks, independent of which package provides the ``Precision`` base."""
 
+    _resume_checked = False
+
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        if not self._resume_checked:
+            self._resume_checked = True
+            warn_if_resumed_without_fp8_state(self, optimizer)
         self.fp8_before_optimizer_step(optimizer)
         output = super().optimizer_step(optimizer, **kwargs)
         self.fp8_after_optimizer_step()
@@ -33,6 +39,22 @@ class FP8FabricHooks(FP8PrecisionMixin):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(precision={self.precision!r}, recipe={self.recipe!r})"
+
+
+def warn_if_resumed_without_fp8_state(plugin: FP8PrecisionMixin, optimizer: Any) -> bool:
+    """Warn (once per plugin, at its first optimizer step) when the program resumed from a checkpoint without the
+    FP8 state: the optimizer already holds state (it was loaded: torch optimizers create it at their first step),
+    yet this plugin has taken no step and loaded no state. Returns whether it warned."""
+    resumed = any(bool(state) for state in getattr(optimizer, "state", {}).values())
+    if not resumed or plugin.optimizer_steps or plugin._loaded_fp8_state:
+        return False
+    rank_zero_warn(
+        "The optimizer state was restored from a checkpoint, but the FP8 scaling state was not: amax histories, "
+        "scales and divergence-guard decisions restart from scratch, so the resumed run differs from an "
+        "uninterrupted one. Save and load the precision plugin with the rest of the state: fabric.save(path, "
+        "{..., 'fp8': fabric.strategy.precision}) and fabric.load(path, {..., 'fp8': fabric.strategy.precision})."
+    )
+    return True
 
 
 class FP8FabricPrecision(FP8FabricHooks, Precision):

@@ -59,7 +59,7 @@ from fp8_lightning.distributed.sharding import (
     is_sharded,
     shard_model,
 )
-from fp8_lightning.lightning.plugin_base import parse_dtype
+from fp8_lightning.lightning.plugin_base import parse_dtype, strict_bool
 from fp8_lightning.recipes import RecipeLike, recipe_from
 
 
@@ -101,12 +101,14 @@ class FP8FSDPStrategy(ModelParallelStrategy):
     ) -> None:
         super().__init__(data_parallel_size, tensor_parallel_size, save_distributed_checkpoint, process_group_backend, timeout)
         self.recipe = recipe_from(recipe) if recipe is not None else None
-        self.fp8_all_gather = bool(fp8_all_gather)
-        self.fp8_reduce_scatter = bool(fp8_reduce_scatter)
+        self.fp8_all_gather = strict_bool(fp8_all_gather, type(self).__name__, "fp8_all_gather")
+        self.fp8_reduce_scatter = strict_bool(fp8_reduce_scatter, type(self).__name__, "fp8_reduce_scatter")
         if self.fp8_reduce_scatter and (reason := fp8_reduce_scatter_unsupported_reason()) is not None:
             raise ValueError(f"FP8FSDPStrategy(fp8_reduce_scatter=True) is not available: {reason}.")
         self.block_classes = [block_classes] if isinstance(block_classes, str) else list(block_classes or [])
-        self.activation_checkpointing = bool(activation_checkpointing)
+        self.activation_checkpointing = strict_bool(
+            activation_checkpointing, type(self).__name__, "activation_checkpointing"
+        )
         self.param_dtype = parse_dtype(param_dtype)
         self.reduce_dtype = parse_dtype(reduce_dtype)
         self.reshard_after_forward = bool(reshard_after_forward)

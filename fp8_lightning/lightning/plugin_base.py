@@ -18,7 +18,10 @@ hooks. Everything numerical is in the core:
   accumulation Lightning calls the optimizer step once per ``accumulate_grad_batches`` micro-batches, so the
   histories advance once per optimizer step and the FP8 weights (cached on the weight's version) are cast once.
 * ``state_dict`` holds the scaling state of every converted layer (histories, scales, fallback decisions) and
-  the guard's counters; Lightning saves it in checkpoints under the plugin's class name. The model's own
+  the guard's counters, with a sha256 checksum of them; Lightning saves it in checkpoints under the plugin's class
+  name. ``load_state_dict`` refuses an entry whose checksum does not match, or that holds a scale that is not finite
+  and positive or a history of another shape, with an error that names the checkpoint (``checkpoint_path``, else
+  the Trainer's ``ckpt_path``) and the fix, before it restores anything. The model's own
   ``state_dict`` is untouched, so checkpoints interchange with plain-precision runs both ways.
 """
 
@@ -37,6 +40,8 @@ from fp8_lightning.convert import (
     ConversionReport,
     convert_to_fp8,
     fp8_modules,
+    check_fp8_state,
+    fp8_state_checksum,
     fp8_state_dict,
     load_fp8_state_dict,
     sync_scales,
@@ -47,6 +52,7 @@ from fp8_lightning.recipes import Recipe, RecipeLike, recipe_from
 from fp8_lightning.stats import attach_collector
 
 ModuleFilter = Callable[[nn.Module, str], bool]
+CHECKSUM_KEY = "checksum"  # sha256 of the rest of the plugin's checkpoint entry (fp8_lightning.convert.fp8_state_checksum)
 PLUGIN_CONVERTED = "fp8_converted_by_plugin"  # marks layers a plugin converted (the user's own keep their recipe)
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "32": torch.float32,
@@ -66,6 +72,24 @@ def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     raise ValueError(
         f"dtype={dtype!r} is invalid for the non-FP8 parts; allowed: None (bf16 autocast on CUDA, float32 on "
         "CPU), torch.float32, torch.bfloat16, torch.float16 or their names."
+    )
+
+
+_TRUE_STRINGS, _FALSE_STRINGS = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def strict_bool(value: Any, owner: str, name: str) -> bool:
+    """A flag given as a bool (or 0/1), or as a string of one ("true"/"false", "1"/"0", "yes"/"no", "on"/"off", any
+    case: YAML and command lines pass strings); anything else is refused, since ``bool("false")`` is True."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE_STRINGS + _FALSE_STRINGS:
+        return value.strip().lower() in _TRUE_STRINGS
+    raise ValueError(
+        f"{owner}({name}={value!r}): {name} takes True or False (or the strings 'true'/'false'); got a "
+        f"{type(value).__name__}. Pass {name}=True or {name}=False."
     )
 
 
@@ -111,6 +135,8 @@ class FP8PrecisionMixin:
         self.skipped_steps = 0
         self._modules: list[weakref.ReferenceType] = []
         self._pending_state: dict | None = None
+        self.checkpoint_path: str | None = None  # the checkpoint being resumed, when a caller knows it (errors name it)
+        self._loaded_fp8_state = False
 
     # -- conversion -----------------------------------------------------------------------------------------
 
@@ -225,7 +251,7 @@ class FP8PrecisionMixin:
         modules = self.fp8_tracked_modules()
         if not modules:
             return dict(self._pending_state or {})
-        return {
+        state = {
             "precision": self.precision,
             "recipe": self.recipe.to_dict(),
             "modules": [fp8_state_dict(m) for m in modules],
@@ -233,10 +259,50 @@ class FP8PrecisionMixin:
             "skipped_steps": self.skipped_steps,
             "guard": self.guard_state.state_dict() if self.guard_state is not None else None,
         }
+        state[CHECKSUM_KEY] = fp8_state_checksum(state)
+        return state
+
+    def checkpoint_source(self) -> str | None:
+        """The path of the checkpoint being loaded, when known: ``checkpoint_path`` if a caller set it, else the
+        Trainer's ``ckpt_path`` (reachable through a converted LightningModule); named in every load error."""
+        if self.checkpoint_path:
+            return str(self.checkpoint_path)
+        for module in self.fp8_tracked_modules():
+            path = getattr(getattr(module, "_trainer", None), "ckpt_path", None)
+            if path:
+                return str(path)
+        return None
+
+    def check_state(self, state_dict: dict[str, Any]) -> None:
+        """Refuse a corrupted FP8 entry before anything is restored: its checksum (when saved with one) must match,
+        and every scale must be finite and positive (:func:`~fp8_lightning.convert.check_fp8_state`)."""
+        source = self.checkpoint_source()
+        where = f"checkpoint {source}" if source else "the checkpoint being loaded"
+        fix = (
+            f"Resume from an earlier checkpoint, or delete its {type(self).__qualname__!r} entry to restart FP8 "
+            "scaling from scratch (the model weights are not affected)."
+        )
+        saved_checksum = state_dict.get(CHECKSUM_KEY)
+        if saved_checksum is not None:
+            actual = fp8_state_checksum({k: v for k, v in state_dict.items() if k != CHECKSUM_KEY})
+            if actual != saved_checksum:
+                raise ValueError(
+                    f"The FP8 scaling state in {where} fails its checksum (saved {str(saved_checksum)[:12]}..., "
+                    f"computed {actual[:12]}...): the file was corrupted or edited after saving. {fix}"
+                )
+        modules = state_dict.get("modules", [])
+        if not isinstance(modules, list):
+            raise ValueError(
+                f"The FP8 scaling state in {where} has 'modules' of type {type(modules).__name__}, not a list. {fix}"
+            )
+        for module_state in modules:
+            check_fp8_state(module_state, source)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
+        self._loaded_fp8_state = True
+        self.check_state(state_dict)
         saved = state_dict.get("recipe")
         if saved is not None and recipe_from(saved) != self.recipe:
             rank_zero_warn(
@@ -261,7 +327,7 @@ class FP8PrecisionMixin:
                 f"{len(modules)}; set up the same models in the same order as the run that saved it."
             )
         for module, module_state in zip(modules, saved):
-            load_fp8_state_dict(module, module_state)
+            load_fp8_state_dict(module, module_state, source=self.checkpoint_source())
         self._pending_state = None
 
     def fp8_summary(self) -> str:

@@ -39,7 +39,7 @@ import torch
 
 from fp8_lightning.gemm import check_device
 from fp8_lightning.lightning.plugin_base import FP8PrecisionMixin
-from fp8_lightning.lightning.strings import PRECISION_STRINGS, is_fp8_precision, recipe_for_precision
+from fp8_lightning.lightning.strings import ACCEPTED_PRECISION_STRINGS, is_fp8_precision, recipe_for_precision
 
 _MARK = "_fp8_lightning_wrapped"
 
@@ -152,7 +152,7 @@ def accept_fp8_in_annotation(cls: type) -> None:
     LightningCLI (jsonargparse) checks command-line values against: ``--trainer.precision fp8-hybrid``."""
     init = inspect.unwrap(cls.__init__)
     annotation = init.__annotations__.get("precision")
-    fp8 = Literal[PRECISION_STRINGS]  # type: ignore[valid-type]
+    fp8 = Literal[ACCEPTED_PRECISION_STRINGS]  # type: ignore[valid-type]
     if annotation is None or isinstance(annotation, str) or fp8 in typing.get_args(annotation):
         return
     init.__annotations__["precision"] = Union[annotation, fp8]
@@ -217,11 +217,19 @@ def _wrap_init(original: Callable, family: _Family) -> Callable:
 
 def precision_from_fabric_cli(arguments: dict, family: _Family) -> bool:
     """``fabric run --precision X`` hands X to ``Fabric()`` through ``LT_PRECISION``, which Fabric's connector
-    reads itself: take an FP8 value from there when ``precision`` was not passed (True when it was taken; the
-    connector must then not see the variable)."""
+    reads itself, with Fabric's rule (``_Connector._argument_from_env``): the variable wins over ``precision=``,
+    except under ``fabric run`` (``LT_CLI_USED=1``) when both are given and differ, which is an error. When the
+    variable or the argument is an FP8 string, apply that rule here, before the string is translated (True when
+    the variable was taken; the connector must then not see it). Other values stay Lightning's business."""
     value = os.environ.get(FABRIC_CLI_PRECISION)
-    if family.result_attr != "precision" or arguments.get("precision") is not None or not is_fp8_precision(value):
+    current = arguments.get("precision")
+    if family.result_attr != "precision" or value is None or not (is_fp8_precision(value) or is_fp8_precision(current)):
         return False
+    if current is not None and str(current) != value and os.environ.get("LT_CLI_USED", "0") not in ("", "0"):
+        raise ValueError(
+            f"Your code has `Fabric(precision={current!r}, ...)` but it conflicts with the value `--precision={value}` "
+            "set through the CLI. Remove it either from the CLI or from the Lightning Fabric object."
+        )
     arguments["precision"] = value
     return True
 

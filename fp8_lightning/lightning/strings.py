@@ -10,18 +10,30 @@
 ``"fp8-blockwise"``  E4M3, 1x128 tiles for activations and gradients, 128x128 blocks for weights (DeepSeek-V3)
 ===================  ===========================================================================================
 
+``"fp8-<recipe name>"`` for every other recipe (``"fp8-delayed"``: ``DelayedScaling()`` with its defaults) is accepted
+too: it is what ``trainer.precision`` reports for a plugin whose recipe is not one of the rows above, so the string
+a run reports can always be passed back to ``Trainer(precision=...)``.
+
+A program with its own list of precisions (litgpt checks ``--precision`` against its own) accepts the FP8 strings
+with :func:`precision_choices`::
+
+    from fp8_lightning.lightning import precision_choices
+    CHOICES = precision_choices(("bf16-true", "32-true"))      # or a typing.Literal of them
+
 Plain data and lookups only; registration with Lightning is in :mod:`fp8_lightning.lightning.registration`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import typing
+from typing import Any, Iterable, Literal
 
 from fp8_lightning.formats import Format
 from fp8_lightning.recipes import (
     BlockwiseScaling,
     DelayedScaling,
     MXFP8BlockScaling,
+    RECIPES,
     Recipe,
     RowwiseScaling,
     TensorwiseScaling,
@@ -36,6 +48,12 @@ PRECISION_RECIPES: dict[str, Recipe] = {
     "fp8-blockwise": BlockwiseScaling(),
 }
 PRECISION_STRINGS = tuple(PRECISION_RECIPES)
+# "fp8-<recipe name>" for the recipes without a row above: the recipe with its defaults (what precision_for_recipe
+# reports for a plugin built on a recipe that is not in PRECISION_RECIPES).
+RECIPE_PRECISIONS: dict[str, Recipe] = {
+    f"fp8-{name}": cls() for name, cls in RECIPES.items() if f"fp8-{name}" not in PRECISION_RECIPES
+}
+ACCEPTED_PRECISION_STRINGS = PRECISION_STRINGS + tuple(RECIPE_PRECISIONS)
 
 
 def is_fp8_precision(value: Any) -> bool:
@@ -46,18 +64,36 @@ def is_fp8_precision(value: Any) -> bool:
 def recipe_for_precision(name: str) -> Recipe:
     """The recipe of a precision string; an unknown ``"fp8-..."`` string gets an error listing the valid ones."""
     key = name.strip().lower()
-    if key not in PRECISION_RECIPES:
+    recipe = PRECISION_RECIPES.get(key) or RECIPE_PRECISIONS.get(key)
+    if recipe is None:
         raise ValueError(
-            f"precision={name!r} is not a known FP8 precision; allowed: {', '.join(PRECISION_STRINGS)}. "
+            f"precision={name!r} is not a known FP8 precision; allowed: {', '.join(ACCEPTED_PRECISION_STRINGS)}. "
             "For another recipe pass plugins=[FP8Precision(recipe=...)]."
         )
-    return PRECISION_RECIPES[key]
+    return recipe
 
 
 def precision_for_recipe(recipe: Recipe) -> str:
     """The string ``trainer.precision`` reports for a plugin built on ``recipe``: the registered string when the
-    recipe is one of them, else ``"fp8-<recipe name>"`` (for example ``"fp8-delayed"``)."""
+    recipe is one of them, else ``"fp8-<recipe name>"`` (for example ``"fp8-delayed"``), which ``Trainer(precision=)``
+    also accepts (the recipe with its defaults: a customised recipe is reported by its family's name)."""
     for name, registered in PRECISION_RECIPES.items():
         if registered == recipe:
             return name
     return f"fp8-{recipe.name}"
+
+
+def precision_choices(existing: Iterable[str] | Any = ()) -> Any:
+    """``existing`` precision choices plus the FP8 strings, for a program that checks ``precision`` against its own
+    list (litgpt's ``--precision``): a tuple for a list or tuple of strings, a ``typing.Literal`` for a Literal.
+    The strings work where the Lightning connector sees them (``Trainer(precision=...)``/``Fabric(precision=...)``
+    after ``import fp8_lightning``)."""
+    if typing.get_origin(existing) is Literal:
+        values = typing.get_args(existing)
+        return Literal[tuple(dict.fromkeys((*values, *ACCEPTED_PRECISION_STRINGS)))]  # type: ignore[valid-type]
+    if isinstance(existing, str):
+        raise TypeError(
+            f"precision_choices takes a list, tuple or typing.Literal of precision strings; got the string {existing!r}. "
+            f"Wrap it in a list: precision_choices([{existing!r}])."
+        )
+    return tuple(dict.fromkeys((*existing, *ACCEPTED_PRECISION_STRINGS)))
