@@ -121,6 +121,11 @@ def check_mx_input(x: torch.Tensor, block_size: int, what: str) -> int:
     """The size K of ``x``'s last dimension, after checking ``x`` is floating point with K a whole number of
     blocks."""
     _check_floating(x, what)
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(
+            f"{what}: block_size={block_size!r} is invalid; it must be a positive integer (MX uses 32): the number "
+            "of consecutive elements that share one scale."
+        )
     k = x.shape[-1] if x.dim() else 0
     if x.dim() == 0 or k % block_size != 0:
         raise ValueError(

@@ -168,3 +168,12 @@ def test_an_output_dtype_that_is_not_fp8_is_refused():
     """Guards against a bare KeyError for an output dtype the codec cannot write."""
     with pytest.raises(ValueError, match="dtype=torch.float16 is not an FP8 format the codec writes"):
         cpu_codec.cast(torch.randn(8), 1.0, torch.float16)
+
+
+@pytest.mark.parametrize("block_size", [0, -32, 32.0, True])
+def test_the_reference_refuses_a_block_size_that_is_not_a_positive_integer(block_size):
+    """The pure-torch path (no codec) names the argument instead of dividing by zero."""
+    from fp8_lightning import mx
+
+    with pytest.raises(ValueError, match="block_size=.* must be a positive integer"):
+        mx.quantize_mxfp8(torch.randn(4, 64), block_size=block_size)
