@@ -39,7 +39,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 gpu-check: $(STAMP)
-	$(PY) benchmarks/gpu_check.py
+	$(PY) -m benchmarks gpu-check
 
 # What the lent GPU machines (Python 3.12, torch 2.11, Triton 3.6, Lightning 2.6.6, no network) lack, as wheels for
 # benchmarks/gpu_session.sh to install offline: torchao for the peer rows. None of the session's steps imports
@@ -59,7 +59,7 @@ gpu-dry-run: $(STAMP)
 
 # Every kernel configuration compiled for sm_90a and sm_100a, registers and spills tabulated (about 20 minutes).
 aot-compile: $(STAMP)
-	$(PY) benchmarks/aot_compile.py --jobs 2 --out benchmarks/results/aot-compile-$$(date +%Y%m%d).md
+	$(PY) -m benchmarks aot --jobs 2 --out benchmarks/results/aot-compile-$$(date +%Y%m%d).md
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info outputs multirun

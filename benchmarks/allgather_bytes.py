@@ -15,7 +15,7 @@ Two models:
 
 Usage::
 
-    python benchmarks/allgather_bytes.py [--width 256] [--depth 4] [--out benchmarks/results/allgather_bytes.md]
+    python -m benchmarks allgather-bytes [--width 256] [--depth 4] [--out benchmarks/results/allgather_bytes.md]
 
 Writes a Markdown table (with the command, machine and date) and a JSON file next to it.
 """
@@ -23,12 +23,10 @@ Writes a Markdown table (with the command, machine and date) and a JSON file nex
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
 import platform
-import socket
 import sys
 from pathlib import Path
 
@@ -36,6 +34,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
+
+from benchmarks import command as front_door_command
+from fp8_lightning.testing import CollectiveCounter, free_port
 
 WORLD = 2
 CONFIGS = [  # (name, FP8 recipe or None, FP8 all-gather, FSDP2 param_dtype)
@@ -71,65 +72,6 @@ class Stack(nn.Module):
         return x
 
 
-@contextlib.contextmanager
-def observed_collectives(observers: dict):
-    """Within the block, each torch.distributed function named in ``observers`` (where this torch has it) calls its
-    observer with the call's arguments, then runs as usual; the originals are back on exit."""
-    saved = {}
-    try:
-        for name, observe in observers.items():
-            original = getattr(dist, name, None)
-            if original is None:
-                continue
-            saved[name] = original
-
-            def observed(*args, _observe=observe, _original=original, **kwargs):
-                _observe(*args, **kwargs)
-                return _original(*args, **kwargs)
-
-            setattr(dist, name, observed)
-        yield
-    finally:
-        for name, original in saved.items():
-            setattr(dist, name, original)
-
-
-class Counter:
-    """Per-collective byte counts of what this rank sends, by patching the torch.distributed functions."""
-
-    PATCHED = {
-        "all_gather": ("all_gather_single", "all_gather_into_tensor", "_all_gather_base"),
-        "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base"),
-        "all_reduce": ("all_reduce",),
-    }
-
-    def __init__(self):
-        self.bytes = {kind: 0 for kind in self.PATCHED}
-        self.calls = {kind: 0 for kind in self.PATCHED}
-        self._observers = {name: self._observer(kind) for kind, names in self.PATCHED.items() for name in names}
-
-    def _observer(self, kind: str):
-        input_index = 0 if kind == "all_reduce" else 1
-
-        def count(*args, **kwargs):
-            if len(args) > input_index:
-                tensor = args[input_index]
-            else:
-                tensor = next(v for k, v in kwargs.items() if k in ("input", "input_tensor", "tensor"))
-            self.bytes[kind] += tensor.numel() * tensor.element_size()
-            self.calls[kind] += 1
-
-        return count
-
-    def __enter__(self):
-        self._patch = observed_collectives(self._observers)
-        self._patch.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._patch.__exit__(*exc)
-
-
 def one_step(model_kind: str, config, rank: int, width: int, depth: int) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -151,7 +93,7 @@ def one_step(model_kind: str, config, rank: int, width: int, depth: int) -> dict
     opt.step()
     opt.zero_grad()
     sync_scales(model)
-    with Counter() as counter:  # the measured step
+    with CollectiveCounter() as counter:  # the measured step
         with fp8_autocast(enabled=recipe is not None):
             model(x).square().mean().backward()
         opt.step()
@@ -169,12 +111,6 @@ def worker(rank: int, port: int, width: int, depth: int, out: dict) -> None:
     if rank == 0:
         out["rows"] = rows
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def table(rows: list[dict]) -> str:
@@ -205,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     out = mp.Manager().dict()
     mp.spawn(worker, args=(free_port(), args.width, args.depth, out), nprocs=WORLD)
     rows = out["rows"]
-    command = "python " + " ".join([os.path.relpath(sys.argv[0])] + (argv if argv is not None else sys.argv[1:]))
+    command = front_door_command("allgather_bytes", argv)
     machine = f"{platform.node() or 'unknown host'}: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}"
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = (

@@ -8,7 +8,7 @@ compile or spills.
 
 Usage::
 
-    python benchmarks/aot_compile.py [--kernel NAME ...] [--target sm_89 ...] [--cover] [--jobs N] [--out FILE.md]
+    python -m benchmarks aot [--kernel NAME ...] [--target sm_89 ...] [--cover] [--jobs N] [--out FILE.md]
 
 ``--cover`` compiles the suite's pairwise covering only (about 100 compiles, a minute with 2 processes).
 """
@@ -25,6 +25,7 @@ import time
 import traceback
 from pathlib import Path
 
+from benchmarks import command as front_door_command
 from fp8_lightning.kernels.aot import TARGETS, compile_variant, launch_space, pairwise_cover
 
 
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             if error:
                 failures.append(f"{variant.kernel} [{variant.config}] {target}:\n{error}")
     seconds = time.perf_counter() - start
-    command = "python benchmarks/aot_compile.py " + " ".join(argv or sys.argv[1:])
+    command = front_door_command("aot_compile", argv)
     text = render(results, command, seconds, args.cover, targets)
     if args.out:
         args.out.write_text(text)

@@ -19,12 +19,13 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from benchmarks import command as front_door_command
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -54,7 +55,7 @@ def utc_now() -> str:
 
 def write_markdown_report(path: str, title: str, script: str, argv: list[str] | None, text: str) -> None:
     """A markdown result file headed by its command, the CPU machine and the date, then ``text``."""
-    command = " ".join(["python", f"benchmarks/{script}", *(sys.argv[1:] if argv is None else argv)])
+    command = front_door_command(script.removesuffix(".py"), argv)
     machine = (f"{os.cpu_count()}-core {platform.machine()} CPU (shared with other jobs), "
                f"{torch.get_num_threads()} torch thread(s), torch {torch.__version__}, Python {platform.python_version()}")
     with open(path, "w") as f:
@@ -62,10 +63,9 @@ def write_markdown_report(path: str, title: str, script: str, argv: list[str] | 
 
 
 def header(suite: str, device: torch.device, argv: list[str] | None) -> dict:
-    args = sys.argv[1:] if argv is None else argv
     return {
         "suite": suite,
-        "command": " ".join(["python", f"benchmarks/bench_{suite}.py", *args]),
+        "command": front_door_command(f"bench_{suite}", argv),
         "device": device_label(device),
         "date": utc_now(),
         "torch": torch.__version__,

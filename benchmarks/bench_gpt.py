@@ -15,7 +15,7 @@ by the reference precision of the same run (fp32 on CPU, bf16 on GPU).
   around everything that is not an FP8 GEMM; peak memory from ``torch.cuda.max_memory_allocated``; the host time
   per step (until the step returns, unsynchronized: whether the host or the GPU sets the pace); ``--compile``
   compiles every configuration with the same settings. ``--models llama3_8b_x4``: four Llama-3-8B-shaped decoder
-  layers (``llama_stack.py``) on 8 x 1024 tokens of random hidden states with a mean-square loss, the shapes
+  layers (``fp8_lightning.testing.LlamaStack``) on 8 x 1024 tokens of random hidden states with a mean-square loss, the shapes
   torchao publishes its float8 speed-ups for; targets printed: FP8 >= 1.3x bf16 and >= torchao.float8.
 
 Both suites run torchao.float8 (tensorwise, every linear layer converted, as ours) as a peer when it is installed
@@ -23,27 +23,24 @@ Both suites run torchao.float8 (tensorwise, every linear layer converted, as our
 
 Usage::
 
-    python benchmarks/bench_gpt.py --suite cpu
-    python benchmarks/bench_gpt.py --suite gpu --compile
+    python -m benchmarks gpt --suite cpu
+    python -m benchmarks gpt --suite gpu --compile
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from bench_common import bar_plot, header, interleaved_medians, markdown_table, run_folder, write_results  # noqa: E402
-from bench_linear import torchao_status  # noqa: E402
+from benchmarks.bench_common import bar_plot, header, interleaved_medians, markdown_table, run_folder, write_results
+from benchmarks.bench_linear import torchao_status
 
-from llama_stack import LLAMA3_8B, LlamaStack  # noqa: E402
-
-from fp8_lightning import convert_to_fp8, fp8_autocast, sync_scales  # noqa: E402
-from fp8_lightning.models import GPT  # noqa: E402
+from fp8_lightning import convert_to_fp8, fp8_autocast, sync_scales
+from fp8_lightning.models import GPT
+from fp8_lightning.testing import LLAMA3_8B, LlamaStack, versus_torchao
 
 MODELS = {
     "dim64": dict(n_layer=2, n_embd=64, n_head=4, block_size=128, vocab_size=256, batch=4),
@@ -100,15 +97,6 @@ def build(spec: dict, device: torch.device, precision: str, compile_: bool):
             sync_scales(model)
 
     return step, model
-
-
-def versus_torchao(rows: list[dict]) -> str:
-    """Each FP8 row's speed against torchao.float8's on the same model (target: at least as fast)."""
-    peer = {r["model"]: r["step_ms"] for r in rows if r["precision"] == "torchao tensorwise"}
-    return "".join(
-        f" {r['model']} {r['precision']}: {peer[r['model']] / r['step_ms']:.2f}x torchao.float8 speed (target >= 1)."
-        for r in rows if r["precision"].startswith("fp8") and r["model"] in peer
-    )  # fmt: skip
 
 
 def peak_memory(step, device: torch.device) -> float | None:

@@ -15,8 +15,8 @@ median milliseconds, and speedups over bf16 and over fp32 measured in the same r
 
 Usage::
 
-    python benchmarks/bench_linear.py --suite cpu
-    python benchmarks/bench_linear.py --suite gpu --compile
+    python -m benchmarks linear --suite cpu
+    python -m benchmarks linear --suite gpu --compile
 """
 
 from __future__ import annotations
@@ -24,15 +24,14 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
-import sys
 
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from bench_common import bar_plot, header, interleaved_medians, markdown_table, run_folder, write_results  # noqa: E402
+from benchmarks.bench_common import bar_plot, header, interleaved_medians, markdown_table, run_folder, write_results
 
-from fp8_lightning import convert_to_fp8, fp8_autocast  # noqa: E402
+from fp8_lightning import convert_to_fp8, fp8_autocast
+from fp8_lightning.testing import linear_targets
 
 SUITES = {"gpu": [1024, 2048, 4096, 8192], "cpu": [128, 256, 512]}
 LLAMA3_8B_TOKENS = 8192
@@ -99,20 +98,6 @@ def configurations(m: int, k: int, n: int, device: torch.device, compile_: bool)
     return configs
 
 
-def targets(rows: list[dict]) -> str:
-    """The GPU targets, each with what was measured: 8192 cubed tensorwise >= 1.6x bf16 (torchao's published
-    float8 speed-up at that size is of that order), and no FP8 layer slower than bf16."""
-    text = ""
-    square = [r["speedup_vs_bf16"] for r in rows if r["size"] == "8192" and r["config"] == "fp8 tensorwise"]
-    if square:
-        text += f" Target (8192 cubed, FP8 tensorwise >= 1.6x bf16): {square[0]:.2f}x, "
-        text += "met." if square[0] >= 1.6 else "NOT met."
-    slower = [f"{r['config']} at {r['size']} ({r['speedup_vs_bf16']:.2f}x)" for r in rows
-              if r["config"].startswith("fp8") and r["speedup_vs_bf16"] < 1.0]  # fmt: skip
-    text += " Target (no FP8 layer slower than bf16): " + ("met." if not slower else "NOT met: " + ", ".join(slower))
-    return text
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", choices=sorted(SUITES), default="gpu" if torch.cuda.is_available() else "cpu")
@@ -123,7 +108,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (one: no contention on a shared host)")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--out", help="run folder (default benchmarks/results/perf-linear-<device>-<date>)")
+    parser.add_argument("--dry-run", action="store_true", help="print the shapes the run would time (label M K N), "
+                        "then exit without timing anything")
     args = parser.parse_args(argv)
+    if args.dry_run:
+        print("\n".join(" ".join(map(str, shape)) for shape in suite_shapes(args.suite, args.sizes, args.llama)))
+        return []
     device = torch.device("cuda" if args.suite == "gpu" else "cpu")
     threads_before = torch.get_num_threads()
     if device.type == "cpu":
@@ -149,7 +139,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"torch.compile: {'on' if args.compile else 'off'}. torchao.float8 peer: {head['torchao']}."
         + (" CPU: FP8 is emulated (exact FP8 values, float32 GEMMs): the FP8 rows show its cost." if device.type == "cpu" else "")
     )
-    notes += targets(rows) if device.type == "cuda" else ""
+    notes += linear_targets(rows) if device.type == "cuda" else ""
     write_results(folder, head, rows, markdown_table(columns, rows), notes)
     sizes = list(dict.fromkeys(r["size"] for r in rows))
     names = [n for n in dict.fromkeys(r["config"] for r in rows) if n != "bf16"]

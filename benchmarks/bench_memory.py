@@ -12,23 +12,21 @@ Three independent measurements, each counted from real tensors (no formulas):
 
 Usage::
 
-    python benchmarks/bench_memory.py --suite cpu
+    python -m benchmarks memory --suite cpu
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from bench_common import bar_plot, header, markdown_table, run_folder, write_results  # noqa: E402
+from benchmarks.bench_common import bar_plot, header, markdown_table, run_folder, write_results
 
-from fp8_lightning import convert_to_fp8, fp8_autocast  # noqa: E402
-from fp8_lightning.models import GPT  # noqa: E402
+from fp8_lightning import convert_to_fp8, fp8_autocast
+from fp8_lightning.models import GPT
 
 SUITES = {
     "cpu": dict(n_layer=2, n_embd=256, n_head=4, block_size=128, batch=4),
@@ -63,7 +61,7 @@ def saved_activation_bytes(spec: dict, precision: str, device: torch.device) -> 
 
 
 def optimizer_rows(spec: dict) -> list[dict]:
-    import optimizer_memory
+    from benchmarks import optimizer_memory
 
     args = SimpleNamespace(n_layer=spec["n_layer"], n_embd=spec["n_embd"], n_head=spec["n_head"], block_size=64)
     return [optimizer_memory.measure(*scenario, args) for scenario in optimizer_memory.SCENARIOS]
@@ -72,7 +70,7 @@ def optimizer_rows(spec: dict) -> list[dict]:
 def allgather_rows(folder, width: int, depth: int) -> list[dict]:
     import json
 
-    import allgather_bytes
+    from benchmarks import allgather_bytes
 
     out = folder / "allgather_bytes.md"
     allgather_bytes.main(["--width", str(width), "--depth", str(depth), "--out", str(out)])

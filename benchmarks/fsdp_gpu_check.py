@@ -1,7 +1,7 @@
 """GPU check of FP8 all-gather under FSDP2 on NCCL (world size 1 is enough; more GPUs work through torchrun).
 
-    python benchmarks/fsdp_gpu_check.py                          # one GPU: NCCL process group of size 1
-    torchrun --nproc_per_node 8 benchmarks/fsdp_gpu_check.py     # several GPUs
+    python -m benchmarks fsdp-gpu-check                          # one GPU: NCCL process group of size 1
+    torchrun --nproc_per_node 8 -m benchmarks fsdp-gpu-check     # several GPUs
 
 For each recipe (tensorwise, delayed, MXFP8) it trains a few SGD steps of a stack of blocks sharded with
 ``fully_shard`` and FP8 all-gather, next to an unsharded copy with the same weights and inputs, and checks:

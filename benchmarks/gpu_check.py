@@ -1,7 +1,7 @@
 """GPU check of the CUDA paths of the FP8 core against the CPU reference.
 
 Run on a machine with an NVIDIA GPU (sm89+ for per-tensor FP8 GEMMs): ``make gpu-check`` or
-``python benchmarks/gpu_check.py``. For each recipe it runs FP8Linear forward and backward on CUDA and on CPU
+``python -m benchmarks gpu-check``. For each recipe it runs FP8Linear forward and backward on CUDA and on CPU
 with the same weights and inputs and compares: the quantized operands must be bit-identical (the casts are
 deterministic elementwise math), the GEMM results equal within float32 accumulation-order differences.
 It exits non-zero on a mismatch and refuses clearly where there is no suitable GPU.
@@ -9,6 +9,7 @@ It exits non-zero on a mismatch and refuses clearly where there is no suitable G
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -112,7 +113,11 @@ def check_linear(name, recipe) -> list[str]:
     return failures
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", choices=["casts", "scaling", *RECIPES], metavar="CHECK",
+                        help=f"run only these checks, of: casts, scaling, {', '.join(RECIPES)} (default: all)")
+    only = set(parser.parse_args(argv).only or ["casts", "scaling", *RECIPES])
     if not torch.cuda.is_available():
         print("gpu_check: CUDA is not available on this machine; nothing to check (run it on an NVIDIA GPU).")
         return 2
@@ -121,8 +126,10 @@ def main() -> int:
     if not ok:
         print(f"gpu_check: {reason}")
         return 2
-    failures = check_casts() + check_scaling_states()
+    failures = (check_casts() if "casts" in only else []) + (check_scaling_states() if "scaling" in only else [])
     for name, recipe in RECIPES.items():
+        if name not in only:
+            continue
         native, why = blockwise_gemm_support("cuda")
         if isinstance(recipe, BlockwiseScaling) and not native:
             print(f"  {name:14s} skipped: {why}")

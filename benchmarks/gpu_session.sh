@@ -3,7 +3,7 @@
 # PyTorch, Triton and Lightning preinstalled and no network). Run from the repository root, in calls that each fit
 # in ten minutes:
 #
-#   bash benchmarks/gpu_session.sh checks   # CUDA paths: gpu_check, Triton kernels vs their twins, pytest -m gpu, FSDP2
+#   bash benchmarks/gpu_session.sh checks   # CUDA paths: gpu-check, Triton kernels vs their twins, pytest -m gpu, FSDP2
 #   bash benchmarks/gpu_session.sh linear   # linear fwd+bwd 1024..8192: fp32, bf16, FP8 recipes, torchao; compiled
 #   bash benchmarks/gpu_session.sh llama    # the linear layers of Llama-3-8B at 8192 tokens, same configurations
 #   bash benchmarks/gpu_session.sh gpt      # 350M GPT step, same configurations, compiled (ROUNDS=8 by default)
@@ -42,12 +42,12 @@ fi
 
 work=$(mktemp -d)/gpu-$mode-$(date -u +%Y%m%d-%H%M)
 mkdir -p "$out" "$work"
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$work/install.log" 2>&1 \
+"$python" -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$work/install.log" 2>&1 \
   || { cat "$work/install.log"; exit 1; }
-python3 -c "import torchao" 2>/dev/null || install_wheels >>"$work/install.log" 2>&1
+"$python" -c "import torchao" 2>/dev/null || install_wheels >>"$work/install.log" 2>&1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$work/device.txt" 2>&1
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >>"$work/device.txt" 2>&1
-python3 -c "import torchao; print('torchao', torchao.__version__)" >>"$work/device.txt" 2>&1 || echo "torchao: not installed" >>"$work/device.txt"
+"$python" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >>"$work/device.txt" 2>&1
+"$python" -c "import torchao; print('torchao', torchao.__version__)" >>"$work/device.txt" 2>&1 || echo "torchao: not installed" >>"$work/device.txt"
 
 failed=0
 step() {  # step NAME COMMAND...: run with a time limit, keep its log, print its tail
@@ -61,23 +61,23 @@ step() {  # step NAME COMMAND...: run with a time limit, keep its log, print its
 
 case "$mode" in
   checks)
-    step gpu_check python3 benchmarks/gpu_check.py
-    step kernels python3 benchmarks/kernels_gpu.py --out "$work/kernels_gpu.md"
-    step pytest_gpu python3 -m pytest -q -p no:cacheprovider -m gpu \
+    step gpu_check "$python" -m benchmarks gpu-check
+    step kernels "$python" -m benchmarks kernels-gpu --out "$work/kernels_gpu.md"
+    step pytest_gpu "$python" -m pytest -q -p no:cacheprovider -m gpu \
       tests/kernels/test_gpu.py tests/lightning/test_gpu.py tests/optim/test_fused_adam_kernel.py
-    step fsdp python3 benchmarks/fsdp_gpu_check.py
+    step fsdp "$python" -m benchmarks fsdp-gpu-check
     ;;
   linear)
-    step linear python3 benchmarks/bench_linear.py --suite gpu --compile --out "$work/perf-linear-gpu"
+    step linear "$python" -m benchmarks linear --suite gpu --compile --out "$work/perf-linear-gpu"
     ;;
   llama)
-    step llama python3 benchmarks/bench_linear.py --suite gpu --llama --compile --out "$work/perf-linear-llama-gpu"
+    step llama "$python" -m benchmarks linear --suite gpu --llama --compile --out "$work/perf-linear-llama-gpu"
     ;;
   gpt)
-    step gpt python3 benchmarks/bench_gpt.py --suite gpu --compile --rounds "${ROUNDS:-8}" --out "$work/perf-gpt-gpu"
+    step gpt "$python" -m benchmarks gpt --suite gpu --compile --rounds "${ROUNDS:-8}" --out "$work/perf-gpt-gpu"
     ;;
   stack)
-    step stack python3 benchmarks/bench_gpt.py --suite gpu --models llama3_8b_x4 --compile --rounds "${ROUNDS:-8}" \
+    step stack "$python" -m benchmarks llama-stack --compile --rounds "${ROUNDS:-8}" \
       --out "$work/perf-llama-stack-gpu"
     ;;
   *)

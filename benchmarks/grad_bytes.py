@@ -17,85 +17,24 @@ where the "network" is loopback: it shows what the FP8 encoding costs in compute
 
 Usage::
 
-    python benchmarks/grad_bytes.py [--width 256] [--depth 4] [--out benchmarks/results/grad_bytes.md]
+    python -m benchmarks grad-bytes [--width 256] [--depth 4] [--out benchmarks/results/grad_bytes.md]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.allgather_bytes import Stack, observed_collectives  # noqa: E402
-from benchmarks.bench_common import write_markdown_report  # noqa: E402
-from fp8_lightning.distributed import FP8CommState, enable_fp8_reduce_scatter, fp8_compress_hook  # noqa: E402
-from tests.processes import end_worker, free_port, init_gloo  # noqa: E402
+from benchmarks.allgather_bytes import Stack
+from benchmarks.bench_common import write_markdown_report
+from fp8_lightning.distributed import FP8CommState, enable_fp8_reduce_scatter, fp8_compress_hook
+from fp8_lightning.testing import WireBytes, bf16_hook, end_worker, fp32_hook, free_port, init_gloo
 
 WORLD = 2
-
-
-def nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-class WireBytes:
-    """Bytes this rank puts on the wire, counted at the torch.distributed calls (per-rank costs above)."""
-
-    COSTS = {
-        "all_reduce": lambda w, t, *a, **k: 2 * (w - 1) / w * nbytes(t),
-        "all_to_all_single": lambda w, out, inp, *a, **k: (w - 1) / w * nbytes(inp),
-        "all_gather_single": lambda w, out, inp, *a, **k: (w - 1) * nbytes(inp),
-        "all_gather_into_tensor": lambda w, out, inp, *a, **k: (w - 1) * nbytes(inp),
-        "reduce_scatter_single": lambda w, output, input, *a, **k: (w - 1) / w * nbytes(input),
-    }
-
-    def __init__(self):
-        self.bytes: dict[str, float] = {}
-        self._observers = {name: self._observer(name, cost) for name, cost in self.COSTS.items()}
-
-    def _observer(self, name: str, cost):
-        def count(*args, **kwargs):
-            world = dist.get_world_size(kwargs.get("group"))
-            self.bytes[name] = self.bytes.get(name, 0.0) + cost(world, *args, **kwargs)
-
-        return count
-
-    def __enter__(self):
-        self._patch = observed_collectives(self._observers)
-        self._patch.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._patch.__exit__(*exc)
-
-
-def _done(buffer: torch.Tensor) -> torch.futures.Future:
-    future = torch.futures.Future()
-    future.set_result(buffer)
-    return future
-
-
-def fp32_hook(state, bucket):
-    """DDP hook: float32 all-reduce, then divide (the default's arithmetic, counted at dist.all_reduce)."""
-    buffer = bucket.buffer()
-    dist.all_reduce(buffer)
-    return _done(buffer.div_(dist.get_world_size()))
-
-
-def bf16_hook(state, bucket):
-    """DDP hook: cast the bucket to bf16, all-reduce, divide, copy back (torch's bf16_compress_hook's steps)."""
-    buffer = bucket.buffer()
-    wire = buffer.to(torch.bfloat16)
-    dist.all_reduce(wire)
-    buffer.copy_(wire.float() / dist.get_world_size())
-    return _done(buffer)
 
 
 def ddp_model(model: torch.nn.Module, comm: str):

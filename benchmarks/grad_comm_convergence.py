@@ -15,7 +15,7 @@ float32 reference.
 
 Usage::
 
-    python benchmarks/grad_comm_convergence.py --out benchmarks/results/grad_comm_convergence.md
+    python -m benchmarks grad-comm --out benchmarks/results/grad_comm_convergence.md
 """
 
 from __future__ import annotations
@@ -23,21 +23,18 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_common import loss_curve_table, write_markdown_report  # noqa: E402
-from benchmarks.optimizer_convergence import data, evaluate  # noqa: E402
-from fp8_lightning.distributed import FP8CommState, FP8ReduceScatter, fp8_compress_hook  # noqa: E402
-from fp8_lightning.models import GPT, warmup_cosine  # noqa: E402
-from tests.processes import end_worker, free_port, init_gloo  # noqa: E402
+from benchmarks.bench_common import loss_curve_table, write_markdown_report
+from benchmarks.optimizer_convergence import data, evaluate
+from fp8_lightning.distributed import FP8CommState, FP8ReduceScatter, fp8_compress_hook
+from fp8_lightning.models import GPT, warmup_cosine
+from fp8_lightning.testing import end_worker, free_port, init_gloo
 
 RUNS = ("ddp", "ddp_fp8", "fsdp", "fsdp_fp8")
 WORLD = 2

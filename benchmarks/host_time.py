@@ -12,28 +12,28 @@ reported next to the step ("sync_scales us", measured on this one layer). "compi
 
 Usage::
 
-    python benchmarks/host_time.py [--tokens 16] [--features 64] [--rounds 300] [--out FILE.md]
+    python -m benchmarks host-time [--tokens 16] [--features 64] [--rounds 300] [--out FILE.md]  # rows in FILE.json
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.bench_common import interleaved_medians, markdown_table, route_cuda_branch_to_kernels  # noqa: E402
-from benchmarks.bench_common import write_markdown_report  # noqa: E402
-from fp8_lightning import BlockwiseScaling, DelayedScaling, MXFP8BlockScaling, RowwiseScaling, TensorwiseScaling  # noqa: E402
-from fp8_lightning import convert_to_fp8  # noqa: E402
-from fp8_lightning import fp8_autocast, sync_scales  # noqa: E402
+from benchmarks import command as front_door_command
+from benchmarks.bench_common import interleaved_medians, markdown_table, route_cuda_branch_to_kernels
+from benchmarks.bench_common import write_markdown_report
+from fp8_lightning import BlockwiseScaling, DelayedScaling, MXFP8BlockScaling, RowwiseScaling, TensorwiseScaling
+from fp8_lightning import convert_to_fp8
+from fp8_lightning import fp8_autocast, sync_scales
 
 RECIPES = [DelayedScaling(), TensorwiseScaling(), MXFP8BlockScaling(), RowwiseScaling(), BlockwiseScaling()]
 
@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(text)
     if args.out:
         write_markdown_report(args.out, "Host time per layer step", "host_time.py", argv, text)
+        Path(args.out).with_suffix(".json").write_text(json.dumps({"command": front_door_command("host_time", argv),
+                                                                   "rows": rows}, indent=1))
     return rows
 
 

@@ -17,7 +17,7 @@ Benchmark (times are medians of ``triton.testing.do_bench``, which flushes L2 be
 
 Usage::
 
-    python benchmarks/kernels_gpu.py [--check-only] [--out benchmarks/results/kernels_gpu.md]
+    python -m benchmarks kernels-gpu [--check-only] [--out benchmarks/results/kernels_gpu.md]
 
 Writes Markdown and JSON (command, device, versions, date) and exits non-zero when a check fails. On a machine
 without a suitable GPU it refuses with the reason and exit code 2; it never writes numbers there.
@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import command as front_door_command
 from fp8_lightning import kernels
 from fp8_lightning.blockwise import quantize_blockwise
 from fp8_lightning.fine_grained import fine_cast_twin
@@ -404,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
 
     major, minor = torch.cuda.get_device_capability()
     meta = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": front_door_command("kernels_gpu", argv),
         "device": torch.cuda.get_device_name(), "capability": f"{major}.{minor}", "torch": torch.__version__,
         "triton": triton.__version__, "cuda": torch.version.cuda, "host": platform.node(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -15,7 +15,7 @@ pure-torch chain the CUDA branch ran before them.
 
 Usage::
 
-    python benchmarks/launch_count.py [--out FILE.md]
+    python -m benchmarks launch-count [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -25,19 +25,18 @@ import collections
 import contextlib
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 os.environ["FP8_LIGHTNING_DISABLE_CPU_CODEC"] = "1"  # CUDA tensors never meet the CPU codec
 os.environ["FP8_LIGHTNING_GEMM"] = "scaled_mm"
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import fp8_lightning.backends as backends  # noqa: E402
+from benchmarks import command as front_door_command  # noqa: E402
 from benchmarks.bench_common import route_cuda_branch_to_kernels  # noqa: E402
 from fp8_lightning import DelayedScaling, FP8Linear, TensorwiseScaling, fp8_autocast, sync_scales  # noqa: E402
 from fp8_lightning.gemm import swizzled_scales  # noqa: E402
@@ -141,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = {name: count(recipe) for name, recipe in recipes}
     rows.update({f"{name}, bf16 autocast": count(recipe, torch.bfloat16) for name, recipe in recipes})
     lines = [f"# Tensor operations per FP8 layer training step on the CUDA branch (commit {commit or '?'})", "",
-             f"- command: `python benchmarks/launch_count.py{' --out ' + args.out if args.out else ''}`",
+             f"- command: `{front_door_command('launch_count', argv)}`",
              f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}", "",
              *_table(rows)]  # fmt: skip
     lines += ["", "Includes the stand-in optimizer's `mul_` and autograd's three gradient accumulations (`add_`): the",

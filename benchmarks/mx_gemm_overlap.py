@@ -13,7 +13,7 @@ registers, spilled bytes, the number of wgmma sites and the N of every ``wgmma.w
 
 Usage::
 
-    python benchmarks/mx_gemm_overlap.py [--out FILE.md]
+    python -m benchmarks mx-gemm-overlap [--out FILE.md]
 
 The ``triton.language`` forms take the kernel's arguments and are written to compute its result (K a multiple of
 two blocks for ``two_blocks_per_iteration``), but only their PTX is looked at: none of them has run.
@@ -24,14 +24,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import re
 import sys
 from pathlib import Path
 
 import triton
 import triton.language as tl
+from benchmarks import command as front_door_command
 from fp8_lightning.kernels import aot
 from fp8_lightning.kernels.block_gemm import _e8m0_to_float, _mx_gemm_kernel
+from fp8_lightning.testing import wgmma_waits
 
 TILES = ("128x128/warps8/stages4", "64x128/warps4/stages3", "64x64/warps4/stages5")
 
@@ -170,12 +171,6 @@ def forms() -> dict:
     }
 
 
-def wgmma_waits(ptx: str) -> tuple[int, list[int]]:
-    """(wgmma instruction sites, the N of every ``wgmma.wait_group N``) in ``ptx``."""
-    sites = len(re.findall(r"wgmma\.mma_async", ptx))
-    return sites, [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)]
-
-
 def _variant(tile: str) -> aot.Variant:
     return next(v for v in aot.launch_space() if v.kernel == "_mx_gemm_kernel"
                 and v.config == f"a=fp8e4nv b=fp8e4nv out=bf16 block=32 config={tile}")  # fmt: skip
@@ -204,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = measure()
     lines = [
-        f"- command: `python benchmarks/mx_gemm_overlap.py {' '.join(argv or sys.argv[1:])}`",
+        f"- command: `{front_door_command('mx_gemm_overlap', argv)}`",
         f"- machine: CPU only (no GPU); triton {triton.__version__} (its bundled ptxas); target sm_90a; "
         f"operands E4M3, output bf16, block 32; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         "",

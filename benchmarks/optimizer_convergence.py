@@ -23,7 +23,7 @@ The criterion of the project: the default preset's final validation loss within 
 
 Usage::
 
-    python benchmarks/optimizer_convergence.py --out benchmarks/results/optimizer_convergence.md
+    python -m benchmarks optim-convergence --out benchmarks/results/optimizer_convergence.md
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 import time
 
 import torch
@@ -41,8 +40,7 @@ from fp8_lightning.data import ByteTextDataModule
 from fp8_lightning.models import GPT, warmup_cosine
 from fp8_lightning.optim import FP8Optimizer
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from bench_common import loss_curve_table, write_markdown_report  # noqa: E402
+from benchmarks.bench_common import loss_curve_table, write_markdown_report
 
 # run name -> (FP8Optimizer preset, options); "fp32" is torch AdamW for float32 weights and, for bf16 weights,
 # the classic mixed-precision reference: float32 states and a float32 master copy ("fp32" preset).

@@ -26,23 +26,21 @@ of either number.
 
 Usage::
 
-    python benchmarks/optimizer_memory.py                      # GPT n_layer=6, n_embd=512 (~19M params)
-    python benchmarks/optimizer_memory.py --n-layer 12 --n-embd 768 --out benchmarks/results/optimizer_memory.md
+    python -m benchmarks optim-memory                      # GPT n_layer=6, n_embd=512 (~19M params)
+    python -m benchmarks optim-memory --n-layer 12 --n-embd 768 --out benchmarks/results/optimizer_memory.md
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import sys
 
 import torch
 
 from fp8_lightning.models import GPT
 from fp8_lightning.optim import FP8Optimizer
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from bench_common import write_markdown_report  # noqa: E402
+from benchmarks.bench_common import write_markdown_report
 
 SCENARIOS = [
     # (label, parameter dtype, preset or None for plain torch AdamW, FP8 options)

@@ -18,14 +18,13 @@ optimizer); encode/decode of the shipped formats is ``fp8_lightning.optim.state_
 
 Usage::
 
-    python benchmarks/optimizer_state_error.py --out benchmarks/results/optimizer_state_error.md
+    python -m benchmarks optim-state-error --out benchmarks/results/optimizer_state_error.md
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +33,7 @@ from fp8_lightning.data import ByteTextDataModule
 from fp8_lightning.models import GPT, warmup_cosine
 from fp8_lightning.optim.state_formats import StateFormat, block_scales, decode, encode, saturating_cast
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from bench_common import write_markdown_report  # noqa: E402
+from benchmarks.bench_common import write_markdown_report
 
 EPS = 1e-8
 

@@ -1,7 +1,7 @@
 """Hugging Face model families from random-init configs (no download) trained through ``Trainer(precision=...)``
 for every FP8 string: which layers convert, and the final loss next to the float32 run's from the same seed.
 
-    python benchmarks/tried_with.py [--steps 30] [--out benchmarks/results/tried-with-YYYYMMDD.md]
+    python -m benchmarks tried-with [--steps 30] [--out benchmarks/results/tried-with-YYYYMMDD.md]
 
 A single CPU process; the learnable task is the test suite's Markov-chain token stream. The numbers say that the
 family runs and learns in FP8 like in float32, not how fast.
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import sys
 import time
 from pathlib import Path
 
@@ -20,13 +19,10 @@ import torch
 import transformers
 from torch.utils.data import DataLoader, DistributedSampler
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import fp8_lightning  # noqa: E402,F401
-from fp8_lightning import fp8_modules  # noqa: E402
-from fp8_lightning.lightning.strings import PRECISION_RECIPES  # noqa: E402
-from tests.lightning.test_hf_models import CausalLM  # noqa: E402
-from tests.lightning.user_model import VOCAB, loader, trainer_kwargs  # noqa: E402
+import fp8_lightning  # noqa: F401
+from fp8_lightning import fp8_modules
+from fp8_lightning.lightning.strings import PRECISION_RECIPES
+from fp8_lightning.testing import VOCAB, loader, trainer_kwargs
 
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
@@ -41,6 +37,24 @@ FAMILIES = {
         vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
         attn_pdrop=0.0)),
 }  # fmt: skip
+
+
+class CausalLM(L.LightningModule):
+    """A Hugging Face causal LM in a LightningModule: its own loss on the batch's tokens, AdamW at 3e-3."""
+
+    def __init__(self, factory):
+        super().__init__()
+        self.model = factory()
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        (seq,) = batch
+        loss = self.model(input_ids=seq, labels=seq).loss
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.0)
 
 
 def train(factory, precision: str, steps: int, ranks: int = 1, **trainer_overrides) -> tuple[CausalLM, L.Trainer]:
@@ -86,7 +100,7 @@ def main() -> None:
             print(rows[-1], flush=True)
     text = "\n".join([
         f"# Tried with: Hugging Face families through Trainer(precision=...) ({datetime.date.today()})", "",
-        f"Command: `python benchmarks/tried_with.py --steps {args.steps}`; CPU, 1 thread, transformers "
+        f"Command: `python -m benchmarks tried-with --steps {args.steps}`; CPU, 1 thread, transformers "
         f"{transformers.__version__}, torch {torch.__version__}, lightning {L.__version__}; "
         f"{time.perf_counter() - start:.0f} s in all. Final loss: mean of the last 5 of {args.steps} steps.", "",
         *rows, ""])  # fmt: skip

@@ -1,7 +1,7 @@
 """Hugging Face Llama and GPT-2 (random-init configs) under ``strategy="ddp"``, ``"fp8_ddp"`` and ``"fp8_fsdp"`` on
 2 gloo processes (CPU), each next to a single-process run of the same global batches and precision.
 
-    python benchmarks/tried_with_strategies.py [--steps 30] [--out benchmarks/results/tried-with-strategies-YYYYMMDD.md]
+    python -m benchmarks tried-with-strategies [--steps 30] [--out benchmarks/results/tried-with-strategies-YYYYMMDD.md]
 
 Every run starts from seed 0 and takes the same 16 sequences per optimizer step: all 16 on one process, or 8 per
 rank (every other sequence, so the two ranks' halves join to the single run's batch).
@@ -29,14 +29,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.tried_with import FAMILIES, train  # noqa: E402
-from fp8_lightning import fp8_modules  # noqa: E402
-from fp8_lightning.lightning.strings import PRECISION_RECIPES  # noqa: E402
-from tests.lightning.test_hf_models import CausalLM  # noqa: E402
-from tests.lightning.user_model import markov_tokens  # noqa: E402
-from tests.processes import end_worker, free_port  # noqa: E402
+from benchmarks.tried_with import FAMILIES, CausalLM, train
+from fp8_lightning import fp8_modules
+from fp8_lightning.lightning.strings import PRECISION_RECIPES
+from fp8_lightning.testing import end_worker, free_port, markov_tokens
 
 WORLD = 2
 MODELS = ("Llama", "GPT-2 (Conv1D)")
@@ -135,7 +131,7 @@ def main() -> int:
         rows, ok = table(single_runs, dict(out))
     text = "\n".join([
         f"# Tried with: Hugging Face Llama and GPT-2 under DDP, FP8 DDP and FP8 FSDP2 ({datetime.date.today()})", "",
-        f"Command: `python benchmarks/tried_with_strategies.py --steps {args.steps}`; CPU (2 cores), {WORLD} gloo "
+        f"Command: `python -m benchmarks tried-with-strategies --steps {args.steps}`; CPU (2 cores), {WORLD} gloo "
         f"processes of 1 thread each; transformers {transformers.__version__}, torch {torch.__version__}, lightning "
         f"{L.__version__}; {time.perf_counter() - start:.0f} s in all. Final loss: mean of the last 5 of "
         f"{args.steps} steps, 16 sequences per step in both set-ups. Tolerance: {TOLERANCE:.0%} on the final-loss "

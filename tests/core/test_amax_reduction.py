@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from fp8_lightning import DelayedScaling, convert_to_fp8, fp8_autocast, sync_scales
-from tests.processes import end_worker
+from fp8_lightning.testing import end_worker
 
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:

@@ -11,9 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from benchmarks.grad_bytes import WireBytes, bf16_hook, fp32_hook
 from fp8_lightning.distributed import FP8CommState, FP8ReduceScatter, fp8_all_reduce_mean, fp8_compress_hook
-from tests.processes import end_worker, init_gloo
+from fp8_lightning.testing import WireBytes, bf16_hook, end_worker, fp32_hook, init_gloo
 
 NUMEL, BLOCK = 3001, 256  # odd: the chunks and the last block are padded
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.distributed._workers import Net, batches
-from tests.processes import end_worker
+from fp8_lightning.testing import end_worker
 
 ROWS = 64  # global batch
 

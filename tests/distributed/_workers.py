@@ -8,9 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from benchmarks.allgather_bytes import Counter
 from fp8_lightning import convert_to_fp8, fp8_autocast, recipe_from, sync_scales
-from tests.processes import end_worker, init_gloo
+from fp8_lightning.testing import CollectiveCounter, end_worker, init_gloo
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WIDTH, HIDDEN, OUT = 64, 128, 32
@@ -85,7 +84,7 @@ def fsdp_run(
     convert_to_fp8(model, recipe_from(recipe))
     report = enable_fp8_all_gather(model, world) if fp8_all_gather else None
     shard_model(model, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype))
-    with Counter() as counter:
+    with CollectiveCounter() as counter:
         losses = train_plain(model, data, rank, world, fp8_optimizer=fp8_optimizer)
     return {
         "losses": losses,

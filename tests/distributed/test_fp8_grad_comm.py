@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 
 from fp8_lightning.distributed import FP8CommState, FP8ReduceScatter
 from tests.distributed._grad_comm_workers import BLOCK, CASES, NUMEL, worker
-from tests.processes import free_port
+from fp8_lightning.testing import free_port
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")]
 WORLD = 2

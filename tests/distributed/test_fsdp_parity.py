@@ -24,7 +24,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from tests.distributed._workers import RECIPES, parity_worker
-from tests.processes import free_port
+from fp8_lightning.testing import free_port
 
 STEPS = 4
 pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")]

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.processes import free_port
+from fp8_lightning.testing import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "examples", "multinode", "torchrun_fp8_train.sh")

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 from tests.distributed._lightning_workers import strategy_worker
 from tests.distributed._workers import batches, single_run
-from tests.processes import free_port
+from fp8_lightning.testing import free_port
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore")]
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tests.hydra.helpers import REPO
-from tests.processes import free_port
+from fp8_lightning.testing import free_port
 
 SCRIPT = REPO / "examples" / "multinode" / "torchrun_fp8_train.sh"
 

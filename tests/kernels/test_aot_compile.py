@@ -4,7 +4,7 @@ registers.
 The interpreter that runs the other kernel tests accepts code the GPU compiler refuses; this compiles the real
 thing ahead of time (``fp8_lightning.kernels.aot``, ptxas from the triton wheel). The suite compiles a pairwise
 covering of the launch space (every pair of configuration values of a kernel, the target included, at least once:
-about 100 compiles); ``benchmarks/aot_compile.py`` sweeps all of it and writes the table.
+about 100 compiles); ``python -m benchmarks aot`` sweeps all of it and writes the table.
 """
 
 from __future__ import annotations
@@ -157,13 +157,15 @@ def test_compile_refuses_an_unknown_target():
 
 
 def test_hopper_mx_gemm_waits_on_each_wgmma_as_its_docstring_says():
-    """One wgmma, waited with wait_group 0 (``benchmarks/mx_gemm_overlap.py`` has the forms that were tried)."""
-    from benchmarks import mx_gemm_overlap
+    """One wgmma, waited with wait_group 0 (``python -m benchmarks mx-gemm-overlap`` has the forms that were tried)."""
+    from fp8_lightning.testing import wgmma_waits
 
-    ptx = aot.compile_variant(mx_gemm_overlap._variant("64x128/warps4/stages3"), "sm_90a").ptx
-    assert mx_gemm_overlap.wgmma_waits(ptx) == (1, [0])
+    config = "a=fp8e4nv b=fp8e4nv out=bf16 block=32 config=64x128/warps4/stages3"
+    variant = next(v for v in aot.launch_space() if v.kernel == "_mx_gemm_kernel" and v.config == config)
+    ptx = aot.compile_variant(variant, "sm_90a").ptx
+    assert wgmma_waits(ptx) == (1, [0])
     in_flight = "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {...};\nwgmma.wait_group.sync.aligned 1;\n"
-    assert mx_gemm_overlap.wgmma_waits(in_flight * 2) == (2, [1, 1])
+    assert wgmma_waits(in_flight * 2) == (2, [1, 1])
 
 
 def loop_bodies(ptx: str) -> list[str]:
@@ -186,7 +188,7 @@ def loop_bodies(ptx: str) -> list[str]:
 def test_gluon_mx_gemm_keeps_one_wgmma_in_flight_while_folding_and_loads_by_tma(config):
     """The K loop issues block k's wgmma, waits with ``wait_group 1`` (block k-1's product only), and TMA-loads
     both operand tiles; the only ``wait_group 0`` is after the loop, for the last block."""
-    from benchmarks.mx_gemm_overlap import wgmma_waits
+    from fp8_lightning.testing import wgmma_waits
 
     variant = next(v for v in aot.launch_space() if v.kernel == "_gluon_mx_gemm_kernel" and v.config == config)
     report = aot.compile_variant(variant, "sm_90a")

@@ -1,6 +1,6 @@
 """Compiled kernels on CUDA, bit for bit against the pure-torch twins (skipped without an sm89+ GPU).
 
-The checks are those of ``benchmarks/kernels_gpu.py`` (one list, run by both); here they gate CI on a GPU.
+The checks are those of ``python -m benchmarks kernels-gpu`` (one list, run by both); here they gate CI on a GPU.
 """
 
 from __future__ import annotations
@@ -8,18 +8,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks import kernels_gpu
 from fp8_lightning import FP8Linear, fp8_autocast
 from fp8_lightning.kernels.availability import DISABLE_ENV
 from fp8_lightning.recipes import DelayedScaling
 from tests.kernels.conftest import requires_cuda_kernels
 from tests.environment import set_env
+from tests.helpers.front_door import run_suite
 
 pytestmark = [pytest.mark.gpu, requires_cuda_kernels]
 
 
-def test_every_kernel_matches_its_twin_on_cuda():
-    failed = [name for name, ok in kernels_gpu.check_kernels() if not ok]
+def test_every_kernel_matches_its_twin_on_cuda(tmp_path):
+    done = run_suite("kernels-gpu", "--check-only", "--out", str(tmp_path / "kernels_gpu.md"), check=False)
+    assert done.returncode in (0, 1), done.stdout + done.stderr
+    failed = [line.split("FAILED: ", 1)[1] for line in done.stdout.splitlines() if "FAILED: " in line]
+    assert bool(failed) == (done.returncode == 1), done.stdout
     assert not failed, failed
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 RECORD = Path(__file__).with_name("torch_2_11_api.txt")
 GPU_SESSION_SCRIPTS = (
-    "gpu_check", "kernels_gpu", "fsdp_gpu_check", "bench_linear", "bench_gpt", "bench_common", "llama_stack",
+    "gpu_check", "kernels_gpu", "fsdp_gpu_check", "bench_linear", "bench_gpt", "bench_common",
 )
 OWN_NAMESPACES = ("torch.ops.fp8_lightning",)  # the project's own custom ops
 

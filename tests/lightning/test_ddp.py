@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.processes import free_port
+from fp8_lightning.testing import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,6 +1,6 @@
 """A LightningModule written the way a user writes one (nn.Linear / nn.LayerNorm transformer, its own
-configure_optimizers), a small deterministic language-modelling task, and helpers that train it with the
-Trainer or with Fabric. Shared by the Lightning integration tests."""
+configure_optimizers), the small language-modelling task of ``fp8_lightning.testing``, and helpers that train it
+with the Trainer or with Fabric. Shared by the Lightning integration tests."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
 
-VOCAB, SEQ = 64, 32
+from fp8_lightning.testing import SEQ, VOCAB, loader, markov_tokens, trainer_kwargs  # noqa: F401 - re-exported
 
 
 class Block(nn.Module):
@@ -65,30 +64,6 @@ class TinyTransformerLM(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.0)
-
-
-def markov_tokens(n: int = 512, seed: int = 1234) -> torch.Tensor:
-    """Sequences from a fixed sparse Markov chain: learnable well below the uniform loss log(64)."""
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(VOCAB, VOCAB, generator=g) * 3.0
-    probs = torch.softmax(logits, dim=-1)
-    seq = torch.empty(n, SEQ + 1, dtype=torch.long)
-    seq[:, 0] = torch.randint(0, VOCAB, (n,), generator=g)
-    for t in range(SEQ):
-        seq[:, t + 1] = torch.multinomial(probs[seq[:, t]], 1, generator=g).squeeze(1)
-    return seq
-
-
-def loader(n: int = 512, batch_size: int = 32) -> DataLoader:
-    return DataLoader(TensorDataset(markov_tokens(n)), batch_size=batch_size, shuffle=False)
-
-
-def trainer_kwargs(**overrides) -> dict:
-    kwargs = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                  num_sanity_val_steps=0)  # fmt: skip
-    kwargs.update(overrides)
-    return kwargs
 
 
 def fit_trainer(max_steps: int = 60, seed: int = 0, **trainer_overrides) -> TinyTransformerLM:

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from fp8_lightning.optim import FP8Optimizer
-from tests.processes import end_worker, free_port, init_gloo
+from fp8_lightning.testing import end_worker, free_port, init_gloo
 
 WIDTH, HIDDEN, STEPS = 64, 128, 4
 
