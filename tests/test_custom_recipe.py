@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fp8_lightning import FP8Linear, convert_to_fp8, fp8_autocast, fp8_state_dict, load_fp8_state_dict, recipe_from
 from fp8_lightning.recipes import PerTensorRecipe
-from tests.processes import free_port
+from fp8_lightning.testing import free_port
 
 E4M3_MAX = 448.0
 
@@ -179,10 +179,9 @@ def _fsdp_worker(rank: int, world: int, port: int, out: dict) -> None:
     )
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    from tests.distributed._lightning_workers import fit, make_module
-    from tests.processes import end_worker
-
     from fp8_lightning.lightning.fsdp import FP8FSDPStrategy
+    from fp8_lightning.testing import end_worker
+    from tests.distributed._lightning_workers import fit, make_module
 
     module = make_module()
     trainer, losses = fit(module, FP8FSDPStrategy(fp8_reduce_scatter=True), recipe=RECIPE)
