@@ -29,6 +29,7 @@ outside the ``state_dict`` and saved through :func:`fp8_lightning.convert.fp8_st
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from typing import Callable
 
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 
 from fp8_lightning.autocast import autocast_state
 from fp8_lightning.gemm import check_device, fp8_mm
-from fp8_lightning.quantize import Quantized
+from fp8_lightning.quantize import OperandKind, Quantized
 from fp8_lightning.recipes import Recipe
 from fp8_lightning.scaling import OperandScaling, advance_histories
 from fp8_lightning.traced import make_plan, traced_linear
@@ -143,6 +144,38 @@ class LayerScaling:
         self._weight_cache = self._weight_key = self._evaluation_cache = None
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _SavedOperand:
+    """What backward needs of a saved FP8 operand besides its data and scale tensors (saved with
+    ``save_for_backward``): its kind, whether it is known NaN-free, its ``1 / scale`` when the fprop GEMM made it
+    (CUDA), its float32 form when a CPU float GEMM made it, and, for the weight cache's own columnwise object, the
+    object itself (what dgrad derives from it, its float32 form or cuBLAS's swizzled scales, is then made once
+    per optimizer step, not per micro-batch)."""
+
+    kind: OperandKind
+    nan_free: bool
+    inverse: torch.Tensor | None
+    f32: torch.Tensor | None = None
+    operand: Quantized | None = None
+
+    def rebuild(self, data: torch.Tensor, scale: torch.Tensor) -> Quantized:
+        return Quantized(data, scale, self.kind, self.f32, self.nan_free, self.inverse)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _SavedMeta:
+    """The non-tensor state the eager layer's backward reads (the tensors go through ``save_for_backward``)."""
+
+    layer: nn.Module
+    scaling: "LayerScaling"
+    emulate: bool
+    x_dtype: torch.dtype
+    w_dtype: torch.dtype
+    bias_dtype: torch.dtype | None
+    input: _SavedOperand
+    weight: _SavedOperand
+
+
 class _FP8LinearFunction(torch.autograd.Function):
     """y = x @ W.T + b on FP8 operands; the three GEMMs are marked by banners below. The bias rides in the fprop
     GEMM (fused on CPU) and its gradient is the output gradient summed over tokens."""
@@ -164,25 +197,21 @@ class _FP8LinearFunction(torch.autograd.Function):
         x_saved = recipe.transposed(xq, x_col)
         w_saved = recipe.transposed(wq, w_col)
         ctx.save_for_backward(x_saved.data, x_saved.scale, w_saved.data, w_saved.scale)
-        # Besides the layer, its state and the dtypes: per saved operand its kind (a high-precision wgrad saves x
-        # unquantized), whether it is known NaN-free and its 1 / scale when the fprop GEMM made it (CUDA). The
-        # cached FP8 weight's float32 form, when a CPU float GEMM made it (the weight cache keeps it for the step
-        # anyway), lets dgrad skip decoding the saved bytes again; a block-scaled weight's columnwise operand is
-        # the weight cache's own object, so what dgrad derives from it (its float32 form, cuBLAS's swizzled scales)
-        # is made once per optimizer step, not per micro-batch.
-        ctx.meta = (
+        # The cached FP8 weight's float32 form (a CPU float GEMM made it; the cache keeps it for the step anyway)
+        # lets dgrad skip decoding the saved bytes again.
+        w_cached = w_saved if w_saved is w_col else None
+        ctx.meta = _SavedMeta(
             layer, scaling, emulate, x2d.dtype, weight.dtype, None if bias is None else bias.dtype,
-            (x_saved.kind, x_saved.nan_free, x_saved.inverse),
-            (w_saved.kind, w_saved.nan_free, w_saved.inverse, w_saved.f32, w_saved if w_saved is w_col else None),
+            _SavedOperand(x_saved.kind, x_saved.nan_free, x_saved.inverse),
+            _SavedOperand(w_saved.kind, w_saved.nan_free, w_saved.inverse, w_saved.f32, w_cached),
         )
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         x_data, x_scale, w_data, w_scale = ctx.saved_tensors
-        layer, scaling, emulate, x_dtype, w_dtype, bias_dtype, x_meta, w_meta = ctx.meta
-        x_kind, x_nan_free, x_inverse = x_meta
-        w_kind, w_nan_free, w_inverse, w_f32, w_operand = w_meta
+        meta: _SavedMeta = ctx.meta
+        layer, scaling, emulate = meta.layer, meta.scaling, meta.emulate
         needs_x, needs_w, needs_bias = ctx.needs_input_grad[:3]
         g = grad_y.contiguous()
         gq, g_col = scaling.cast("grad_output", g, record=True, columnwise=needs_w)
@@ -193,15 +222,15 @@ class _FP8LinearFunction(torch.autograd.Function):
         fast = scaling.recipe.grad_fast_accum
         # ------------------------------------------------ dgrad ------------------------------------------------
         if needs_x:
-            w_saved = w_operand or Quantized(w_data, w_scale, w_kind, w_f32, w_nan_free, w_inverse)
-            grad_x = fp8_mm(gq, w_saved, x_dtype, emulate, fast_accum=fast)  # (M, N) @ (K, N).T
+            w_saved = meta.weight.operand or meta.weight.rebuild(w_data, w_scale)
+            grad_x = fp8_mm(gq, w_saved, meta.x_dtype, emulate, fast_accum=fast)  # (M, N) @ (K, N).T
         # ------------------------------------------------ wgrad ------------------------------------------------
         if needs_w:
-            x_saved = Quantized(x_data, x_scale, x_kind, nan_free=x_nan_free, inverse=x_inverse)
+            x_saved = meta.input.rebuild(x_data, x_scale)
             g_t = scaling.recipe.transposed(gq, g_col)  # (N, M)
-            grad_w = fp8_mm(g_t, x_saved, w_dtype, emulate, fast_accum=fast)  # (N, M) @ (K, M).T
+            grad_w = fp8_mm(g_t, x_saved, meta.w_dtype, emulate, fast_accum=fast)  # (N, M) @ (K, M).T
         if needs_bias:
-            grad_bias = g.sum(0, dtype=bias_dtype)  # one reduction, accumulated in the bias dtype or wider
+            grad_bias = g.sum(0, dtype=meta.bias_dtype)  # one reduction, accumulated in the bias dtype or wider
         return grad_x, grad_w, grad_bias, None, None, None, None, None
 
 
