@@ -53,7 +53,13 @@ def shape_unsupported_reason(in_features: int, out_features: int, recipe: Recipe
 
 
 class LayerScaling:
-    """Everything one layer keeps for one recipe: operand scaling states and the per-step FP8 weight cache."""
+    """Everything one layer keeps for one recipe: operand scaling states and the per-step FP8 weight cache.
+
+    A training forward casts the weight once per optimizer step and reuses the cast across micro-batches (keyed on
+    the parameter's version counter, which in-place updates of the parameter bump). Evaluation and inference never
+    keep or reuse a cast: an edit through ``weight.data`` (an EMA swap, ``p.data.copy_``) leaves the version counter
+    and the data pointer as they were, and inference tensors have no version counter at all.
+    """
 
     def __init__(self, recipe: Recipe):
         self.recipe = recipe
@@ -62,7 +68,6 @@ class LayerScaling:
         self.operands: dict[str, OperandScaling] = recipe.operand_states(self.forward_dtype, self.backward_dtype)
         self._weight_key: tuple | None = None
         self._weight_cache: tuple[Quantized, Quantized | None] | None = None
-        self._evaluation_cache: tuple[tuple, tuple[Quantized, Quantized | None]] | None = None  # (key, operands)
         self.weight_casts = 0
 
     @property
@@ -97,7 +102,8 @@ class LayerScaling:
     def weight_operands(
         self, weight: torch.Tensor, record: bool, regathered: bool = False
     ) -> tuple[Quantized, Quantized | None]:
-        """(rowwise W, columnwise W for MX) cast once per weight version and scale generation.
+        """(rowwise W, columnwise W where the recipe makes one): in training cast once per weight version and scale
+        generation, in evaluation (``record=False``) cast afresh.
 
         ``regathered``: the weight was just all-gathered into a reused buffer (FSDP2 in high precision), which
         keeps its version counter: the cache cannot tell a new step's weight from the last one, so cast afresh.
@@ -106,25 +112,16 @@ class LayerScaling:
         if provided is not None:
             return provided(self, record)
         if regathered:
-            self._weight_cache = self._evaluation_cache = None
+            self._weight_cache = None
+        if not record:  # evaluation and inference: cast afresh, keep nothing (see the class docstring)
+            return self.cast("weight", weight.detach(), False, columnwise=True)
         w_state = self.operands.get("weight")
         key = (weight._version, weight.data_ptr(), w_state.generation if w_state else 0, weight.device)
-        if not record:
-            return self._evaluation_weight(weight, key)
         if self._weight_cache is None or key != self._weight_key:
             self._weight_cache = self.cast("weight", weight.detach(), record, columnwise=True)
             self._weight_key = key
             self.weight_casts += 1
         return self._weight_cache
-
-    def _evaluation_weight(self, weight: torch.Tensor, key: tuple) -> tuple[Quantized, Quantized | None]:
-        """The weight operands of an evaluation forward: the training cast of this very weight version when
-        there is one (the same bits), else a cast kept in a cache of its own, which training never reads."""
-        if self._weight_cache is not None and key == self._weight_key:
-            return self._weight_cache
-        if self._evaluation_cache is None or self._evaluation_cache[0] != key:
-            self._evaluation_cache = (key, self.cast("weight", weight.detach(), False, columnwise=True))
-        return self._evaluation_cache[1]
 
     # -- persistence ------------------------------------------------------------------------------------------
 
@@ -132,7 +129,7 @@ class LayerScaling:
         """For pickle and deepcopy: the FP8 weight caches stay behind (float8 tensors do not unpickle; the next
         forward casts again)."""
         state = self.__dict__.copy()
-        state["_weight_cache"] = state["_weight_key"] = state["_evaluation_cache"] = None
+        state["_weight_cache"] = state["_weight_key"] = None
         return state
 
     def state_dict(self) -> dict:
@@ -141,7 +138,7 @@ class LayerScaling:
     def load_state_dict(self, state: dict) -> None:
         for role, s in self.operands.items():
             s.load_state_dict(state["operands"][role])
-        self._weight_cache = self._weight_key = self._evaluation_cache = None
+        self._weight_cache = self._weight_key = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -336,10 +333,11 @@ class FP8Linear(nn.Linear):
             check_device(x.device, self.fp8_emulate)
         scaling = self._fp8_scalings.get(recipe) or self.fp8_scaling(recipe)
         weight = self.fp8_gemm_weight
-        if self.training and scaling.step_boundary_passed(weight) and scaling.booked:
+        record = self.training and not torch.is_inference_mode_enabled()  # inference mode is evaluation
+        if record and scaling.step_boundary_passed(weight) and scaling.booked:
             scaling.update()  # no one called update_scales() after the optimizer step: advance locally
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        args = (x2d, weight, self.bias, self, scaling, self.training, self.fp8_emulate, out_dtype)
+        args = (x2d, weight, self.bias, self, scaling, record, self.fp8_emulate, out_dtype)
         if autocasting:  # the FP8 path picks its own dtypes: autocast stays out of it
             with torch.autocast(x.device.type, enabled=False):
                 y = _FP8LinearFunction.apply(*args)
