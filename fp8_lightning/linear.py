@@ -354,6 +354,8 @@ class FP8Linear(nn.Linear):
                 f"FP8Linear got an input of dtype {x.dtype}; FP8 GEMMs need floating-point input. "
                 "Convert the input with .float() (or embed integer ids with nn.Embedding first)."
             )
+        if x.numel() == 0:  # no tokens (an empty micro-batch): nothing to cast; the plain GEMM gives the empty
+            return True  # output and exact zero weight and bias gradients
         reason = shape_unsupported_reason(self.in_features, self.out_features, recipe)
         if reason is not None and reason not in self._fp8_warned:
             self._fp8_warned.add(reason)
