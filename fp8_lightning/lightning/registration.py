@@ -2,7 +2,8 @@
 
 Lightning validates ``precision=`` against fixed ``Literal`` lists and has no precision registry, so the least
 invasive hook is the constructor of its accelerator connector (``_AcceleratorConnector`` for the Trainer,
-``_Connector`` for Fabric), wrapped once when ``fp8_lightning`` is imported:
+``_Connector`` for Fabric), wrapped once when both ``fp8_lightning`` and the Lightning package are imported
+(``fp8_lightning.lightning.hook`` decides when):
 
 * a known FP8 string becomes the matching plugin, handed over through ``plugins=`` (and ``precision=None``),
   so Lightning's own code path for a user-supplied plugin does the rest and ``trainer.precision`` reports the
@@ -28,7 +29,6 @@ import contextlib
 import dataclasses
 import functools
 import importlib
-import importlib.abc
 import inspect
 import os
 import sys
@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterator, Literal, Union
 import torch
 
 from fp8_lightning.gemm import check_device
+from fp8_lightning.lightning import hook
 from fp8_lightning.lightning.plugin_base import FP8PrecisionMixin
 from fp8_lightning.lightning.strings import PRECISION_STRINGS, is_fp8_precision, recipe_for_precision
 
@@ -121,8 +122,16 @@ def register_precision_strings() -> list[str]:
             _register(family)
             wrapped.append(family.connector)
         else:
-            _WrapOnImport.install(family)
+            hook.LightningImportHook.watch(family.package)
     return wrapped
+
+
+def register_package(package: str) -> None:
+    """Wrap the connectors of one Lightning package (``lightning``, ``pytorch_lightning`` or ``lightning_fabric``),
+    which the caller has imported (idempotent)."""
+    for family in _FAMILIES:
+        if family.package == package:
+            _register(family)
 
 
 def _register(family: _Family) -> None:
@@ -156,41 +165,6 @@ def accept_fp8_in_annotation(cls: type) -> None:
     if annotation is None or isinstance(annotation, str) or fp8 in typing.get_args(annotation):
         return
     init.__annotations__["precision"] = Union[annotation, fp8]
-
-
-class _WrapOnImport(importlib.abc.MetaPathFinder):
-    """Registers a standalone Lightning package right after its top-level module has been executed."""
-
-    pending: dict[str, _Family] = {}
-
-    @classmethod
-    def install(cls, family: _Family) -> None:
-        cls.pending.setdefault(family.package, family)
-        if not any(isinstance(f, cls) for f in sys.meta_path):
-            sys.meta_path.insert(0, cls())
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        family = self.pending.get(name)
-        if family is None:
-            return None
-        spec = next((s for s in _other_specs(self, name, path, target) if s is not None), None)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        execute = spec.loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            execute(module)
-            self.pending.pop(name, None)
-            _register(family)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-def _other_specs(me: Any, name: str, path: Any, target: Any) -> Iterator[Any]:
-    for finder in sys.meta_path:
-        if finder is not me and hasattr(finder, "find_spec"):
-            yield finder.find_spec(name, path, target)
 
 
 def _wrap_init(original: Callable, family: _Family) -> Callable:

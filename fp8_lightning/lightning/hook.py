@@ -1,0 +1,110 @@
+"""Register fp8_lightning with Lightning whenever the program uses Lightning, without importing it from here.
+
+``import fp8_lightning`` calls :func:`install`. For each Lightning package (``lightning``, the standalone
+``pytorch_lightning`` and ``lightning_fabric``) that is already imported, the precision strings and strategies are
+registered at once; for the others a finder on ``sys.meta_path`` wraps the package's loader and registers right
+after the package's top-level module has run (it imports its ``pytorch`` and ``fabric`` parts). So
+``Trainer(precision="fp8-hybrid")``, ``Fabric(precision=...)`` and ``strategy="fp8_fsdp"`` work whether Lightning
+was imported before or after ``fp8_lightning``, while the core (``fp8_lightning.formats``, ``.recipes``, ...) never
+imports Lightning.
+
+This module uses the standard library only: the adapters (and with them Lightning) are imported when a Lightning
+package is, not before. Registration is idempotent. When Lightning's private names moved, registration warns with
+the ``plugins=[FP8Precision(...)]`` route, which needs none of this, instead of breaking the user's import.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+import warnings
+from typing import Any, Iterator
+
+PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric")
+
+
+def install() -> None:
+    """Register with the Lightning packages imported so far; register with the others when they are imported."""
+    for package in PACKAGES:
+        if _imported(package):
+            register(package)
+        else:
+            LightningImportHook.watch(package)
+
+
+_queue: list[str] = []
+_busy: list[bool] = []
+
+
+def register(package: str) -> None:
+    """Register the precision strings (and, for ``lightning``, the strategies) with one Lightning package.
+
+    Registering ``pytorch_lightning`` imports the adapters, which import ``lightning``, whose own registration then
+    waits in a queue until the first one is done (the adapters are half imported at that point).
+    """
+    _queue.append(package)
+    if _busy:
+        return
+    _busy.append(True)
+    try:
+        while _queue:
+            _register_now(_queue.pop(0))
+    finally:
+        _busy.clear()
+
+
+def _register_now(package: str) -> None:
+    from fp8_lightning.lightning.registration import RegistrationError, register_package
+
+    try:
+        register_package(package)
+    except RegistrationError as err:  # the plugins=[FP8Precision(...)] route still works: say so, do not break it
+        warnings.warn(str(err), RuntimeWarning, stacklevel=2)
+    if package == "lightning":
+        from fp8_lightning.lightning.ddp import register_ddp_strategy
+        from fp8_lightning.lightning.fsdp import register_fsdp_strategy
+
+        register_fsdp_strategy()  # Trainer(strategy="fp8_fsdp")
+        register_ddp_strategy()  # Trainer(strategy="fp8_ddp"): DDP with FP8 gradient communication
+
+
+def _imported(package: str) -> bool:
+    """True when ``package`` is imported completely (not while its own ``__init__`` is still running)."""
+    module = sys.modules.get(package)
+    spec = getattr(module, "__spec__", None)
+    return module is not None and not getattr(spec, "_initializing", False)
+
+
+class LightningImportHook(importlib.abc.MetaPathFinder):
+    """Wraps the loader of a watched Lightning package so that :func:`register` runs after the package loads."""
+
+    watched: set[str] = set()
+
+    @classmethod
+    def watch(cls, package: str) -> None:
+        cls.watched.add(package)
+        if not any(isinstance(finder, cls) for finder in sys.meta_path):
+            sys.meta_path.insert(0, cls())
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name not in self.watched:
+            return None
+        spec = next((s for s in _other_specs(self, name, path, target) if s is not None), None)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            execute(module)
+            if name in self.watched:
+                self.watched.discard(name)
+                register(name)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _other_specs(me: Any, name: str, path: Any, target: Any) -> Iterator[Any]:
+    for finder in sys.meta_path:
+        if finder is not me and hasattr(finder, "find_spec"):
+            yield finder.find_spec(name, path, target)
