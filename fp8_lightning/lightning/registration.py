@@ -38,7 +38,6 @@ from typing import Any, Callable, Iterator, Literal, Union
 import torch
 
 from fp8_lightning.gemm import check_device
-from fp8_lightning.lightning import hook
 from fp8_lightning.lightning.plugin_base import FP8PrecisionMixin
 from fp8_lightning.lightning.strings import PRECISION_STRINGS, is_fp8_precision, recipe_for_precision
 
@@ -112,8 +111,9 @@ def register_precision_strings() -> list[str]:
     """Wrap the Lightning connectors (idempotent). Returns the connectors wrapped now or before.
 
     ``lightning`` (a dependency) is wrapped at once; the standalone ``pytorch_lightning`` / ``lightning_fabric``
-    packages only when they are imported, now or later: importing them here would change the user's environment
-    (the standalone package reroutes Lightning's loggers). Raises :class:`RegistrationError`, naming the
+    packages only when they are imported: now, or later through :mod:`fp8_lightning.lightning.hook` (installed by
+    ``import fp8_lightning``). Importing them here would change the user's environment (the standalone package
+    reroutes Lightning's loggers). Raises :class:`RegistrationError`, naming the
     ``plugins=`` route, when Lightning's private names moved.
     """
     wrapped = []
@@ -121,8 +121,6 @@ def register_precision_strings() -> list[str]:
         if family.package == "lightning" or family.package in sys.modules:
             _register(family)
             wrapped.append(family.connector)
-        else:
-            hook.LightningImportHook.watch(family.package)
     return wrapped
 
 
