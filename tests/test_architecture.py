@@ -9,6 +9,7 @@ the package ``fp8_lightning.kernels`` (``[tool.setuptools.package-dir]``).
 from __future__ import annotations
 
 import ast
+import os
 import shutil
 import subprocess
 import sys
@@ -171,3 +172,45 @@ def test_no_import_cycle():
     graph = import_graph()
     cycles = find_cycles(graph)
     assert not cycles, "import cycles:\n" + "\n".join(_describe(graph, c) for c in cycles)
+
+
+def _tool(name: str) -> str:
+    """The console script ``name`` installed beside this interpreter (the dev extra installs it)."""
+    path = Path(sys.executable).parent / name
+    found = str(path) if path.exists() else shutil.which(name)
+    if found is None:
+        pytest.skip(f"{name} is not installed (pip install -e '.[dev]')")
+    return found
+
+
+def test_import_linter_contracts_are_kept(tmp_path):
+    """``lint-imports`` on a copy of the tree laid out as installed (kernels/ at fp8_lightning/kernels), so that
+    the contracts about ``fp8_lightning.kernels`` see it."""
+    pytest.importorskip("importlinter")
+    lint_imports = _tool("lint-imports")
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", "*.c")
+    shutil.copytree(SOURCES["fp8_lightning"], tmp_path / "fp8_lightning", ignore=ignore)
+    shutil.copytree(SOURCES["fp8_lightning.kernels"], tmp_path / "fp8_lightning" / "kernels", ignore=ignore)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    result = subprocess.run(
+        [lint_imports, "--no-cache", "--no-logo", str(ROOT / "pyproject.toml")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "fp8_lightning.kernels" not in result.stderr
+
+
+def test_ruff_finds_nothing():
+    pytest.importorskip("ruff")
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "."],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
