@@ -35,17 +35,17 @@ from fp8_lightning.recipes import (
 from fp8_lightning.guard import DivergenceGuard
 from fp8_lightning.lightning import hook as _hook
 
-if TYPE_CHECKING:
-    from fp8_lightning.lightning import (
-        FP8FabricPrecision,
-        FP8OptimizerStates,
-        FP8Precision,
-        FP8StatsMonitor,
-        register_precision_strings,
-    )
-    from fp8_lightning.lightning.ddp import FP8DDPStrategy, register_ddp_strategy
-    from fp8_lightning.lightning.fsdp import FP8FSDPStrategy, register_fsdp_strategy
-    from fp8_lightning.lightning.registration import RegistrationError
+if TYPE_CHECKING:  # the names __getattr__ below loads on first use
+    from fp8_lightning.lightning.callbacks import FP8StatsMonitor as FP8StatsMonitor
+    from fp8_lightning.lightning.ddp import FP8DDPStrategy as FP8DDPStrategy
+    from fp8_lightning.lightning.ddp import register_ddp_strategy as register_ddp_strategy
+    from fp8_lightning.lightning.fabric import FP8FabricPrecision as FP8FabricPrecision
+    from fp8_lightning.lightning.fsdp import FP8FSDPStrategy as FP8FSDPStrategy
+    from fp8_lightning.lightning.fsdp import register_fsdp_strategy as register_fsdp_strategy
+    from fp8_lightning.lightning.optimizer_callback import FP8OptimizerStates as FP8OptimizerStates
+    from fp8_lightning.lightning.precision import FP8Precision as FP8Precision
+    from fp8_lightning.lightning.registration import RegistrationError as RegistrationError
+    from fp8_lightning.lightning.registration import register_precision_strings as register_precision_strings
 
 # The Lightning adapters (and with them Lightning) load on first use: ``import fp8_lightning.formats`` and the rest
 # of the core never import Lightning.

@@ -5,7 +5,8 @@
 :class:`~fp8_lightning.conv1d.FP8Conv1D`) *in place* (the same module object, the same parameters), so
 optimizers, DDP wrappers and other references created before the conversion stay valid, and the model's
 ``state_dict`` is unchanged. It returns a :class:`ConversionReport` that names every converted layer and every
-skipped one with its reason, including modules of other types that hold a 2-D weight. Calling it again is harmless (it reports the same layers, with an updated recipe).
+skipped one with its reason, including modules of other types that hold a 2-D weight. Calling it again is
+harmless (it reports the same layers, with an updated recipe).
 
 The scaling state (histories, scales, fallback decisions) lives outside the ``state_dict``;
 :func:`fp8_state_dict` / :func:`load_fp8_state_dict` carry it in checkpoints, and :func:`sync_scales` runs the

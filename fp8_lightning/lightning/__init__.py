@@ -28,7 +28,15 @@ _LAZY = {
     "register_precision_strings": "fp8_lightning.lightning.registration",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = [
+    "FP8FabricPrecision",
+    "FP8OptimizerStates",
+    "FP8Precision",
+    "FP8StatsMonitor",
+    "PRECISION_RECIPES",
+    "PRECISION_STRINGS",
+    "register_precision_strings",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -99,7 +99,9 @@ class FP8FSDPStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        super().__init__(data_parallel_size, tensor_parallel_size, save_distributed_checkpoint, process_group_backend, timeout)
+        super().__init__(
+            data_parallel_size, tensor_parallel_size, save_distributed_checkpoint, process_group_backend, timeout
+        )
         self.recipe = recipe_from(recipe) if recipe is not None else None
         self.fp8_all_gather = bool(fp8_all_gather)
         self.fp8_reduce_scatter = bool(fp8_reduce_scatter)

@@ -142,7 +142,8 @@ class FP8PrecisionMixin:
             rank_zero_warn(
                 f"FP8 conversion converted no layer of {type(module).__name__}: it trains entirely in high precision "
                 f"under precision {self.precision!r}. FP8 applies to nn.Linear layers (and transformers' Conv1D) "
-                "with both dimensions divisible by 16 (32 for MXFP8); the conversion report lists what it skipped and why."
+                "with both dimensions divisible by 16 (32 for MXFP8); the conversion report lists what it skipped "
+                "and why."
             )
         self.conversion_report = report
         self._warn_skipped(report)

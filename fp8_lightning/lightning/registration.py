@@ -98,8 +98,8 @@ _FAMILIES = (
         "lightning_fabric:Fabric",
     ),
 )
-_WRAPPED_ARGUMENTS = ("precision", "plugins", "strategy")
-FABRIC_CLI_PRECISION = "LT_PRECISION"  # how `fabric run --precision` passes the value to Fabric()  # what the wrapper reads from the connector's signature
+_WRAPPED_ARGUMENTS = ("precision", "plugins", "strategy")  # what the wrapper reads from the connector's signature
+FABRIC_CLI_PRECISION = "LT_PRECISION"  # how `fabric run --precision` passes the value to Fabric()
 
 
 def _load(path: str) -> Any:
