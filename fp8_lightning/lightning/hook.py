@@ -69,10 +69,7 @@ def _register_now(package: str) -> None:
 
 
 def _imported(package: str) -> bool:
-    """True when ``package`` is imported completely (not while its own ``__init__`` is still running)."""
-    module = sys.modules.get(package)
-    spec = getattr(module, "__spec__", None)
-    return module is not None and not getattr(spec, "_initializing", False)
+    return package in sys.modules
 
 
 class LightningImportHook(importlib.abc.MetaPathFinder):

@@ -40,6 +40,7 @@ import torch
 from fp8_lightning.gemm import check_device
 from fp8_lightning.lightning.plugin_base import FP8PrecisionMixin
 from fp8_lightning.lightning.strings import PRECISION_STRINGS, is_fp8_precision, recipe_for_precision
+from fp8_lightning.privates import carried_precision, parallel_devices
 
 _MARK = "_fp8_lightning_wrapped"
 
@@ -213,14 +214,6 @@ def _as_list(plugins: Any) -> list:
     return list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
 
 
-def _carried_precision(strategy: Any) -> Any:
-    """The precision plugin a strategy *instance* already carries (Trainer: ``_precision_plugin``, Fabric:
-    ``_precision``), or None."""
-    if isinstance(strategy, str):
-        return None
-    return getattr(strategy, "_precision_plugin", None) or getattr(strategy, "_precision", None)
-
-
 def translate_precision(arguments: dict, family: _Family) -> None:
     """Turn ``precision="fp8-..."`` into ``plugins=[<FP8 plugin>]`` in the connector's bound arguments."""
     precision = arguments.get("precision")
@@ -236,7 +229,7 @@ def translate_precision(arguments: dict, family: _Family) -> None:
             f"precision={precision!r} and plugins=[{given[0]!r}] both choose the precision; pass only one "
             f"(precision={precision!r} alone, or plugins=[FP8Precision(...)] to customise the recipe)."
         )
-    carried = _carried_precision(arguments.get("strategy"))
+    carried = carried_precision(arguments.get("strategy"))
     if carried is not None:
         if isinstance(carried, FP8PrecisionMixin) and carried.precision == name:
             arguments["precision"] = None  # the strategy already brings exactly this precision
@@ -251,7 +244,7 @@ def translate_precision(arguments: dict, family: _Family) -> None:
 
 
 def _fp8_plugin(arguments: dict) -> FP8PrecisionMixin | None:
-    for plugin in _as_list(arguments.get("plugins")) + [_carried_precision(arguments.get("strategy"))]:
+    for plugin in _as_list(arguments.get("plugins")) + [carried_precision(arguments.get("strategy"))]:
         if isinstance(plugin, FP8PrecisionMixin):
             return plugin
     return None
@@ -297,7 +290,7 @@ def check_accelerator(connector: Any, family: _Family) -> None:
     plugin = getattr(connector, family.result_attr, None)
     if not isinstance(plugin, FP8PrecisionMixin):
         return
-    devices = [d for d in getattr(connector, "_parallel_devices", []) if isinstance(d, torch.device)]
+    devices = [d for d in parallel_devices(connector) if isinstance(d, torch.device)]
     for device in devices:
         if device.type == "cuda":
             check_device(device, plugin.emulate)
