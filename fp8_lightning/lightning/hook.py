@@ -33,24 +33,31 @@ def install() -> None:
 
 
 _queue: list[str] = []
-_busy: list[bool] = []
+_state = {"busy": False, "adapters_loading": 0}
+ADAPTERS = "fp8_lightning.lightning."
 
 
 def register(package: str) -> None:
     """Register the precision strings (and, for ``lightning``, the strategies) with one Lightning package.
 
-    Registering ``pytorch_lightning`` imports the adapters, which import ``lightning``, whose own registration then
-    waits in a queue until the first one is done (the adapters are half imported at that point).
+    The registration imports the adapters. When the Lightning package was imported *by* an adapter module (say
+    ``from fp8_lightning import FP8DDPStrategy`` came first), that module is half imported, so the registration
+    waits in a queue until the outermost adapter import is done; likewise while another registration runs
+    (registering ``pytorch_lightning`` imports ``lightning``).
     """
     _queue.append(package)
-    if _busy:
+    _flush()
+
+
+def _flush() -> None:
+    if _state["busy"] or _state["adapters_loading"]:
         return
-    _busy.append(True)
+    _state["busy"] = True
     try:
         while _queue:
             _register_now(_queue.pop(0))
     finally:
-        _busy.clear()
+        _state["busy"] = False
 
 
 def _register_now(package: str) -> None:
@@ -84,20 +91,29 @@ class LightningImportHook(importlib.abc.MetaPathFinder):
             sys.meta_path.insert(0, cls())
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name not in self.watched:
+        adapter = name.startswith(ADAPTERS) and name != __name__
+        if name not in self.watched and not adapter:
             return None
         spec = next((s for s in _other_specs(self, name, path, target) if s is not None), None)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         execute = spec.loader.exec_module
 
-        def exec_module(module: Any) -> None:
+        def exec_lightning(module: Any) -> None:
             execute(module)
             if name in self.watched:
                 self.watched.discard(name)
                 register(name)
 
-        spec.loader.exec_module = exec_module
+        def exec_adapter(module: Any) -> None:
+            _state["adapters_loading"] += 1
+            try:
+                execute(module)
+            finally:
+                _state["adapters_loading"] -= 1
+            _flush()
+
+        spec.loader.exec_module = exec_adapter if adapter else exec_lightning
         return spec
 
 

@@ -67,6 +67,22 @@ def test_registration_through_the_hook_happens_once():
     )
 
 
+@pytest.mark.parametrize(
+    "first",
+    [
+        "from fp8_lightning import FP8DDPStrategy",
+        "from fp8_lightning import FP8FSDPStrategy",
+        "from fp8_lightning import FP8Precision",
+        "import fp8_lightning.lightning.registration",
+        "import fp8_lightning.lightning.plugin_base",
+    ],
+)
+def test_an_adapter_imported_first_brings_lightning_in_and_registers(first):
+    """The adapter's own import of Lightning fires the hook while the adapter is half imported: the registration
+    waits for it."""
+    _run(f"{first}\n" + textwrap.dedent(TRAINER_AND_FABRIC))
+
+
 def test_standalone_pytorch_lightning_imported_after():
     _run(
         """
