@@ -4,7 +4,8 @@ The core (formats, recipes, scaling, quantize, gemm, linear, convert, autocast) 
 Lightning; the Lightning adapters live in ``fp8_lightning.lightning``.
 """
 
-import warnings
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from fp8_lightning.autocast import fp8_autocast, is_fp8_enabled
 from fp8_lightning.backends import dequantize_mxfp8, dequantize_tensorwise, quantize_mxfp8, quantize_tensorwise
@@ -32,23 +33,52 @@ from fp8_lightning.recipes import (
     recipe_from,
 )
 from fp8_lightning.guard import DivergenceGuard
-from fp8_lightning.lightning import (
-    FP8FabricPrecision,
-    FP8OptimizerStates,
-    FP8Precision,
-    FP8StatsMonitor,
-    register_precision_strings,
-)
-from fp8_lightning.lightning.ddp import FP8DDPStrategy, register_ddp_strategy
-from fp8_lightning.lightning.fsdp import FP8FSDPStrategy, register_fsdp_strategy
-from fp8_lightning.lightning.registration import RegistrationError
+from fp8_lightning.lightning import hook as _hook
 
-try:
-    register_precision_strings()  # Trainer(precision="fp8-hybrid") and Fabric(precision="fp8-hybrid")
-except RegistrationError as _err:  # the plugins=[FP8Precision(...)] route still works: say so, do not break it
-    warnings.warn(str(_err), RuntimeWarning, stacklevel=2)
-register_fsdp_strategy()  # Trainer(strategy="fp8_fsdp")
-register_ddp_strategy()  # Trainer(strategy="fp8_ddp"): DDP with FP8 gradient communication
+if TYPE_CHECKING:  # the names __getattr__ below loads on first use
+    from fp8_lightning.lightning.callbacks import FP8StatsMonitor as FP8StatsMonitor
+    from fp8_lightning.lightning.ddp import FP8DDPStrategy as FP8DDPStrategy
+    from fp8_lightning.lightning.ddp import register_ddp_strategy as register_ddp_strategy
+    from fp8_lightning.lightning.fabric import FP8FabricPrecision as FP8FabricPrecision
+    from fp8_lightning.lightning.fsdp import FP8FSDPStrategy as FP8FSDPStrategy
+    from fp8_lightning.lightning.fsdp import register_fsdp_strategy as register_fsdp_strategy
+    from fp8_lightning.lightning.optimizer_callback import FP8OptimizerStates as FP8OptimizerStates
+    from fp8_lightning.lightning.precision import FP8Precision as FP8Precision
+    from fp8_lightning.lightning.registration import RegistrationError as RegistrationError
+    from fp8_lightning.lightning.registration import register_precision_strings as register_precision_strings
+
+# The Lightning adapters (and with them Lightning) load on first use: ``import fp8_lightning.formats`` and the rest
+# of the core never import Lightning.
+_LIGHTNING = {
+    "FP8DDPStrategy": "fp8_lightning.lightning.ddp",
+    "FP8FSDPStrategy": "fp8_lightning.lightning.fsdp",
+    "FP8FabricPrecision": "fp8_lightning.lightning.fabric",
+    "FP8OptimizerStates": "fp8_lightning.lightning.optimizer_callback",
+    "FP8Precision": "fp8_lightning.lightning.precision",
+    "FP8StatsMonitor": "fp8_lightning.lightning.callbacks",
+    "RegistrationError": "fp8_lightning.lightning.registration",
+    "register_ddp_strategy": "fp8_lightning.lightning.ddp",
+    "register_fsdp_strategy": "fp8_lightning.lightning.fsdp",
+    "register_precision_strings": "fp8_lightning.lightning.registration",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LIGHTNING.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LIGHTNING))
+
+
+# Trainer(precision="fp8-hybrid"), Fabric(precision="fp8-hybrid"), Trainer(strategy="fp8_fsdp" / "fp8_ddp"):
+# registered now with the Lightning packages already imported, and with the others when they are imported.
+_hook.install()
 
 __version__ = "0.1.0"
 

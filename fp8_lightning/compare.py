@@ -145,7 +145,8 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
         gap = None if r["val_loss_gap"] is None else f"{r['val_loss_gap']:+.4f} ({r['val_loss_gap_pct']:+.2f}%)"
         rows.append(
             f"| {r['precision']} | {recipe_text} | {_fmt(r['val_loss'], '.4f')} | {gap or '–'} | "
-            f"{_fmt(r['val_ppl'], '.3f')} | {_fmt(r['tokens_per_s'], ',.0f')} | {_fmt(r['speed_vs_fp32'], '.2f', 'x')} | "
+            f"{_fmt(r['val_ppl'], '.3f')} | {_fmt(r['tokens_per_s'], ',.0f')} | "
+            f"{_fmt(r['speed_vs_fp32'], '.2f', 'x')} | "
             f"{_fmt(r['peak_memory_mib'], ',.0f')} | {len(layers['converted'])} / {len(layers['skipped'])} |"
         )
     return header + "\n" + "\n".join(rows)

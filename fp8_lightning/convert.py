@@ -5,7 +5,8 @@
 :class:`~fp8_lightning.conv1d.FP8Conv1D`) *in place* (the same module object, the same parameters), so
 optimizers, DDP wrappers and other references created before the conversion stay valid, and the model's
 ``state_dict`` is unchanged. It returns a :class:`ConversionReport` that names every converted layer and every
-skipped one with its reason, including modules of other types that hold a 2-D weight. Calling it again is harmless (it reports the same layers, with an updated recipe).
+skipped one with its reason, including modules of other types that hold a 2-D weight. Calling it again is
+harmless (it reports the same layers, with an updated recipe).
 
 The scaling state (histories, scales, fallback decisions) lives outside the ``state_dict``;
 :func:`fp8_state_dict` / :func:`load_fp8_state_dict` carry it in checkpoints, and :func:`sync_scales` runs the
@@ -229,7 +230,9 @@ def check_fp8_state(state: dict, source: str | None = None) -> None:
 
 
 def _describe(value) -> str:
-    return f"{type(value).__name__} with keys {sorted(map(str, value))}" if isinstance(value, dict) else type(value).__name__
+    if isinstance(value, dict):
+        return f"{type(value).__name__} with keys {sorted(map(str, value))}"
+    return type(value).__name__
 
 
 def _tensors(value, path: str):
@@ -260,7 +263,9 @@ def _bad_value(key: str, value: torch.Tensor) -> str | None:
 
 
 def _show(values: torch.Tensor) -> str:
-    return str(values.item()) if values.numel() == 1 else f"{values.flatten()[:8].tolist()} (shape {tuple(values.shape)})"
+    if values.numel() == 1:
+        return str(values.item())
+    return f"{values.flatten()[:8].tolist()} (shape {tuple(values.shape)})"
 
 
 def _check_shapes(saved: dict, current: dict, path: str, where: str) -> None:
@@ -273,7 +278,8 @@ def _check_shapes(saved: dict, current: dict, path: str, where: str) -> None:
         elif torch.is_tensor(value) and torch.is_tensor(here) and value.shape != here.shape:
             raise ValueError(
                 f"The FP8 scaling state in {where} does not fit this model: {path}, {key!r} has shape "
-                f"{tuple(value.shape)} there but {tuple(here.shape)} here (was amax_history_len or the layer changed?). "
+                f"{tuple(value.shape)} there but {tuple(here.shape)} here "
+                "(was amax_history_len or the layer changed?). "
                 "Resume with the recipe the checkpoint was saved with, or remove its FP8 scaling state to restart "
                 "FP8 scaling from scratch."
             )

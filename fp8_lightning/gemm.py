@@ -36,7 +36,6 @@ from fp8_lightning.backends import dequantize_operand, operand_f32
 from fp8_lightning.kernels.availability import kernels_usable
 from fp8_lightning.formats import FP8_MIN_CAPABILITY, NATIVE_MX_MIN_CAPABILITY
 from fp8_lightning.quantize import LAYOUT_MULTIPLE, Quantized, pad_2d, pad_dim, scaled_mm_layout
-from fp8_lightning.settings import GEMM_BACKENDS as BACKENDS
 from fp8_lightning.settings import settings
 
 GEMM_ENV = "FP8_LIGHTNING_GEMM"

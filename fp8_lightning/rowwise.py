@@ -119,7 +119,6 @@ def rowwise_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: b
     arithmetic.
     ``fast_accum``: cuBLAS's fast accumulation (``use_fast_accum``), as for the per-tensor GEMMs; the CPU GEMM
     accumulates in float32 either way."""
-    mm_dtype = out_dtype if out_dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
     if a.data.is_cpu:
         acc = codes_f32(a) @ codes_f32(b).t()
         inverse_a, inverse_b = a.inverse_scale().reshape(-1, 1), b.inverse_scale().reshape(1, -1)

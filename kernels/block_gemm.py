@@ -22,7 +22,7 @@ fails on a spill). Operand tiles are read through tensor descriptors: on sm90+ t
 TMA (``cp.async.bulk.tensor``) into the pipelined shared-memory stages, rows past M/N arrive as zeros, and the
 inner loop has no masks; only the store is masked. Ada (sm89) has no TMA: there Triton passes each descriptor as
 a pointer, shape and strides and loads tiles straight into registers for FP8 ``mma.sync``. An operand whose rows
-are not 16-byte aligned or not K-contiguous is copied first (``_descriptor_ready``).
+are not 16-byte aligned or not K-contiguous is copied first (``descriptors.descriptor_ready``).
 
 Why the wgmma is waited on every K step (sm_90a PTX: one ``wgmma.wait_group 0`` per step): Triton keeps a wgmma
 in flight across iterations only when its result feeds nothing but the next wgmma's accumulator (the rules of its
@@ -55,11 +55,12 @@ import torch
 import triton
 import triton.language as tl
 
+from fp8_lightning.kernels.descriptors import descriptor_ready
+
 SUPPORTED_BLOCK_SIZES = (32, 64, 128)
 SUPPORTED_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # A small fixed tile for the Triton interpreter (CPU), where autotuning has nothing to measure.
 INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "GROUP_M": 2}
-TMA_ALIGNMENT = 16  # bytes: a tensor descriptor's base address and row stride
 
 
 def mx_gemm_configs(capability: tuple[int, int] | None = None) -> list[triton.Config]:
@@ -168,12 +169,6 @@ _mx_gemm_autotuned = triton.autotune(
 )(_mx_gemm_kernel)
 
 
-def _descriptor_ready(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as a tensor descriptor can read it: K contiguous, row stride and base 16-byte aligned (else a copy)."""
-    aligned = x.stride(1) == 1 and x.stride(0) % TMA_ALIGNMENT == 0 and x.data_ptr() % TMA_ALIGNMENT == 0
-    return x if aligned else x.clone(memory_format=torch.contiguous_format)
-
-
 def mx_gemm(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -204,7 +199,7 @@ def mx_gemm(
         return out.zero_()
     if config is None and interpreting():
         config = INTERPRETER_CONFIG
-    a, b = _descriptor_ready(a), _descriptor_ready(b)
+    a, b = descriptor_ready(a), descriptor_ready(b)
     # Block shapes are set per config (the pre-hook when autotuning); these are placeholders of the right rank.
     blocks = config or INTERPRETER_CONFIG
     a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], [blocks["BLOCK_M"], block_size])

@@ -37,7 +37,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from fp8_lightning.kernels.block_gemm import _descriptor_ready
+from fp8_lightning.kernels.descriptors import descriptor_ready
 
 # (BLOCK_M, BLOCK_N, num_warps), largest first: each warp owns 16 rows (a warpgroup issues a 64-row wgmma).
 TILES = ((128, 128, 8), (64, 128, 4), (128, 64, 8), (64, 64, 4))
@@ -174,7 +174,7 @@ def mx_gemm(
             "(BLOCK_M, BLOCK_N, num_warps)."
         )
     block_m, block_n, warps = tile or tile_for(m, n, block_k)
-    a, b = _descriptor_ready(a), _descriptor_ready(b)
+    a, b = descriptor_ready(a), descriptor_ready(b)
     a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], [block_m, block_k], shared_layout(block_m, block_k, a.dtype))
     b_desc = TensorDescriptor(b, [n, k], [b.stride(0), 1], [block_n, block_k], shared_layout(block_n, block_k, b.dtype))
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)

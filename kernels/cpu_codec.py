@@ -12,9 +12,9 @@ Each build is recorded in ``cpu_codec-<key>.json``, keyed by a hash of the sourc
 CPU: the library's file name (fresh for every build), its size and sha256, and the source's sha256. The library and
 then its record are written to temporary files and renamed into place (concurrent processes may build at once).
 A library is loaded only when its size and sha256 match its record: a truncated file (which would kill the process
-with SIGBUS) or a foreign one is never loaded, and is rebuilt under a fresh name. Without a compiler, or when the build fails, :func:`status` says why and the library
-keeps its pure-torch code, which computes the same bits more slowly. ``FP8_LIGHTNING_DISABLE_CPU_CODEC=1`` asks for
-the pure-torch code (read on every call).
+with SIGBUS) or a foreign one is never loaded, and is rebuilt under a fresh name. Without a compiler, or when the
+build fails, :func:`status` says why and the library keeps its pure-torch code, which computes the same bits more
+slowly. ``FP8_LIGHTNING_DISABLE_CPU_CODEC=1`` asks for the pure-torch code (read on every call).
 
 Threads: ctypes releases the GIL, so a large tensor is cut into ranges cast concurrently by
 ``torch.get_num_threads()`` threads, as torch's own CPU kernels would use.
@@ -276,7 +276,9 @@ def _format(dtype, what: str) -> int:
     """The C code's number for the FP8 ``dtype``, after checking it is one the codec writes."""
     if dtype not in FORMATS:
         allowed = ", ".join(str(d).replace("torch.", "") for d in FORMATS)
-        raise ValueError(f"cpu_codec.{what}: dtype={dtype!r} is not an FP8 format the codec writes; allowed: {allowed}.")
+        raise ValueError(
+            f"cpu_codec.{what}: dtype={dtype!r} is not an FP8 format the codec writes; allowed: {allowed}."
+        )
     return FORMATS[dtype]
 
 

@@ -137,7 +137,9 @@ def fine_cast(
         data_t, scale_t = _empty(layouts["data_t"], dtype, dev), _empty(layouts["scale_t"], torch.float32, dev)
         inverse_t = _empty(layouts["scale_t"], torch.float32, dev)
     else:
-        data_t, scale_t, inverse_t = (torch.empty(0, dtype=d, device=dev) for d in (dtype, torch.float32, torch.float32))
+        data_t, scale_t, inverse_t = (
+            torch.empty(0, dtype=d, device=dev) for d in (dtype, torch.float32, torch.float32)
+        )
     lines, length = data.shape
     stride_line, stride_pos = x.stride() if along_rows(tile) else x.stride()[::-1]
     window = window_length(tile, length)

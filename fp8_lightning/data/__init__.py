@@ -3,4 +3,11 @@
 from fp8_lightning.data.synthetic import SyntheticDataModule, markov_stream
 from fp8_lightning.data.text import ByteTextDataModule, list_source_files, split_files, stdlib_dir
 
-__all__ = ["ByteTextDataModule", "SyntheticDataModule", "list_source_files", "markov_stream", "split_files", "stdlib_dir"]
+__all__ = [
+    "ByteTextDataModule",
+    "SyntheticDataModule",
+    "list_source_files",
+    "markov_stream",
+    "split_files",
+    "stdlib_dir",
+]

@@ -150,11 +150,13 @@ class ByteTextDataModule(pl.LightningDataModule):
             raise ValueError(
                 f"data.root={str(root)!r} holds {len(files)} file(s) matching data.pattern={hp.pattern!r} (max_files="
                 f"{hp.max_files}); at least 2 are needed, one for validation. Point data.root at a folder of text "
-                "files, change data.pattern (e.g. data.pattern='*.txt'), or use data.root=null for the standard library."
+                "files, change data.pattern (e.g. data.pattern='*.txt'), or use data.root=null for the standard "
+                "library."
             )
         train_files, val_files = split_files(files, hp.val_fraction, hp.seed)
         train_data, val_data = read_bytes(train_files), read_bytes(val_files)
-        for split, data, count in (("training", train_data, len(train_files)), ("validation", val_data, len(val_files))):
+        splits = (("training", train_data, len(train_files)), ("validation", val_data, len(val_files)))
+        for split, data, count in splits:
             if data.numel() <= hp.block_size + 1:
                 raise ValueError(
                     f"the {split} text under data.root={str(root)!r} is {data.numel()} bytes ({count} file(s) matching "

@@ -118,7 +118,7 @@ class FP8CommState:
 def agreed_blocks(flat: torch.Tensor, dtype: torch.dtype, block_size: int | None, group) -> tuple:
     """Steps 1-2 of the scheme for a flat gradient: ``(blocks, scales, nonfinite, scaled_sum)``, where
     ``scaled_sum`` is this rank's float32 sum of its chunk in scaled units (see :mod:`grad_codec`)."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world = dist.get_world_size(group)
     blocks = codec.to_blocks(flat, world, *codec.padded_layout(flat.numel(), world, block_size))
     agreed = codec.block_amaxes(blocks)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)

@@ -30,6 +30,7 @@ from fp8_lightning.conv1d import FP8Conv1D
 from fp8_lightning.convert import fp8_modules
 from fp8_lightning.distributed.amax import WeightAmaxSync
 from fp8_lightning.distributed.weight import FP8ShardedWeight, fp8_all_gather_unsupported_reason
+from fp8_lightning.privates import local_shard
 
 AMAX_SYNC_ATTR = "_fp8_amax_sync"
 
@@ -73,7 +74,7 @@ def enable_fp8_all_gather(model: nn.Module, world_size: int) -> AllGatherReport:
         if isinstance(layer, FP8Conv1D):  # shards would split K, the reduction dimension, not N
             report.high_precision[name] = CONV1D_GATHER_REASON
             continue
-        local = weight._local_tensor if isinstance(weight, DTensor) else weight
+        local = local_shard(weight) if isinstance(weight, DTensor) else weight
         if isinstance(local, FP8ShardedWeight):
             report.fp8.append(name)
             continue

@@ -23,7 +23,8 @@ Scales, per recipe:
 * MXFP8: blocks of 32 run along K (the last dimension); FSDP2 shards rows (dim 0), so every block lies in one
   shard and each rank quantizes its rows locally. The E8M0 block scales travel with the data (1/32 byte per
   element), packed into the same uint8 rows (K data bytes, then K/32 scale bytes): one all-gather input per
-  weight, which FSDP2's single-rank shortcut (it copies only the first input) also handles. dgrad needs W quantized along N (columnwise). That copy is derived from the *gathered* FP8 weight
+  weight, which FSDP2's single-rank shortcut (it copies only the first input) also handles. dgrad needs W
+  quantized along N (columnwise). That copy is derived from the *gathered* FP8 weight
   (dequantized exactly, then quantized along N), not from the high-precision weight, which no rank holds in
   full: gathering a second columnwise copy would double the traffic back to bf16 levels. The price is a second
   rounding of W in dgrad only; the measured effect on the loss is in ``tests/distributed``.
@@ -163,7 +164,9 @@ class FP8ShardedWeight(torch.Tensor):
         q = recipe.fsdp_unpack(gathered, self._hp.shape[0], self.shape[-1], meta)
         if out is not None:
             if not isinstance(out, FP8GatheredWeight):
-                raise TypeError(f"fsdp_post_all_gather(out=...) expects an FP8GatheredWeight; got {type(out).__name__}.")
+                raise TypeError(
+                    f"fsdp_post_all_gather(out=...) expects an FP8GatheredWeight; got {type(out).__name__}."
+                )
             if out._q.data.untyped_storage().data_ptr() != q.data.untyped_storage().data_ptr():
                 raise RuntimeError("FP8 all-gather: FSDP2 refilled a different buffer than the one the weight views.")
             out._q, out._meta = q, meta

@@ -1,15 +1,33 @@
 """Lightning adapters: precision plugins for the Trainer and Fabric, the precision strings, callbacks.
 
 Thin by design: the hooks wire Lightning's life cycle to the core (``fp8_lightning.convert``, ``.stats``,
-``.guard``), which never imports Lightning.
+``.guard``), which never imports Lightning. The names below are loaded on first use, so that
+``fp8_lightning.lightning.hook`` (imported by ``import fp8_lightning``) does not import Lightning itself.
 """
 
-from fp8_lightning.lightning.callbacks import FP8StatsMonitor
-from fp8_lightning.lightning.fabric import FP8FabricPrecision
-from fp8_lightning.lightning.optimizer_callback import FP8OptimizerStates
-from fp8_lightning.lightning.precision import FP8Precision
-from fp8_lightning.lightning.registration import register_precision_strings
-from fp8_lightning.lightning.strings import PRECISION_RECIPES, PRECISION_STRINGS, precision_choices
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fp8_lightning.lightning.callbacks import FP8StatsMonitor
+    from fp8_lightning.lightning.fabric import FP8FabricPrecision
+    from fp8_lightning.lightning.optimizer_callback import FP8OptimizerStates
+    from fp8_lightning.lightning.precision import FP8Precision
+    from fp8_lightning.lightning.registration import register_precision_strings
+    from fp8_lightning.lightning.strings import PRECISION_RECIPES, PRECISION_STRINGS, precision_choices
+
+_LAZY = {
+    "FP8FabricPrecision": "fp8_lightning.lightning.fabric",
+    "FP8OptimizerStates": "fp8_lightning.lightning.optimizer_callback",
+    "FP8Precision": "fp8_lightning.lightning.precision",
+    "FP8StatsMonitor": "fp8_lightning.lightning.callbacks",
+    "PRECISION_RECIPES": "fp8_lightning.lightning.strings",
+    "PRECISION_STRINGS": "fp8_lightning.lightning.strings",
+    "precision_choices": "fp8_lightning.lightning.strings",
+    "register_precision_strings": "fp8_lightning.lightning.registration",
+}
 
 __all__ = [
     "FP8FabricPrecision",
@@ -21,3 +39,16 @@ __all__ = [
     "precision_choices",
     "register_precision_strings",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

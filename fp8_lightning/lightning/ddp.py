@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
@@ -64,12 +63,8 @@ class FP8DDPStrategy(DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         if self.root_device.type == "cuda" or self._ddp_comm_hook is None:
             return super()._register_ddp_hooks()
-        _register_ddp_comm_hook(
-            model=self.model,
-            ddp_comm_state=self._ddp_comm_state,
-            ddp_comm_hook=self._ddp_comm_hook,
-            ddp_comm_wrapper=self._ddp_comm_wrapper,
-        )
+        hook = self._ddp_comm_hook if self._ddp_comm_wrapper is None else self._ddp_comm_wrapper(self._ddp_comm_hook)
+        self.model.register_comm_hook(state=self._ddp_comm_state, hook=hook)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

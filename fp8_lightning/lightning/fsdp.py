@@ -60,6 +60,7 @@ from fp8_lightning.distributed.sharding import (
     shard_model,
 )
 from fp8_lightning.lightning.plugin_base import parse_dtype, strict_bool
+from fp8_lightning.privates import data_parallel_size, set_data_parallel_size
 from fp8_lightning.recipes import RecipeLike, recipe_from
 
 
@@ -99,7 +100,9 @@ class FP8FSDPStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        super().__init__(data_parallel_size, tensor_parallel_size, save_distributed_checkpoint, process_group_backend, timeout)
+        super().__init__(
+            data_parallel_size, tensor_parallel_size, save_distributed_checkpoint, process_group_backend, timeout
+        )
         self.recipe = recipe_from(recipe) if recipe is not None else None
         self.fp8_all_gather = strict_bool(fp8_all_gather, type(self).__name__, "fp8_all_gather")
         self.fp8_reduce_scatter = strict_bool(fp8_reduce_scatter, type(self).__name__, "fp8_reduce_scatter")
@@ -251,8 +254,8 @@ def shard_over_every_rank_by_default(strategy: ModelParallelStrategy) -> None:
     Lightning offers no public setter: this is the one place the strategy writes a Lightning attribute
     (``tests/distributed/test_strategy_options.py`` fails if Lightning renames it or stops reading it there).
     """
-    if strategy._data_parallel_size == "auto":
-        strategy._data_parallel_size = strategy.num_nodes * strategy.num_processes
+    if data_parallel_size(strategy) == "auto":
+        set_data_parallel_size(strategy, strategy.num_nodes * strategy.num_processes)
 
 
 def setup_as_strategy(strategy: ModelParallelStrategy, trainer: Any) -> None:

@@ -52,7 +52,8 @@ from fp8_lightning.recipes import Recipe, RecipeLike, recipe_from
 from fp8_lightning.stats import attach_collector
 
 ModuleFilter = Callable[[nn.Module, str], bool]
-CHECKSUM_KEY = "checksum"  # sha256 of the rest of the plugin's checkpoint entry (fp8_lightning.convert.fp8_state_checksum)
+# sha256 of the rest of the plugin's checkpoint entry (fp8_lightning.convert.fp8_state_checksum)
+CHECKSUM_KEY = "checksum"
 PLUGIN_CONVERTED = "fp8_converted_by_plugin"  # marks layers a plugin converted (the user's own keep their recipe)
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "32": torch.float32,
@@ -168,7 +169,8 @@ class FP8PrecisionMixin:
             rank_zero_warn(
                 f"FP8 conversion converted no layer of {type(module).__name__}: it trains entirely in high precision "
                 f"under precision {self.precision!r}. FP8 applies to nn.Linear layers (and transformers' Conv1D) "
-                "with both dimensions divisible by 16 (32 for MXFP8); the conversion report lists what it skipped and why."
+                "with both dimensions divisible by 16 (32 for MXFP8); the conversion report lists what it skipped "
+                "and why."
             )
         self.conversion_report = report
         self._warn_skipped(report)

@@ -2,7 +2,8 @@
 
 Lightning validates ``precision=`` against fixed ``Literal`` lists and has no precision registry, so the least
 invasive hook is the constructor of its accelerator connector (``_AcceleratorConnector`` for the Trainer,
-``_Connector`` for Fabric), wrapped once when ``fp8_lightning`` is imported:
+``_Connector`` for Fabric), wrapped once when both ``fp8_lightning`` and the Lightning package are imported
+(``fp8_lightning.lightning.hook`` decides when):
 
 * a known FP8 string becomes the matching plugin, handed over through ``plugins=`` (and ``precision=None``),
   so Lightning's own code path for a user-supplied plugin does the rest and ``trainer.precision`` reports the
@@ -28,7 +29,6 @@ import contextlib
 import dataclasses
 import functools
 import importlib
-import importlib.abc
 import inspect
 import os
 import sys
@@ -40,6 +40,7 @@ import torch
 from fp8_lightning.gemm import check_device
 from fp8_lightning.lightning.plugin_base import FP8PrecisionMixin
 from fp8_lightning.lightning.strings import ACCEPTED_PRECISION_STRINGS, is_fp8_precision, recipe_for_precision
+from fp8_lightning.privates import carried_precision, parallel_devices
 
 _MARK = "_fp8_lightning_wrapped"
 
@@ -98,8 +99,8 @@ _FAMILIES = (
         "lightning_fabric:Fabric",
     ),
 )
-_WRAPPED_ARGUMENTS = ("precision", "plugins", "strategy")
-FABRIC_CLI_PRECISION = "LT_PRECISION"  # how `fabric run --precision` passes the value to Fabric()  # what the wrapper reads from the connector's signature
+_WRAPPED_ARGUMENTS = ("precision", "plugins", "strategy")  # what the wrapper reads from the connector's signature
+FABRIC_CLI_PRECISION = "LT_PRECISION"  # how `fabric run --precision` passes the value to Fabric()
 
 
 def _load(path: str) -> Any:
@@ -111,8 +112,9 @@ def register_precision_strings() -> list[str]:
     """Wrap the Lightning connectors (idempotent). Returns the connectors wrapped now or before.
 
     ``lightning`` (a dependency) is wrapped at once; the standalone ``pytorch_lightning`` / ``lightning_fabric``
-    packages only when they are imported, now or later: importing them here would change the user's environment
-    (the standalone package reroutes Lightning's loggers). Raises :class:`RegistrationError`, naming the
+    packages only when they are imported: now, or later through :mod:`fp8_lightning.lightning.hook` (installed by
+    ``import fp8_lightning``). Importing them here would change the user's environment (the standalone package
+    reroutes Lightning's loggers). Raises :class:`RegistrationError`, naming the
     ``plugins=`` route, when Lightning's private names moved.
     """
     wrapped = []
@@ -120,9 +122,15 @@ def register_precision_strings() -> list[str]:
         if family.package == "lightning" or family.package in sys.modules:
             _register(family)
             wrapped.append(family.connector)
-        else:
-            _WrapOnImport.install(family)
     return wrapped
+
+
+def register_package(package: str) -> None:
+    """Wrap the connectors of one Lightning package (``lightning``, ``pytorch_lightning`` or ``lightning_fabric``),
+    which the caller has imported (idempotent)."""
+    for family in _FAMILIES:
+        if family.package == package:
+            _register(family)
 
 
 def _register(family: _Family) -> None:
@@ -156,41 +164,6 @@ def accept_fp8_in_annotation(cls: type) -> None:
     if annotation is None or isinstance(annotation, str) or fp8 in typing.get_args(annotation):
         return
     init.__annotations__["precision"] = Union[annotation, fp8]
-
-
-class _WrapOnImport(importlib.abc.MetaPathFinder):
-    """Registers a standalone Lightning package right after its top-level module has been executed."""
-
-    pending: dict[str, _Family] = {}
-
-    @classmethod
-    def install(cls, family: _Family) -> None:
-        cls.pending.setdefault(family.package, family)
-        if not any(isinstance(f, cls) for f in sys.meta_path):
-            sys.meta_path.insert(0, cls())
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        family = self.pending.get(name)
-        if family is None:
-            return None
-        spec = next((s for s in _other_specs(self, name, path, target) if s is not None), None)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        execute = spec.loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            execute(module)
-            self.pending.pop(name, None)
-            _register(family)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-def _other_specs(me: Any, name: str, path: Any, target: Any) -> Iterator[Any]:
-    for finder in sys.meta_path:
-        if finder is not me and hasattr(finder, "find_spec"):
-            yield finder.find_spec(name, path, target)
 
 
 def _wrap_init(original: Callable, family: _Family) -> Callable:
@@ -249,14 +222,6 @@ def _as_list(plugins: Any) -> list:
     return list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
 
 
-def _carried_precision(strategy: Any) -> Any:
-    """The precision plugin a strategy *instance* already carries (Trainer: ``_precision_plugin``, Fabric:
-    ``_precision``), or None."""
-    if isinstance(strategy, str):
-        return None
-    return getattr(strategy, "_precision_plugin", None) or getattr(strategy, "_precision", None)
-
-
 def translate_precision(arguments: dict, family: _Family) -> None:
     """Turn ``precision="fp8-..."`` into ``plugins=[<FP8 plugin>]`` in the connector's bound arguments."""
     precision = arguments.get("precision")
@@ -272,7 +237,7 @@ def translate_precision(arguments: dict, family: _Family) -> None:
             f"precision={precision!r} and plugins=[{given[0]!r}] both choose the precision; pass only one "
             f"(precision={precision!r} alone, or plugins=[FP8Precision(...)] to customise the recipe)."
         )
-    carried = _carried_precision(arguments.get("strategy"))
+    carried = carried_precision(arguments.get("strategy"))
     if carried is not None:
         if isinstance(carried, FP8PrecisionMixin) and carried.precision == name:
             arguments["precision"] = None  # the strategy already brings exactly this precision
@@ -287,7 +252,7 @@ def translate_precision(arguments: dict, family: _Family) -> None:
 
 
 def _fp8_plugin(arguments: dict) -> FP8PrecisionMixin | None:
-    for plugin in _as_list(arguments.get("plugins")) + [_carried_precision(arguments.get("strategy"))]:
+    for plugin in _as_list(arguments.get("plugins")) + [carried_precision(arguments.get("strategy"))]:
         if isinstance(plugin, FP8PrecisionMixin):
             return plugin
     return None
@@ -333,7 +298,7 @@ def check_accelerator(connector: Any, family: _Family) -> None:
     plugin = getattr(connector, family.result_attr, None)
     if not isinstance(plugin, FP8PrecisionMixin):
         return
-    devices = [d for d in getattr(connector, "_parallel_devices", []) if isinstance(d, torch.device)]
+    devices = [d for d in parallel_devices(connector) if isinstance(d, torch.device)]
     for device in devices:
         if device.type == "cuda":
             check_device(device, plugin.emulate)

@@ -93,7 +93,8 @@ def precision_choices(existing: Iterable[str] | Any = ()) -> Any:
         return Literal[tuple(dict.fromkeys((*values, *ACCEPTED_PRECISION_STRINGS)))]  # type: ignore[valid-type]
     if isinstance(existing, str):
         raise TypeError(
-            f"precision_choices takes a list, tuple or typing.Literal of precision strings; got the string {existing!r}. "
+            "precision_choices takes a list, tuple or typing.Literal of precision strings; "
+            f"got the string {existing!r}. "
             f"Wrap it in a list: precision_choices([{existing!r}])."
         )
     return tuple(dict.fromkeys((*existing, *ACCEPTED_PRECISION_STRINGS)))

@@ -34,6 +34,7 @@ from fp8_lightning.optim import master_weights as mw
 from fp8_lightning.optim.config import FP8OptimizerConfig, config_from
 from fp8_lightning.optim.state_formats import StateFormat, decode, encode
 from fp8_lightning.optim.update_rules import adam_update, sgd_update
+from fp8_lightning.privates import mark_optimizer_stepped
 
 FULL_PRECISION = StateFormat("float32")
 _RULES = {torch.optim.Adam: "adam", torch.optim.AdamW: "adam", torch.optim.SGD: "sgd"}
@@ -181,7 +182,7 @@ class FP8Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.optimizer._opt_called = True  # schedulers built on the inner optimizer check this flag
+        mark_optimizer_stepped(self.optimizer)  # schedulers built on the inner optimizer check for a step
         for group in self.param_groups:
             for param in group["params"]:
                 if param.grad is not None:

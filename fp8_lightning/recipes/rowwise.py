@@ -75,7 +75,8 @@ class RowwiseScaling(Recipe):
         return row, high_precision_operand(x)
 
     def traced_plan(self, device, out_dtype, emulate):
-        return plan_for(self, device, out_dtype, emulate, wgrad_kind=HIGH_PRECISION if self.high_precision_wgrad else ROW)
+        wgrad_kind = HIGH_PRECISION if self.high_precision_wgrad else ROW
+        return plan_for(self, device, out_dtype, emulate, wgrad_kind=wgrad_kind)
 
     def traced_cast(self, x, state, plan, role, dtype, columnwise, record):
         return traced_fine_cast(x, self, role, dtype, columnwise, traced_tile_cast)

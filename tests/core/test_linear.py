@@ -89,7 +89,10 @@ def test_forward_and_gradients_are_within_the_error_fp8_implies(recipe):
     x, g = torch.randn(32, 64, dtype=torch.float64).float(), torch.randn(32, 48)
     y, dx, dw = _run(layer, x, g)
     xd, wd, gd = x.double(), layer.weight.detach().double(), g.double()
-    sub = lambda t, top: t.abs().max().item() / top * 2**-10  # half the smallest subnormal, in t's units
+
+    def sub(t, top):  # half the smallest subnormal, in t's units
+        return t.abs().max().item() / top * 2**-10
+
     u4, u5 = 2.0**-4, 2.0**-3  # unit roundoff of 3 and 2 mantissa bits
     assert ((y - xd @ wd.T).abs() <= _fp8_error_bound(xd, wd, u4, u4, sub(xd, 448), sub(wd, 448)) + 1e-6).all()
     assert ((dx - gd @ wd).abs() <= _fp8_error_bound(gd, wd.T, u5, u4, sub(gd, 57344) * 4, sub(wd, 448)) + 1e-6).all()

@@ -103,17 +103,17 @@ def test_the_gemm_hands_mx_operands_to_the_kernel_where_it_runs_and_emulates_oth
 
 
 def test_strided_and_misaligned_operands_are_read_or_copied_for_the_descriptors():
-    from fp8_lightning.kernels.block_gemm import _descriptor_ready
     from fp8_lightning.kernels.block_gemm import mx_gemm as launch
+    from fp8_lightning.kernels.descriptors import descriptor_ready
 
     a, b = mx_operand(40, 64, E4M3, seed=7), mx_operand(24, 64, E5M2, seed=8)
     wide = torch.zeros(40, 160, dtype=E4M3)
     wide[:, 16:80] = a.data
     aligned = wide[:, 16:80]  # rows 160 bytes apart, starting 16 bytes in: read where it lies
-    assert _descriptor_ready(aligned) is aligned
+    assert descriptor_ready(aligned) is aligned
     wide[:, 8:72] = a.data
     misaligned = wide[:, 8:72]  # starts 8 bytes in: copied
-    copied = _descriptor_ready(misaligned)
+    copied = descriptor_ready(misaligned)
     assert copied is not misaligned and copied.is_contiguous() and copied.data_ptr() % 16 == 0
     column_major = a.data.t().contiguous().t()
     for view in (misaligned, column_major):
