@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from fp8_lightning.autocast import autocast_state
 from fp8_lightning.gemm import check_device, fp8_mm
+from fp8_lightning.layer_step import FP8LinearFunction
 from fp8_lightning.quantize import OperandKind, Quantized
 from fp8_lightning.recipes import Recipe
 from fp8_lightning.scaling import OperandScaling, advance_histories
@@ -156,79 +157,47 @@ class _SavedOperand:
     operand: Quantized | None = None
 
     def rebuild(self, data: torch.Tensor, scale: torch.Tensor) -> Quantized:
-        return Quantized(data, scale, self.kind, self.f32, self.nan_free, self.inverse)
+        return self.operand or Quantized(data, scale, self.kind, self.f32, self.nan_free, self.inverse)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _SavedMeta:
-    """The non-tensor state the eager layer's backward reads (the tensors go through ``save_for_backward``)."""
+class EagerStep:
+    """The eager step of :class:`~fp8_lightning.layer_step.FP8LinearFunction`: the operands the layer's casts made
+    (with their caches: float32 forms, inverse scales, transposed copies), the library's GEMM, and the output
+    gradient cast by the layer's scaling state (and shown to its observer)."""
 
-    layer: nn.Module
-    scaling: "LayerScaling"
-    emulate: bool
-    x_dtype: torch.dtype
-    w_dtype: torch.dtype
-    bias_dtype: torch.dtype | None
-    input: _SavedOperand
-    weight: _SavedOperand
+    __slots__ = ("layer", "scaling", "emulate", "out_dtype", "fprop_fast_accum", "grad_fast_accum", "operands")
 
-
-class _FP8LinearFunction(torch.autograd.Function):
-    """y = x @ W.T + b on FP8 operands; the three GEMMs are marked by banners below. The bias rides in the fprop
-    GEMM (fused on CPU) and its gradient is the output gradient summed over tokens."""
-
-    @staticmethod
-    def forward(ctx, x2d, weight, bias, layer, scaling: LayerScaling, record: bool, emulate: bool, out_dtype):
+    def __init__(self, layer, scaling: LayerScaling, emulate: bool, out_dtype: torch.dtype, operands: tuple):
+        self.layer, self.scaling, self.emulate, self.out_dtype = layer, scaling, emulate, out_dtype
         recipe = scaling.recipe
-        observer = layer.__dict__.get("fp8_observer")  # read where set: a module's missing-attribute path is slow
-        # ------------------------------------------------ fprop ------------------------------------------------
-        xq, x_col = scaling.cast("input", x2d, record, columnwise=True, columnwise_f32=False)  # x_col: saved
-        # FSDP2 marks the modules it manages; it refills their gathered weights in place at every forward
-        wq, w_col = scaling.weight_operands(weight, record, layer.__dict__.get("_is_fsdp_managed_module", False))
-        if observer is not None:
-            observer(layer, "input", x2d, xq)
-            observer(layer, "weight", weight, wq)
-        y = fp8_mm(xq, wq, out_dtype, emulate, bias, recipe.fprop_fast_accum)
-        # Save the FP8 operands backward multiplies, x.T for wgrad and W.T for dgrad: for per-tensor recipes the
-        # transposed rowwise copies (contiguous where the cast wrote them, else views), for MX the columnwise ones.
-        x_saved = recipe.transposed(xq, x_col)
-        w_saved = recipe.transposed(wq, w_col)
-        ctx.save_for_backward(x_saved.data, x_saved.scale, w_saved.data, w_saved.scale)
-        # The cached FP8 weight's float32 form (a CPU float GEMM made it; the cache keeps it for the step anyway)
-        # lets dgrad skip decoding the saved bytes again.
-        w_cached = w_saved if w_saved is w_col else None
-        ctx.meta = _SavedMeta(
-            layer, scaling, emulate, x2d.dtype, weight.dtype, None if bias is None else bias.dtype,
-            _SavedOperand(x_saved.kind, x_saved.nan_free, x_saved.inverse),
-            _SavedOperand(w_saved.kind, w_saved.nan_free, w_saved.inverse, w_saved.f32, w_cached),
-        )
-        return y
+        self.fprop_fast_accum, self.grad_fast_accum = recipe.fprop_fast_accum, recipe.grad_fast_accum
+        self.operands = operands  # (x, x.T, W, W.T, the weight cast's columnwise copy or None)
 
-    @staticmethod
-    def backward(ctx, grad_y):
-        x_data, x_scale, w_data, w_scale = ctx.saved_tensors
-        meta: _SavedMeta = ctx.meta
-        layer, scaling, emulate = meta.layer, meta.scaling, meta.emulate
-        needs_x, needs_w, needs_bias = ctx.needs_input_grad[:3]
-        g = grad_y.contiguous()
-        gq, g_col = scaling.cast("grad_output", g, record=True, columnwise=needs_w)
-        observer = layer.__dict__.get("fp8_observer")
+    def forward_operands(self, tensors: tuple):
+        return (*self.operands[:4], ())
+
+    def gemm(self, a: Quantized, b: Quantized, out_dtype: torch.dtype, bias, fast_accum: bool) -> torch.Tensor:
+        return fp8_mm(a, b, out_dtype, self.emulate, bias, fast_accum)
+
+    def pack(self, x_t: Quantized, w_t: Quantized):
+        # The cached FP8 weight's columnwise object travels whole (see _SavedOperand); the rest is rebuilt.
+        w_cached = w_t if w_t is self.operands[4] else None
+        meta = (
+            _SavedOperand(x_t.kind, x_t.nan_free, x_t.inverse),
+            _SavedOperand(w_t.kind, w_t.nan_free, w_t.inverse, w_t.f32, w_cached),
+        )
+        return (x_t.data, x_t.scale, w_t.data, w_t.scale), meta
+
+    def unpack(self, meta, x_data, x_scale, w_data, w_scale):
+        return meta[0].rebuild(x_data, x_scale), meta[1].rebuild(w_data, w_scale)
+
+    def grad_operands(self, g: torch.Tensor, grad_state, columnwise: bool):
+        scaling = self.scaling
+        g_row, g_col = scaling.cast("grad_output", g, record=True, columnwise=columnwise)
+        observer = self.layer.__dict__.get("fp8_observer")
         if observer is not None:
-            observer(layer, "grad_output", g, gq)
-        grad_x = grad_w = grad_bias = None
-        fast = scaling.recipe.grad_fast_accum
-        # ------------------------------------------------ dgrad ------------------------------------------------
-        if needs_x:
-            w_saved = meta.weight.operand or meta.weight.rebuild(w_data, w_scale)
-            grad_x = fp8_mm(gq, w_saved, meta.x_dtype, emulate, fast_accum=fast)  # (M, N) @ (K, N).T
-        # ------------------------------------------------ wgrad ------------------------------------------------
-        if needs_w:
-            x_saved = meta.input.rebuild(x_data, x_scale)
-            g_t = scaling.recipe.transposed(gq, g_col)  # (N, M)
-            grad_w = fp8_mm(g_t, x_saved, meta.w_dtype, emulate, fast_accum=fast)  # (N, M) @ (K, M).T
-        if needs_bias:
-            grad_bias = g.sum(0, dtype=meta.bias_dtype)  # one reduction, accumulated in the bias dtype or wider
-        return grad_x, grad_w, grad_bias, None, None, None, None, None
+            observer(self.layer, "grad_output", g, g_row)
+        return g_row, (scaling.recipe.transposed(g_row, g_col) if columnwise else None)
 
 
 class FP8Linear(nn.Linear):
@@ -337,13 +306,26 @@ class FP8Linear(nn.Linear):
         if record and scaling.step_boundary_passed(weight) and scaling.booked:
             scaling.update()  # no one called update_scales() after the optimizer step: advance locally
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        args = (x2d, weight, self.bias, self, scaling, record, self.fp8_emulate, out_dtype)
+        step = EagerStep(self, scaling, self.fp8_emulate, out_dtype, self._eager_operands(x2d, weight, scaling, record))
         if autocasting:  # the FP8 path picks its own dtypes: autocast stays out of it
             with torch.autocast(x.device.type, enabled=False):
-                y = _FP8LinearFunction.apply(*args)
+                y = FP8LinearFunction.apply(x2d, weight, self.bias, step)
         else:
-            y = _FP8LinearFunction.apply(*args)
+            y = FP8LinearFunction.apply(x2d, weight, self.bias, step)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def _eager_operands(self, x2d: torch.Tensor, weight: torch.Tensor, scaling: LayerScaling, record: bool):
+        """(x, x.T, W, W.T, W's columnwise copy) for the eager step: the input cast now, the weight from the step's
+        cache."""
+        recipe = scaling.recipe
+        x, x_col = scaling.cast("input", x2d.detach(), record, columnwise=True, columnwise_f32=False)  # x_col: saved
+        # FSDP2 marks the modules it manages; it refills their gathered weights in place at every forward
+        w, w_col = scaling.weight_operands(weight, record, self.__dict__.get("_is_fsdp_managed_module", False))
+        observer = self.__dict__.get("fp8_observer")  # read where set: a module's missing-attribute path is slow
+        if observer is not None:
+            observer(self, "input", x2d, x)
+            observer(self, "weight", weight, w)
+        return x, recipe.transposed(x, x_col), w, recipe.transposed(w, w_col), w_col
 
     # Under torch.compile a layer the traced step cannot serve runs eagerly between graphs.
     _eager_island = torch.compiler.disable(_eager_forward)
