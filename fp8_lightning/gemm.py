@@ -127,10 +127,7 @@ def _float_matmul(
     scales (reading a CPU scalar costs nothing); MX operands are already dequantized (``alpha`` 1)."""
     fused_bias = bias is not None and bias.dtype == out_dtype == torch.float32
     start = bias if fused_bias else _ZERO
-    # Row-major operands whatever layout the cast wrote (a transposed copy or a view of one): MKL's float GEMM
-    # sums in a different order for transposed inputs, and the bits must not depend on who made the operand.
-    a32, b32 = operand_f32(a).contiguous(), operand_f32(b).contiguous()
-    out = torch.addmm(start, a32, b32.t(), beta=int(fused_bias), alpha=alpha)
+    out = torch.addmm(start, operand_f32(a), operand_f32(b).t(), beta=int(fused_bias), alpha=alpha)
     return out if fused_bias else _add_bias(out.to(out_dtype), bias)
 
 

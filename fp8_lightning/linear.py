@@ -29,9 +29,8 @@ outside the ``state_dict`` and saved through :func:`fp8_lightning.convert.fp8_st
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -142,8 +141,7 @@ class LayerScaling:
         self._weight_cache = self._weight_key = None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _SavedOperand:
+class _SavedOperand(NamedTuple):
     """What backward needs of a saved FP8 operand besides its data and scale tensors (saved with
     ``save_for_backward``): its kind, whether it is known NaN-free, its ``1 / scale`` when the fprop GEMM made it
     (CUDA), its float32 form when a CPU float GEMM made it, and, for the weight cache's own columnwise object, the
@@ -154,10 +152,13 @@ class _SavedOperand:
     nan_free: bool
     inverse: torch.Tensor | None
     f32: torch.Tensor | None = None
-    operand: Quantized | None = None
+    operand: Quantized | None = None  # the weight cache's own columnwise object, kept whole
+    from_copy: bool = False
 
     def rebuild(self, data: torch.Tensor, scale: torch.Tensor) -> Quantized:
-        return self.operand or Quantized(data, scale, self.kind, self.f32, self.nan_free, self.inverse)
+        if self.operand is not None:
+            return self.operand
+        return Quantized(data, scale, self.kind, self.f32, self.nan_free, self.inverse, from_copy=self.from_copy)
 
 
 class EagerStep:
@@ -183,8 +184,8 @@ class EagerStep:
         # The cached FP8 weight's columnwise object travels whole (see _SavedOperand); the rest is rebuilt.
         w_cached = w_t if w_t is self.operands[4] else None
         meta = (
-            _SavedOperand(x_t.kind, x_t.nan_free, x_t.inverse),
-            _SavedOperand(w_t.kind, w_t.nan_free, w_t.inverse, w_t.f32, w_cached),
+            _SavedOperand(x_t.kind, x_t.nan_free, x_t.inverse, from_copy=x_t.from_copy),
+            _SavedOperand(w_t.kind, w_t.nan_free, w_t.inverse, w_t.f32, w_cached, w_t.from_copy),
         )
         return (x_t.data, x_t.scale, w_t.data, w_t.scale), meta
 

@@ -235,6 +235,10 @@ class Quantized:
     # MX scales in cuBLAS's swizzled layout, made by the first native MX GEMM that reads the operand
     # (``gemm.swizzled_scales``) and kept for its later GEMMs (the cached weight's: once per optimizer step).
     swizzled: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
+    # ``data`` is a transposed copy that a cast wrote (handed out by :meth:`t`) where a cast without one hands out a
+    # transposed view: a CPU float GEMM reads it in the view's layout, so its bits (MKL sums transposed inputs in
+    # another order) do not depend on whether a kernel wrote the copy.
+    from_copy: bool = dataclasses.field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if type(self.kind) is not OperandKind:
@@ -258,8 +262,11 @@ class Quantized:
                 "tensor along the new K."
             )
         f32 = None if self.f32 is None else self.f32.t()
-        data, transposed = (self.data.t(), None) if self.transposed is None else (self.transposed, self.data)
-        return Quantized(data, self.scale, self.kind, f32, self.nan_free, self.inverse, transposed)
+        if self.transposed is None:
+            return Quantized(self.data.t(), self.scale, self.kind, f32, self.nan_free, self.inverse)
+        q = Quantized(self.transposed, self.scale, self.kind, f32, self.nan_free, self.inverse, self.data)
+        q.from_copy = not self.from_copy
+        return q
 
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()

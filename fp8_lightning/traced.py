@@ -116,7 +116,7 @@ def traced_linear(
 ) -> torch.Tensor:
     """``x2d @ weight.T + bias`` with the three GEMMs in FP8; casts the input and the weight here (their states
     updated in place) and hands the casts' tensors to the layer's autograd Function, with the plan as its step."""
-    x, w = x2d.detach(), weight.detach()
+    x, w = x2d.detach(), weight.detach().contiguous()  # row-major codes however the weight is stored (Conv1D)
     cast = plan.recipe.traced_cast
     x_ops = cast(x, _state_tensors(states.get("input")), plan, "input", plan.forward_dtype, True, record)
     w_ops = cast(w, _state_tensors(states.get("weight")), plan, "weight", plan.forward_dtype, True, record)

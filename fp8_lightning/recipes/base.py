@@ -167,6 +167,8 @@ class Recipe:
 
 
 def multiple_reason(recipe: Recipe, in_features: int, out_features: int, multiple: int) -> str | None:
+    if not (in_features % multiple or out_features % multiple):
+        return None  # the common case, asked at every forward
     bad = [f"{name}={v}" for name, v in (("in_features", in_features), ("out_features", out_features)) if v % multiple]
     if bad:
         return f"{', '.join(bad)} not divisible by {multiple} ({type(recipe).__name__})"

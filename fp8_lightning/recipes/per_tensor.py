@@ -119,7 +119,9 @@ class PerTensorRecipe(Recipe):
 
 
 def _tensor_f32(q: Quantized) -> torch.Tensor:
-    return backends.fp8_to_float32(q.data, q.nan_free)
+    """The codes' values, laid out as a cast without transposed copies lays them out (``Quantized.from_copy``)."""
+    values = backends.fp8_to_float32(q.data, q.nan_free)
+    return values.t().contiguous().t() if q.from_copy else values
 
 
 def _tensor_dequantize(q: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
