@@ -337,6 +337,12 @@ class FP8Linear(nn.Linear):
                 f"FP8Linear got an input of dtype {x.dtype}; FP8 GEMMs need floating-point input. "
                 "Convert the input with .float() (or embed integer ids with nn.Embedding first)."
             )
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"{type(self).__name__}(in_features={self.in_features}, out_features={self.out_features}) got an "
+                f"input of shape {tuple(x.shape)}; its last dimension must be in_features={self.in_features}. "
+                "Reshape the input, or check which layer it was meant for."
+            )
         if x.numel() == 0:  # no tokens (an empty micro-batch): nothing to cast; the plain GEMM gives the empty
             return True  # output and exact zero weight and bias gradients
         reason = shape_unsupported_reason(self.in_features, self.out_features, recipe)

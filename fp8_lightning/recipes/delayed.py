@@ -17,6 +17,9 @@ from fp8_lightning.recipes.base import AMAX_COMPUTE_ALGOS, invalid
 from fp8_lightning.recipes.per_tensor import PerTensorRecipe
 from fp8_lightning.scaling import delayed_scale
 
+MAX_MARGIN = 32  # 2**-32 of the format's range: below it no value survives the cast
+MAX_AMAX_HISTORY_LEN = 4096
+
 
 @dataclasses.dataclass(frozen=True)
 class DelayedScaling(PerTensorRecipe):
@@ -39,14 +42,22 @@ class DelayedScaling(PerTensorRecipe):
     def __post_init__(self) -> None:
         super().__post_init__()
         cls = type(self).__name__
-        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
-            raise invalid(cls, "margin", self.margin, "an integer >= 0")
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or not 0 <= self.margin <= MAX_MARGIN:
+            raise invalid(
+                cls, "margin", self.margin,
+                f"an integer from 0 to {MAX_MARGIN} (each step of margin halves the scale: beyond {MAX_MARGIN} every "
+                "value would flush to zero; TransformerEngine's default is 0)",
+            )
         if (
             isinstance(self.amax_history_len, bool)
             or not isinstance(self.amax_history_len, int)
-            or self.amax_history_len < 1
+            or not 1 <= self.amax_history_len <= MAX_AMAX_HISTORY_LEN
         ):
-            raise invalid(cls, "amax_history_len", self.amax_history_len, "an integer >= 1")
+            raise invalid(
+                cls, "amax_history_len", self.amax_history_len,
+                f"an integer from 1 to {MAX_AMAX_HISTORY_LEN} (TransformerEngine's default is 1024; each FP8 operand "
+                "keeps a history this long and the step update reads all of them)",
+            )
         if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
             raise invalid(cls, "amax_compute_algo", self.amax_compute_algo, " or ".join(AMAX_COMPUTE_ALGOS))
         for flag in ("power_of_2_scales", "reduce_amax"):

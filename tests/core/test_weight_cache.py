@@ -97,21 +97,3 @@ def test_lightning_validation_after_an_ema_swap_reports_the_swapped_weights():
     swapped = validate(model)
     assert swapped != first
     assert swapped == validate(other)
-
-
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("recipe", RECIPES + [RowwiseScaling(high_precision_wgrad=True)], ids=lambda r: r.name)
-def test_an_empty_batch_gives_an_empty_output_and_zero_gradients(recipe, compiled):
-    """M = 0 (an empty last micro-batch, an expert no token chose): no cast runs, nothing is booked."""
-    layer = _layer(recipe)
-    x = torch.randn(0, 5, 64, requires_grad=True)
-    forward = torch.compile(layer, backend="aot_eager", fullgraph=True) if compiled else layer
-    with fp8_autocast():
-        y = forward(x)
-    assert y.shape == (0, 5, 32)
-    y.sum().backward()
-    assert x.grad.shape == x.shape
-    assert torch.equal(layer.weight.grad, torch.zeros_like(layer.weight))
-    assert torch.equal(layer.bias.grad, torch.zeros_like(layer.bias))
-    with torch.no_grad(), fp8_autocast():
-        assert layer(torch.randn(0, 64)).shape == (0, 32)
