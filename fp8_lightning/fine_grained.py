@@ -4,7 +4,7 @@ cast op.
 Their math is in :mod:`fp8_lightning.rowwise` and :mod:`fp8_lightning.blockwise`; which copies each GEMM role gets is
 the recipe's (:mod:`fp8_lightning.recipes.rowwise`, :mod:`fp8_lightning.recipes.blockwise`), made by a ``cast`` with
 ``kernels.fine_cast``'s signature (default :func:`reference_fine_cast`; the Triton kernel and the C codec in
-:func:`fp8_lightning.backends.fine_operands`):
+:func:`fp8_lightning.ops.dispatch.fast_fine_operands`):
 
 * :func:`fine_operands`: the operand of a 2-D tensor reducing over its last dimension, and the operand of its
   transpose, of kind ``ROW``, ``BLOCK`` or, for a weight gradient kept in high precision, ``HIGH_PRECISION``.

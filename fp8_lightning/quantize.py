@@ -224,7 +224,7 @@ class Quantized:
     scale: torch.Tensor
     kind: OperandKind = TENSOR
     # The float32 matrix a CPU float GEMM multiplies, made by the CPU codec's cast or on first use
-    # (``backends.operand_f32``), and kept for the operand's other GEMMs: the codes' exact values for per-tensor
+    # (``dispatch.operand_f32``), and kept for the operand's other GEMMs: the codes' exact values for per-tensor
     # and rowwise scaling (the scales multiply the product), the dequantized values for MX and blockwise.
     f32: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
     nan_free: bool = dataclasses.field(default=False, repr=False, compare=False)  # known to hold no NaN code

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8_lightning import backends
+from fp8_lightning.ops import dispatch
 from fp8_lightning.kernels import cpu_codec
 
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler (cc) to build the codec")
@@ -136,8 +136,8 @@ def test_a_failed_rebuild_falls_back_with_the_reason(monkeypatch, tmp_path):
         cpu_codec._load.cache_clear()
         ok, reason = cpu_codec.status()
         assert not ok and "did not match its record" in reason and "compiler broken" in reason, reason
-        assert backends.cpu_codec() is None
-        data, scale = backends.quantize_mxfp8(torch.randn(4, 64))
+        assert dispatch.cpu_codec() is None
+        data, scale = dispatch.fast_quantize_mxfp8(torch.randn(4, 64))
         assert data.shape == (4, 64) and scale.shape == (4, 2)
     finally:
         cpu_codec._load.cache_clear()
@@ -152,7 +152,7 @@ def test_a_scale_rounding_other_than_rceil_or_floor_is_refused(rounding):
     with pytest.raises(ValueError, match="scale_rounding=.* is invalid; allowed: rceil or floor"):
         cpu_codec.mx_quantize(x, 32, rounding, torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="scale_rounding=.* is invalid; allowed: rceil or floor"):
-        backends.quantize_mxfp8(x, scale_rounding=rounding)
+        dispatch.fast_quantize_mxfp8(x, scale_rounding=rounding)
 
 
 @pytest.mark.skipif(not cpu_codec.status()[0], reason=f"the CPU codec is not built here: {cpu_codec.status()[1]}")
