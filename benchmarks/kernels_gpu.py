@@ -226,7 +226,7 @@ def check_gluon_gemm() -> list[tuple[str, bool]]:
     results = []
     g = torch.Generator().manual_seed(2)
     for tile, block, (fa, fb), out_dtype in itertools.product(
-        block_gemm_gluon.TILES, (32, 64, 128), ((E4M3, E4M3), (E5M2, E4M3)), (torch.float32, torch.bfloat16)
+        block_gemm_gluon.GLUON_TILES, (32, 64, 128), ((E4M3, E4M3), (E5M2, E4M3)), (torch.float32, torch.bfloat16)
     ):
         a = quantize_mx_operand(torch.randn(200, 1024, generator=g).cuda(), block, "rceil", fa)
         b = quantize_mx_operand(torch.randn(333, 1024, generator=g).cuda(), block, "rceil", fb)

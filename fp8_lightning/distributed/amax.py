@@ -25,13 +25,7 @@ import torch.nn as nn
 from fp8_lightning.ops.dispatch import fast_amax
 from fp8_lightning.distributed.weight import FP8ShardedWeight
 from fp8_lightning.linear import FP8Linear
-
-
-def local_shard(weight: torch.Tensor) -> torch.Tensor:
-    """The rank-local tensor of a parameter (the DTensor's local shard, or the tensor itself)."""
-    from torch.distributed.tensor import DTensor
-
-    return weight._local_tensor if isinstance(weight, DTensor) else weight
+from fp8_lightning.privates import local_shard
 
 
 class WeightAmaxSync:

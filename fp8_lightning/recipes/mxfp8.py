@@ -18,7 +18,8 @@ from fp8_lightning.gemm import mx_mm
 from fp8_lightning.ops.layer import mx_operand_cast
 from fp8_lightning.mx import E8M0_DTYPE, e8m0_to_float
 from fp8_lightning.quantize import MX, Quantized
-from fp8_lightning.recipes.base import MX_BLOCK_SIZES, SCALE_ROUNDINGS, Recipe, multiple_reason, invalid
+from fp8_lightning.kernels.availability import MX_BLOCK_SIZES, SCALE_ROUNDINGS
+from fp8_lightning.recipes.base import Recipe, multiple_reason, invalid
 
 
 @dataclasses.dataclass(frozen=True)

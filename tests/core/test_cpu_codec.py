@@ -33,7 +33,7 @@ def reference(monkeypatch):
 
     def run(fn, *args, **kwargs):
         with monkeypatch.context() as patch:
-            set_env(patch, **{cpu_codec.DISABLE_ENV: "1"})
+            set_env(patch, **{cpu_codec.CODEC_DISABLE_ENV: "1"})
             assert dispatch.cpu_codec() is None
             return fn(*args, **kwargs)
 
@@ -186,7 +186,7 @@ def test_a_layer_trains_bit_for_bit_as_on_the_reference_path(recipe, monkeypatch
     from fp8_lightning import convert_to_fp8, fp8_autocast, sync_scales
 
     def train(codec_off: bool):
-        set_env(monkeypatch, **{cpu_codec.DISABLE_ENV: "1" if codec_off else "0"})
+        set_env(monkeypatch, **{cpu_codec.CODEC_DISABLE_ENV: "1" if codec_off else "0"})
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(160, 192), torch.nn.GELU(), torch.nn.Linear(192, 32))
         report = convert_to_fp8(model, recipe, profitability=False)

@@ -43,7 +43,7 @@ print(json.dumps({"ok": ok, "reason": reason, "same": same, "foreign": hasattr(l
 
 def _probe(cache: Path) -> dict:
     env = {**os.environ, cpu_codec.CACHE_ENV: str(cache), "PYTHONPATH": str(ROOT)}
-    env.pop(cpu_codec.DISABLE_ENV, None)
+    env.pop(cpu_codec.CODEC_DISABLE_ENV, None)
     done = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"rc={done.returncode} (SIGBUS is -7)\n{done.stderr[-2000:]}"
     return json.loads(done.stdout.strip().splitlines()[-1])

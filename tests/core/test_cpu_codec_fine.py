@@ -116,7 +116,7 @@ def test_backend_operands_match_the_reference_operands(recipe, role):
 
 
 def test_disabling_the_codec_keeps_the_reference(monkeypatch):
-    set_env(monkeypatch, **{cpu_codec.DISABLE_ENV: "1"})
+    set_env(monkeypatch, **{cpu_codec.CODEC_DISABLE_ENV: "1"})
     row, col = dispatch.fast_fine_operands(BlockwiseScaling(), "input", torch.randn(8, 256), torch.float8_e4m3fn, True)
     assert row.f32 is None and col.f32 is None
 

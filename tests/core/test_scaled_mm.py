@@ -11,7 +11,7 @@ output dtypes).
 import pytest
 import torch
 from functorch.compile import make_boxed_func
-from torch._dynamo.dispatch.common import aot_autograd
+from torch._dynamo.backends.common import aot_autograd
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
