@@ -170,9 +170,10 @@ def bar_plot(
 
 
 def route_cuda_branch_to_kernels(enabled: bool = True) -> None:
-    """Point the core's CUDA dispatch (``backends.cuda_kernels``) at the Triton kernels for tensors on any device
+    """Point the core's CUDA dispatch (``dispatch.cuda_kernels``) at the Triton kernels for tensors on any device
     (``enabled``), or at nothing: the probes that run the CUDA branch on CPU tensors (``launch_count.py``,
     ``host_time.py --cuda-branch``). For the calling process only."""
-    from fp8_lightning import backends, kernels
+    from fp8_lightning.ops import dispatch
+    from fp8_lightning.ops import triton_ops
 
-    backends.cuda_kernels = lambda x: kernels if enabled and kernels.supports_input(x) else None
+    dispatch.cuda_kernels = lambda x: triton_ops if enabled and triton_ops.supports_input(x) else None

@@ -66,7 +66,8 @@ def stub_cuda_branch() -> None:
     its tiny CPU GEMMs). MX GEMMs take the Hopper route (the block-scaled Triton kernel's op); rowwise and
     blockwise GEMMs still compute on CPU (their cuBLAS route needs a CUDA tensor). For this process only."""
     from fp8_lightning import gemm
-    from fp8_lightning.kernels import ops
+    from fp8_lightning.ops.registry import EAGER
+    from fp8_lightning.ops.triton_ops import TRITON_OPS
     from fp8_lightning.settings import reload_settings
 
     os.environ["FP8_LIGHTNING_GEMM"] = "scaled_mm"
@@ -74,10 +75,9 @@ def stub_cuda_branch() -> None:
     reload_settings()
     route_cuda_branch_to_kernels()
     gemm.kernels_usable = lambda x: True
-    for name in vars(ops.EAGER):  # each kernel op answers with its fake: outputs allocated, nothing computed
-        fake = getattr(ops, name)._abstract_fn
-        setattr(ops.EAGER, name, fake)  # eager calls (fp8_lightning.kernels calls the implementations directly)
-        getattr(ops, name).register_kernel("cpu")(fake)  # calls through torch.ops
+    for op in TRITON_OPS:  # each kernel op answers with its fake: outputs allocated, nothing computed
+        setattr(EAGER, op.name, op.fake)  # eager calls (the ops' direct calls on plain tensors)
+        op.custom.register_kernel("cpu")(op.fake)  # calls through torch.ops
     _STUBS.impl("_scaled_mm", _empty_scaled_mm, "CPU")
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import command as front_door_command
-from fp8_lightning import kernels
+from fp8_lightning.ops import triton_ops
 from fp8_lightning.blockwise import quantize_blockwise
 from fp8_lightning.fine_grained import fine_cast_twin
 from fp8_lightning.kernels.availability import (
@@ -47,17 +47,18 @@ from fp8_lightning.kernels.availability import (
     GLUON_MX_GEMM_ENV,
     device_status,
     gluon_mx_gemm_status,
+    kernels_usable,
 )
 from fp8_lightning.kernels.fine_grained_layout import TILES
 from fp8_lightning.rowwise import quantize_rowwise
 from fp8_lightning.settings import reload_settings
-from fp8_lightning.backends import (
-    amax,
+from fp8_lightning.ops.dispatch import (
     dequantize_operand,
-    quantize_mx_operand,
-    quantize_mxfp8,
-    quantize_tensorwise,
-    quantize_with_scale,
+    fast_amax as amax,
+    fast_quantize_mx_operand as quantize_mx_operand,
+    fast_quantize_mxfp8 as quantize_mxfp8,
+    fast_quantize_tensorwise as quantize_tensorwise,
+    fast_quantize_with_scale as quantize_with_scale,
 )
 from fp8_lightning.gemm import fp8_mm
 
@@ -135,26 +136,26 @@ def check_kernels() -> list[tuple[str, bool]]:
             tag = f"explicit_rounding={explicit}"
             for name, x in inputs.items():
                 x_cpu = x.cpu()
-                results.append((f"amax {name}", same_bytes(kernels.amax(x), pure(amax, x))))
+                results.append((f"amax {name}", same_bytes(triton_ops.triton_amax(x), pure(amax, x))))
                 for fp8 in (E4M3, E5M2):
                     for value in (1.0, 3.0 * 2.0**-9):  # 1.0 keeps the exact ties of check_inputs
                         scale = torch.tensor(value, device="cuda")
                         case = f"{name} {fp8} scale={value:g} {tag}"
-                        data, x_amax = kernels.cast(x, scale, fp8)
+                        data, x_amax = triton_ops.triton_cast(x, scale, fp8)
                         ref = pure(quantize_with_scale, x, scale, fp8)
                         results.append((f"cast {case} vs CUDA twin", same_bytes(data, ref)))
                         results.append((f"cast {case} vs CPU twin",
                                         same_bytes(data, quantize_with_scale(x_cpu, scale.cpu(), fp8))))
                         results.append((f"cast amax {case}", same_bytes(x_amax, pure(amax, x))))
-                        d, d_t, _ = kernels.cast_transpose(x, scale, fp8)
+                        d, d_t, _ = triton_ops.triton_cast_transpose(x, scale, fp8)
                         results.append((f"cast_transpose {case}",
                                         same_bytes(d, ref) and same_bytes(d_t, ref.t().contiguous())))
                     finite = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
-                    got, ref_t = kernels.tensorwise_cast(finite, fp8), pure(quantize_tensorwise, finite, fp8)
+                    got, ref_t = triton_ops.triton_tensorwise_cast(finite, fp8), pure(quantize_tensorwise, finite, fp8)
                     results.append((f"tensorwise_cast {name} {fp8} {tag}",
                                     same_bytes(got[0], ref_t[0]) and same_bytes(got[1], ref_t[1])))
                     for rule in ("rceil", "floor"):
-                        rows, cols = kernels.mx_quantize(x, 32, rule, fp8, rowwise=True, columnwise=True)
+                        rows, cols = triton_ops.triton_mx_quantize(x, 32, rule, fp8, rowwise=True, columnwise=True)
                         ref_r = quantize_mxfp8(x_cpu, scale_rounding=rule, fp8_format=fp8)
                         ref_c = quantize_mxfp8(x_cpu.t().contiguous(), scale_rounding=rule, fp8_format=fp8)
                         ok = all(same_bytes(a, b.view(a.dtype)) for a, b in
@@ -165,7 +166,7 @@ def check_kernels() -> list[tuple[str, bool]]:
     results.append(("mx_gemm within the float32 accumulation bound", check_gemm()))
     results += check_gluon_gemm()
     x = inputs["bf16"][:256]
-    used = kernels.kernels_usable(x)
+    used = kernels_usable(x)
     results.append(("core quantize_tensorwise on CUDA takes the kernel and matches CPU",
                     used and same_bytes(quantize_tensorwise(x)[0], quantize_tensorwise(x.cpu())[0])))
     return results
@@ -176,7 +177,7 @@ def check_fine_casts(x: torch.Tensor, x_cpu: torch.Tensor, fp8: torch.dtype, cas
     results = []
     for tile, power_of_2 in itertools.product(TILES, (True, False)):
         square = tile == (128, 128)
-        q, q_t = kernels.fine_cast(x, fp8, tile, power_of_2, transpose=square)
+        q, q_t = triton_ops.triton_fine_cast(x, fp8, tile, power_of_2, transpose=square)
         data, scale = fine_cast_twin(x_cpu, tile, fp8, power_of_2)
         copies = [(q, data, scale)] + ([(q_t, data.t(), scale.t())] if square else [])
         ok = all(
@@ -191,7 +192,7 @@ def check_gemm() -> bool:
     g = torch.Generator().manual_seed(1)
     a = quantize_mx_operand(torch.randn(520, 2048, generator=g).cuda(), 32, "rceil", E4M3)
     b = quantize_mx_operand(torch.randn(1000, 2048, generator=g).cuda(), 32, "rceil", E5M2)
-    out = kernels.mx_gemm(a, b, torch.float32).double()
+    out = triton_ops.triton_mx_gemm(a, b, torch.float32).double()
     a64, b64 = dequantize_operand(a).double(), dequantize_operand(b).double()
     bound = 2048 * 2.0**-23 * (a64.abs() @ b64.abs().t())
     return bool(((out - a64 @ b64.t()).abs() <= bound).all())
@@ -225,7 +226,7 @@ def check_gluon_gemm() -> list[tuple[str, bool]]:
     results = []
     g = torch.Generator().manual_seed(2)
     for tile, block, (fa, fb), out_dtype in itertools.product(
-        block_gemm_gluon.TILES, (32, 64, 128), ((E4M3, E4M3), (E5M2, E4M3)), (torch.float32, torch.bfloat16)
+        block_gemm_gluon.GLUON_TILES, (32, 64, 128), ((E4M3, E4M3), (E5M2, E4M3)), (torch.float32, torch.bfloat16)
     ):
         a = quantize_mx_operand(torch.randn(200, 1024, generator=g).cuda(), block, "rceil", fa)
         b = quantize_mx_operand(torch.randn(333, 1024, generator=g).cuda(), block, "rceil", fb)
@@ -241,8 +242,8 @@ def check_gluon_gemm() -> list[tuple[str, bool]]:
         results.append((f"{case} within the float32 bound", within))
         if tile == block_gemm_gluon.tile_for(200, 333, block):
             with environment(**{GLUON_MX_GEMM_ENV: "1"}):  # the opt-in route through the library's op
-                chosen = gluon_mx_gemm_status("cuda")[0] and same_bytes(kernels.mx_gemm(a, b, out_dtype), got)
-            results.append((f"{case} chosen by {GLUON_MX_GEMM_ENV}=1 through kernels.mx_gemm", chosen))
+                chosen = gluon_mx_gemm_status("cuda")[0] and same_bytes(triton_ops.triton_mx_gemm(a, b, out_dtype), got)
+            results.append((f"{case} chosen by {GLUON_MX_GEMM_ENV}=1 through triton_ops.triton_mx_gemm", chosen))
     return results
 
 
@@ -269,24 +270,24 @@ def bandwidth_cases(x: torch.Tensor) -> list[tuple[str, int, object, object]]:
     scale = torch.tensor(0.5, device=x.device)
     mx_scales = n // 32
     return [
-        ("amax", n * s, lambda: kernels.amax(x), lambda: pure(amax, x)),
-        ("cast + amax (delayed)", n * s + n, lambda: kernels.cast(x, scale, E4M3),
+        ("amax", n * s, lambda: triton_ops.triton_amax(x), lambda: pure(amax, x)),
+        ("cast + amax (delayed)", n * s + n, lambda: triton_ops.triton_cast(x, scale, E4M3),
          lambda: (pure(quantize_with_scale, x, scale, E4M3), pure(amax, x))),
-        ("cast + transpose + amax (delayed)", n * s + 2 * n, lambda: kernels.cast_transpose(x, scale, E4M3),
+        ("cast + transpose + amax (delayed)", n * s + 2 * n, lambda: triton_ops.triton_cast_transpose(x, scale, E4M3),
          lambda: (pure(quantize_with_scale, x, scale, E4M3).t().contiguous(), pure(amax, x))),
-        ("tensorwise (amax pass + cast pass)", 2 * n * s + n, lambda: kernels.tensorwise_cast(x, E4M3),
+        ("tensorwise (amax pass + cast pass)", 2 * n * s + n, lambda: triton_ops.triton_tensorwise_cast(x, E4M3),
          lambda: pure(quantize_tensorwise, x, E4M3)),
-        ("mxfp8 rowwise", n * s + n + mx_scales, lambda: kernels.mx_quantize(x),
+        ("mxfp8 rowwise", n * s + n + mx_scales, lambda: triton_ops.triton_mx_quantize(x),
          lambda: pure(quantize_mxfp8, x)),
         ("mxfp8 rowwise + columnwise", n * s + 2 * (n + mx_scales),
-         lambda: kernels.mx_quantize(x, columnwise=True),
+         lambda: triton_ops.triton_mx_quantize(x, columnwise=True),
          lambda: (pure(quantize_mxfp8, x), pure(quantize_mxfp8, x.t()))),
-        ("rowwise, one copy (per row)", n * s + n, lambda: kernels.fine_cast(x, E4M3, (1, 0)),
+        ("rowwise, one copy (per row)", n * s + n, lambda: triton_ops.triton_fine_cast(x, E4M3, (1, 0)),
          lambda: pure(quantize_rowwise, x, E4M3)),
-        ("blockwise 1x128 + 128x1 copies", 2 * (n * s + n), lambda: (kernels.fine_cast(x, E4M3, (1, 128)),
-                                                                    kernels.fine_cast(x, E4M3, (128, 1))),
+        ("blockwise 1x128 + 128x1 copies", 2 * (n * s + n), lambda: (triton_ops.triton_fine_cast(x, E4M3, (1, 128)),
+                                                                    triton_ops.triton_fine_cast(x, E4M3, (128, 1))),
          lambda: (pure(quantize_blockwise, x, (1, 128), E4M3), pure(quantize_blockwise, x, (128, 1), E4M3))),
-        ("blockwise 128x128 + W.T", n * s + 2 * n, lambda: kernels.fine_cast(x, E4M3, (128, 128), transpose=True),
+        ("blockwise 128x128 + W.T", n * s + 2 * n, lambda: triton_ops.triton_fine_cast(x, E4M3, (128, 128), transpose=True),
          lambda: pure(quantize_blockwise, x, (128, 128), E4M3)),
     ]
 
@@ -316,12 +317,12 @@ def bench_gemm() -> list[dict]:
     for n in (4096, 8192):
         a_hp = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
         b_hp = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-        a, _ = kernels.mx_quantize(a_hp)
-        b, _ = kernels.mx_quantize(b_hp)
+        a, _ = triton_ops.triton_mx_quantize(a_hp)
+        b, _ = triton_ops.triton_mx_quantize(b_hp)
         flops = 2 * n**3
-        kernels.mx_gemm(a, b, torch.bfloat16)  # autotune outside the timed region
+        triton_ops.triton_mx_gemm(a, b, torch.bfloat16)  # autotune outside the timed region
         t_bf16 = seconds(lambda: torch.matmul(a_hp, b_hp.t()))
-        t_mx = seconds(lambda: kernels.mx_gemm(a, b, torch.bfloat16))
+        t_mx = seconds(lambda: triton_ops.triton_mx_gemm(a, b, torch.bfloat16))
         t_pure = seconds(lambda: pure(fp8_mm, a, b, torch.bfloat16))
         t_gluon = None
         if gluon_refusal() is None:  # the opt-in Hopper kernel, timed in the same run

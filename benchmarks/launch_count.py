@@ -35,7 +35,7 @@ os.environ["FP8_LIGHTNING_GEMM"] = "scaled_mm"
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-import fp8_lightning.backends as backends  # noqa: E402
+from fp8_lightning.ops import dispatch  # noqa: E402
 from benchmarks import command as front_door_command  # noqa: E402
 from benchmarks.bench_common import route_cuda_branch_to_kernels  # noqa: E402
 from fp8_lightning import DelayedScaling, FP8Linear, TensorwiseScaling, fp8_autocast, sync_scales  # noqa: E402
@@ -100,9 +100,9 @@ def count_fine(recipe, use_kernels: bool) -> collections.Counter:
     x, w, g, forward, backward = _step_tensors(recipe, use_kernels)
     layout = blockwise_scaled_mm_args if isinstance(recipe, BlockwiseScaling) else rowwise_scaled_mm_args
     with _Count() as counted:
-        x_row, x_col = backends.fine_operands(recipe, "input", x, forward, True)
-        w_row, w_col = backends.fine_operands(recipe, "weight", w, forward, True)
-        g_row, g_col = backends.fine_operands(recipe, "grad_output", g, backward, True)
+        x_row, x_col = dispatch.fast_fine_operands(recipe, "input", x, forward, True)
+        w_row, w_col = dispatch.fast_fine_operands(recipe, "weight", w, forward, True)
+        g_row, g_col = dispatch.fast_fine_operands(recipe, "grad_output", g, backward, True)
         for a, b in ((x_row, w_row), (g_row, w_col), (g_col, x_col)):
             layout(a, b)
     return counted.ops
@@ -115,7 +115,7 @@ def count_mx(recipe: MXFP8BlockScaling, use_kernels: bool) -> collections.Counte
     x, w, g, forward, backward = _step_tensors(recipe, use_kernels)
     with _Count() as counted:
         operands = [
-            backends.quantize_mx_operands(t, recipe.block_size, recipe.scale_rounding, dtype)
+            dispatch.fast_quantize_mx_operands(t, recipe.block_size, recipe.scale_rounding, dtype)
             for t, dtype in ((x, forward), (w, forward), (g, backward))
         ]
         for row, col in operands:

@@ -8,7 +8,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from fp8_lightning.autocast import fp8_autocast, is_fp8_enabled
-from fp8_lightning.backends import dequantize_mxfp8, dequantize_tensorwise, quantize_mxfp8, quantize_tensorwise
+from fp8_lightning.ops.dispatch import fast_dequantize_mxfp8 as dequantize_mxfp8
+from fp8_lightning.ops.dispatch import fast_dequantize_tensorwise as dequantize_tensorwise
+from fp8_lightning.ops.dispatch import fast_quantize_mxfp8 as quantize_mxfp8
+from fp8_lightning.ops.dispatch import fast_quantize_tensorwise as quantize_tensorwise
 from fp8_lightning.convert import (
     ConversionReport,
     convert_to_fp8,

@@ -4,7 +4,7 @@ cast op.
 Their math is in :mod:`fp8_lightning.rowwise` and :mod:`fp8_lightning.blockwise`; which copies each GEMM role gets is
 the recipe's (:mod:`fp8_lightning.recipes.rowwise`, :mod:`fp8_lightning.recipes.blockwise`), made by a ``cast`` with
 ``kernels.fine_cast``'s signature (default :func:`reference_fine_cast`; the Triton kernel and the C codec in
-:func:`fp8_lightning.backends.fine_operands`):
+:func:`fp8_lightning.ops.dispatch.fast_fine_operands`):
 
 * :func:`fine_operands`: the operand of a 2-D tensor reducing over its last dimension, and the operand of its
   transpose, of kind ``ROW``, ``BLOCK`` or, for a weight gradient kept in high precision, ``HIGH_PRECISION``.
@@ -121,7 +121,7 @@ def traced_fine_cast(
     x: torch.Tensor, recipe: Any, role: str, dtype: torch.dtype, columnwise: bool, cast
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(data, scale, columnwise data, columnwise scale) of a 2-D ``x``, the copies of :func:`fine_operands` made by
-    ``cast``, a traceable ``kernels.fine_cast`` (``layer_ops.traced_fine_cast``: one custom op per copy)."""
+    ``cast``, a traceable ``kernels.fine_cast`` (``ops.layer.traced_tile_cast``: one custom op per copy)."""
     row, col = recipe.fine_copies(role, x, dtype, columnwise, cast)
     if col is None:
         return row.data, row.scale, None, None

@@ -21,8 +21,8 @@ Backends, chosen per call:
   GPUs without FP8 tensor cores.
 * MX operands with 32-element blocks on sm100+ (Blackwell) use cuBLAS's native MX GEMM through
   ``torch._scaled_mm`` with E8M0 scales in its swizzled layout (:func:`swizzle_mx_scales`).
-* Other MX operands on CUDA go to the Triton block-scaled GEMM of ``fp8_lightning.kernels`` where it runs
-  (``kernels.mx_gemm``; block sizes 32, 64 and 128), else to the emulation.
+* Other MX operands on CUDA go to the Triton block-scaled GEMM (``fp8_lightning.ops.triton_ops``) where it runs
+  (``triton_ops.triton_mx_gemm``; block sizes 32, 64 and 128), else to the emulation.
 
 Device checks return ``(ok, reason)`` so that the same reason feeds errors and test skips.
 """
@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import torch
 
-from fp8_lightning import kernels
-from fp8_lightning.backends import dequantize_operand, operand_f32
+from fp8_lightning.ops.dispatch import dequantize_operand, operand_f32
 from fp8_lightning.kernels.availability import kernels_usable
 from fp8_lightning.formats import FP8_MIN_CAPABILITY, NATIVE_MX_MIN_CAPABILITY
+from fp8_lightning.ops.triton_ops import mx_gemm_supported, triton_mx_gemm
 from fp8_lightning.quantize import LAYOUT_MULTIPLE, Quantized, pad_2d, pad_dim, scaled_mm_layout
 from fp8_lightning.settings import settings
 
@@ -122,7 +122,7 @@ def scaled_mm(
 def _float_matmul(
     a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tensor | None, alpha: float = 1.0
 ) -> torch.Tensor:
-    """The FP8 GEMM on CPU, one ``addmm`` of the operands' float32 forms (``backends.operand_f32``) that, in
+    """The FP8 GEMM on CPU, one ``addmm`` of the operands' float32 forms (``dispatch.operand_f32``) that, in
     float32, also adds the bias. Per-tensor operands are the exact FP8 values and ``alpha`` applies both inverse
     scales (reading a CPU scalar costs nothing); MX operands are already dequantized (``alpha`` 1)."""
     fused_bias = bias is not None and bias.dtype == out_dtype == torch.float32
@@ -223,6 +223,6 @@ def mx_mm(
         block_32 = a.data.shape[-1] == 32 * a.scale.shape[-1]
         if block_32 and native_mx_gemm_support(a.data.device)[0]:
             return _add_bias(_native_mx_mm(a, b, out_dtype), bias)
-        if kernels_usable(a.data) and kernels.mx_gemm_supported(a, b, out_dtype)[0]:
-            return _add_bias(kernels.mx_gemm(a, b, out_dtype), bias)
+        if kernels_usable(a.data) and mx_gemm_supported(a, b, out_dtype)[0]:
+            return _add_bias(triton_mx_gemm(a, b, out_dtype), bias)
     return _add_bias((operand_f32(a) @ operand_f32(b).t()).to(out_dtype), bias)

@@ -10,7 +10,7 @@ OCP Microscaling, blocks of ``block_size`` consecutive elements along the reduct
 A GEMM operand needs its blocks along its own reduction dimension, so an operand used by two GEMMs has a rowwise
 and a columnwise copy, both quantized from the high-precision tensor (:func:`quantize_mx_operands`).
 
-Plain PyTorch with no device or backend branches: :mod:`fp8_lightning.backends` runs the same operations on the
+Plain PyTorch with no device or backend branches: :mod:`fp8_lightning.ops.dispatch` runs the same operations on the
 Triton ``mx_quantize`` kernel (CUDA) or the C codec (CPU), with the same bits, and is what the layer calls.
 """
 

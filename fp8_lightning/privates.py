@@ -40,7 +40,7 @@ class Private:
 
 
 _SCALED_MM_USERS = (
-    "gemm.py", "rowwise.py", "blockwise.py", "layer_ops.py", "traced.py", "profitability.py", "quantize.py",
+    "gemm.py", "rowwise.py", "blockwise.py", "ops/layer.py", "traced.py", "profitability.py", "quantize.py",
     "kernels/fine_grained_cast.py", "kernels/fine_grained_layout.py",
 )
 
@@ -73,7 +73,7 @@ PRIVATES: tuple[Private, ...] = (
         attribute="_schema",
     ),
     Private(
-        "torch._C:_len_torch_dispatch_stack", ("kernels/__init__.py",),
+        "torch._C:_len_torch_dispatch_stack", ("ops/registry.py",),
         "The eager shortcut past the custom-op dispatch is taken only when no dispatch mode is active; torch exposes "
         "no public query for that.",
     ),

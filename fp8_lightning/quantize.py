@@ -11,7 +11,7 @@ Saturation is explicit because casts disagree on overflow: the CPU cast saturate
 values into inf, and the Triton interpreter produces NaN. Every function computes in float32 (float64 inputs
 stay float64) so that the result does not depend on the input dtype's rounding.
 
-Plain PyTorch with no device or backend branches: :mod:`fp8_lightning.backends` runs the same operations on the
+Plain PyTorch with no device or backend branches: :mod:`fp8_lightning.ops.dispatch` runs the same operations on the
 Triton kernels (CUDA) or the C codec (CPU), with the same bits, and is what the layer calls.
 """
 
@@ -224,7 +224,7 @@ class Quantized:
     scale: torch.Tensor
     kind: OperandKind = TENSOR
     # The float32 matrix a CPU float GEMM multiplies, made by the CPU codec's cast or on first use
-    # (``backends.operand_f32``), and kept for the operand's other GEMMs: the codes' exact values for per-tensor
+    # (``dispatch.operand_f32``), and kept for the operand's other GEMMs: the codes' exact values for per-tensor
     # and rowwise scaling (the scales multiply the product), the dequantized values for MX and blockwise.
     f32: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
     nan_free: bool = dataclasses.field(default=False, repr=False, compare=False)  # known to hold no NaN code

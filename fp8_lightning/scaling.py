@@ -31,7 +31,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from fp8_lightning import backends
+from fp8_lightning.ops import dispatch
 from fp8_lightning.formats import fp8_max
 from fp8_lightning.quantize import (
     Quantized,
@@ -158,8 +158,8 @@ class OperandScaling:
         outputs = self.recipe.state_cast(self, x, record, transpose)  # the CUDA kernels, where they run
         if outputs is not None:
             return self._book_state_cast(outputs, record, transpose)
-        fused = backends.fused_cast(x, self.scale, self.dtype) if self.delayed and self.initialized else None
-        x_amax, host_amax = backends.amax_and_value(x) if fused is None else (fused.amax, fused.host_amax)
+        fused = dispatch.fused_cast(x, self.scale, self.dtype) if self.delayed and self.initialized else None
+        x_amax, host_amax = dispatch.amax_and_value(x) if fused is None else (fused.amax, fused.host_amax)
         finite = host_amax is not None and math.isfinite(host_amax)
         clean_amax = self.book(x_amax, record, finite)
         scale = self.scale_for(clean_amax, host_amax if finite else None)
@@ -174,7 +174,7 @@ class OperandScaling:
         finite = host_amax is not None
         scale_value = scale.item() if finite or scale.is_cpu else None
         in_range = finite and host_amax * scale_value <= self.max_value * (1 + 2**-20)
-        return backends.quantize_operand(x, scale, self.dtype, not in_range, finite, scale_value)
+        return dispatch.quantize_operand(x, scale, self.dtype, not in_range, finite, scale_value)
 
     def _evaluation_cast(self, x: torch.Tensor, transpose: bool) -> Quantized:
         """The cast of an evaluation forward, which leaves every tensor, flag and counter of the state as it
@@ -187,10 +187,10 @@ class OperandScaling:
             data, data_t, fresh_scale, _, _, inverse = outputs
             scale = self.scale if self.delayed else fresh_scale  # the delayed kernel's third output is the amax
             return Quantized(data, scale, TENSOR, inverse=inverse, transposed=data_t if transpose else None)
-        fused = backends.fused_cast(x, self.scale, self.dtype) if stored else None
+        fused = dispatch.fused_cast(x, self.scale, self.dtype) if stored else None
         if fused is not None:
             return Quantized(fused.data, self.scale, TENSOR, fused.values, nan_free=math.isfinite(fused.host_amax))
-        x_amax, host_amax = backends.amax_and_value(x)
+        x_amax, host_amax = dispatch.amax_and_value(x)
         host_amax = host_amax if host_amax is not None and math.isfinite(host_amax) else None
         return self._cast_with(x, self.evaluation_scale(finite_or_zero(x_amax), host_amax), host_amax)
 

@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from fp8_lightning.convert import fp8_modules
 from fp8_lightning.formats import fp8_max
-from fp8_lightning.backends import amax
+from fp8_lightning.ops.dispatch import fast_amax
 from fp8_lightning.quantize import Quantized
 
 ROLES = ("input", "weight", "grad_output")
@@ -132,7 +132,7 @@ class _Accumulator:
         self.order = order
 
     def add(self, x: torch.Tensor, q: Quantized) -> None:
-        a = amax(x)
+        a = fast_amax(x)
         finite = torch.isfinite(a)
         self.nonfinite = torch.maximum(self.nonfinite, (~finite).float())
         self.amax = torch.maximum(self.amax, torch.where(finite, a, torch.zeros_like(a)))

@@ -13,7 +13,7 @@ What makes it traceable:
   compiler fuses with the layer's neighbours; it functionalizes the in-place updates). Nothing is assigned to a
   Python object inside the graph, so the step compiles once and is never recompiled as scales move. Per-tensor
   GEMMs on CUDA are ``torch._scaled_mm`` in the graph (bias in its epilogue, fast accumulation per GEMM as the
-  recipe says); MX casts and the other GEMMs are the custom ops of :mod:`fp8_lightning.layer_ops` (the C codec,
+  recipe says); MX casts and the other GEMMs are the custom ops of :mod:`fp8_lightning.ops.layer` (the C codec,
   the CPU float GEMM, Triton or cuBLAS behind them).
 * **A frozen plan.** The layer's autograd Function (:mod:`fp8_lightning.layer_step`) gets tensors and a hashable
   :class:`TracedPlan` (recipe, formats, output dtype) as its step, never a module or a state object. The output
@@ -34,7 +34,7 @@ import torch
 
 from fp8_lightning.gemm import scaled_mm
 from fp8_lightning.layer_step import FP8LinearFunction
-from fp8_lightning.layer_ops import scaled_gemm
+from fp8_lightning.ops.layer import scaled_gemm
 from fp8_lightning.quantize import OperandKind
 from fp8_lightning.scaling import OperandScaling
 

@@ -66,7 +66,7 @@ class ConfigError(ValueError):
 def check_config(cfg: DictConfig) -> None:
     check_recipe(cfg)
     check_precision_choice(cfg)
-    check_accelerator(cfg)
+    check_trainer_accelerator(cfg)
     check_data_root(cfg)
 
 
@@ -103,7 +103,7 @@ def check_data_root(cfg: DictConfig) -> None:
         )
 
 
-def check_accelerator(cfg: DictConfig) -> None:
+def check_trainer_accelerator(cfg: DictConfig) -> None:
     accelerator = str(cfg.trainer.get("accelerator", "auto")).lower()
     if accelerator in GPU_ACCELERATORS and not torch.cuda.is_available():
         raise ConfigError(

@@ -25,10 +25,10 @@ import tempfile
 import torch
 
 from fp8_lightning.formats import fp8_emax
+from fp8_lightning.kernels.availability import SUPPORTED_INPUT_DTYPES as INPUT_DTYPES
 
 # Ada (L4, L40, RTX 4090: FP8 mma.sync, no wgmma or TMA), Hopper, Blackwell.
 TARGETS = {"sm_89": 89, "sm_90a": 90, "sm_100a": 100}
-INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _TYPE = {
     torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv",
@@ -123,7 +123,7 @@ def _per_tensor_variants() -> list[Variant]:
 
 
 def _mx_quantize_variants() -> list[Variant]:
-    from fp8_lightning.kernels import MX_BLOCK_SIZES
+    from fp8_lightning.kernels.availability import MX_BLOCK_SIZES
     from fp8_lightning.kernels.mxfp8 import launches, quantize_num_warps, tile_shape
     from fp8_lightning.kernels.per_tensor import format_constants
 
@@ -145,7 +145,7 @@ def _mx_quantize_variants() -> list[Variant]:
 
 
 def _mx_gemm_variants() -> list[Variant]:
-    from fp8_lightning.kernels import GEMM_OUT_DTYPES, MX_GEMM_BLOCK_SIZES
+    from fp8_lightning.kernels.availability import GEMM_OUT_DTYPES, MX_GEMM_BLOCK_SIZES
     from fp8_lightning.kernels.block_gemm import _config_key, mx_gemm_configs
 
     selected = {t: {_config_key(c) for c in mx_gemm_configs(divmod(cap, 10))} for t, cap in TARGETS.items()}
@@ -169,7 +169,7 @@ def _mx_gemm_variants() -> list[Variant]:
 def _gluon_mx_gemm_variants() -> list[Variant]:
     """The Hopper-only Gluon MX GEMM (opt-in): every tile it can pick at each block size, for sm_90a alone; none
     when this Triton has no usable Gluon. Its descriptors carry their shared-memory layout in their type."""
-    from fp8_lightning.kernels import GEMM_OUT_DTYPES, MX_GEMM_BLOCK_SIZES
+    from fp8_lightning.kernels.availability import GEMM_OUT_DTYPES, MX_GEMM_BLOCK_SIZES
     from fp8_lightning.kernels.availability import gluon_status
 
     if not gluon_status()[0]:

@@ -34,6 +34,11 @@ GLUON_CAPABILITY_MAJOR = 9  # the Gluon MX GEMM is written for Hopper's wgmma an
 INTERPRET_ENV = "TRITON_INTERPRET"
 EXPLICIT_ROUNDING_ENV = "FP8_LIGHTNING_TRITON_EXPLICIT_ROUNDING"
 MIN_CAPABILITY = FP8_MIN_CAPABILITY  # hardware FP8 conversions (Ada, Hopper, Blackwell)
+SUPPORTED_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the cast kernels read
+MX_BLOCK_SIZES = (16, 32, 64, 128)  # MX quantization
+SCALE_ROUNDINGS = ("rceil", "floor")  # MX scale rules (the reference: fp8_lightning.mx)
+MX_GEMM_BLOCK_SIZES = (32, 64, 128)  # the block-scaled GEMM
+GEMM_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def disabled_by_env() -> bool:

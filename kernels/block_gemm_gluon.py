@@ -40,7 +40,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from fp8_lightning.kernels.descriptors import descriptor_ready
 
 # (BLOCK_M, BLOCK_N, num_warps), largest first: each warp owns 16 rows (a warpgroup issues a 64-row wgmma).
-TILES = ((128, 128, 8), (64, 128, 4), (128, 64, 8), (64, 64, 4))
+GLUON_TILES = ((128, 128, 8), (64, 128, 4), (128, 64, 8), (64, 64, 4))
 # The largest block size (K step) each tile takes: 128-wide tiles at block 128 spill 16 bytes under Triton 3.6
 # (the GPU image's; not under 3.9), benchmarks/results/aot-compile-gluon-mx-gemm-*.md.
 MAX_BLOCK_K = {(128, 128, 8): 64, (64, 128, 4): 64, (128, 64, 8): 128, (64, 64, 4): 128}
@@ -51,7 +51,7 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared 
 
 def tiles_for_block(block_k: int) -> tuple[tuple[int, int, int], ...]:
     """The tiles compiled (and selectable) for block size ``block_k``."""
-    return tuple(tile for tile in TILES if block_k <= MAX_BLOCK_K[tile])
+    return tuple(tile for tile in GLUON_TILES if block_k <= MAX_BLOCK_K[tile])
 
 
 def tile_for(m: int, n: int, block_k: int) -> tuple[int, int, int]:

@@ -37,10 +37,11 @@ from pathlib import Path
 
 import torch
 
+from fp8_lightning.kernels.availability import SCALE_ROUNDINGS
 from fp8_lightning.kernels.fine_grained_layout import TILES as FINE_TILES  # rowwise per row / column, blockwise
 from fp8_lightning.settings import settings
 
-DISABLE_ENV = "FP8_LIGHTNING_DISABLE_CPU_CODEC"
+CODEC_DISABLE_ENV = "FP8_LIGHTNING_DISABLE_CPU_CODEC"
 CACHE_ENV = "FP8_LIGHTNING_CACHE"
 SOURCE = Path(__file__).with_name("cpu_codec.c")
 INPUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -63,7 +64,7 @@ _SIGNATURES = {
 # --------------------------------------------------------------------------------------------------------
 
 
-def disabled_by_env() -> bool:
+def codec_disabled_by_env() -> bool:
     """Whether ``FP8_LIGHTNING_DISABLE_CPU_CODEC`` asked for the pure-torch path (:mod:`fp8_lightning.settings`)."""
     return settings().disable_cpu_codec
 
@@ -76,7 +77,7 @@ def status() -> tuple[bool, str]:
 
 def enabled() -> bool:
     """Whether the core should use the codec: it loads and ``FP8_LIGHTNING_DISABLE_CPU_CODEC`` is not set."""
-    return not disabled_by_env() and _load()[0] is not None
+    return not codec_disabled_by_env() and _load()[0] is not None
 
 
 def _cpu_fingerprint() -> str:
@@ -269,7 +270,6 @@ def _require(x: torch.Tensor, dtypes, what: str) -> torch.Tensor:
     return x.detach().contiguous()
 
 
-SCALE_ROUNDINGS = ("rceil", "floor")  # as fp8_lightning.recipes.SCALE_ROUNDINGS and the reference (mx.py)
 
 
 def _format(dtype, what: str) -> int:

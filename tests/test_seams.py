@@ -44,12 +44,13 @@ def test_constants_that_must_agree_do():
     """Values defined in more than one place (the kernels package imports nothing from the core) stay equal."""
     import inspect
 
-    from fp8_lightning import kernels, quantize
+    from fp8_lightning import quantize
+    from fp8_lightning.kernels import availability
     from fp8_lightning.gemm import LAYOUT_MULTIPLE
     from fp8_lightning.linear import shape_unsupported_reason
     from fp8_lightning.recipes import MX_BLOCK_SIZES, DelayedScaling, TensorwiseScaling
 
-    assert tuple(kernels.MX_BLOCK_SIZES) == MX_BLOCK_SIZES
+    assert tuple(availability.MX_BLOCK_SIZES) == MX_BLOCK_SIZES
     for fn in (quantize.tensorwise_scale, quantize.tensorwise_scale_value, quantize.quantize_tensorwise):
         assert inspect.signature(fn).parameters["eps"].default == TensorwiseScaling().eps, fn.__name__
     # the shapes a layer refuses are exactly those the GEMM layout cannot take

@@ -22,16 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fp8_lightning.backends import amax
+from fp8_lightning.ops.dispatch import fast_amax
 from fp8_lightning.distributed.weight import FP8ShardedWeight
 from fp8_lightning.linear import FP8Linear
-
-
-def local_shard(weight: torch.Tensor) -> torch.Tensor:
-    """The rank-local tensor of a parameter (the DTensor's local shard, or the tensor itself)."""
-    from torch.distributed.tensor import DTensor
-
-    return weight._local_tensor if isinstance(weight, DTensor) else weight
+from fp8_lightning.privates import local_shard
 
 
 class WeightAmaxSync:
@@ -78,7 +72,7 @@ class WeightAmaxSync:
             self.bind()
         key = tuple((p._version, s._version) for p, s in zip(self._params, self._shards))
         if key != self._key:
-            local = torch.stack([amax(s._hp) for s in self._shards])
+            local = torch.stack([fast_amax(s._hp) for s in self._shards])
             local = torch.nan_to_num(local, nan=float("inf"))
             if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
                 dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)

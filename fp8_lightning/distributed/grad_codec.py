@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8_lightning.backends import fp8_to_float32, to_fp8_saturated
+from fp8_lightning.ops.dispatch import fast_fp8_to_float32, fast_to_fp8_saturated
 from fp8_lightning.formats import fp8_max
 from fp8_lightning.quantize import max_over_amax
 
@@ -76,12 +76,12 @@ def block_scales(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def encode(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Saturated FP8 codes of ``blocks * scale`` as ``uint8`` (what gloo and NCCL can move)."""
-    return to_fp8_saturated(blocks * scales.unsqueeze(-1), dtype).view(torch.uint8)
+    return fast_to_fp8_saturated(blocks * scales.unsqueeze(-1), dtype).view(torch.uint8)
 
 
 def decode(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The float32 values of ``uint8`` FP8 codes (still in scaled units)."""
-    return fp8_to_float32(codes.view(dtype))
+    return fast_fp8_to_float32(codes.view(dtype))
 
 
 def sum_codes(received: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -102,7 +102,7 @@ def fitting_factor(scaled_sum: torch.Tensor, world: int, factor: torch.Tensor, d
 
 def encode_mean(scaled_sum: torch.Tensor, world: int, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """FP8 codes of the mean with ``factor / world`` applied before the cast (its ``1 / factor`` comes after)."""
-    return to_fp8_saturated(scaled_sum * (factor / world), dtype).view(torch.uint8)
+    return fast_to_fp8_saturated(scaled_sum * (factor / world), dtype).view(torch.uint8)
 
 
 def decode_mean(codes: torch.Tensor, scales: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from fp8_lightning.distributed import grad_codec as codec
 from fp8_lightning.formats import fp8_dtype
 
-DEFAULT_BLOCK_SIZE = 4096
+DEFAULT_GRAD_BLOCK_SIZE = 4096
 
 
 def parse_block_size(block_size: int | None) -> int | None:
@@ -43,7 +43,7 @@ def parse_block_size(block_size: int | None) -> int | None:
     if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
         raise ValueError(
             f"block_size={block_size!r} is not a positive integer; give the number of elements that share one scale "
-            f"(default {DEFAULT_BLOCK_SIZE}) or None for one scale per chunk."
+            f"(default {DEFAULT_GRAD_BLOCK_SIZE}) or None for one scale per chunk."
         )
     return block_size
 
@@ -72,7 +72,7 @@ class FP8CommState:
     """
 
     fp8_format: str = "e4m3"
-    block_size: int | None = DEFAULT_BLOCK_SIZE
+    block_size: int | None = DEFAULT_GRAD_BLOCK_SIZE
     growth_interval: int = 50
     max_factor: float = 2.0**12
     process_group: dist.ProcessGroup | None = None

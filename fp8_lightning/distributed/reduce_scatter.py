@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from fp8_lightning.distributed import grad_codec as codec
-from fp8_lightning.distributed.grad_comm import DEFAULT_BLOCK_SIZE, agreed_blocks, gradient_dtype, parse_block_size
+from fp8_lightning.distributed.grad_comm import DEFAULT_GRAD_BLOCK_SIZE, agreed_blocks, gradient_dtype, parse_block_size
 
 
 def fp8_reduce_scatter_unsupported_reason() -> str | None:
@@ -72,7 +72,7 @@ class FP8ReduceScatter(_reduce_scatter_base()):
         block_size: elements sharing one agreed scale (None: one scale per rank's chunk).
     """
 
-    def __init__(self, fp8_format: str = "e4m3", block_size: int | None = DEFAULT_BLOCK_SIZE) -> None:
+    def __init__(self, fp8_format: str = "e4m3", block_size: int | None = DEFAULT_GRAD_BLOCK_SIZE) -> None:
         reason = fp8_reduce_scatter_unsupported_reason()
         if reason is not None:
             raise RuntimeError(f"FP8ReduceScatter cannot be used: {reason}. Upgrade torch, or leave it off.")
@@ -103,7 +103,7 @@ class FP8ReduceScatter(_reduce_scatter_base()):
 
 
 def enable_fp8_reduce_scatter(
-    module: torch.nn.Module, fp8_format: str = "e4m3", block_size: int | None = DEFAULT_BLOCK_SIZE
+    module: torch.nn.Module, fp8_format: str = "e4m3", block_size: int | None = DEFAULT_GRAD_BLOCK_SIZE
 ) -> int:
     """Give every FSDP2 module under ``module`` (itself included) an :class:`FP8ReduceScatter`; returns how many.
 

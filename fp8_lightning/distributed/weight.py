@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fp8_lightning.backends import dequantize_operand
+from fp8_lightning.ops.dispatch import dequantize_operand
 from fp8_lightning.quantize import Quantized
 from fp8_lightning.recipes import Recipe
 

@@ -19,7 +19,7 @@ from typing import Any
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
-from fp8_lightning.distributed.grad_comm import DEFAULT_BLOCK_SIZE, FP8CommState, fp8_compress_hook
+from fp8_lightning.distributed.grad_comm import DEFAULT_GRAD_BLOCK_SIZE, FP8CommState, fp8_compress_hook
 from fp8_lightning.lightning.plugin_base import strict_bool
 
 
@@ -39,7 +39,7 @@ class FP8DDPStrategy(DDPStrategy):
         self,
         fp8_gradients: bool = False,
         fp8_format: str = "e4m3",
-        block_size: int | None = DEFAULT_BLOCK_SIZE,
+        block_size: int | None = DEFAULT_GRAD_BLOCK_SIZE,
         **kwargs: Any,
     ) -> None:
         self.fp8_gradients = strict_bool(fp8_gradients, type(self).__name__, "fp8_gradients")

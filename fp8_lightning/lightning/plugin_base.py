@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable, ContextManager
+from typing import Any, ContextManager
 
 import torch
 import torch.nn as nn
@@ -44,6 +44,7 @@ from fp8_lightning.convert import (
     fp8_state_checksum,
     fp8_state_dict,
     load_fp8_state_dict,
+    ModuleFilter,
     sync_scales,
 )
 from fp8_lightning.guard import DivergenceGuard, GuardEvent, GuardState
@@ -51,7 +52,6 @@ from fp8_lightning.lightning.strings import precision_for_recipe
 from fp8_lightning.recipes import Recipe, RecipeLike, recipe_from
 from fp8_lightning.stats import attach_collector
 
-ModuleFilter = Callable[[nn.Module, str], bool]
 # sha256 of the rest of the plugin's checkpoint entry (fp8_lightning.convert.fp8_state_checksum)
 CHECKSUM_KEY = "checksum"
 PLUGIN_CONVERTED = "fp8_converted_by_plugin"  # marks layers a plugin converted (the user's own keep their recipe)

@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from fp8_lightning.backends import fp8_to_float32, to_fp8_saturated
+from fp8_lightning.ops.dispatch import fast_fp8_to_float32, fast_to_fp8_saturated
 from fp8_lightning.quantize import max_over_amax
 
 _DTYPES = {
@@ -147,10 +147,10 @@ def block_scales(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Clamp to ``dtype``'s finite range, then cast (round to nearest even). NaN stays NaN. FP8 dtypes take the
-    core's cast (:func:`~fp8_lightning.backends.to_fp8_saturated`, which skips the clamp where the cast
+    core's cast (:func:`~fp8_lightning.ops.dispatch.fast_to_fp8_saturated`, which skips the clamp where the cast
     saturates by itself)."""
     if dtype.itemsize == 1:
-        return to_fp8_saturated(x, dtype)
+        return fast_to_fp8_saturated(x, dtype)
     limit = dtype_max(dtype)
     return x.clamp(-limit, limit).to(dtype)
 
@@ -181,10 +181,10 @@ def decode(data: torch.Tensor, scale: torch.Tensor | None, fmt: StateFormat, sha
     if fmt.scaled:
         if scale is None:
             raise ValueError(f"A state stored as {fmt} needs its block scales; got none.")
-        values = fp8_to_float32(data)  # float8 codes decoded in one vectorized pass on CPU
+        values = fast_fp8_to_float32(data)  # float8 codes decoded in one vectorized pass on CPU
         x = (values.view(-1, fmt.block_size) / scale.unsqueeze(-1)).reshape(-1)[:numel].reshape(shape)
     else:
-        x = fp8_to_float32(data).reshape(shape)
+        x = fast_fp8_to_float32(data).reshape(shape)
     if fmt.transform == "sqrt":
         x = x * x
     return x

@@ -17,12 +17,11 @@ A new recipe subclasses :class:`Recipe` (or :class:`PerTensorRecipe`) with a ``n
 everywhere a built-in one is.
 """
 
+from fp8_lightning.kernels.availability import MX_BLOCK_SIZES, SCALE_ROUNDINGS
 from fp8_lightning.recipes.base import (
     ALIASES,
     AMAX_COMPUTE_ALGOS,
-    MX_BLOCK_SIZES,
     RECIPES,
-    SCALE_ROUNDINGS,
     Recipe,
     RecipeLike,
     recipe_from,

@@ -29,8 +29,6 @@ from fp8_lightning.quantize import LAYOUT_MULTIPLE, OperandKind, Quantized
 from fp8_lightning.traced import TracedPlan, plan_for
 
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
-SCALE_ROUNDINGS = ("rceil", "floor")
-MX_BLOCK_SIZES = (16, 32, 64, 128)
 
 
 RECIPES: dict[str, type["Recipe"]] = {}  # name -> class; every subclass with a name adds itself

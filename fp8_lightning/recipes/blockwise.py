@@ -12,7 +12,7 @@ import dataclasses
 from typing import ClassVar
 
 
-from fp8_lightning import backends
+from fp8_lightning.ops import dispatch
 from fp8_lightning.blockwise import (
     COLUMN_TILE,
     ROW_TILE,
@@ -30,7 +30,7 @@ from fp8_lightning.fine_grained import (
     unpack_block_scales,
 )
 from fp8_lightning.formats import Format, fp8_dtype
-from fp8_lightning.layer_ops import traced_tile_cast
+from fp8_lightning.ops.layer import traced_tile_cast
 from fp8_lightning.quantize import BLOCK, Quantized
 from fp8_lightning.recipes.base import Recipe, check_flags
 
@@ -59,7 +59,7 @@ class BlockwiseScaling(Recipe):
     # -- the layer ------------------------------------------------------------------------------------------
 
     def cast(self, role, x, dtype, columnwise, columnwise_f32, state, record):
-        return backends.fine_operands(self, role, x, dtype, columnwise)
+        return dispatch.fast_fine_operands(self, role, x, dtype, columnwise)
 
     def fine_copies(self, role, x, dtype, columnwise, cast):
         """1x128 tiles along K for fprop and along x's first dimension for ``x.T``; a weight's 128x128 blocks, whose
@@ -102,7 +102,7 @@ class BlockwiseScaling(Recipe):
 BLOCK.implement(
     gemm=block_mm,
     to_f32=lambda q: dequantize_blockwise(q.data, q.scale),
-    dequantize=lambda q, out_dtype: backends.operand_f32(q).to(out_dtype),
+    dequantize=lambda q, out_dtype: dispatch.operand_f32(q).to(out_dtype),
     scale_multiplier=lambda q, k: per_element(q.scale.float(), q.data.shape)[..., :k],
     representative_scale=lambda q: q.scale.float().amin().reshape(()),
 )

@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import torch
 
-from fp8_lightning import backends
+from fp8_lightning.ops import dispatch
 from fp8_lightning.formats import fp8_max
 from fp8_lightning.recipes.base import AMAX_COMPUTE_ALGOS, invalid
 from fp8_lightning.recipes.per_tensor import PerTensorRecipe
@@ -79,7 +79,7 @@ class DelayedScaling(PerTensorRecipe):
         return torch.where(flags[0] > 0, scale, fresh)
 
     def state_cast(self, state, x, record, transpose):
-        return backends.delayed_state_cast(state, x, record, transpose)
+        return dispatch.delayed_state_cast(state, x, record, transpose)
 
     def cast_bytes_per_element(self) -> float:
         """The amax comes out of the cast kernel itself: read (2) + write (1) + transposed copy (1 + 1)."""

@@ -12,13 +12,14 @@ from typing import ClassVar
 
 import torch
 
-from fp8_lightning import backends
+from fp8_lightning.ops import dispatch
 from fp8_lightning.formats import Format, fp8_dtype
 from fp8_lightning.gemm import mx_mm
-from fp8_lightning.layer_ops import mx_operand_cast
+from fp8_lightning.ops.layer import mx_operand_cast
 from fp8_lightning.mx import E8M0_DTYPE, e8m0_to_float
 from fp8_lightning.quantize import MX, Quantized
-from fp8_lightning.recipes.base import MX_BLOCK_SIZES, SCALE_ROUNDINGS, Recipe, multiple_reason, invalid
+from fp8_lightning.kernels.availability import MX_BLOCK_SIZES, SCALE_ROUNDINGS
+from fp8_lightning.recipes.base import Recipe, multiple_reason, invalid
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +52,7 @@ class MXFP8BlockScaling(Recipe):
         return multiple_reason(self, in_features, out_features, self.block_size)
 
     def cast(self, role, x, dtype, columnwise, columnwise_f32, state, record):
-        return backends.quantize_mx_operands(
+        return dispatch.fast_quantize_mx_operands(
             x, self.block_size, self.scale_rounding, dtype, columnwise, columnwise_f32
         )
 
@@ -68,7 +69,7 @@ class MXFP8BlockScaling(Recipe):
     def fsdp_pack(self, shard, module, global_amax):
         """Blocks run along K and FSDP2 shards rows, so each rank quantizes its rows; each row carries its K data
         bytes, then its K / block scale bytes (one all-gather input per weight)."""
-        q = backends.quantize_mx_operand(shard, self.block_size, self.scale_rounding, fp8_dtype(self.fp8_format))
+        q = dispatch.fast_quantize_mx_operand(shard, self.block_size, self.scale_rounding, fp8_dtype(self.fp8_format))
         return torch.cat([q.data.view(torch.uint8), q.scale.view(torch.uint8)], dim=1), None
 
     def fsdp_unpack(self, gathered, shard_rows, k, metadata):
@@ -78,8 +79,8 @@ class MXFP8BlockScaling(Recipe):
         """dgrad's columnwise copy is quantized along N from the exactly dequantized gathered weight: no rank
         holds the high-precision weight in full (a second rounding of W in dgrad only)."""
         row = Quantized(gathered.data.contiguous(), gathered.scale.contiguous(), MX)  # dense for the GEMM
-        values = backends.operand_f32(row)
-        return row, backends.quantize_mx_columns(values, self.block_size, self.scale_rounding, row.data.dtype)
+        values = dispatch.operand_f32(row)
+        return row, dispatch.fast_quantize_mx_columns(values, self.block_size, self.scale_rounding, row.data.dtype)
 
     def cast_bytes_per_element(self) -> float:
         """Rowwise and columnwise copies each read bf16 and write codes and block scales."""
@@ -93,8 +94,8 @@ def _mx_multiplier(q: Quantized, k: int) -> torch.Tensor:
 
 MX.implement(
     gemm=mx_mm,
-    to_f32=lambda q: backends.dequantize_mxfp8(q.data, q.scale),
-    dequantize=lambda q, out_dtype: backends.operand_f32(q).to(out_dtype),
+    to_f32=lambda q: dispatch.fast_dequantize_mxfp8(q.data, q.scale),
+    dequantize=lambda q, out_dtype: dispatch.operand_f32(q).to(out_dtype),
     scale_multiplier=_mx_multiplier,
     representative_scale=lambda q: e8m0_to_float(q.scale).amax().reciprocal(),
 )

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from fp8_lightning import backends
+from fp8_lightning.ops import dispatch
 from fp8_lightning.formats import fp8_dtype
 from fp8_lightning.gemm import per_tensor_mm, per_tensor_scaled_mm
 from fp8_lightning.quantize import TENSOR, Quantized, amax, dequantize_with_scale, to_fp8_saturated, wide
@@ -107,7 +107,7 @@ class PerTensorRecipe(Recipe):
         state.move_to(agreed.device)
         clean = finite_or_zero(agreed)  # evaluation keeps the state as training left it
         scale = state.scale_for(clean) if module.training else state.evaluation_scale(clean)
-        data = backends.quantize_with_scale(shard, scale, fp8_dtype(self.fp8_format))
+        data = dispatch.fast_quantize_with_scale(shard, scale, fp8_dtype(self.fp8_format))
         return data.view(torch.uint8), (scale, agreed)
 
     def fsdp_unpack(self, gathered, shard_rows, k, metadata):
@@ -120,7 +120,7 @@ class PerTensorRecipe(Recipe):
 
 def _tensor_f32(q: Quantized) -> torch.Tensor:
     """The codes' values, laid out as a cast without transposed copies lays them out (``Quantized.from_copy``)."""
-    values = backends.fp8_to_float32(q.data, q.nan_free)
+    values = dispatch.fast_fp8_to_float32(q.data, q.nan_free)
     return values.t().contiguous().t() if q.from_copy else values
 
 

@@ -12,11 +12,11 @@ from typing import ClassVar
 
 import torch
 
-from fp8_lightning import backends
+from fp8_lightning.ops import dispatch
 from fp8_lightning.fine_grained import SCALE_BYTES, pack_shard
 from fp8_lightning.fine_grained import fine_operands, high_precision_gemm, row_mm, traced_fine_cast
 from fp8_lightning.formats import Format, fp8_dtype
-from fp8_lightning.layer_ops import traced_tile_cast
+from fp8_lightning.ops.layer import traced_tile_cast
 from fp8_lightning.kernels.fine_grained_layout import ROWWISE_TILES
 from fp8_lightning.quantize import HIGH_PRECISION, ROW, Quantized, dequantize_with_scale
 from fp8_lightning.recipes.base import Recipe, check_flags, invalid
@@ -59,7 +59,7 @@ class RowwiseScaling(Recipe):
     # -- the layer ------------------------------------------------------------------------------------------
 
     def cast(self, role, x, dtype, columnwise, columnwise_f32, state, record):
-        return backends.fine_operands(self, role, x, dtype, columnwise)
+        return dispatch.fast_fine_operands(self, role, x, dtype, columnwise)
 
     def fine_copies(self, role, x, dtype, columnwise, cast):
         """A scale per row along K for fprop; for ``x.T`` a scale per column of ``x``, or with a high-precision
@@ -112,7 +112,7 @@ class RowwiseScaling(Recipe):
 
 ROW.implement(
     gemm=row_mm,
-    to_f32=lambda q: backends.fp8_to_float32(q.data, q.nan_free),
+    to_f32=lambda q: dispatch.fast_fp8_to_float32(q.data, q.nan_free),
     dequantize=lambda q, out_dtype: dequantize_with_scale(q.data, q.scale, out_dtype),
     scale_multiplier=lambda q, k: q.scale.float(),
     representative_scale=lambda q: q.scale.float().amin().reshape(()),
@@ -120,7 +120,7 @@ ROW.implement(
 HIGH_PRECISION.implement(
     gemm=high_precision_gemm,
     to_f32=lambda q: q.data.float(),
-    dequantize=lambda q, out_dtype: backends.operand_f32(q).to(out_dtype),
+    dequantize=lambda q, out_dtype: dispatch.operand_f32(q).to(out_dtype),
     scale_multiplier=lambda q, k: q.scale.float(),
     representative_scale=lambda q: q.scale.float().amin().reshape(()),
 )

@@ -10,7 +10,7 @@ from typing import ClassVar
 
 import torch
 
-from fp8_lightning import backends
+from fp8_lightning.ops import dispatch
 from fp8_lightning.quantize import tensorwise_scale, tensorwise_scale_value
 from fp8_lightning.recipes.base import invalid
 from fp8_lightning.recipes.per_tensor import PerTensorRecipe
@@ -48,7 +48,7 @@ class TensorwiseScaling(PerTensorRecipe):
         return torch.where(clean > 0, tensorwise_scale(clean, dtype, self.eps, self.power_of_2_scales), scale)
 
     def state_cast(self, state, x, record, transpose):
-        return backends.tensorwise_state_cast(state, x, transpose, self.eps, self.power_of_2_scales)
+        return dispatch.tensorwise_state_cast(state, x, transpose, self.eps, self.power_of_2_scales)
 
     def cast_bytes_per_element(self) -> float:
         """Amax read (2) + cast read (2) + write (1) + transposed copy (1 + 1)."""

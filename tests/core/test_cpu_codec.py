@@ -14,7 +14,8 @@ import shutil
 import pytest
 import torch
 
-from fp8_lightning import backends, mx
+from fp8_lightning import mx
+from fp8_lightning.ops import dispatch
 from fp8_lightning.kernels import cpu_codec
 from fp8_lightning.recipes import BlockwiseScaling, RowwiseScaling
 from tests.environment import set_env
@@ -28,12 +29,12 @@ FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 @pytest.fixture
 def reference(monkeypatch):
-    """Runs a function of ``fp8_lightning.backends`` on its pure-torch path."""
+    """Runs a function of ``fp8_lightning.ops.dispatch`` on its pure-torch path."""
 
     def run(fn, *args, **kwargs):
         with monkeypatch.context() as patch:
-            set_env(patch, **{cpu_codec.DISABLE_ENV: "1"})
-            assert backends.cpu_codec() is None
+            set_env(patch, **{cpu_codec.CODEC_DISABLE_ENV: "1"})
+            assert dispatch.cpu_codec() is None
             return fn(*args, **kwargs)
 
     return run
@@ -74,19 +75,19 @@ def random_float32(n: int) -> torch.Tensor:
 def test_per_tensor_cast_matches_the_reference(dtype, scale, reference):
     x = torch.cat([fp8_ties_and_neighbours(dtype) / scale, random_float32(1 << 16), torch.randn(4096) * 30])
     scale_t = torch.tensor(scale)
-    expected = reference(backends.quantize_with_scale, x, scale_t, dtype)
+    expected = reference(dispatch.fast_quantize_with_scale, x, scale_t, dtype)
     data, values, amax = cpu_codec.cast(x, scale, dtype, with_amax=True)
     assert same_bits(data, expected)
     assert same_bits(values, expected.float())  # the codes' exact values
     assert amax != amax  # the input holds NaN
-    assert same_bits(backends.quantize_with_scale(x, scale_t, dtype), expected)  # what the core calls
+    assert same_bits(dispatch.fast_quantize_with_scale(x, scale_t, dtype), expected)  # what the core calls
 
 
 @pytest.mark.parametrize("dtype", FORMATS)
 def test_bfloat16_input_and_amax(dtype, reference):
     x = (torch.randn(3000) * torch.logspace(-30, 30, 3000)).bfloat16()
     data, values, amax = cpu_codec.cast(x, 0.5, dtype, with_amax=True)
-    assert same_bits(data, reference(backends.quantize_with_scale, x, torch.tensor(0.5), dtype))
+    assert same_bits(data, reference(dispatch.fast_quantize_with_scale, x, torch.tensor(0.5), dtype))
     assert amax == x.float().abs().max().item()
     assert cpu_codec.cast(torch.zeros(5), 1.0, dtype, with_amax=True)[2] == 0.0
 
@@ -114,28 +115,28 @@ def mx_boundary_input(rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
 def test_mx_rowwise_and_columnwise_match_the_reference(dtype, rounding, block, rows, reference):
     x = mx_boundary_input(rows, 64, dtype)
     for source in (x, x.bfloat16()):
-        want_row, want_col = reference(backends.quantize_mx_operands, source, block, rounding, dtype)
-        row, col = backends.quantize_mx_operands(source, block, rounding, dtype)
+        want_row, want_col = reference(dispatch.fast_quantize_mx_operands, source, block, rounding, dtype)
+        row, col = dispatch.fast_quantize_mx_operands(source, block, rounding, dtype)
         for got, want in ((row, want_row), (col, want_col)):
             assert got.data.shape == want.data.shape and got.scale.shape == want.scale.shape
             assert same_bits(got.data, want.data) and same_bits(got.scale, want.scale)
-            assert same_bits(got.f32, reference(backends.dequantize_mxfp8, want.data, want.scale))
-        saved = backends.quantize_mx_operands(source, block, rounding, dtype, columnwise_f32=False)[1]
+            assert same_bits(got.f32, reference(dispatch.fast_dequantize_mxfp8, want.data, want.scale))
+        saved = dispatch.fast_quantize_mx_operands(source, block, rounding, dtype, columnwise_f32=False)[1]
         assert saved.f32 is None and same_bits(saved.data, want_col.data)
-        assert same_bits(backends.operand_f32(saved), want_col.f32 if want_col.f32 is not None else backends.operand_f32(want_col))
-        columns = backends.quantize_mx_columns(source, block, rounding, dtype)
+        assert same_bits(dispatch.operand_f32(saved), want_col.f32 if want_col.f32 is not None else dispatch.operand_f32(want_col))
+        columns = dispatch.fast_quantize_mx_columns(source, block, rounding, dtype)
         assert same_bits(columns.data, want_col.data) and same_bits(columns.scale, want_col.scale)
 
 
 @pytest.mark.parametrize("dtype", FORMATS)
 def test_mx_public_functions_match_the_reference(dtype, reference):
     x = mx_boundary_input(48, 128, dtype).reshape(6, 8, 128)
-    data, scale = backends.quantize_mxfp8(x, fp8_format=dtype)
-    want_data, want_scale = reference(backends.quantize_mxfp8, x, fp8_format=dtype)
+    data, scale = dispatch.fast_quantize_mxfp8(x, fp8_format=dtype)
+    want_data, want_scale = reference(dispatch.fast_quantize_mxfp8, x, fp8_format=dtype)
     assert same_bits(data, want_data) and same_bits(scale, want_scale)
-    assert same_bits(backends.dequantize_mxfp8(data, scale), reference(backends.dequantize_mxfp8, data, scale))
+    assert same_bits(dispatch.fast_dequantize_mxfp8(data, scale), reference(dispatch.fast_dequantize_mxfp8, data, scale))
     assert same_bits(
-        backends.dequantize_mxfp8(data, scale, torch.bfloat16), reference(backends.dequantize_mxfp8, data, scale, torch.bfloat16)
+        dispatch.fast_dequantize_mxfp8(data, scale, torch.bfloat16), reference(dispatch.fast_dequantize_mxfp8, data, scale, torch.bfloat16)
     )
 
 
@@ -147,10 +148,10 @@ def test_every_code_and_every_scale_byte_decodes_like_the_reference(dtype, refer
     assert same_bits(cpu_codec.decode(codes), codes.float())
     data = codes.repeat(256, 1)  # row r holds every code; its one block has scale byte r
     scale = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(mx.E8M0_DTYPE).reshape(256, 1)
-    want = reference(backends.dequantize_mxfp8, data, scale)
-    assert same_bits(backends.dequantize_mxfp8(data, scale), want)
+    want = reference(dispatch.fast_dequantize_mxfp8, data, scale)
+    assert same_bits(dispatch.fast_dequantize_mxfp8(data, scale), want)
     columns = data.t().contiguous().t()  # the columnwise layout: blocks run down the base's rows
-    assert same_bits(backends.dequantize_mxfp8(columns, scale.t().contiguous().t()), want)
+    assert same_bits(dispatch.fast_dequantize_mxfp8(columns, scale.t().contiguous().t()), want)
 
 
 def test_threads_split_the_work_without_changing_a_bit(reference, monkeypatch):
@@ -163,14 +164,14 @@ def test_threads_split_the_work_without_changing_a_bit(reference, monkeypatch):
         torch.set_num_threads(2)
         assert len(cpu_codec._ranges(x.numel(), x.numel())) == 2
         data, values, amax = cpu_codec.cast(x, 2.0, torch.float8_e4m3fn, with_amax=True)
-        row, col = backends.quantize_mx_operands(x, 32, "rceil", torch.float8_e5m2)
+        row, col = dispatch.fast_quantize_mx_operands(x, 32, "rceil", torch.float8_e5m2)
     finally:
         torch.set_num_threads(threads)
     assert amax != amax
-    assert same_bits(data, reference(backends.quantize_with_scale, x, torch.tensor(2.0), torch.float8_e4m3fn))
-    want_row, want_col = reference(backends.quantize_mx_operands, x, 32, "rceil", torch.float8_e5m2)
+    assert same_bits(data, reference(dispatch.fast_quantize_with_scale, x, torch.tensor(2.0), torch.float8_e4m3fn))
+    want_row, want_col = reference(dispatch.fast_quantize_mx_operands, x, 32, "rceil", torch.float8_e5m2)
     assert same_bits(row.data, want_row.data) and same_bits(col.data, want_col.data)
-    assert same_bits(col.scale, want_col.scale) and same_bits(row.f32, backends.operand_f32(want_row))
+    assert same_bits(col.scale, want_col.scale) and same_bits(row.f32, dispatch.operand_f32(want_row))
 
 
 @pytest.mark.parametrize(
@@ -185,7 +186,7 @@ def test_a_layer_trains_bit_for_bit_as_on_the_reference_path(recipe, monkeypatch
     from fp8_lightning import convert_to_fp8, fp8_autocast, sync_scales
 
     def train(codec_off: bool):
-        set_env(monkeypatch, **{cpu_codec.DISABLE_ENV: "1" if codec_off else "0"})
+        set_env(monkeypatch, **{cpu_codec.CODEC_DISABLE_ENV: "1" if codec_off else "0"})
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(160, 192), torch.nn.GELU(), torch.nn.Linear(192, 32))
         report = convert_to_fp8(model, recipe, profitability=False)
@@ -230,10 +231,10 @@ def test_no_compiler_means_the_reference_path_with_the_reason(monkeypatch, tmp_p
     try:
         ok, reason = cpu_codec.status()
         assert not ok and "no C compiler" in reason and "no-such-compiler" in reason
-        assert backends.cpu_codec() is None
+        assert dispatch.cpu_codec() is None
         x = torch.randn(64, 64)
-        data, scale = backends.quantize_mxfp8(x)
-        want_data, want_scale = reference(backends.quantize_mxfp8, x)
+        data, scale = dispatch.fast_quantize_mxfp8(x)
+        want_data, want_scale = reference(dispatch.fast_quantize_mxfp8, x)
         assert same_bits(data, want_data) and same_bits(scale, want_scale)
         with pytest.raises(RuntimeError, match="CPU FP8 codec is not available: no C compiler"):
             cpu_codec.cast(x, 1.0, torch.float8_e4m3fn)
@@ -250,7 +251,7 @@ def test_an_unwritable_cache_falls_back_with_the_reason(monkeypatch, tmp_path):
     try:
         ok, reason = cpu_codec.status()
         assert not ok and "building the CPU codec in" in reason and cpu_codec.CACHE_ENV in reason
-        assert backends.cpu_codec() is None and not cpu_codec.enabled()
+        assert dispatch.cpu_codec() is None and not cpu_codec.enabled()
     finally:
         cpu_codec._load.cache_clear()
 

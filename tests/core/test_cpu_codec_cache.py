@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8_lightning import backends
+from fp8_lightning.ops import dispatch
 from fp8_lightning.kernels import cpu_codec
 
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler (cc) to build the codec")
@@ -43,7 +43,7 @@ print(json.dumps({"ok": ok, "reason": reason, "same": same, "foreign": hasattr(l
 
 def _probe(cache: Path) -> dict:
     env = {**os.environ, cpu_codec.CACHE_ENV: str(cache), "PYTHONPATH": str(ROOT)}
-    env.pop(cpu_codec.DISABLE_ENV, None)
+    env.pop(cpu_codec.CODEC_DISABLE_ENV, None)
     done = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"rc={done.returncode} (SIGBUS is -7)\n{done.stderr[-2000:]}"
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -136,8 +136,8 @@ def test_a_failed_rebuild_falls_back_with_the_reason(monkeypatch, tmp_path):
         cpu_codec._load.cache_clear()
         ok, reason = cpu_codec.status()
         assert not ok and "did not match its record" in reason and "compiler broken" in reason, reason
-        assert backends.cpu_codec() is None
-        data, scale = backends.quantize_mxfp8(torch.randn(4, 64))
+        assert dispatch.cpu_codec() is None
+        data, scale = dispatch.fast_quantize_mxfp8(torch.randn(4, 64))
         assert data.shape == (4, 64) and scale.shape == (4, 2)
     finally:
         cpu_codec._load.cache_clear()
@@ -152,7 +152,7 @@ def test_a_scale_rounding_other_than_rceil_or_floor_is_refused(rounding):
     with pytest.raises(ValueError, match="scale_rounding=.* is invalid; allowed: rceil or floor"):
         cpu_codec.mx_quantize(x, 32, rounding, torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="scale_rounding=.* is invalid; allowed: rceil or floor"):
-        backends.quantize_mxfp8(x, scale_rounding=rounding)
+        dispatch.fast_quantize_mxfp8(x, scale_rounding=rounding)
 
 
 @pytest.mark.skipif(not cpu_codec.status()[0], reason=f"the CPU codec is not built here: {cpu_codec.status()[1]}")

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8_lightning import backends, fine_grained
+from fp8_lightning import fine_grained
+from fp8_lightning.ops import dispatch
 from fp8_lightning.blockwise import dequantize_blockwise, quantize_blockwise
 from fp8_lightning.kernels import cpu_codec
 from fp8_lightning.recipes import BlockwiseScaling, RowwiseScaling
@@ -100,23 +101,23 @@ def test_scale_edges_on_single_rows():
 @pytest.mark.parametrize("role", ["input", "weight", "grad_output"])
 def test_backend_operands_match_the_reference_operands(recipe, role):
     x = hard_input(150, 140, seed=3)
-    got = backends.fine_operands(recipe, role, x, torch.float8_e4m3fn, columnwise=True)
+    got = dispatch.fast_fine_operands(recipe, role, x, torch.float8_e4m3fn, columnwise=True)
     want = fine_grained.fine_operands(recipe, role, x, torch.float8_e4m3fn, columnwise=True)
     assert got[0].f32 is not None  # the codec made the row copy and its GEMM values
     for q, r in zip(got, want):
         assert q.kind == r.kind and q.data.shape == r.data.shape
         assert same_bits(q.data, r.data) and same_bits(q.scale.float(), r.scale.float())
         if q.kind == "row":
-            assert same_bits(backends.operand_f32(q), r.data.float())
+            assert same_bits(dispatch.operand_f32(q), r.data.float())
             assert same_bits(q.inverse_scale(), r.scale.reciprocal())
         elif q.kind == "block":
             assert same_bits(q.f32, dequantize_blockwise(r.data, r.scale))
-        assert same_bits(backends.dequantize_operand(q), backends.dequantize_operand(r))
+        assert same_bits(dispatch.dequantize_operand(q), dispatch.dequantize_operand(r))
 
 
 def test_disabling_the_codec_keeps_the_reference(monkeypatch):
-    set_env(monkeypatch, **{cpu_codec.DISABLE_ENV: "1"})
-    row, col = backends.fine_operands(BlockwiseScaling(), "input", torch.randn(8, 256), torch.float8_e4m3fn, True)
+    set_env(monkeypatch, **{cpu_codec.CODEC_DISABLE_ENV: "1"})
+    row, col = dispatch.fast_fine_operands(BlockwiseScaling(), "input", torch.randn(8, 256), torch.float8_e4m3fn, True)
     assert row.f32 is None and col.f32 is None
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fp8_lightning.formats import Format, fp8_emax, fp8_max, fp8_min_normal, fp8_min_subnormal
-from fp8_lightning.backends import dequantize_with_scale, fp8_to_float32, quantize_with_scale, to_fp8_saturated
+from fp8_lightning.ops.dispatch import fast_dequantize_with_scale, fast_fp8_to_float32, fast_quantize_with_scale, fast_to_fp8_saturated
 from tests.core.fp8_reference import decode, finite_table, round_saturate
 from tests.environment import set_env
 
@@ -34,7 +34,7 @@ def test_fast_cpu_decode_matches_the_reference_bit_for_bit(dtype, codec, monkeyp
     # E4M3: finite codes in a large tensor take the integer (float16) path; NaN codes, or a small tensor, the table
     for chosen, copies in ((finite, 40), (list(range(256)), 40), (finite, 1)):
         data = codes[chosen].view(dtype)
-        got = fp8_to_float32(data.reshape(-1, 1).repeat(1, 2 * copies).t())  # a transposed view stays one
+        got = fast_fp8_to_float32(data.reshape(-1, 1).repeat(1, 2 * copies).t())  # a transposed view stays one
         assert got.shape == (2 * copies, len(chosen)) and not got.is_contiguous()
         for code, value in zip(chosen, got[-1].tolist()):
             want = decode(code, dtype)
@@ -61,9 +61,9 @@ def test_every_pattern_survives_a_quantize_dequantize_round_trip(dtype):
     values = codes.view(dtype).to(torch.float32)
     finite = torch.isfinite(values)
     scale = torch.tensor(4.0)  # power of two: x / scale * scale is exact
-    data = quantize_with_scale(values[finite] / scale, scale, dtype)
+    data = fast_quantize_with_scale(values[finite] / scale, scale, dtype)
     assert torch.equal(data.view(torch.uint8)[values[finite] != 0], codes[finite][values[finite] != 0])
-    back = dequantize_with_scale(data, scale)
+    back = fast_dequantize_with_scale(data, scale)
     assert torch.equal(back, values[finite] / scale)
 
 
@@ -85,7 +85,7 @@ def test_cast_rounds_to_nearest_even_and_saturates(dtype):
     probes = _probe_values(dtype)
     x = torch.tensor(probes, dtype=torch.float32)
     assert x.double().tolist() == probes  # every probe is exact in float32
-    got = to_fp8_saturated(x, dtype).to(torch.float64).tolist()
+    got = fast_to_fp8_saturated(x, dtype).to(torch.float64).tolist()
     want = [round_saturate(p, dtype) for p in probes]
     assert got == want
 
@@ -93,9 +93,9 @@ def test_cast_rounds_to_nearest_even_and_saturates(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_saturation_holds_where_a_plain_cast_would_not(dtype):
     x = torch.tensor([1e6, -1e6, float("inf"), -float("inf")])
-    got = to_fp8_saturated(x, dtype).float()
+    got = fast_to_fp8_saturated(x, dtype).float()
     assert got.tolist() == [fp8_max(dtype), -fp8_max(dtype), fp8_max(dtype), -fp8_max(dtype)]
-    assert torch.isnan(to_fp8_saturated(torch.tensor([float("nan")]), dtype).float()).all()
+    assert torch.isnan(fast_to_fp8_saturated(torch.tensor([float("nan")]), dtype).float()).all()
 
 
 def test_format_policies():

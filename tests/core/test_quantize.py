@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from fp8_lightning import dequantize_mxfp8, dequantize_tensorwise, quantize_mxfp8, quantize_tensorwise
-from fp8_lightning.backends import (
+from fp8_lightning.ops.dispatch import (
     amax_and_value,
     dequantize_operand,
     operand_f32,
-    quantize_mx_columns,
-    quantize_mx_operands,
+    fast_quantize_mx_columns as quantize_mx_columns,
+    fast_quantize_mx_operands as quantize_mx_operands,
 )
 from fp8_lightning.mx import e8m0_to_float
 from fp8_lightning.quantize import pad_dim, tensorwise_scale, tensorwise_scale_value

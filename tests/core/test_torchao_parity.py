@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fp8_lightning import FP8Linear, MXFP8BlockScaling, TensorwiseScaling, fp8_autocast
-from fp8_lightning.backends import amax, quantize_mx_operands, quantize_mxfp8, quantize_tensorwise, quantize_with_scale
+from fp8_lightning.ops.dispatch import fast_amax, fast_quantize_mx_operands, fast_quantize_mxfp8, fast_quantize_tensorwise, fast_quantize_with_scale
 from fp8_lightning.quantize import tensorwise_scale
 
 pytest.importorskip("torchao.float8", reason="torchao.float8 (the peer) is not installed: pip install -e '.[peer]'")
@@ -60,11 +60,11 @@ def test_tensorwise_scale_and_codes_equal_torchaos(dtype, power_of_2):
     for x in _inputs():
         peer_scale = tensor_to_scale(x, dtype, round_scales_to_power_of_2=power_of_2)
         peer_data = to_fp8_saturated(x.float() * peer_scale, dtype)
-        scale = tensorwise_scale(amax(x), dtype, power_of_2=power_of_2)
+        scale = tensorwise_scale(fast_amax(x), dtype, power_of_2=power_of_2)
         assert scale.view(torch.int32) == peer_scale.view(torch.int32), (x.dtype, scale.item(), peer_scale.item())
-        assert torch.equal(_bits(quantize_with_scale(x, scale, dtype)), _bits(peer_data))
+        assert torch.equal(_bits(fast_quantize_with_scale(x, scale, dtype)), _bits(peer_data))
         if not power_of_2:
-            data, s = quantize_tensorwise(x, dtype)
+            data, s = fast_quantize_tensorwise(x, dtype)
             assert torch.equal(s, peer_scale) and torch.equal(_bits(data), _bits(peer_data))
 
 
@@ -73,10 +73,10 @@ def test_tensorwise_scale_and_codes_equal_torchaos(dtype, power_of_2):
 def test_mx_blocks_equal_torchaos_to_mx(dtype, rounding):
     for x in _inputs():
         peer_scale, peer_data = to_mx(x, dtype, 32, ScaleCalculationMode(rounding))
-        data, scale = quantize_mxfp8(x, block_size=32, scale_rounding=rounding, fp8_format=dtype)
+        data, scale = fast_quantize_mxfp8(x, block_size=32, scale_rounding=rounding, fp8_format=dtype)
         assert torch.equal(_bits(data), _bits(peer_data)) and torch.equal(_bits(scale), _bits(peer_scale))
         # the columnwise copy (blocks down the columns, the operand of x.T) is torchao's cast of x.T, zero-padded
-        row, col = quantize_mx_operands(x, 32, rounding, dtype)
+        row, col = fast_quantize_mx_operands(x, 32, rounding, dtype)
         x_t = torch.nn.functional.pad(x.t(), (0, -x.shape[0] % 32)).contiguous()
         col_scale, col_data = to_mx(x_t, dtype, 32, ScaleCalculationMode(rounding))
         assert torch.equal(_bits(row.data), _bits(peer_data))

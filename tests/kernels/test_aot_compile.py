@@ -42,7 +42,7 @@ def _jit_kernels() -> set[str]:
 
 
 def test_launch_space_has_every_kernel_and_every_wrapper_choice():
-    from fp8_lightning.kernels import MX_BLOCK_SIZES
+    from fp8_lightning.kernels.availability import MX_BLOCK_SIZES
     from fp8_lightning.kernels.block_gemm import mx_gemm_configs
     from fp8_lightning.kernels.fp8_adam import MAX_BLOCK, MIN_BLOCK
 
@@ -60,7 +60,7 @@ def test_launch_space_has_every_kernel_and_every_wrapper_choice():
 
 @needs_gluon
 def test_gluon_mx_gemm_is_compiled_for_hopper_alone_in_every_tile_and_block():
-    from fp8_lightning.kernels import GEMM_OUT_DTYPES, MX_GEMM_BLOCK_SIZES
+    from fp8_lightning.kernels.availability import GEMM_OUT_DTYPES, MX_GEMM_BLOCK_SIZES
     from fp8_lightning.kernels.block_gemm_gluon import tiles_for_block
 
     gluon = [v for v in aot.launch_space() if v.kernel == "_gluon_mx_gemm_kernel"]

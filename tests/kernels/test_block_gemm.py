@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8_lightning import gemm, kernels
+from fp8_lightning import gemm
+from fp8_lightning.ops import triton_ops
 from fp8_lightning.kernels.block_gemm import mx_gemm_configs
-from fp8_lightning.backends import dequantize_operand, quantize_mx_operand
+from fp8_lightning.ops.dispatch import dequantize_operand, fast_quantize_mx_operand
 from fp8_lightning.quantize import Quantized
 from tests.environment import set_env
 
@@ -26,7 +27,7 @@ def mx_operand(
     g = torch.Generator().manual_seed(seed)
     magnitude = torch.exp2(torch.randint(-spread, spread, (rows, k // block_size), generator=g).float())
     x = torch.randn(rows, k, generator=g) * magnitude.repeat_interleave(block_size, dim=1)
-    return quantize_mx_operand(x, block_size, "rceil", dtype)
+    return fast_quantize_mx_operand(x, block_size, "rceil", dtype)
 
 
 def check(out: torch.Tensor, a: Quantized, b: Quantized, out_dtype: torch.dtype) -> None:
@@ -44,7 +45,7 @@ def check(out: torch.Tensor, a: Quantized, b: Quantized, out_dtype: torch.dtype)
 @pytest.mark.parametrize("a_fp8, b_fp8", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)])
 def test_ragged_shapes_and_mixed_formats(a_fp8, b_fp8):
     a, b = mx_operand(33, 96, a_fp8, seed=1), mx_operand(47, 96, b_fp8, seed=2)
-    check(kernels.mx_gemm(a, b, torch.float32), a, b, torch.float32)
+    check(triton_ops.triton_mx_gemm(a, b, torch.float32), a, b, torch.float32)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
@@ -52,7 +53,7 @@ def test_half_precision_output_and_64_blocks(out_dtype):
     # Block magnitudes within 2**+-5, so that float16 does not overflow.
     a = mx_operand(40, 128, E4M3, block_size=64, seed=3, spread=5)
     b = mx_operand(24, 128, E4M3, block_size=64, seed=4, spread=5)
-    check(kernels.mx_gemm(a, b, out_dtype), a, b, out_dtype)
+    check(triton_ops.triton_mx_gemm(a, b, out_dtype), a, b, out_dtype)
 
 
 def test_tile_configs_are_valid_and_grouped_order_covers_every_tile():
@@ -75,16 +76,16 @@ def test_tile_configs_are_valid_and_grouped_order_covers_every_tile():
 def test_nan_scale_poisons_its_rows_only():
     a, b = mx_operand(8, 64, E4M3), mx_operand(8, 64, E4M3, seed=1)
     a.scale.view(torch.uint8)[3, 1] = 255
-    out = kernels.mx_gemm(a, b, torch.float32)
+    out = triton_ops.triton_mx_gemm(a, b, torch.float32)
     assert torch.isnan(out[3]).all() and not torch.isnan(out[torch.arange(8) != 3]).any()
 
 
 def test_unsupported_operands_are_refused_with_the_reason():
     a, b = mx_operand(8, 64, E4M3, block_size=16), mx_operand(8, 64, E4M3, block_size=16)
     with pytest.raises(ValueError, match="block size 16 is not supported"):
-        kernels.mx_gemm(a, b)
+        triton_ops.triton_mx_gemm(a, b)
     per_tensor = Quantized(a.data, torch.tensor(1.0), "tensor")
-    assert not kernels.mx_gemm_supported(per_tensor, per_tensor, torch.float32)[0]
+    assert not triton_ops.mx_gemm_supported(per_tensor, per_tensor, torch.float32)[0]
 
 
 def test_the_gemm_hands_mx_operands_to_the_kernel_where_it_runs_and_emulates_otherwise(monkeypatch):
@@ -94,7 +95,7 @@ def test_the_gemm_hands_mx_operands_to_the_kernel_where_it_runs_and_emulates_oth
     assert torch.equal(gemm.fp8_mm(a, b, torch.bfloat16), emulated)  # no kernel for CPU tensors: the emulation
     calls = []
     monkeypatch.setattr(gemm, "kernels_usable", lambda t: True)
-    monkeypatch.setattr(kernels, "mx_gemm", lambda *args: calls.append(args) or emulated)
+    monkeypatch.setattr(gemm, "triton_mx_gemm", lambda *args: calls.append(args) or emulated)
     gemm.fp8_mm(a, b, torch.bfloat16)
     assert len(calls) == 1
     c16, d16 = mx_operand(16, 64, E4M3, block_size=16), mx_operand(8, 64, E4M3, block_size=16)

@@ -110,7 +110,7 @@ def test_what_the_gluon_kernel_refuses_goes_to_the_shipped_kernel(monkeypatch):
 
 @needs_gluon
 def test_tiles_fit_the_output_and_the_block_size():
-    from fp8_lightning.kernels.block_gemm_gluon import TILES, tile_for, tiles_for_block
+    from fp8_lightning.kernels.block_gemm_gluon import GLUON_TILES as TILES, tile_for, tiles_for_block
 
     assert tile_for(4096, 4096, 32) == (128, 128, 8) == TILES[0] and tile_for(4096, 4096, 64) == TILES[0]
     assert tile_for(4096, 4096, 128) == (128, 64, 8), "128-wide tiles spill at block 128 (Triton 3.6)"

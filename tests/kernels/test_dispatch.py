@@ -1,7 +1,7 @@
 """How the core uses the kernels: CUDA only, same bits as its pure-torch code, off by environment variable,
 optional at import time, and clear errors on explicit requests that cannot run.
 
-The core's CUDA branch is exercised on CPU by pointing its dispatch hook (``backends.cuda_kernels``) at the kernels,
+The core's CUDA branch is exercised on CPU by pointing its dispatch hook (``dispatch.cuda_kernels``) at the kernels,
 which then run in Triton's interpreter: the results must equal the untouched pure-torch path bit for bit.
 """
 
@@ -19,8 +19,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import fp8_lightning.backends as backends
-from fp8_lightning import FP8Linear, fp8_autocast, kernels, sync_scales
+from fp8_lightning.ops import dispatch
+from fp8_lightning import FP8Linear, fp8_autocast, sync_scales
+from fp8_lightning.ops import triton_ops
 from fp8_lightning.kernels import availability
 from fp8_lightning.recipes import DelayedScaling, MXFP8BlockScaling, TensorwiseScaling
 from fp8_lightning.scaling import OperandScaling
@@ -37,7 +38,7 @@ def kernel_calls(monkeypatch):
     calls: dict[str, int] = {}
 
     def counted(name):
-        original = getattr(kernels, name)
+        original = getattr(triton_ops, f"triton_{name}")
 
         def wrapper(*args, **kwargs):
             calls[name] = calls.get(name, 0) + 1
@@ -46,41 +47,41 @@ def kernel_calls(monkeypatch):
         return wrapper
 
     for name in ("amax", "cast", "tensorwise_cast", "tensorwise_operand_cast", "delayed_operand_cast", "mx_quantize"):
-        monkeypatch.setattr(kernels, name, counted(name))
+        monkeypatch.setattr(triton_ops, f"triton_{name}", counted(name))
 
     def route(x):
-        return kernels if kernels.supports_input(x) else None
+        return triton_ops if triton_ops.supports_input(x) else None
 
     set_env(monkeypatch, FP8_LIGHTNING_DISABLE_CPU_CODEC="1")  # CUDA tensors never meet the CPU codec
 
-    monkeypatch.setattr(backends, "cuda_kernels", route)
+    monkeypatch.setattr(dispatch, "cuda_kernels", route)
     return calls
 
 
 def pure(fn, *args, **kwargs):
     """Run ``fn`` with the dispatch hook restored to its real (CPU: never the kernels) behaviour."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(backends, "cuda_kernels", lambda x: None)
+        mp.setattr(dispatch, "cuda_kernels", lambda x: None)
         return fn(*args, **kwargs)
 
 
 def test_quantize_functions_dispatch_and_keep_their_bits(kernel_calls):
     x = torch.randn(64, 96) * 7
-    assert backends.amax(x).item() == pure(backends.amax, x).item()
+    assert dispatch.fast_amax(x).item() == pure(dispatch.fast_amax, x).item()
     scale = torch.tensor(11.0)
-    assert_same_fp8(backends.quantize_with_scale(x, scale, E5M2), pure(backends.quantize_with_scale, x, scale, E5M2))
-    data, s = backends.quantize_tensorwise(x.bfloat16(), "E4M3")
-    ref_data, ref_s = pure(backends.quantize_tensorwise, x.bfloat16(), "E4M3")
+    assert_same_fp8(dispatch.fast_quantize_with_scale(x, scale, E5M2), pure(dispatch.fast_quantize_with_scale, x, scale, E5M2))
+    data, s = dispatch.fast_quantize_tensorwise(x.bfloat16(), "E4M3")
+    ref_data, ref_s = pure(dispatch.fast_quantize_tensorwise, x.bfloat16(), "E4M3")
     assert_same_fp8(data, ref_data)
     assert s.item() == ref_s.item()
     for source in (x.reshape(2, 32, 96), x.t()):  # leading dims, and a transposed view read in place
-        data, sc = backends.quantize_mxfp8(source, scale_rounding="floor")
-        ref_data, ref_sc = pure(backends.quantize_mxfp8, source, scale_rounding="floor")
+        data, sc = dispatch.fast_quantize_mxfp8(source, scale_rounding="floor")
+        ref_data, ref_sc = pure(dispatch.fast_quantize_mxfp8, source, scale_rounding="floor")
         assert_same_fp8(data, ref_data)
         assert torch.equal(sc.view(torch.uint8), ref_sc.view(torch.uint8)) and sc.shape == ref_sc.shape
     assert kernel_calls == {"amax": 1, "cast": 1, "tensorwise_cast": 1, "mx_quantize": 2}
     # float64 stays on the pure-torch path (the kernels take float32/bf16/fp16).
-    backends.amax(x.double())
+    dispatch.fast_amax(x.double())
     assert kernel_calls["amax"] == 1
 
 
@@ -188,7 +189,7 @@ def test_fp8_linear_training_step_is_unchanged_by_the_kernels(kernel_calls, reci
 
 def test_core_functions_compile_into_one_graph_with_the_kernels(kernel_calls):
     def casts(x):
-        return backends.quantize_tensorwise(x), backends.quantize_mxfp8(x), backends.amax(x)
+        return dispatch.fast_quantize_tensorwise(x), dispatch.fast_quantize_mxfp8(x), dispatch.fast_amax(x)
 
     x = torch.randn(32, 64)
     torch._dynamo.reset()
@@ -211,9 +212,9 @@ def test_dispatch_decision_is_a_compile_time_constant(monkeypatch):
 
 def test_cpu_tensors_never_reach_the_kernels(monkeypatch):
     assert os.environ.get("TRITON_INTERPRET") == "1"  # even with the kernels runnable on CPU
-    assert backends.cuda_kernels(torch.randn(4)) is None
-    monkeypatch.setattr(kernels, "amax", lambda x: pytest.fail("the CPU path called a kernel"))
-    backends.amax(torch.randn(8))
+    assert dispatch.cuda_kernels(torch.randn(4)) is None
+    monkeypatch.setattr(triton_ops, "triton_amax", lambda x: pytest.fail("the CPU path called a kernel"))
+    dispatch.fast_amax(torch.randn(8))
 
 
 def test_kernels_usable_honours_device_and_disable_variable(monkeypatch):
@@ -231,7 +232,7 @@ def test_kernels_usable_honours_device_and_disable_variable(monkeypatch):
 def test_explicit_request_that_cannot_run_names_the_reason(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(RuntimeError, match="run on CUDA devices; got a cpu tensor"):
-        kernels.amax(torch.randn(4))
+        triton_ops.triton_amax(torch.randn(4))
     ok, reason = availability.device_status("cpu")
     assert not ok and "TRITON_INTERPRET" in reason
 
@@ -259,14 +260,15 @@ def test_library_imports_and_runs_without_triton():
         sys.meta_path.insert(0, NoTriton())
         import torch
         import fp8_lightning
-        from fp8_lightning import kernels
+        from fp8_lightning.kernels import availability
+        from fp8_lightning.ops import triton_ops
         from fp8_lightning.mx import quantize_mxfp8
         from fp8_lightning.quantize import quantize_tensorwise
         quantize_tensorwise(torch.randn(8, 32))
         quantize_mxfp8(torch.randn(8, 32))
-        assert not kernels.triton_status()[0] and "triton" not in sys.modules
+        assert not availability.triton_status()[0] and "triton" not in sys.modules
         try:
-            kernels.amax(torch.randn(4))
+            triton_ops.triton_amax(torch.randn(4))
         except RuntimeError as err:
             print("ERROR:", err)
         """

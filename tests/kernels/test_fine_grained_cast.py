@@ -4,7 +4,7 @@ Bit for bit in Triton's interpreter on CPU: ``rowwise.quantize_rowwise`` and ``b
 (themselves tested against torchao and a float64 reference in ``tests/core``) on ragged shapes, zero rows and
 blocks, NaN and infinities, both formats and both scale roundings. The scales the kernels write, and their
 inverses, must lie where cuBLAS reads them: torch's meta ``_scaled_mm`` takes them on fake CUDA tensors, and the
-GEMM's argument builders then copy nothing. The layer's CUDA branch (``backends.fine_operands``) is run on CPU by
+GEMM's argument builders then copy nothing. The layer's CUDA branch (``dispatch.fast_fine_operands``) is run on CPU by
 pointing the dispatch hook at the kernels: the training step's gradients are unchanged, bit for bit.
 """
 
@@ -14,8 +14,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import fp8_lightning.backends as backends
-from fp8_lightning import FP8Linear, fp8_autocast, kernels
+from fp8_lightning.ops import dispatch
+from fp8_lightning import FP8Linear, fp8_autocast
+from fp8_lightning.ops import triton_ops
 from fp8_lightning.blockwise import blockwise_scaled_mm_args
 from fp8_lightning.fine_grained import fine_cast_twin
 from fp8_lightning.quantize import Quantized, row_major
@@ -59,7 +60,7 @@ def test_casts_equal_the_twins_bit_for_bit(tile, dtype, power_of_2):
     x = awkward(200, 300)  # ragged: 2 x 3 blocks of 128, the last ones partial
     eps = 1e-4 if tile[0] == 0 else 1e-12  # a row below eps takes fp8_max / eps
     square = tile == (128, 128)
-    q, q_t = kernels.fine_cast(x, dtype, tile, power_of_2, eps, transpose=square)
+    q, q_t = triton_ops.triton_fine_cast(x, dtype, tile, power_of_2, eps, transpose=square)
     data, scale = fine_cast_twin(x, tile, dtype, power_of_2, eps)
     assert_same_operand(q, data, scale)
     assert q.kind == ("row" if tile in (ROW, COLUMN) else "block")
@@ -72,11 +73,11 @@ def test_casts_equal_the_twins_bit_for_bit(tile, dtype, power_of_2):
 def test_bf16_input_transposed_view_and_tiny_shapes():
     x = awkward(136, 260, seed=1).bfloat16().t()  # (260, 136), read in place through its strides
     for tile in (ROW, COLUMN, (1, 128), (128, 1)):
-        q, _ = kernels.fine_cast(x, E4M3, tile, True, 1e-12)
+        q, _ = triton_ops.triton_fine_cast(x, E4M3, tile, True, 1e-12)
         assert_same_operand(q, *fine_cast_twin(x, tile, E4M3, True))
     for shape in ((1, 1), (3, 17)):
         x = torch.randn(shape)
-        q, q_t = kernels.fine_cast(x, E5M2, (128, 128), False, transpose=True)
+        q, q_t = triton_ops.triton_fine_cast(x, E5M2, (128, 128), False, transpose=True)
         data, scale = fine_cast_twin(x, (128, 128), E5M2, False)
         assert_same_operand(q, data, scale)
         assert_same_operand(q_t, data.t(), scale.t())
@@ -84,14 +85,14 @@ def test_bf16_input_transposed_view_and_tiny_shapes():
 
 def test_scale_layouts_are_cublas_layouts():
     x = torch.randn(200, 300)
-    per_row, per_column = (kernels.fine_cast(x, E4M3, tile)[0] for tile in (ROW, COLUMN))
+    per_row, per_column = (triton_ops.triton_fine_cast(x, E4M3, tile)[0] for tile in (ROW, COLUMN))
     assert per_row.inverse.shape == (200, 1) and per_column.inverse.shape == (300, 1)
     assert per_row.inverse.is_contiguous() and per_column.inverse.is_contiguous()
-    row_tiles, _ = kernels.fine_cast(x, E4M3, (1, 128), True)
+    row_tiles, _ = triton_ops.triton_fine_cast(x, E4M3, (1, 128), True)
     assert row_tiles.scale.shape == (200, 3) and row_tiles.inverse.stride() == (1, 200)  # outer-dim-major
-    column_tiles, _ = kernels.fine_cast(x, E4M3, (128, 1), True)
+    column_tiles, _ = triton_ops.triton_fine_cast(x, E4M3, (128, 1), True)
     assert column_tiles.data.shape == (300, 200) and column_tiles.inverse.stride() == (1, 300)
-    w, w_t = kernels.fine_cast(x, E4M3, (128, 128), True, transpose=True)
+    w, w_t = triton_ops.triton_fine_cast(x, E4M3, (128, 128), True, transpose=True)
     assert w.inverse.shape == (2, 3) and w.inverse.stride() == (4, 1)  # rows padded to 16 bytes
     assert w_t.inverse.shape == (3, 2) and w_t.inverse.stride() == (4, 1)
 
@@ -99,13 +100,13 @@ def test_scale_layouts_are_cublas_layouts():
 def test_bad_requests_are_refused_with_the_allowed_values():
     x = torch.randn(4, 8)
     with pytest.raises(ValueError, match=r"tile=\(1, 64\) is not supported; allowed: \(1, 0\)"):
-        kernels.fine_cast(x, E4M3, (1, 64))
+        triton_ops.triton_fine_cast(x, E4M3, (1, 64))
     with pytest.raises(ValueError, match="transposed copy for 128x128 blocks only"):
-        kernels.fine_cast(x, E4M3, (1, 128), transpose=True)
+        triton_ops.triton_fine_cast(x, E4M3, (1, 128), transpose=True)
     with pytest.raises(ValueError, match=r"non-empty 2-D tensor; got shape \(8,\)"):
-        kernels.fine_cast(x[0], E4M3)
+        triton_ops.triton_fine_cast(x[0], E4M3)
     with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
-        kernels.fine_cast(x.double(), E4M3)
+        triton_ops.triton_fine_cast(x.double(), E4M3)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -176,15 +177,15 @@ def test_fake_cuda_operands_pass_scaled_mm_and_need_no_layout_copy(m, k, n):
 def fine_cast_calls(monkeypatch):
     """Route the core's CUDA branch to the kernels for CPU tensors; record the tiles the casts ask for."""
     calls = []
-    original = kernels.fine_cast
+    original = triton_ops.triton_fine_cast
 
     def recorded(x, fp8_format, tile, *args, **kwargs):
         calls.append(tuple(tile))
         return original(x, fp8_format, tile, *args, **kwargs)
 
     set_env(monkeypatch, FP8_LIGHTNING_DISABLE_CPU_CODEC="1")
-    monkeypatch.setattr(kernels, "fine_cast", recorded)
-    monkeypatch.setattr(backends, "cuda_kernels", lambda x: kernels if kernels.supports_input(x) else None)
+    monkeypatch.setattr(triton_ops, "triton_fine_cast", recorded)
+    monkeypatch.setattr(dispatch, "cuda_kernels", lambda x: triton_ops if triton_ops.supports_input(x) else None)
     return calls
 
 
@@ -211,7 +212,7 @@ def test_layer_step_on_the_kernels_equals_the_reference(fine_cast_calls, monkeyp
     dw, dx = _training_step(recipe)
     assert sorted(fine_cast_calls) == sorted(tiles)  # each copy one launch; hp-wgrad copies stay on the reference
     with monkeypatch.context() as pure:
-        pure.setattr(backends, "cuda_kernels", lambda x: None)
+        pure.setattr(dispatch, "cuda_kernels", lambda x: None)
         ref_dw, ref_dx = _training_step(recipe)
     assert torch.equal(dw, ref_dw) and torch.equal(dx, ref_dx)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8_lightning import kernels
+from fp8_lightning.ops import triton_ops
 from fp8_lightning.gemm import pad_dim
 from fp8_lightning.mx import quantize_mxfp8
 from tests.kernels.references import assert_same_fp8, mx_exponent_reference
@@ -35,7 +35,7 @@ def assert_same_mx(actual, data: torch.Tensor, scale: torch.Tensor) -> None:
 @pytest.mark.parametrize("rule", RULES)
 def test_rowwise_and_columnwise_match_the_twin(fp8, rule):
     x = blockwise_data(96, 160)  # 96 rows: columnwise needs no padding; 160 = 5 blocks per row
-    rows, cols = kernels.mx_quantize(x, 32, rule, fp8, rowwise=True, columnwise=True)
+    rows, cols = triton_ops.triton_mx_quantize(x, 32, rule, fp8, rowwise=True, columnwise=True)
     assert_same_mx(rows, *quantize_mxfp8(x, scale_rounding=rule, fp8_format=fp8))
     assert_same_mx(cols, *quantize_mxfp8(x.t().contiguous(), scale_rounding=rule, fp8_format=fp8))
 
@@ -43,14 +43,14 @@ def test_rowwise_and_columnwise_match_the_twin(fp8, rule):
 @pytest.mark.parametrize("block_size", [16, 64, 128])  # 128: one launch per direction (mxfp8.launches)
 def test_other_block_sizes(block_size):
     x = blockwise_data(256, 384, seed=1).bfloat16()
-    rows, cols = kernels.mx_quantize(x, block_size, "rceil", torch.float8_e4m3fn, columnwise=True)
+    rows, cols = triton_ops.triton_mx_quantize(x, block_size, "rceil", torch.float8_e4m3fn, columnwise=True)
     assert_same_mx(rows, *quantize_mxfp8(x, block_size=block_size))
     assert_same_mx(cols, *quantize_mxfp8(x.t().contiguous(), block_size=block_size))
 
 
 def test_ragged_rows_are_zero_padded_in_the_columnwise_copy():
     x = blockwise_data(70, 64, seed=2)  # 70 rows -> 96 after padding to whole blocks
-    rows, cols = kernels.mx_quantize(x, 32, "floor", torch.float8_e5m2, columnwise=True)
+    rows, cols = triton_ops.triton_mx_quantize(x, 32, "floor", torch.float8_e5m2, columnwise=True)
     assert cols.data.shape == (64, 96) and cols.scale.shape == (64, 3)
     padded = pad_dim(x.t(), -1, 32)
     assert_same_mx(cols, *quantize_mxfp8(padded, scale_rounding="floor", fp8_format=torch.float8_e5m2))
@@ -60,15 +60,15 @@ def test_ragged_rows_are_zero_padded_in_the_columnwise_copy():
 def test_transposed_view_is_read_in_place():
     base = blockwise_data(64, 96, seed=3)
     view = base.t()  # (96, 64), strides (1, 96): quantize along base's rows without a copy
-    rows, _ = kernels.mx_quantize(view, 32, "rceil", torch.float8_e4m3fn)
+    rows, _ = triton_ops.triton_mx_quantize(view, 32, "rceil", torch.float8_e4m3fn)
     assert_same_mx(rows, *quantize_mxfp8(view.contiguous()))
 
 
 def test_only_requested_copies_are_made():
     x = blockwise_data(32, 64)
-    rows, cols = kernels.mx_quantize(x, columnwise=False)
+    rows, cols = triton_ops.triton_mx_quantize(x, columnwise=False)
     assert cols is None and rows.data.shape == (32, 64)
-    rows, cols = kernels.mx_quantize(x, rowwise=False, columnwise=True)
+    rows, cols = triton_ops.triton_mx_quantize(x, rowwise=False, columnwise=True)
     assert rows is None and cols.data.shape == (64, 32)
 
 
@@ -89,7 +89,7 @@ def test_special_blocks(fp8, rule):
     x[9] = torch.linspace(-1e-3, 1e-3, 32)  # values that become FP8 subnormals after scaling
     x[10, 0] = 1.75 * 2.0**20  # mantissa exactly 1.75
     x[11, 0] = -0.0
-    rows, _ = kernels.mx_quantize(x, 32, rule, fp8)
+    rows, _ = triton_ops.triton_mx_quantize(x, 32, rule, fp8)
     data, scale = quantize_mxfp8(x, scale_rounding=rule, fp8_format=fp8)
     assert_same_mx(rows, data, scale)
     assert rows.scale.view(torch.uint8)[1, 0].item() == 255
@@ -104,7 +104,7 @@ def test_shared_exponent_follows_the_definitions(fp8, rule):
     amaxes[:8] = torch.tensor([448.0, 449.0, 57344.0, 57345.0, 2.0**-130, 1.0, 1.75, 1.7500001])
     x = torch.zeros(256, 32)
     x[:, 7] = amaxes
-    rows, _ = kernels.mx_quantize(x, 32, rule, fp8)
+    rows, _ = triton_ops.triton_mx_quantize(x, 32, rule, fp8)
     got = rows.scale.view(torch.uint8).flatten().long() - 127
     expected = torch.tensor([mx_exponent_reference(a, fp8, rule) for a in amaxes.tolist()])
     assert torch.equal(got, expected)
@@ -112,8 +112,8 @@ def test_shared_exponent_follows_the_definitions(fp8, rule):
 
 def test_invalid_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="block_size=48 is not supported"):
-        kernels.mx_quantize(torch.randn(4, 96), block_size=48)
+        triton_ops.triton_mx_quantize(torch.randn(4, 96), block_size=48)
     with pytest.raises(ValueError, match="rceil or floor"):
-        kernels.mx_quantize(torch.randn(4, 32), scale_rounding="nearest")
+        triton_ops.triton_mx_quantize(torch.randn(4, 32), scale_rounding="nearest")
     with pytest.raises(ValueError, match="2-D"):
-        kernels.mx_quantize(torch.randn(2, 4, 32))
+        triton_ops.triton_mx_quantize(torch.randn(2, 4, 32))

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.library import opcheck
 
-from fp8_lightning import kernels
-from fp8_lightning.kernels import ops  # noqa: F401  (registers torch.ops.fp8_lightning.*)
+from fp8_lightning.ops import triton_ops
+from fp8_lightning.ops.registry import EAGER
 from fp8_lightning.mx import quantize_mx_operand
 from tests.kernels.references import assert_same_fp8
 
@@ -50,9 +50,9 @@ def test_fake_implementations_match_the_kernels(case):
 
 def test_torch_compile_traces_the_ops_in_one_graph():
     def delayed_then_mx(x, scale, w):
-        data, x_amax = kernels.cast(x, scale, E4M3)
-        rows, cols = kernels.mx_quantize(x, 32, "rceil", E4M3, columnwise=True)
-        out = kernels.mx_gemm(rows, w, torch.float32)
+        data, x_amax = triton_ops.triton_cast(x, scale, E4M3)
+        rows, cols = triton_ops.triton_mx_quantize(x, 32, "rceil", E4M3, columnwise=True)
+        out = triton_ops.triton_mx_gemm(rows, w, torch.float32)
         return data, x_amax, rows.data, cols.scale, out
 
     x, scale = torch.randn(32, 64), torch.tensor(5.0)
@@ -83,13 +83,13 @@ def test_eager_calls_skip_the_op_dispatch_where_nothing_needs_to_see_it(monkeypa
     than a launch); under a dispatch mode (fake tensors, counters) and for tensor subclasses they go through the
     op, with the same result."""
     direct = []
-    implementation = ops.EAGER.amax
-    monkeypatch.setattr(ops.EAGER, "amax", lambda x: direct.append(x) or implementation(x))
+    implementation = EAGER.amax
+    monkeypatch.setattr(EAGER, "amax", lambda x: direct.append(x) or implementation(x))
     x = torch.randn(40, 64)
-    plain = kernels.amax(x)
+    plain = triton_ops.triton_amax(x)
     assert len(direct) == 1 and plain.item() == x.abs().max().item()
     with _SeenOps() as seen:
-        watched = kernels.amax(x)
+        watched = triton_ops.triton_amax(x)
     assert len(direct) == 1 and "fp8_lightning.amax" in seen.names and watched.item() == plain.item()
     parameter = torch.nn.Parameter(x.clone(), requires_grad=False)  # a subclass: the op's dispatch serves it
-    assert kernels.amax(parameter).item() == plain.item() and len(direct) == 1
+    assert triton_ops.triton_amax(parameter).item() == plain.item() and len(direct) == 1

@@ -1,30 +1,24 @@
-"""The one seam between the FP8 math and the code that runs it: each hot operation picks its implementation here.
+"""Each hot cast, decode and MX quantization on the backend that runs the tensor, with the reference's bits.
 
-``quantize.py``, ``mx.py`` and ``scaling.py`` hold the reference math in plain PyTorch, with no device or backend
-branches. Every caller that wants speed (the layer, the scaling state, the GEMMs, FSDP's FP8 weights, the public
-functions exported by ``fp8_lightning``) calls the functions below, which hand a tensor to:
+``quantize.py``, ``mx.py`` and ``fine_grained.py`` hold the reference math in plain PyTorch. The ``fast_*``
+functions here compute exactly what the reference of the same name computes (``fast_amax`` is ``quantize.amax``),
+handing the tensor to:
 
 =================  ===============================================================================================
 implementation     used for
 =================  ===============================================================================================
 Triton kernels     CUDA tensors of float32/bf16/fp16 when Triton runs on the device (sm89+) and
-                   ``FP8_LIGHTNING_DISABLE_TRITON`` is not set (:func:`cuda_kernels`)
+                   ``FP8_LIGHTNING_DISABLE_TRITON`` is not set (:func:`cuda_kernels`; the ops of
+                   :mod:`fp8_lightning.ops.triton_ops`)
 C codec            plain CPU tensors of float32/bf16 when a C compiler built it and ``FP8_LIGHTNING_DISABLE_CPU_CODEC``
                    is not set, never while ``torch.compile`` traces (:func:`cpu_codec`)
 PyTorch            everything else: the reference functions, plus two exact shortcuts of the CPU's slow float8
                    casts (skipped clamps where the cast saturates, decoding by integer shifts)
 =================  ===============================================================================================
 
-Every implementation gives the reference's bits (``tests/core``, ``tests/kernels``). The choice depends only on the
-tensor (device, dtype, type) and the process's settings (:mod:`fp8_lightning.settings`, read once).
-
-Why functions and not ``torch.library`` ops with one kernel per device: in eager mode each custom op call goes
-through the dispatcher in Python, on a path with a dozen such calls per layer step (the eager host cost is what a
-GPU step is bound by). Measured on the 2-core CPU (torch 2.13, 2026-11-24): a ``custom_op`` that clones a
-4-element tensor costs 9.6 us per call, the same clone called as a function 1.3 us.
-
-Under ``torch.compile`` the traced step (:mod:`fp8_lightning.traced`) calls the custom ops of
-:mod:`fp8_lightning.layer_ops`, whose implementations are these functions.
+The choice depends only on the tensor (device, dtype, type) and the process's settings (:mod:`fp8_lightning.settings`,
+read once). These are functions, not custom ops: in eager code they call the chosen implementation directly; under
+``torch.compile`` the Triton ops and the traced step's ops (:mod:`fp8_lightning.ops.layer`) are what the graph holds.
 """
 
 from __future__ import annotations
@@ -34,12 +28,13 @@ from typing import NamedTuple
 
 import torch
 
-from fp8_lightning import fine_grained, kernels, mx, quantize
+from fp8_lightning import fine_grained, mx, quantize
 from fp8_lightning.blockwise import COLUMN_TILE
 from fp8_lightning.formats import Format, fp8_dtype
 from fp8_lightning.kernels import cpu_codec as codec_module
-from fp8_lightning.kernels.availability import kernels_usable
+from fp8_lightning.kernels.availability import MX_BLOCK_SIZES, kernels_usable
 from fp8_lightning.kernels.fine_grained_layout import ROWWISE_TILES
+from fp8_lightning.ops import triton_ops
 from fp8_lightning.quantize import BLOCK, MX, Quantized, ROW, TENSOR, _check_floating, is_transposed_2d
 
 # --------------------------------------------------------------------------------------------------------
@@ -48,8 +43,9 @@ from fp8_lightning.quantize import BLOCK, MX, Quantized, ROW, TENSOR, _check_flo
 
 
 def cuda_kernels(x: torch.Tensor):
-    """``fp8_lightning.kernels`` for a CUDA tensor the Triton kernels take, else None (always None on CPU)."""
-    return kernels if kernels_usable(x) and kernels.supports_input(x) else None
+    """The Triton ops (:mod:`fp8_lightning.ops.triton_ops`) for a CUDA tensor they take, else None (always None on
+    CPU)."""
+    return triton_ops if kernels_usable(x) and triton_ops.supports_input(x) else None
 
 
 def cpu_codec(x: torch.Tensor | None = None):
@@ -63,13 +59,14 @@ def cpu_codec(x: torch.Tensor | None = None):
     return codec_module if codec_module.enabled() else None
 
 
-def _one_float32_scale(scale) -> bool:
+def one_float32_scale(scale) -> bool:
+    """Whether ``scale`` is one float32 element (what the per-tensor kernels and the codec take)."""
     return torch.is_tensor(scale) and scale.dtype == torch.float32 and scale.numel() == 1
 
 
 def cast_codec(x: torch.Tensor, scale):
     """The C codec when it can cast ``x`` with ``scale`` (a float32/bf16 CPU tensor, one float32 CPU scale)."""
-    return cpu_codec(x) if _one_float32_scale(scale) and scale.is_cpu else None
+    return cpu_codec(x) if one_float32_scale(scale) and scale.is_cpu else None
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -77,7 +74,7 @@ def cast_codec(x: torch.Tensor, scale):
 # --------------------------------------------------------------------------------------------------------
 
 
-def amax(x: torch.Tensor) -> torch.Tensor:
+def fast_amax(x: torch.Tensor) -> torch.Tensor:
     """:func:`fp8_lightning.quantize.amax`."""
     return amax_and_value(x)[0]
 
@@ -91,7 +88,7 @@ def amax_and_value(x: torch.Tensor) -> tuple[torch.Tensor, float | None]:
         return quantize.amax(x), (0.0 if on_cpu else None)
     kernels = cuda_kernels(x)
     if kernels is not None:
-        return kernels.amax(x.detach()), None
+        return kernels.triton_amax(x.detach()), None
     if not on_cpu:
         return quantize.amax(x), None
     low, high = torch.aminmax(x.detach())
@@ -103,7 +100,7 @@ def amax_and_value(x: torch.Tensor) -> tuple[torch.Tensor, float | None]:
     return top, value
 
 
-def to_fp8_saturated(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def fast_to_fp8_saturated(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """:func:`fp8_lightning.quantize.to_fp8_saturated`; the CPU cast to E4M3 saturates by itself (infinities
     included; ``tests/core/test_formats_bits.py`` holds it to that), so the clamp, a full pass, is skipped there."""
     if dtype == torch.float8_e4m3fn and x.is_cpu:
@@ -111,17 +108,17 @@ def to_fp8_saturated(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return quantize.to_fp8_saturated(x, dtype)
 
 
-def quantize_with_scale(
+def fast_quantize_with_scale(
     x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, saturate: bool = True
 ) -> torch.Tensor:
     """:func:`fp8_lightning.quantize.quantize_with_scale`."""
     kernels, codec = cuda_kernels(x), cast_codec(x, scale)
-    if kernels is not None and _one_float32_scale(scale):
-        return kernels.cast(x.detach(), scale.to(x.device), dtype, record_amax=False)[0]
+    if kernels is not None and one_float32_scale(scale):
+        return kernels.triton_cast(x.detach(), scale.to(x.device), dtype, record_amax=False)[0]
     if codec is not None:
         return codec.cast(x, scale.item(), dtype)[0]  # saturates always: equal bits when the caller skips it
     scaled = quantize.wide(x) * scale
-    return to_fp8_saturated(scaled, dtype) if saturate else scaled.to(dtype)
+    return fast_to_fp8_saturated(scaled, dtype) if saturate else scaled.to(dtype)
 
 
 def quantize_operand(
@@ -135,7 +132,7 @@ def quantize_operand(
     if codec is not None:
         data, values, _ = codec.cast(x, scale.item() if scale_value is None else scale_value, dtype)
         return Quantized(data, scale, TENSOR, values, nan_free)
-    return Quantized(quantize_with_scale(x, scale, dtype, saturate), scale, TENSOR, nan_free=nan_free)
+    return Quantized(fast_quantize_with_scale(x, scale, dtype, saturate), scale, TENSOR, nan_free=nan_free)
 
 
 class FusedCast(NamedTuple):
@@ -160,27 +157,27 @@ def fused_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Fuse
 def delayed_state_cast(state, x: torch.Tensor, record: bool, transpose: bool):
     """A delayed-scaled operand's whole cast with its bookkeeping in one Triton kernel (CUDA), after its first, just
     in time scaled cast, instead of four to ten scalar tensor operations per cast, each a launch that costs more host
-    time than it computes. Returns the kernel's outputs (see ``kernels.delayed_operand_cast``), or None."""
+    time than it computes. Returns the kernel's outputs (see ``triton_ops.triton_delayed_operand_cast``), or None."""
     kernels = cuda_kernels(x)
     if kernels is None or not state.initialized:
         return None
-    return kernels.delayed_operand_cast(
+    return kernels.triton_delayed_operand_cast(
         x.detach(), state.scale, state.pending_amax, state.nonfinite_count, state.dtype, record, transpose
     )
 
 
 def tensorwise_state_cast(state, x: torch.Tensor, transpose: bool, eps: float, power_of_2: bool):
     """A tensorwise-scaled operand's whole cast with its bookkeeping in two Triton launches (CUDA); returns the
-    kernel's outputs (see ``kernels.tensorwise_operand_cast``), or None where the kernels do not run."""
+    kernel's outputs (see ``triton_ops.triton_tensorwise_operand_cast``), or None where the kernels do not run."""
     kernels = cuda_kernels(x)
     if kernels is None:
         return None
-    return kernels.tensorwise_operand_cast(
+    return kernels.triton_tensorwise_operand_cast(
         x.detach(), state.scale, state.nonfinite_count, state.dtype, eps, power_of_2, transpose
     )
 
 
-def quantize_tensorwise(
+def fast_quantize_tensorwise(
     x: torch.Tensor, fp8_format: "Format | str | torch.dtype" = Format.E4M3, eps: float = 1e-12
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`fp8_lightning.quantize.quantize_tensorwise` (``(data, scale)``)."""
@@ -188,9 +185,9 @@ def quantize_tensorwise(
     dtype = fp8_dtype(fp8_format)
     kernels = cuda_kernels(x)
     if kernels is not None:
-        return kernels.tensorwise_cast(x.detach(), dtype, eps)
-    scale = quantize.tensorwise_scale(amax(x), dtype, eps)
-    return quantize_with_scale(x, scale, dtype), scale
+        return kernels.triton_tensorwise_cast(x.detach(), dtype, eps)
+    scale = quantize.tensorwise_scale(fast_amax(x), dtype, eps)
+    return fast_quantize_with_scale(x, scale, dtype), scale
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -210,7 +207,7 @@ def _decode_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return _DECODE_TABLES[key]
 
 
-def fp8_to_float32(data: torch.Tensor, nan_free: bool = False) -> torch.Tensor:
+def fast_fp8_to_float32(data: torch.Tensor, nan_free: bool = False) -> torch.Tensor:
     """``data.float()``, bit for bit, for any tensor; float8 on CPU is decoded with vectorized integer operations.
 
     The CPU cast from float8 converts element by element (about 4 ns each, more than a float32 matmul of the
@@ -233,7 +230,7 @@ def fp8_to_float32(data: torch.Tensor, nan_free: bool = False) -> torch.Tensor:
     if codec is not None and data.dtype in codec.FORMATS:  # one vectorized pass, any size
         return codec.decode(data.t()).t() if transposed else codec.decode(data)
     if transposed:
-        return fp8_to_float32(data.t(), nan_free).t()
+        return fast_fp8_to_float32(data.t(), nan_free).t()
     codes = data.contiguous().view(torch.uint8)
     if data.dtype == torch.float8_e5m2:
         return codes.to(torch.int16).mul_(256).view(torch.float16).float()
@@ -246,14 +243,14 @@ def fp8_to_float32(data: torch.Tensor, nan_free: bool = False) -> torch.Tensor:
     return _decode_table(data.dtype, data.device).index_select(0, flat).view(data.shape)
 
 
-def dequantize_with_scale(data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32):
+def fast_dequantize_with_scale(data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32):
     """:func:`fp8_lightning.quantize.dequantize_with_scale`."""
-    return (fp8_to_float32(data) * scale.float().reciprocal()).to(out_dtype)
+    return (fast_fp8_to_float32(data) * scale.float().reciprocal()).to(out_dtype)
 
 
-def dequantize_tensorwise(data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32):
+def fast_dequantize_tensorwise(data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32):
     """:func:`fp8_lightning.quantize.dequantize_tensorwise`."""
-    return dequantize_with_scale(data, scale, out_dtype)
+    return fast_dequantize_with_scale(data, scale, out_dtype)
 
 
 def operand_f32(q: Quantized) -> torch.Tensor:
@@ -277,10 +274,10 @@ def dequantize_operand(q: Quantized, out_dtype: torch.dtype = torch.float32) -> 
 
 def _mx_kernels(x: torch.Tensor, block_size: int):
     kernels = cuda_kernels(x)
-    return kernels if kernels is not None and block_size in kernels.MX_BLOCK_SIZES and x.numel() > 0 else None
+    return kernels if kernels is not None and block_size in MX_BLOCK_SIZES and x.numel() > 0 else None
 
 
-def quantize_mxfp8(
+def fast_quantize_mxfp8(
     x: torch.Tensor, *, block_size: int = 32, scale_rounding: str = "rceil",
     fp8_format: "Format | str | torch.dtype" = Format.E4M3,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,7 +286,7 @@ def quantize_mxfp8(
     dtype = fp8_dtype(fp8_format)
     kernels, codec = _mx_kernels(x, block_size), cpu_codec(x)
     if kernels is not None:
-        rows, _ = kernels.mx_quantize(x.detach().reshape(-1, k), block_size, scale_rounding, dtype)
+        rows, _ = kernels.triton_mx_quantize(x.detach().reshape(-1, k), block_size, scale_rounding, dtype)
         return rows.data.reshape(x.shape), rows.scale.reshape(*x.shape[:-1], k // block_size)
     if codec is not None and x.numel() > 0:
         data, scale, _ = codec.mx_quantize(x.reshape(-1, k), block_size, scale_rounding, dtype)[0]
@@ -297,13 +294,13 @@ def quantize_mxfp8(
     return mx.quantize_mxfp8(x, block_size=block_size, scale_rounding=scale_rounding, fp8_format=dtype)
 
 
-def quantize_mx_operand(x: torch.Tensor, block_size: int, scale_rounding: str, dtype: torch.dtype) -> Quantized:
+def fast_quantize_mx_operand(x: torch.Tensor, block_size: int, scale_rounding: str, dtype: torch.dtype) -> Quantized:
     """:func:`fp8_lightning.mx.quantize_mx_operand`."""
-    data, scale = quantize_mxfp8(x, block_size=block_size, scale_rounding=scale_rounding, fp8_format=dtype)
+    data, scale = fast_quantize_mxfp8(x, block_size=block_size, scale_rounding=scale_rounding, fp8_format=dtype)
     return Quantized(data, scale, MX)
 
 
-def quantize_mx_operands(
+def fast_quantize_mx_operands(
     x: torch.Tensor, block_size: int, scale_rounding: str, dtype: torch.dtype, columnwise: bool = True,
     columnwise_f32: bool = True,
 ) -> tuple[Quantized, Quantized | None]:
@@ -311,18 +308,20 @@ def quantize_mx_operands(
     for later (saved for backward), so the C codec does not make its float32 GEMM form now."""
     kernels, codec = _mx_kernels(x, block_size), cpu_codec(x)
     if kernels is not None:
-        return kernels.mx_quantize(x.detach(), block_size, scale_rounding, dtype, rowwise=True, columnwise=columnwise)
+        x = x.detach()
+        return kernels.triton_mx_quantize(x, block_size, scale_rounding, dtype, rowwise=True, columnwise=columnwise)
     if codec is not None and x.numel() > 0:
         row, col = codec.mx_quantize(x, block_size, scale_rounding, dtype, True, columnwise, columnwise_f32)
         return Quantized(row[0], row[1], MX, row[2]), (None if col is None else _transposed_operand(*col))
     return mx.quantize_mx_operands(x, block_size, scale_rounding, dtype, columnwise)
 
 
-def quantize_mx_columns(x: torch.Tensor, block_size: int, scale_rounding: str, dtype: torch.dtype) -> Quantized:
+def fast_quantize_mx_columns(x: torch.Tensor, block_size: int, scale_rounding: str, dtype: torch.dtype) -> Quantized:
     """:func:`fp8_lightning.mx.quantize_mx_columns`."""
     kernels, codec = _mx_kernels(x, block_size), cpu_codec(x)
     if kernels is not None:
-        return kernels.mx_quantize(x.detach(), block_size, scale_rounding, dtype, rowwise=False, columnwise=True)[1]
+        x = x.detach()
+        return kernels.triton_mx_quantize(x, block_size, scale_rounding, dtype, rowwise=False, columnwise=True)[1]
     if codec is not None and x.numel() > 0:
         return _transposed_operand(*codec.mx_quantize(x, block_size, scale_rounding, dtype, False, True)[1])
     return mx.quantize_mx_columns(x, block_size, scale_rounding, dtype)
@@ -333,12 +332,12 @@ def _transposed_operand(data: torch.Tensor, scale: torch.Tensor, values: torch.T
     return Quantized(data.t(), scale.t(), MX, None if values is None else values.t())
 
 
-def dequantize_mxfp8(data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32):
+def fast_dequantize_mxfp8(data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32):
     """:func:`fp8_lightning.mx.dequantize_mxfp8`."""
     k, n_blocks = mx.check_mx_scales(data, scale)
     codec = cpu_codec() if data.is_cpu and data.numel() > 0 else None
     if codec is None or data.dtype not in codec.FORMATS:
-        return mx.dequantize_mxfp8(data, scale, out_dtype, decode=fp8_to_float32)
+        return mx.dequantize_mxfp8(data, scale, out_dtype, decode=fast_fp8_to_float32)
     if is_transposed_2d(data):  # blocks down base rows
         return codec.mx_decode(data.t(), scale.t(), True).to(out_dtype).t()
     values = codec.mx_decode(data.reshape(-1, k), scale.reshape(-1, n_blocks), False)
@@ -351,9 +350,10 @@ def dequantize_mxfp8(data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.d
 # --------------------------------------------------------------------------------------------------------
 
 
-def fine_operands(recipe, role: str, x: torch.Tensor, dtype: torch.dtype, columnwise: bool):
+def fast_fine_operands(recipe, role: str, x: torch.Tensor, dtype: torch.dtype, columnwise: bool):
     """:func:`fp8_lightning.fine_grained.fine_operands`, each copy it casts in one pass over ``x``: on CUDA one Triton
-    launch (``kernels.fine_cast``) that also writes ``1 / scale`` and both in cuBLAS's layouts, with the wgrad copies
+    launch (``triton_ops.triton_fine_cast``) that also writes ``1 / scale`` and both in cuBLAS's layouts, with the
+    wgrad copies
     (``x.T``, ``g.T``) written transposed and a weight's ``W.T`` blocks from the same launch as ``W``'s; on CPU one
     call of the C codec (:func:`codec_fine_cast`), which also makes the float32 values the CPU GEMM multiplies."""
     cast = fine_caster(x)
@@ -363,12 +363,13 @@ def fine_operands(recipe, role: str, x: torch.Tensor, dtype: torch.dtype, column
 
 
 def fine_caster(x: torch.Tensor):
-    """The rowwise/blockwise cast for ``x``, with ``kernels.fine_cast``'s signature: the Triton kernel (CUDA), the C
+    """The rowwise/blockwise cast for ``x``, with ``triton_ops.triton_fine_cast``'s signature: the Triton kernel
+    (CUDA), the C
     codec (plain CPU tensors, :func:`cpu_codec`), or None for the reference."""
     if x.dim() != 2 or x.numel() == 0:
         return None
     if cuda_kernels(x) is not None:
-        return kernels.fine_cast
+        return triton_ops.triton_fine_cast
     return codec_fine_cast if cpu_codec(x) is not None else None
 
 
@@ -376,7 +377,8 @@ def codec_fine_cast(
     x: torch.Tensor, dtype: torch.dtype, tile: tuple[int, int], power_of_2: bool, eps: float = 1e-12,
     transpose: bool = False,
 ) -> tuple[Quantized, Quantized | None]:
-    """``kernels.fine_cast`` on a CPU tensor through the C codec: one copy of a 2-D ``x`` as an operand of kind
+    """``triton_ops.triton_fine_cast`` on a CPU tensor through the C codec: one copy of a 2-D ``x`` as an operand of
+    kind
     ``"row"`` (tiles ``(1, 0)``, ``(0, 1)``) or ``"block"``, the copies scaled down x's columns handed out as the
     operand of ``x.T`` (transposed views), and with ``transpose`` (128x128 blocks) the operand of ``x.T`` from the
     same blocks. ``Quantized.f32`` holds what the CPU GEMM multiplies: the codes' values (rowwise), the dequantized

@@ -1,14 +1,17 @@
-"""The FP8 layer's opaque hot operations as ``torch.library`` custom ops: the seam a traced layer step calls.
+"""The traced layer step's opaque hot operations, declared as ops (:func:`~fp8_lightning.ops.registry.hot_op`).
 
     torch.ops.fp8_lightning.mx_operand_cast(x, block_size, scale_rounding, dtype, columnwise)
                                          -> (row, row_scale, col, col_scale)
         MXFP8 rowwise and (optionally) columnwise copies of a 2-D tensor from one read
+    torch.ops.fp8_lightning.fine_tile_cast(x, dtype, tile_rows, tile_cols, power_of_2, eps) -> (data, scale)
+        one rowwise or blockwise copy of a 2-D tensor
     torch.ops.fp8_lightning.scaled_gemm(a, a_scale, b, b_scale, bias, kind, out_dtype, emulate, fast_accum) -> out
         ``a @ b.T (+ bias)`` for FP8 operands with K last (the CPU float GEMM, MX GEMMs)
 
 Why ops: ``torch.compile`` traces a call to each as one opaque node with a fake (meta) implementation that gives
 its output shapes, so the layer step stays one graph. The dispatcher runs the op's implementation for the tensor's
-device, and each implementation is the eager layer's own code (:func:`fp8_lightning.backends.quantize_mx_operands`,
+device, and each implementation is the eager layer's own code
+(:func:`fp8_lightning.ops.dispatch.fast_quantize_mx_operands`,
 :func:`fp8_lightning.gemm.fp8_mm`): on CPU the C codec and the float GEMM, on CUDA the Triton MX kernel, cuBLAS
 ``_scaled_mm`` or the Triton MX GEMM. A compiled step therefore computes the same bits as an eager one.
 
@@ -23,15 +26,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.library import custom_op
 
-from fp8_lightning.backends import fine_caster, quantize_mx_operands
 from fp8_lightning.fine_grained import reference_fine_cast
 from fp8_lightning.gemm import fp8_mm
 from fp8_lightning.mx import E8M0_DTYPE
+from fp8_lightning.ops.dispatch import fast_quantize_mx_operands, fine_caster
+from fp8_lightning.ops.registry import hot_op
 from fp8_lightning.quantize import BLOCK, ROW, Quantized, is_transposed_2d
-
-NAMESPACE = "fp8_lightning"
 
 
 def _empty(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -51,11 +52,22 @@ def _columns_layout(x: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype)
     return x.new_empty(shape, dtype=dtype)
 
 
-@custom_op(f"{NAMESPACE}::mx_operand_cast", mutates_args=())
+def _mx_operand_cast_fake(x, block_size, scale_rounding, dtype, columnwise):
+    m, k = x.shape
+    row, row_scale = x.new_empty((m, k), dtype=dtype), x.new_empty((m, k // block_size), dtype=E8M0_DTYPE)
+    if not columnwise:
+        return row, row_scale, _empty(x, dtype), _empty(x, E8M0_DTYPE)
+    m_pad = -(-m // block_size) * block_size
+    col = _columns_layout(x, (k, m_pad), dtype)
+    col_scale = _columns_layout(x, (k, m_pad // block_size), E8M0_DTYPE)
+    return row, row_scale, col, col_scale
+
+
+@hot_op("mx_operand_cast", fake=_mx_operand_cast_fake)
 def mx_operand_cast(
     x: torch.Tensor, block_size: int, scale_rounding: str, dtype: torch.dtype, columnwise: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    row, col = quantize_mx_operands(x, block_size, scale_rounding, dtype, columnwise, columnwise_f32=False)
+    row, col = fast_quantize_mx_operands(x, block_size, scale_rounding, dtype, columnwise, columnwise_f32=False)
     if col is None:
         return row.data, row.scale, _empty(x, dtype), _empty(x, row.scale.dtype)
     return row.data, row.scale, _in_layout(x, col.data), _in_layout(x, col.scale)
@@ -67,18 +79,6 @@ def _in_layout(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     if want_transposed == is_transposed_2d(t):
         return t
     return t.t().contiguous().t() if want_transposed else t.contiguous()
-
-
-@mx_operand_cast.register_fake
-def _(x, block_size, scale_rounding, dtype, columnwise):
-    m, k = x.shape
-    row, row_scale = x.new_empty((m, k), dtype=dtype), x.new_empty((m, k // block_size), dtype=E8M0_DTYPE)
-    if not columnwise:
-        return row, row_scale, _empty(x, dtype), _empty(x, E8M0_DTYPE)
-    m_pad = -(-m // block_size) * block_size
-    col = _columns_layout(x, (k, m_pad), dtype)
-    col_scale = _columns_layout(x, (k, m_pad // block_size), E8M0_DTYPE)
-    return row, row_scale, col, col_scale
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -97,19 +97,18 @@ def _tile_layout(m: int, k: int, tile: tuple[int, int]) -> tuple[bool, tuple[int
     return False, (m, k), (along_m, along_k)
 
 
-@custom_op(f"{NAMESPACE}::fine_tile_cast", mutates_args=())
+def _fine_tile_cast_fake(x, dtype, tile_rows, tile_cols, power_of_2, eps):
+    _, shape, scale_shape = _tile_layout(*x.shape, (tile_rows, tile_cols))
+    return x.new_empty(shape, dtype=dtype), x.new_empty(scale_shape, dtype=torch.float32)
+
+
+@hot_op("fine_tile_cast", fake=_fine_tile_cast_fake)
 def fine_tile_cast(
     x: torch.Tensor, dtype: torch.dtype, tile_rows: int, tile_cols: int, power_of_2: bool, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     cast = fine_caster(x) or reference_fine_cast
     q = cast(x, dtype, (tile_rows, tile_cols), power_of_2, eps)[0]
     return q.data.contiguous(), q.scale.contiguous()  # the fake's layouts
-
-
-@fine_tile_cast.register_fake
-def _(x, dtype, tile_rows, tile_cols, power_of_2, eps):
-    _, shape, scale_shape = _tile_layout(*x.shape, (tile_rows, tile_cols))
-    return x.new_empty(shape, dtype=dtype), x.new_empty(scale_shape, dtype=torch.float32)
 
 
 def traced_tile_cast(
@@ -129,14 +128,13 @@ def traced_tile_cast(
 # --------------------------------------------------------------------------------------------------------
 
 
-@custom_op(f"{NAMESPACE}::scaled_gemm", mutates_args=())
+def _scaled_gemm_fake(a, a_scale, b, b_scale, bias, kind, out_dtype, emulate, fast_accum):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+@hot_op("scaled_gemm", fake=_scaled_gemm_fake)
 def scaled_gemm(
     a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, bias: Optional[torch.Tensor],
     kind: str, out_dtype: torch.dtype, emulate: bool, fast_accum: bool,
 ) -> torch.Tensor:
     return fp8_mm(Quantized(a, a_scale, kind), Quantized(b, b_scale, kind), out_dtype, emulate, bias, fast_accum)
-
-
-@scaled_gemm.register_fake
-def _(a, a_scale, b, b_scale, bias, kind, out_dtype, emulate, fast_accum):
-    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
