@@ -4,8 +4,7 @@ The core (formats, recipes, scaling, quantize, gemm, linear, convert, autocast) 
 Lightning; the Lightning adapters live in ``fp8_lightning.lightning``.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fp8_lightning.autocast import fp8_autocast, is_fp8_enabled
 from fp8_lightning.ops.dispatch import fast_dequantize_mxfp8 as dequantize_mxfp8
@@ -37,6 +36,7 @@ from fp8_lightning.recipes import (
 )
 from fp8_lightning.guard import DivergenceGuard
 from fp8_lightning.lightning import hook as _hook
+from fp8_lightning.lightning.hook import lazy_names
 
 if TYPE_CHECKING:  # the names __getattr__ below loads on first use
     from fp8_lightning.lightning.callbacks import FP8StatsMonitor as FP8StatsMonitor
@@ -66,17 +66,7 @@ _LIGHTNING = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LIGHTNING.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LIGHTNING))
+__getattr__, __dir__ = lazy_names(globals(), _LIGHTNING)
 
 
 # Trainer(precision="fp8-hybrid"), Fabric(precision="fp8-hybrid"), Trainer(strategy="fp8_fsdp" / "fp8_ddp"):

@@ -7,8 +7,9 @@ Thin by design: the hooks wire Lightning's life cycle to the core (``fp8_lightni
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from fp8_lightning.lightning.hook import lazy_names
 
 if TYPE_CHECKING:
     from fp8_lightning.lightning.callbacks import FP8StatsMonitor
@@ -41,14 +42,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_names(globals(), _LAZY)

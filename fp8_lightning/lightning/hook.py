@@ -15,12 +15,30 @@ the ``plugins=[FP8Precision(...)]`` route, which needs none of this, instead of 
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import sys
 import warnings
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric")
+
+
+def lazy_names(namespace: dict[str, Any], table: dict[str, str]) -> tuple[Callable, Callable]:
+    """``__getattr__`` and ``__dir__`` for a package whose names in ``table`` (name -> module) are imported on
+    first use, so that importing the package does not import Lightning."""
+
+    def __getattr__(name: str) -> Any:
+        module = table.get(name)
+        if module is None:
+            raise AttributeError(f"module {namespace['__name__']!r} has no attribute {name!r}")
+        value = namespace[name] = getattr(importlib.import_module(module), name)
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(namespace) | set(table))
+
+    return __getattr__, __dir__
 
 
 def install() -> None:
