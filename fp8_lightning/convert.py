@@ -58,7 +58,7 @@ def convert_to_fp8(
     Args:
         recipe: the scaling recipe (object, name or dict); ``DelayedScaling()`` by default.
         module_filter_fn: ``fn(module, fully_qualified_name) -> bool``; layers for which it returns False stay
-            in high precision (a layer converted by an earlier call is converted back).
+            as they are: in high precision, or in FP8 where an earlier call converted them (the report says so).
         emulate: allow FP8 numerics emulated in float32 on CUDA devices without FP8 tensor cores.
         profitability: keep layers too small to gain from FP8 in high precision
             (:mod:`fp8_lightning.profitability`): ``"auto"`` (the default, also for None) gates layers on CUDA
@@ -81,9 +81,8 @@ def convert_to_fp8(
             shape = types.SimpleNamespace(weight=child.weight, in_features=features[0], out_features=features[1])
             reason = gate.skip_reason(shape, recipe)
         if reason is not None:
-            if isinstance(child, FP8Linear):  # converted before: a layer the report calls skipped is not FP8
-                child.to_linear()
-                reason += " (it was FP8 from an earlier conversion: converted back to high precision)"
+            if isinstance(child, FP8Linear):  # converted by an earlier call: say that it stays FP8
+                reason = f"left in FP8 as an earlier conversion made it ({child.fp8_recipe.name}); {reason}"
             report.skipped[name or "<root>"] = reason
             continue
         if is_conv1d(child) or isinstance(child, FP8Conv1D):

@@ -74,8 +74,8 @@ def run_in_process(args: list[str], tmp_path, monkeypatch, capfd) -> subprocess.
     ("overrides", "needles"),
     [
         (["precision.recipe.amax_history_len=abc"], ["precision.recipe is invalid", "amax_history_len='abc'",
-                                                     "an integer >= 1"]),
-        (["precision.recipe.margin=-1"], ["margin=-1 is invalid", "an integer >= 0"]),
+                                                     "an integer from 1 to 4096"]),
+        (["precision.recipe.margin=-1"], ["margin=-1 is invalid", "an integer from 0 to 32"]),
         (["precision=fp8_mxfp8", "precision.recipe.block_size=48"], ["block_size=48 is invalid", "(16, 32, 64, 128)"]),
         (["precision=fp8_tensorwise", "precision.recipe.fp8_format=E3M4"], ["fp8_format='E3M4'", "E4M3, E5M2, HYBRID"]),
         (["model.n_embd=100"], ["model could not be built", "n_embd=100 is not a multiple of 32"]),
