@@ -184,9 +184,12 @@ def _mx_columns(x32, magnitude, block_size: int, scale_rounding: str, dtype: tor
 def check_mx_scales(data: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
     """(K, blocks per row) of MX ``data`` and ``scale``, after checking that they belong together."""
     k, n_blocks = data.shape[-1], scale.shape[-1]
-    if n_blocks == 0 or k % n_blocks != 0 or scale.shape[:-1] != data.shape[:-1]:
+    blocks_fit = k % n_blocks == 0 if n_blocks else k == 0  # an empty last dimension has no blocks
+    if not blocks_fit or scale.shape[:-1] != data.shape[:-1]:
         raise ValueError(
-            f"dequantize_mxfp8: scale shape {tuple(scale.shape)} does not match data shape {tuple(data.shape)}."
+            f"dequantize_mxfp8: scale shape {tuple(scale.shape)} does not match data shape {tuple(data.shape)}: "
+            "data (..., K) needs scales (..., K // block_size), one per block of the last dimension. Pass the "
+            "scale that quantize_mxfp8 returned with this data."
         )
     return k, n_blocks
 
@@ -199,6 +202,8 @@ def dequantize_mxfp8(
     dimension). The transposed views made by :func:`quantize_mx_columns` are decoded in their base layout.
     ``decode`` turns float8 codes into float32 (any exact decoder)."""
     k, n_blocks = check_mx_scales(data, scale)
+    if n_blocks == 0:  # K = 0: nothing to scale
+        return decode(data).to(out_dtype)
     block_size = k // n_blocks
     if is_transposed_2d(data):  # blocks down base rows
         base = data.t()

@@ -10,9 +10,10 @@ registers, and stores the encoded bytes and the new scales: one read and one wri
 Layout (the same as the torch path, so either can continue the other): states are flat, zero-padded to a
 multiple of the block size; ``m`` is FP8 (``float8_e4m3fn`` or ``float8_e5m2``) with one float32 multiplier per
 block, ``v`` is FP16 or FP8 (optionally of ``sqrt(v)``) with one float32 multiplier per block; decoding is
-``data / scale`` and encoding ``saturate(x * scale)`` with ``scale = dtype_max / amax(block)`` (1 for a zero
-block). Master weights: none (the parameter itself, any float dtype), a float32 copy, a bf16 parameter with
-an int16 remainder (``bits = bf16_bits << 16 + remainder``, rounded to nearest on the way back), or a bf16
+``data / scale`` and encoding ``saturate(x * scale)`` with ``scale = dtype_max / amax(block)``, the amax of the
+block's finite values (1 when none is nonzero; a NaN stays NaN and an infinity saturates, each on its own).
+Master weights: none (the parameter itself, any float dtype), a float32 copy, a bf16 parameter with an int16
+remainder (``bits = bf16_bits << 16 + remainder``, rounded to nearest on the way back), or a bf16
 parameter with an int8 remainder (``bits = (bf16_bits << 8 + remainder) << 8``: the master rounded to nearest to
 16 significant bits, then split; the same bit arithmetic as ``master_weights.split_fp32_int8``).
 
@@ -50,8 +51,10 @@ def adam_num_warps(block: int) -> int:
 
 @triton.jit
 def _block_scale(x, DTYPE_MAX: tl.constexpr):
-    """``DTYPE_MAX / amax(x)`` over the whole block (1 for a zero block), like ``state_formats.block_scales``."""
-    block_amax = _reduce_max(tl.abs(x), 0)
+    """``DTYPE_MAX / amax(x)`` over the block's finite values (1 when none is nonzero), like
+    ``state_formats.block_scales``: a NaN or infinite element never decides its neighbours' scale."""
+    magnitude = tl.abs(x)
+    block_amax = _reduce_max(tl.where(magnitude <= FLOAT32_MAX, magnitude, 0.0), 0)  # NaN and inf compare False
     scale = tl.math.div_rn(DTYPE_MAX, block_amax)  # correctly rounded, like max_over_amax
     scale = tl.where(block_amax > 0, scale, 1.0)
     return tl.minimum(scale, FLOAT32_MAX)
@@ -126,7 +129,7 @@ def _fp8_adam_kernel(
 
     v = tl.where(mask, v, 0.0)
     if V_SQRT:
-        v = tl.sqrt(tl.maximum(v, 0.0))
+        v = tl.sqrt(tl.where(v != v, v, tl.maximum(v, 0.0)))  # clamp(min=0) keeping NaN, as the torch path does
     v_scale = _block_scale(v, V_MAX)
     v_scaled = v * v_scale
     if V_FP8:

@@ -8,11 +8,12 @@ in float32 and encodes it again. A :class:`StateFormat` names that narrow format
     a plain cast (no scale).
 ``float8_e4m3fn`` / ``float8_e5m2`` / ``float16`` with ``block_size=B``
     the state is flattened and cut into blocks of ``B`` consecutive elements; each block gets one float32
-    multiplier ``scale = dtype_max / amax(block)`` and ``data = saturate(x * scale)``; decoding computes
+    multiplier ``scale = dtype_max / amax(block)`` (the amax of the block's finite values: a NaN or infinite
+    element stays NaN or saturates on its own) and ``data = saturate(x * scale)``; decoding computes
     ``data / scale``. Per-block scales keep the relative error bounded by the format's mantissa (E4M3: 2**-4)
     for every element whose magnitude is within the format's dynamic range of its block maximum, which is what a
     per-tensor scale cannot promise for states whose magnitudes span many binades across a tensor.
-    The last block is zero-padded; the scale of an all-zero block is 1.
+    The last block is zero-padded; the scale of a block without a nonzero finite value is 1.
 
 ``transform="sqrt"`` (for the second moment only, which is never negative)
     stores ``sqrt(v)`` and decodes by squaring. Why: E4M3 covers about 2**17.8 between its largest value and its
@@ -140,8 +141,16 @@ def padded_numel(numel: int, block_size: int) -> int:
 
 
 def block_scales(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Per-row multiplier ``dtype_max / amax(row)`` (float32); 1 where a row is all zeros; NaN rows give NaN."""
-    block_amax = blocks.abs().amax(dim=-1)
+    """Per-row multiplier ``dtype_max / amax(row)`` (float32), the amax taken over the row's finite values only;
+    1 where a row has no nonzero finite value.
+
+    A NaN or infinite element must not decide the scale of its neighbours: an infinite amax would give the row
+    the scale 0 (every element decodes as 0/0) and a NaN amax the scale 1 (small moments flush to zero), where
+    ``torch.optim`` loses only the one element. Here the infinity saturates to the format's largest value and a
+    NaN stays NaN, each on its own, and the other elements of the row keep their values.
+    """
+    magnitudes = blocks.abs()
+    block_amax = torch.where(torch.isfinite(magnitudes), magnitudes, 0.0).amax(dim=-1)
     return torch.where(block_amax > 0, max_over_amax(dtype_max(dtype), block_amax), 1.0)
 
 
