@@ -139,7 +139,7 @@ def test_no_chosen_path_breaks_a_rule_and_the_fake_cuda_call_passes_torchs_meta(
                     elif has_v2 and model != "ragged":
                         assert path == V2, (model, m, k, n, role, reason)
     if model == "ffn-11008" and not has_v2:
-        assert EMULATE in seen  # 86 K-blocks (dgrad of the FFN's down projection and fprop of its up projection)
+        assert EMULATE in seen  # 86 K-blocks: fprop of the down projection, dgrad of the up projection
 
 
 def test_v2_kernel_takes_ragged_shapes_its_meta_function_refuses():
@@ -193,3 +193,17 @@ def test_unsupported_devices_fall_back_with_the_reason_once_and_never_raise(monk
 def test_plan_refuses_an_unknown_operand_name():
     with pytest.raises(ValueError, match=r"block_operand='c' is invalid; allowed: 'a', 'b' or None"):
         blockwise_gemm_plan(1, 128, 128, SM90, True, CUDA_12_9, "c")
+
+
+def test_the_gpu_check_runs_the_shapes_v1_refused():
+    """``benchmarks/gpu_check.py --only blockwise-shapes`` (run in the GPU session's checks) covers hidden 768 in
+    fprop and dgrad, the lm_head dgrad and FFN 11008: shapes where the padded 128x128 layout is not v1's, which now
+    take v2 (or the emulation) and need a GPU to confirm."""
+    from benchmarks import gpu_check
+
+    refused = set()
+    for k, n, m in gpu_check.BLOCKWISE_SHAPES:
+        for role, (rows, red, cols) in {"fprop": (m, k, n), "dgrad": (m, n, k)}.items():
+            if blockwise_gemm_plan(rows, red, cols, SM90, False, CUDA_12_9)[0] == EMULATE:
+                refused.add((k, n, role))
+    assert {(768, 3072, "fprop"), (3072, 768, "dgrad"), (768, 50304, "dgrad"), (4096, 11008, "dgrad")} <= refused
