@@ -151,7 +151,7 @@ def blockwise_gemm_support(device: torch.device | str) -> tuple[bool, str]:
 
 def has_scaled_mm_v2() -> bool:
     """Whether this torch has ``torch.nn.functional.scaled_mm`` with the 1x128 / 128x128 scaling types (torch 2.10
-    on; present in 2.11, see ``docs/blockwise-cuda-rules.md``)."""
+    on; present in 2.11, see ``benchmarks/results/blockwise-cuda-rules-20261126.md``)."""
     scaling = getattr(torch.nn.functional, "ScalingType", None)
     return (
         hasattr(torch.nn.functional, "scaled_mm")
@@ -177,7 +177,8 @@ def blockwise_gemm_path(a: Quantized, b: Quantized) -> tuple[str, str]:
         return cuda_rules.EMULATE, facts
     capability, cuda = facts
     (m, k), n = a.data.shape, b.data.shape[0]
-    return cuda_rules.blockwise_gemm_plan(m, k, n, capability, has_scaled_mm_v2(), cuda, _block_operand(a, b))
+    e4m3 = a.data.dtype == b.data.dtype == torch.float8_e4m3fn
+    return cuda_rules.blockwise_gemm_plan(m, k, n, capability, has_scaled_mm_v2(), cuda, _block_operand(a, b), e4m3)
 
 
 def _scale_layout(q: Quantized, rows: int) -> torch.Tensor:

@@ -6,7 +6,8 @@ library issues can be checked on a machine without one, and so that the path of 
 function (shapes, architecture, CUDA version, torch's API), never by an error in the middle of a training step.
 
 Sources (line numbers counted in the stored copies named here; torch 2.11's own ``ScaledBlas.cpp`` was not available
-to read, see ``docs/blockwise-cuda-rules.md`` for what was checked against the torch 2.11.0 wheel):
+to read: ``benchmarks/results/blockwise-cuda-rules-20261126.md`` says what was checked against the torch 2.11.0
+wheel):
 
 * ``aten/src/ATen/native/cuda/ScaledBlas.cpp`` (pytorch/pytorch at 0174dfab):
   ``check_size_stride`` (lines 130-139): a dimension of size <= 1 may have any stride;
@@ -25,6 +26,8 @@ to read, see ``docs/blockwise-cuda-rules.md`` for what was checked against the t
   the blockwise pairs): the same v2 layouts, but with ``K // 128`` and ``rows // 128`` (floor) where the kernel has
   ceil, so on fake tensors (``torch.compile``) v2 passes only where K and the 128x128 operand's rows are multiples
   of 128.
+* ``aten/src/ATen/native/ScaledBlasUtils.cpp`` ``check_deepseek_recipe``: v2 blockwise takes two
+  ``Float8_e4m3fn`` operands only (v1's ``get_joint_scaling`` takes any float8).
 * torch PR #166752 ("Fix DeepSeek scaling tensor handling"): cuBLASLt reads 128x128 scales with the row stride
   L4 = round_up(K/128, 4); a scale laid out with stride ceil(K/128) != L4 is read wrongly (silently wrong results).
 
@@ -206,14 +209,15 @@ def v2_violation(
 
 def blockwise_gemm_plan(
     m: int, k: int, n: int, capability: tuple[int, int], has_v2: bool, cuda: tuple[int, int] | None = (12, 9),
-    block_operand: str | None = "b",
+    block_operand: str | None = "b", e4m3: bool = True,
 ) -> tuple[str, str]:
     """``(path, reason)`` for ``out = a @ b.T`` with ``a`` (m, k) and ``b`` (n, k), block scales on
     ``block_operand`` ("b": the weight in fprop and dgrad, "a", or None: both 1x128, as in wgrad):
 
     * ``"emulate"`` off sm_90 or below CUDA 12.9 (``_check_deepseek_support`` would raise);
     * ``"v1"`` for two 1x128 operands: v1 takes them for every shape, and their layout has no padding to get wrong;
-    * ``"v2"`` (``torch.nn.functional.scaled_mm`` with cuBLAS's padded layout) where torch has it and K and the
+    * ``"v2"`` (``torch.nn.functional.scaled_mm`` with cuBLAS's padded layout) where torch has it, both operands
+      are E4M3 (``e4m3``; ScaledBlasUtils.cpp ``check_deepseek_recipe`` takes no other FP8 format), and K and the
       128x128 operand's rows, padded to 16 as passed, are multiples of 128 (the only shapes its meta function and its
       kernel agree on);
     * ``"v1"`` where the padded 128x128 layout is also the exact one v1 demands, so that v1 accepts it and cuBLAS reads
@@ -232,16 +236,19 @@ def blockwise_gemm_plan(
     rows_passed = round_up(rows, LAYOUT_MULTIPLE) if block_operand == "b" else rows  # mat2's N is padded, mat1's M not
     k_passed, k_tiles, row_blocks = round_up(k, LAYOUT_MULTIPLE), ceil_div(k, TILE), ceil_div(rows, TILE)
     shape = f"the 128x128-scaled operand ({rows} x {k}: {row_blocks} x {k_tiles} blocks)"
-    if has_v2 and k_passed % TILE == 0 and rows_passed % TILE == 0:
+    if has_v2 and e4m3 and k_passed % TILE == 0 and rows_passed % TILE == 0:
         return V2, f"{shape}: torch.nn.functional.scaled_mm with the padded layout cuBLAS reads"
     if k_tiles % SCALE_ROW_MULTIPLE == 0 or row_blocks == 1:
         return V1, f"{shape}: its padded layout is the exact one torch._scaled_mm (v1) demands"
-    v2_note = (
-        "torch.nn.functional.scaled_mm (v2), which takes the padded layout, checks K // 128 and rows // 128 in its "
-        "meta function, so it is used only where K and the rows are multiples of 128"
-        if has_v2
-        else "this torch has no torch.nn.functional.scaled_mm (v2), which takes the padded layout"
-    )
+    if not has_v2:
+        v2_note = "this torch has no torch.nn.functional.scaled_mm (v2), which takes the padded layout"
+    elif not e4m3:
+        v2_note = "torch.nn.functional.scaled_mm (v2), which takes the padded layout, multiplies E4M3 operands only"
+    else:
+        v2_note = (
+            "torch.nn.functional.scaled_mm (v2), which takes the padded layout, checks K // 128 and rows // 128 in its "
+            "meta function, so it is used only where K and the rows are multiples of 128"
+        )
     return EMULATE, (
         f"{shape}: ceil(K/128) = {k_tiles} is not a multiple of 4 and there is more than one row of blocks, so "
         f"torch._scaled_mm (v1) refuses cuBLAS's padded layout and computes wrong results on the unpadded one "

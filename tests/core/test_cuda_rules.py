@@ -207,3 +207,19 @@ def test_the_gpu_check_runs_the_shapes_v1_refused():
             if blockwise_gemm_plan(rows, red, cols, SM90, False, CUDA_12_9)[0] == EMULATE:
                 refused.add((k, n, role))
     assert {(768, 3072, "fprop"), (3072, 768, "dgrad"), (768, 50304, "dgrad"), (4096, 11008, "dgrad")} <= refused
+
+
+def test_e5m2_gradients_never_take_v2(monkeypatch):
+    """HYBRID casts gradients to E5M2; v2's blockwise recipes take E4M3 operands only (``check_deepseek_recipe``),
+    so dgrad and wgrad with E5M2 take v1 where its rule holds and the emulation elsewhere."""
+    _device(monkeypatch)
+    assert blockwise_gemm_plan(77, 3072, 768, SM90, True, CUDA_12_9, "b", e4m3=False)[0] == V1  # kt = 24
+    path, reason = blockwise_gemm_plan(77, 768, 3072, SM90, True, CUDA_12_9, "b", e4m3=False)
+    assert path == EMULATE and "E4M3 operands only" in reason
+    with fake_cuda():
+        w = fake_operand((768, 3072), (6, 24), "block")
+        g = fake_operand((64, 768), (64, 6), "block", dtype=torch.float8_e5m2)
+        w_t = Quantized(w.data.t(), w.scale.t(), "block")  # dgrad of a 3072 -> 768 layer: reduces over 768
+        assert blockwise_gemm_path(g, w_t)[0] == EMULATE
+        with pytest.warns(UserWarning, match="E4M3 operands only"):
+            assert blockwise_mm(g, w_t, torch.bfloat16).shape == (64, 3072)
