@@ -22,7 +22,8 @@ from fp8_lightning.blockwise import (
     dequantize_blockwise,
     quantize_blockwise,
 )
-from fp8_lightning import fine_grained, gemm
+from fp8_lightning import blockwise, cuda_rules, fine_grained, gemm
+from fp8_lightning.cuda_rules import Layout
 from fp8_lightning.quantize import Quantized
 from fp8_lightning.recipes import BlockwiseScaling
 from tests.core.fake_cuda import fake_cuda, fake_operand
@@ -154,8 +155,9 @@ def _outer_dim_major(t_shape, scale) -> bool:
 
 
 def _inner_dim_major_padded(t_shape, scale) -> bool:
-    """torch's ``is_blockwise_128x128_scaling``: scale (ceil(R/128), ceil(K/128)), stride
-    (round_up(ceil(K/128), 4), 1)."""
+    """cuBLAS's 128x128 layout, which the casts write: scale (ceil(R/128), ceil(K/128)), stride
+    (round_up(ceil(K/128), 4), 1). torch's v1 ``is_blockwise_128x128_scaling`` wants the stride ceil(K/128) exactly,
+    so v1 takes this layout only where the two agree (fp8_lightning.cuda_rules; tests/core/test_cuda_rules.py)."""
     k_tiles = -(-t_shape[1] // 128)
     return _fits(scale, ((-(-t_shape[0] // 128), -(-k_tiles // 4) * 4), (k_tiles, 1)))
 
@@ -170,7 +172,9 @@ def _fits(scale, want) -> bool:
 @pytest.mark.parametrize("m, k, n", [(256, 384, 512), (200, 300, 144), (16, 1000, 40)])
 def test_cuda_layouts_pass_torchs_scaled_mm_checks(m, k, n):
     """The three GEMMs' operand pairs on fake CUDA tensors: torch's meta ``_scaled_mm`` accepts the shapes, and the
-    strides are those cuBLAS reads (outer-dim-major 1x128, 16-byte aligned inner-dim-major 128x128)."""
+    strides are those cuBLAS reads (outer-dim-major 1x128, 16-byte aligned inner-dim-major 128x128). The meta
+    function checks no strides: torch's CUDA rule for v1 refuses the padded 128x128 layout where ceil(K/128) is not
+    a multiple of 4 (K = 384 and 300 here), so on sm_90 those GEMMs take v2 or the emulation (the plan), never v1."""
     kt, nt = -(-k // 128), -(-n // 128)
     with fake_cuda():
         x, w = fake_operand((m, k), (m, kt), "block"), fake_operand((n, k), (nt, kt), "block")
@@ -185,21 +189,31 @@ def test_cuda_layouts_pass_torchs_scaled_mm_checks(m, k, n):
             assert _outer_dim_major(mat1.shape, scale_a)
             b_check = _outer_dim_major if b is x_t else _inner_dim_major_padded
             assert b_check(mat2.t().shape, scale_b.t()) and scale_a.dtype == scale_b.dtype == torch.float32
+            layouts = [Layout.of(t) for t in (mat1, mat2, scale_a, scale_b)]
+            v1_takes_it = cuda_rules.v1_violation((9, 0), (12, 9), *layouts) is None
+            block = None if b is x_t else "b"
+            for has_v2 in (True, False):
+                path, _ = cuda_rules.blockwise_gemm_plan(*a.data.shape, b.data.shape[0], (9, 0), has_v2, (12, 9), block)
+                assert v1_takes_it or path != cuda_rules.V1
+            assert v1_takes_it == (b is x_t or -(-mat1.shape[1] // 128) % 4 == 0)
         with pytest.raises(ValueError, match="two 128x128"):
             blockwise_scaled_mm_args(w, w)
 
 
-def test_gemm_refused_where_cublas_lacks_it_with_the_emulation_option_named(monkeypatch):
+def test_gemm_emulated_where_cublas_lacks_it_with_a_warning_naming_the_emulation_option(monkeypatch):
+    """Off sm_90 the GEMM falls back to the emulation with one warning that names the reason and the option that
+    chooses the emulation (it raised here before, in the first training step)."""
     ok, reason = blockwise_gemm_support("cpu")
     assert not ok and "CUDA device" in reason
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    monkeypatch.setattr(blockwise, "_WARNED", set())
     ok, reason = blockwise_gemm_support("cuda")
     assert not ok and "10.0" in reason
     with fake_cuda():
         a = fake_operand((32, 128), (32, 1), "block")
-        with pytest.raises(RuntimeError, match="emulate=True.*FP8_LIGHTNING_EMULATE=1"):
-            blockwise_mm(a, a, torch.bfloat16)
+        with pytest.warns(UserWarning, match="compute capability 10.0.*FP8_LIGHTNING_EMULATE=1"):
+            assert blockwise_mm(a, a, torch.bfloat16).shape == (32, 32)
     set_env(monkeypatch, FP8_LIGHTNING_EMULATE="1")  # the named option reaches the blockwise GEMM as emulate=True
     seen = []
     monkeypatch.setattr(fine_grained, "blockwise_mm", lambda a, b, out_dtype, emulate: seen.append(emulate))
