@@ -203,7 +203,7 @@ def _padded_block_scale(q: Quantized) -> torch.Tensor:
     """``1 / scale`` of a 128x128-scaled operand (blocks, ceil(K/128)) as the row-major (blocks, L4) tensor that
     v2 takes transposed, L4 = round_up(ceil(K/128), 4), padded with zeros (factors of K blocks that do not exist).
     One small copy: the cast's padded layout has no storage past the last row's K blocks."""
-    return row_major(pad_dim(q.inverse_scale(), 1, cuda_rules.SCALE_ROW_MULTIPLE))
+    return row_major(pad_dim(q.inverse_scale(), 1, cuda_rules.CUBLAS_SCALE_ROW_MULTIPLE))
 
 
 def _gemm_operands(a: Quantized, b: Quantized) -> tuple[torch.Tensor, torch.Tensor, Quantized]:

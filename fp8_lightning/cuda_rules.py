@@ -40,10 +40,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from fp8_lightning.formats import BLOCKWISE_CAPABILITY_MAJOR
+from fp8_lightning.quantize import LAYOUT_MULTIPLE
 
-TILE = 128  # the long edge of a 1x128 tile and of a 128x128 block
-SCALE_ROW_MULTIPLE = 4  # cuBLASLt's 128x128 scale rows: padded to 4 floats (16 bytes)
-LAYOUT_MULTIPLE = 16  # torch pads K and N of an FP8 GEMM to multiples of 16 (fp8_lightning.quantize)
+SCALE_BLOCK = 128  # ScaledBlas.cpp: the long edge of a 1x128 tile and of a 128x128 block
+CUBLAS_SCALE_ROW_MULTIPLE = 4  # what cuBLASLt reads of 128x128 scale rows: padded to 4 floats (torch PR #166752)
+
 BLOCKWISE_MAJOR = BLOCKWISE_CAPABILITY_MAJOR  # _check_deepseek_support: sm_90 only
 BLOCKWISE_MIN_CUDA = (12, 9)  # _check_deepseek_support: cuBLASLt >= 12.9
 
@@ -51,12 +52,12 @@ V1, V2, EMULATE = "v1", "v2", "emulate"
 ROW_TILE, WEIGHT_BLOCK = "1x128", "128x128"
 
 
-def ceil_div(a: int, b: int) -> int:
+def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
 def round_up(a: int, b: int) -> int:
-    return ceil_div(a, b) * b
+    return _ceil_div(a, b) * b
 
 
 class Layout(NamedTuple):
@@ -87,17 +88,17 @@ def is_blockwise_1x128_scaling(t_shape: tuple[int, int], scale: Layout) -> bool:
     return (
         len(scale.shape) == 2
         and check_size_stride(scale, 0, rows, 1)
-        and check_size_stride(scale, 1, ceil_div(k, TILE), rows)
+        and check_size_stride(scale, 1, _ceil_div(k, SCALE_BLOCK), rows)
     )
 
 
 def is_blockwise_128x128_scaling(t_shape: tuple[int, int], scale: Layout) -> bool:
     """``is_blockwise_128x128_scaling``: row stride exactly ceil(K/128) (v1 refuses cuBLAS's padded layout)."""
     rows, k = t_shape
-    k_tiles = ceil_div(k, TILE)
+    k_tiles = _ceil_div(k, SCALE_BLOCK)
     return (
         len(scale.shape) == 2
-        and check_size_stride(scale, 0, ceil_div(rows, TILE), k_tiles)
+        and check_size_stride(scale, 0, _ceil_div(rows, SCALE_BLOCK), k_tiles)
         and check_size_stride(scale, 1, k_tiles, 1)
     )
 
@@ -159,7 +160,8 @@ def cublas_misreads_128x128(t_shape: tuple[int, int], scale: Layout) -> bool:
     (the scale of ``t`` (rows, K), stored K-blocks last) at other places than where its values are (torch PR
     #166752). One row of blocks has no row stride to get wrong."""
     rows, k = t_shape
-    return ceil_div(rows, TILE) > 1 and scale.stride[0] != round_up(ceil_div(k, TILE), SCALE_ROW_MULTIPLE)
+    padded_stride = round_up(_ceil_div(k, SCALE_BLOCK), CUBLAS_SCALE_ROW_MULTIPLE)
+    return _ceil_div(rows, SCALE_BLOCK) > 1 and scale.stride[0] != padded_stride
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -169,12 +171,12 @@ def cublas_misreads_128x128(t_shape: tuple[int, int], scale: Layout) -> bool:
 
 def _v2_scale_ok(kind: str, rows: int, k: int, scale: Layout, floor: bool) -> bool:
     """One operand's scale against the v2 rules: 1x128 (rows, K/128) strides (1, rows); 128x128 (L4, rows/128)
-    strides (1, L4). ``floor``: the meta function's ``//`` where the kernel has ceil_div."""
-    div = (lambda a: a // TILE) if floor else (lambda a: ceil_div(a, TILE))
+    strides (1, L4). ``floor``: the meta function's ``//`` where the kernel has _ceil_div."""
+    div = (lambda a: a // SCALE_BLOCK) if floor else (lambda a: _ceil_div(a, SCALE_BLOCK))
     (s0, s1), (t0, t1) = scale.shape, scale.stride
     if kind == ROW_TILE:
         return s0 == rows and s1 == div(k) and t0 == 1 and (t1 == rows or (s1 == 1 and t1 == 1))
-    l4 = round_up(ceil_div(k, TILE), SCALE_ROW_MULTIPLE)
+    l4 = round_up(_ceil_div(k, SCALE_BLOCK), CUBLAS_SCALE_ROW_MULTIPLE)
     return s0 == l4 and s1 == div(rows) and t0 == 1 and (t1 == l4 or (s1 == 1 and t1 == 1))
 
 
@@ -234,11 +236,12 @@ def blockwise_gemm_plan(
         raise ValueError(f"block_operand={block_operand!r} is invalid; allowed: 'a', 'b' or None (both 1x128).")
     rows = n if block_operand == "b" else m
     rows_passed = round_up(rows, LAYOUT_MULTIPLE) if block_operand == "b" else rows  # mat2's N is padded, mat1's M not
-    k_passed, k_tiles, row_blocks = round_up(k, LAYOUT_MULTIPLE), ceil_div(k, TILE), ceil_div(rows, TILE)
+    k_passed, k_tiles = round_up(k, LAYOUT_MULTIPLE), _ceil_div(k, SCALE_BLOCK)
+    row_blocks = _ceil_div(rows, SCALE_BLOCK)
     shape = f"the 128x128-scaled operand ({rows} x {k}: {row_blocks} x {k_tiles} blocks)"
-    if has_v2 and e4m3 and k_passed % TILE == 0 and rows_passed % TILE == 0:
+    if has_v2 and e4m3 and k_passed % SCALE_BLOCK == 0 and rows_passed % SCALE_BLOCK == 0:
         return V2, f"{shape}: torch.nn.functional.scaled_mm with the padded layout cuBLAS reads"
-    if k_tiles % SCALE_ROW_MULTIPLE == 0 or row_blocks == 1:
+    if k_tiles % CUBLAS_SCALE_ROW_MULTIPLE == 0 or row_blocks == 1:
         return V1, f"{shape}: its padded layout is the exact one torch._scaled_mm (v1) demands"
     if not has_v2:
         v2_note = "this torch has no torch.nn.functional.scaled_mm (v2), which takes the padded layout"

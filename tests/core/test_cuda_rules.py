@@ -18,7 +18,8 @@ from fp8_lightning.blockwise import (
     blockwise_scaled_mm_args,
     blockwise_scaled_mm_v2_args,
 )
-from fp8_lightning.cuda_rules import EMULATE, V1, V2, Layout, blockwise_gemm_plan, ceil_div
+from fp8_lightning.cuda_rules import EMULATE, V1, V2, Layout, blockwise_gemm_plan
+from fp8_lightning.kernels.fine_grained_layout import ceil_div
 from fp8_lightning.quantize import Quantized, row_major
 from tests.core.fake_cuda import fake_cuda, fake_operand
 
