@@ -7,11 +7,11 @@ Recipe/Quantizer split:
 * the layer: :meth:`Recipe.shape_unsupported_reason`, :meth:`Recipe.operand_states` (the mutable scaling state, if
   any), :meth:`Recipe.cast` (each GEMM operand's rowwise and columnwise copies), :meth:`Recipe.transposed` (what
   a backward GEMM multiplies), :meth:`Recipe.traced_plan` / :meth:`Recipe.traced_cast` (the same under compile);
-* the GEMM: :attr:`Recipe.operand_kind`, whose behaviour (:class:`~fp8_lightning.quantize.OperandKind`) the
-  recipe's module implements;
+* the GEMM and the statistics: :attr:`Recipe.operand_kind`, whose behaviour (its GEMM, float32 form,
+  dequantization and scale statistics, :class:`~fp8_lightning.quantize.OperandKind`) the recipe's module implements;
 * FSDP2: :meth:`Recipe.fsdp_unsupported_reason`, :meth:`Recipe.fsdp_pack`, :meth:`Recipe.fsdp_unpack`,
   :meth:`Recipe.fsdp_operands`, :attr:`Recipe.global_weight_amax`;
-* the cost model and statistics: :meth:`Recipe.cast_bytes_per_element`, :meth:`Recipe.fp8_gemms`.
+* the cost model: :meth:`Recipe.cast_bytes_per_element`, :meth:`Recipe.fp8_gemms`.
 
 A subclass registers itself under its ``name`` (:func:`recipe_from` and checkpoints find it by that name), so a
 recipe defined outside this package works everywhere a built-in one does.
