@@ -30,7 +30,7 @@ from fp8_lightning.blockwise import (
 )
 from fp8_lightning.kernels.fine_grained_layout import ROWWISE_TILES
 from fp8_lightning.settings import settings
-from fp8_lightning.quantize import BLOCK, Quantized, ROW
+from fp8_lightning.quantize import BLOCK, ROW, OperandKind, Quantized
 from fp8_lightning.rowwise import (
     dequantize_rowwise,
     high_precision_mm,
@@ -48,6 +48,12 @@ def fine_operands(
     return recipe.fine_copies(role, x, dtype, columnwise, cast or reference_fine_cast)
 
 
+def tile_kind(tile: tuple[int, int]) -> OperandKind:
+    """The kind of the operand a ``kernels.fine_cast`` tile makes: ``ROW`` for one scale per row or column (a 0 in
+    the tile: the whole dimension), ``BLOCK`` for 1x128 / 128x1 tiles and 128x128 blocks."""
+    return ROW if tile in ROWWISE_TILES else BLOCK
+
+
 def reference_fine_cast(
     x: torch.Tensor, dtype: torch.dtype, tile: tuple[int, int], power_of_2: bool, eps: float = 1e-12,
     transpose: bool = False,
@@ -55,7 +61,7 @@ def reference_fine_cast(
     """``kernels.fine_cast`` from the reference casts (:func:`fine_cast_twin`): the operand of one copy, and with
     ``transpose`` (128x128 blocks) the operand of ``x.T`` from the same blocks."""
     data, scale = fine_cast_twin(x, tile, dtype, power_of_2, eps)
-    kind = ROW if 0 in tile else BLOCK
+    kind = tile_kind(tile)
     return Quantized(data, scale, kind), (Quantized(data.t(), scale.t(), kind) if transpose else None)
 
 

@@ -35,7 +35,7 @@ from fp8_lightning.kernels import cpu_codec as codec_module
 from fp8_lightning.kernels.availability import MX_BLOCK_SIZES, kernels_usable
 from fp8_lightning.kernels.fine_grained_layout import ROWWISE_TILES
 from fp8_lightning.ops import triton_ops
-from fp8_lightning.quantize import BLOCK, MX, Quantized, ROW, TENSOR, _check_floating, is_transposed_2d
+from fp8_lightning.quantize import MX, Quantized, TENSOR, _check_floating, is_transposed_2d
 
 # --------------------------------------------------------------------------------------------------------
 # Which implementation
@@ -384,7 +384,7 @@ def codec_fine_cast(
     same blocks. ``Quantized.f32`` holds what the CPU GEMM multiplies: the codes' values (rowwise), the dequantized
     values (blockwise); ``Quantized.inverse`` the ``1 / scale`` the rowwise GEMM scales its product with."""
     data, scale, inverse, values = codec_module.fine_quantize(x, tile, dtype, power_of_2, eps)
-    kind = ROW if 0 in tile else BLOCK
+    kind = fine_grained.tile_kind(tile)
     if tile in (ROWWISE_TILES[1], COLUMN_TILE):
         return Quantized(data.t(), scale.t(), kind, values.t(), inverse=inverse.t()), None
     row = Quantized(data, scale, kind, values, inverse=inverse)

@@ -16,7 +16,7 @@ device, and each implementation is the eager layer's own code
 ``_scaled_mm`` or the Triton MX GEMM. A compiled step therefore computes the same bits as an eager one.
 
 Per-tensor casts are not ops: the traced step writes them as plain tensor operations
-(:func:`fp8_lightning.traced.traced_cast`), which the compiler fuses with their neighbours. Nor is the per-tensor
+(the per-tensor recipes' ``traced_cast``), which the compiler fuses with their neighbours. Nor is the per-tensor
 GEMM where it is ``torch._scaled_mm`` (CUDA): the graph holds that aten op itself
 (:func:`fp8_lightning.gemm.scaled_mm`).
 """
@@ -27,12 +27,12 @@ from typing import Optional
 
 import torch
 
-from fp8_lightning.fine_grained import reference_fine_cast
+from fp8_lightning.fine_grained import reference_fine_cast, tile_kind
 from fp8_lightning.gemm import fp8_mm
 from fp8_lightning.mx import E8M0_DTYPE
 from fp8_lightning.ops.dispatch import fast_quantize_mx_operands, fine_caster
 from fp8_lightning.ops.registry import hot_op
-from fp8_lightning.quantize import BLOCK, ROW, Quantized, is_transposed_2d
+from fp8_lightning.quantize import Quantized, is_transposed_2d
 
 
 def _empty(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -86,19 +86,18 @@ def _in_layout(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------------
 
 
-def _tile_layout(m: int, k: int, tile: tuple[int, int]) -> tuple[bool, tuple[int, int], tuple[int, int]]:
-    """(whether the copy is the operand of x.T, its codes' shape, its scales' shape) for one tile of
-    ``kernels.fine_cast``: tiles (0, 1) and (128, 1) reduce down x's columns; 0 means the whole dimension."""
-    transposed = tile[1] == 1 and tile[0] != 1
+def _tile_layout(m: int, k: int, tile: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(its codes' shape, its scales' shape) of one copy ``kernels.fine_cast`` makes: tiles (0, 1) and (128, 1)
+    reduce down x's columns (the operand of x.T); 0 means the whole dimension."""
     along_m = 1 if tile[0] == 0 else -(-m // tile[0])
     along_k = 1 if tile[1] == 0 else -(-k // tile[1])
-    if transposed:
-        return True, (k, m), (k, along_m)
-    return False, (m, k), (along_m, along_k)
+    if tile[1] == 1 and tile[0] != 1:
+        return (k, m), (k, along_m)
+    return (m, k), (along_m, along_k)
 
 
 def _fine_tile_cast_fake(x, dtype, tile_rows, tile_cols, power_of_2, eps):
-    _, shape, scale_shape = _tile_layout(*x.shape, (tile_rows, tile_cols))
+    shape, scale_shape = _tile_layout(*x.shape, (tile_rows, tile_cols))
     return x.new_empty(shape, dtype=dtype), x.new_empty(scale_shape, dtype=torch.float32)
 
 
@@ -119,7 +118,7 @@ def traced_tile_cast(
     it: Triton, the C codec or the reference), and with ``transpose`` the operand of ``x.T`` from the same blocks
     (views, made here: an op's outputs may not alias each other)."""
     data, scale = fine_tile_cast(x, dtype, tile[0], tile[1], power_of_2, eps)
-    kind = BLOCK if 128 in tile else ROW
+    kind = tile_kind(tile)
     return Quantized(data, scale, kind), (Quantized(data.t(), scale.t(), kind) if transpose else None)
 
 

@@ -29,6 +29,7 @@ import importlib
 
 import torch
 
+from fp8_lightning.fine_grained import tile_kind
 from fp8_lightning.formats import fp8_dtype
 from fp8_lightning.kernels.availability import (
     GEMM_OUT_DTYPES,
@@ -40,7 +41,7 @@ from fp8_lightning.kernels.availability import (
 from fp8_lightning.kernels.fine_grained_layout import TILE, TILES, output_layouts
 from fp8_lightning.mx import E8M0_DTYPE
 from fp8_lightning.ops.registry import hot_op
-from fp8_lightning.quantize import BLOCK, MX, Quantized, ROW
+from fp8_lightning.quantize import MX, Quantized
 
 
 def supports_input(x: torch.Tensor) -> bool:
@@ -376,7 +377,7 @@ def triton_fine_cast(
     data, scale, inverse, data_t, scale_t, inverse_t = _fine_cast.for_tensor(x)(
         x, fp8_dtype(fp8_format), *tile, power_of_2, float(eps), transpose
     )
-    kind = BLOCK if TILE in tile else ROW
+    kind = tile_kind(tile)
     row = Quantized(data, scale, kind, inverse=inverse)
     return row, (Quantized(data_t, scale_t, kind, inverse=inverse_t) if transpose else None)
 
