@@ -1,5 +1,5 @@
-"""Machinery the rowwise and blockwise recipes share: the copies' casts, their GEMMs per operand kind, the traced
-cast op.
+"""Machinery the rowwise and blockwise recipes share: the copies' casts, their GEMMs per operand kind, the FSDP2
+wire format.
 
 Their math is in :mod:`fp8_lightning.rowwise` and :mod:`fp8_lightning.blockwise`; which copies each GEMM role gets is
 the recipe's (:mod:`fp8_lightning.recipes.rowwise`, :mod:`fp8_lightning.recipes.blockwise`), made by a ``cast`` with
@@ -9,8 +9,10 @@ the recipe's (:mod:`fp8_lightning.recipes.rowwise`, :mod:`fp8_lightning.recipes.
 * :func:`fine_operands`: the operand of a 2-D tensor reducing over its last dimension, and the operand of its
   transpose, of kind ``ROW``, ``BLOCK`` or, for a weight gradient kept in high precision, ``HIGH_PRECISION``.
 * :func:`row_mm`, :func:`block_mm`, :func:`high_precision_gemm`: ``a @ b.T (+ bias)`` for two operands of a kind.
-* ``torch.ops.fp8_lightning.fine_operand_cast``: the recipe's casts as a ``torch.library`` custom op with a fake
-  implementation, so that ``torch.compile`` traces the layer step as one graph (:func:`traced_fine_cast`).
+* :func:`tile_kind`: the operand kind one tile's copy makes.
+
+Traced, each copy is the custom op ``torch.ops.fp8_lightning.fine_tile_cast`` (:mod:`fp8_lightning.ops.layer`), fed
+by the same copy mapping (:class:`fp8_lightning.recipes.fine_grained.FineGrainedRecipe`).
 
 Like per-tensor current scaling these recipes keep no state between steps: every scale comes from the tensor
 being cast, so there is nothing to synchronise across ranks or to checkpoint beyond the recipe itself.
@@ -116,22 +118,6 @@ def high_precision_gemm(
 
 def _emulating(emulate: bool) -> bool:
     return emulate or settings().gemm == "emulate" or settings().emulate
-
-
-# --------------------------------------------------------------------------------------------------------
-# The traced cast
-# --------------------------------------------------------------------------------------------------------
-
-
-def traced_fine_cast(
-    x: torch.Tensor, recipe: Any, role: str, dtype: torch.dtype, columnwise: bool, cast
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(data, scale, columnwise data, columnwise scale) of a 2-D ``x``, the copies of :func:`fine_operands` made by
-    ``cast``, a traceable ``kernels.fine_cast`` (``ops.layer.traced_tile_cast``: one custom op per copy)."""
-    row, col = recipe.fine_copies(role, x, dtype, columnwise, cast)
-    if col is None:
-        return row.data, row.scale, None, None
-    return row.data, row.scale, col.data, col.scale
 
 
 # --------------------------------------------------------------------------------------------------------

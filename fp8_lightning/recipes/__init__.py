@@ -13,8 +13,8 @@ Recipes build from a name or a plain dict so that YAML/Hydra configs carry them:
     recipe_from("tensorwise")
     recipe_from({"name": "delayed", "amax_history_len": 32, "fp8_format": "hybrid"})
 
-A new recipe subclasses :class:`Recipe` (or :class:`PerTensorRecipe`) with a ``name``; it is then found by that name
-everywhere a built-in one is.
+A new recipe subclasses :class:`Recipe` (or a family: :class:`PerTensorRecipe`, :class:`FineGrainedRecipe`) with a
+``name``; it is then found by that name everywhere a built-in one is.
 """
 
 from fp8_lightning.kernels.availability import MX_BLOCK_SIZES, SCALE_ROUNDINGS
@@ -28,6 +28,7 @@ from fp8_lightning.recipes.base import (
 )
 from fp8_lightning.recipes.blockwise import BlockwiseScaling
 from fp8_lightning.recipes.delayed import DelayedScaling
+from fp8_lightning.recipes.fine_grained import FineGrainedRecipe
 from fp8_lightning.recipes.mxfp8 import MXFP8BlockScaling
 from fp8_lightning.recipes.per_tensor import PerTensorRecipe
 from fp8_lightning.recipes.rowwise import RowwiseScaling
@@ -41,6 +42,7 @@ __all__ = [
     "SCALE_ROUNDINGS",
     "BlockwiseScaling",
     "DelayedScaling",
+    "FineGrainedRecipe",
     "MXFP8BlockScaling",
     "PerTensorRecipe",
     "Recipe",

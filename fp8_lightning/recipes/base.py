@@ -49,7 +49,7 @@ class Recipe:
     """
 
     name: ClassVar[str] = ""
-    per_tensor: ClassVar[bool] = True  # one scale per tensor (the FP8 bytes transpose freely)
+    per_tensor: ClassVar[bool] = False  # one scale per tensor (the FP8 bytes transpose freely)
     operand_kind: ClassVar[OperandKind]  # the kind of the operands its casts make
     global_weight_amax: ClassVar[bool] = False  # FSDP2: the gathered weight's scale needs the whole weight's amax
 

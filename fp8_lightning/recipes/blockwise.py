@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-
-from fp8_lightning.ops import dispatch
 from fp8_lightning.blockwise import (
     COLUMN_TILE,
     ROW_TILE,
@@ -26,17 +24,17 @@ from fp8_lightning.fine_grained import (
     block_scale_columns,
     blockwise_shard_reason,
     pack_shard,
-    traced_fine_cast,
     unpack_block_scales,
 )
 from fp8_lightning.formats import Format, fp8_dtype
-from fp8_lightning.ops.layer import traced_tile_cast
+from fp8_lightning.ops import dispatch
 from fp8_lightning.quantize import BLOCK, Quantized
-from fp8_lightning.recipes.base import Recipe, check_flags
+from fp8_lightning.recipes.base import check_flags
+from fp8_lightning.recipes.fine_grained import FineGrainedRecipe
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockwiseScaling(Recipe):
+class BlockwiseScaling(FineGrainedRecipe):
     """DeepSeek-V3's block scaling: inputs and output gradients in 1x128 tiles, weights in 128x128 blocks.
 
     Every tile or block has a float32 scale ``fp8_max / amax`` (rounded down to a power of two when
@@ -46,7 +44,6 @@ class BlockwiseScaling(Recipe):
     """
 
     name: ClassVar[str] = "blockwise"
-    per_tensor: ClassVar[bool] = False
     operand_kind: ClassVar = BLOCK
 
     fp8_format: Format = Format.E4M3
@@ -58,9 +55,6 @@ class BlockwiseScaling(Recipe):
 
     # -- the layer ------------------------------------------------------------------------------------------
 
-    def cast(self, role, x, dtype, columnwise, columnwise_f32, state, record):
-        return dispatch.fast_fine_operands(self, role, x, dtype, columnwise)
-
     def fine_copies(self, role, x, dtype, columnwise, cast):
         """1x128 tiles along K for fprop and along x's first dimension for ``x.T``; a weight's 128x128 blocks, whose
         transpose is W.T's operand."""
@@ -68,9 +62,6 @@ class BlockwiseScaling(Recipe):
             return cast(x, dtype, WEIGHT_BLOCK, self.power_of_2_scales, transpose=columnwise)
         row = cast(x, dtype, ROW_TILE, self.power_of_2_scales)[0]
         return row, (cast(x, dtype, COLUMN_TILE, self.power_of_2_scales)[0] if columnwise else None)
-
-    def traced_cast(self, x, state, plan, role, dtype, columnwise, record):
-        return traced_fine_cast(x, self, role, dtype, columnwise, traced_tile_cast)
 
     # -- FSDP2 ----------------------------------------------------------------------------------------------
 
@@ -91,12 +82,6 @@ class BlockwiseScaling(Recipe):
         """W.T's operand is the gathered blocks transposed (exact, as in one process)."""
         row = Quantized(gathered.data.contiguous(), gathered.scale.contiguous(), BLOCK)  # dense for the GEMM
         return row, Quantized(row.data.t(), row.scale.t(), BLOCK)
-
-    # -- cost model -----------------------------------------------------------------------------------------
-
-    def cast_bytes_per_element(self) -> float:
-        """As rowwise: two copies per operand (the weight's second is a transpose of codes, which costs less)."""
-        return 2 * (2 + 2 + 1 + 4 / 128)
 
 
 BLOCK.implement(

@@ -33,7 +33,6 @@ class MXFP8BlockScaling(Recipe):
     """
 
     name: ClassVar[str] = "mxfp8"
-    per_tensor: ClassVar[bool] = False
     operand_kind: ClassVar = MX
 
     fp8_format: Format = Format.E4M3

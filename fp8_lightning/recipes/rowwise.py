@@ -12,14 +12,13 @@ from typing import ClassVar
 
 import torch
 
-from fp8_lightning.ops import dispatch
-from fp8_lightning.fine_grained import SCALE_BYTES, pack_shard
-from fp8_lightning.fine_grained import fine_operands, high_precision_gemm, row_mm, traced_fine_cast
+from fp8_lightning.fine_grained import SCALE_BYTES, fine_operands, high_precision_gemm, pack_shard, row_mm
 from fp8_lightning.formats import Format, fp8_dtype
-from fp8_lightning.ops.layer import traced_tile_cast
 from fp8_lightning.kernels.fine_grained_layout import ROWWISE_TILES
+from fp8_lightning.ops import dispatch
 from fp8_lightning.quantize import HIGH_PRECISION, ROW, Quantized, dequantize_with_scale
-from fp8_lightning.recipes.base import Recipe, check_flags, invalid
+from fp8_lightning.recipes.base import check_flags, invalid
+from fp8_lightning.recipes.fine_grained import FineGrainedRecipe
 from fp8_lightning.rowwise import (
     dequantize_rowwise,
     high_precision_operand,
@@ -30,7 +29,7 @@ from fp8_lightning.traced import plan_for
 
 
 @dataclasses.dataclass(frozen=True)
-class RowwiseScaling(Recipe):
+class RowwiseScaling(FineGrainedRecipe):
     """One scale per row of every GEMM operand, taken along the GEMM's reduction dimension (current scaling).
 
     ``scale = fp8_max / max(amax_row, eps)`` (torchao's rule, rounded down to a power of two when
@@ -41,7 +40,6 @@ class RowwiseScaling(Recipe):
     """
 
     name: ClassVar[str] = "rowwise"
-    per_tensor: ClassVar[bool] = False
     operand_kind: ClassVar = ROW
 
     fp8_format: Format = Format.E4M3
@@ -57,9 +55,6 @@ class RowwiseScaling(Recipe):
         object.__setattr__(self, "eps", float(self.eps))
 
     # -- the layer ------------------------------------------------------------------------------------------
-
-    def cast(self, role, x, dtype, columnwise, columnwise_f32, state, record):
-        return dispatch.fast_fine_operands(self, role, x, dtype, columnwise)
 
     def fine_copies(self, role, x, dtype, columnwise, cast):
         """A scale per row along K for fprop; for ``x.T`` a scale per column of ``x``, or with a high-precision
@@ -77,9 +72,6 @@ class RowwiseScaling(Recipe):
     def traced_plan(self, device, out_dtype, emulate):
         wgrad_kind = HIGH_PRECISION if self.high_precision_wgrad else ROW
         return plan_for(self, device, out_dtype, emulate, wgrad_kind=wgrad_kind)
-
-    def traced_cast(self, x, state, plan, role, dtype, columnwise, record):
-        return traced_fine_cast(x, self, role, dtype, columnwise, traced_tile_cast)
 
     # -- FSDP2 ----------------------------------------------------------------------------------------------
 
@@ -100,11 +92,6 @@ class RowwiseScaling(Recipe):
         return row, fine_operands(self, "weight", values, row.data.dtype, columnwise=True)[1]
 
     # -- cost model -----------------------------------------------------------------------------------------
-
-    def cast_bytes_per_element(self) -> float:
-        """Two copies per operand, each an amax pass and a cast pass over bf16 plus the codes, and a float32 scale
-        per row (counted as 4/128)."""
-        return 2 * (2 + 2 + 1 + 4 / 128)
 
     def fp8_gemms(self) -> int:
         return 2 if self.high_precision_wgrad else 3
