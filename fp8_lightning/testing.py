@@ -85,7 +85,22 @@ def observed_collectives(observers: dict):
             setattr(dist, name, original)
 
 
-class CollectiveCounter:
+class _ObservingCollectives:
+    """A context manager that, within its block, calls ``self._observers`` (name -> observer) at the
+    torch.distributed functions of those names (:func:`observed_collectives`)."""
+
+    _observers: dict
+
+    def __enter__(self):
+        self._patch = observed_collectives(self._observers)
+        self._patch.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._patch.__exit__(*exc)
+
+
+class CollectiveCounter(_ObservingCollectives):
     """Per-collective byte counts of what this rank sends, by patching the torch.distributed functions."""
 
     PATCHED = {
@@ -112,20 +127,13 @@ class CollectiveCounter:
 
         return count
 
-    def __enter__(self):
-        self._patch = observed_collectives(self._observers)
-        self._patch.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._patch.__exit__(*exc)
 
 
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-class WireBytes:
+class WireBytes(_ObservingCollectives):
     """Bytes this rank puts on the wire, counted at the torch.distributed calls, with the usual per-rank cost of
     each collective: ring all-reduce ``2(w-1)/w x size``, all-to-all and reduce-scatter ``(w-1)/w x input``,
     all-gather ``(w-1) x input``."""
@@ -149,13 +157,6 @@ class WireBytes:
 
         return count
 
-    def __enter__(self):
-        self._patch = observed_collectives(self._observers)
-        self._patch.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._patch.__exit__(*exc)
 
 
 def _done(buffer: torch.Tensor) -> torch.futures.Future:
