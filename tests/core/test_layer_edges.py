@@ -8,7 +8,6 @@ import torch
 import torch.nn as nn
 
 from fp8_lightning import (
-    BlockwiseScaling,
     DelayedScaling,
     FP8Linear,
     MXFP8BlockScaling,
@@ -16,20 +15,14 @@ from fp8_lightning import (
     TensorwiseScaling,
     fp8_autocast,
 )
-
-RECIPES = [DelayedScaling(), TensorwiseScaling(), MXFP8BlockScaling(), RowwiseScaling(), BlockwiseScaling()]
-
-
-def _layer(recipe, seed: int = 0) -> FP8Linear:
-    torch.manual_seed(seed)
-    return FP8Linear.from_linear(nn.Linear(64, 32), recipe)
+from tests.helpers.layers import EVERY_RECIPE, fp8_layer
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("recipe", RECIPES + [RowwiseScaling(high_precision_wgrad=True)], ids=lambda r: r.name)
+@pytest.mark.parametrize("recipe", EVERY_RECIPE + [RowwiseScaling(high_precision_wgrad=True)], ids=lambda r: r.name)
 def test_an_empty_batch_gives_an_empty_output_and_zero_gradients(recipe, compiled):
     """M = 0 (an empty last micro-batch, an expert no token chose): no cast runs, nothing is booked."""
-    layer = _layer(recipe)
+    layer = fp8_layer(recipe)
     x = torch.randn(0, 5, 64, requires_grad=True)
     forward = torch.compile(layer, backend="aot_eager", fullgraph=True) if compiled else layer
     with fp8_autocast():
@@ -46,7 +39,7 @@ def test_an_empty_batch_gives_an_empty_output_and_zero_gradients(recipe, compile
 @pytest.mark.parametrize("shape", [(), (4, 48)], ids=["0-d", "wrong-K"])
 @pytest.mark.parametrize("recipe", [MXFP8BlockScaling(), TensorwiseScaling()], ids=lambda r: r.name)
 def test_an_input_of_the_wrong_shape_is_refused_naming_in_features(recipe, shape):
-    layer = _layer(recipe)
+    layer = fp8_layer(recipe)
     with fp8_autocast(), pytest.raises(ValueError, match=r"last dimension must be in_features=64"):
         layer(torch.randn(shape))
 

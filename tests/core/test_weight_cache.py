@@ -9,24 +9,9 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
 
-from fp8_lightning import (
-    BlockwiseScaling,
-    DelayedScaling,
-    FP8Linear,
-    MXFP8BlockScaling,
-    RowwiseScaling,
-    TensorwiseScaling,
-    fp8_autocast,
-)
-
-RECIPES = [DelayedScaling(), TensorwiseScaling(), MXFP8BlockScaling(), RowwiseScaling(), BlockwiseScaling()]
-
-
-def _layer(recipe, seed: int = 0) -> FP8Linear:
-    torch.manual_seed(seed)
-    return FP8Linear.from_linear(nn.Linear(64, 32), recipe)
+from fp8_lightning import FP8Linear, fp8_autocast
+from tests.helpers.layers import EVERY_RECIPE, fp8_layer
 
 
 def _eval(layer: FP8Linear, x: torch.Tensor) -> torch.Tensor:
@@ -36,15 +21,15 @@ def _eval(layer: FP8Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("edit", ["copy_", "mul_"])
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
+@pytest.mark.parametrize("recipe", EVERY_RECIPE, ids=lambda r: r.name)
 def test_an_evaluation_after_a_data_edit_sees_the_new_weight(recipe, edit):
-    layer, x = _layer(recipe), torch.randn(8, 64)
+    layer, x = fp8_layer(recipe), torch.randn(8, 64)
     before = _eval(layer, x)
     new = torch.randn(32, 64) if edit == "copy_" else layer.weight.detach() * 3
     version = layer.weight._version
     getattr(layer.weight.data, edit)(new if edit == "copy_" else 3.0)
     assert layer.weight._version == version  # the edit is invisible to the version counter
-    fresh = _layer(recipe)
+    fresh = fp8_layer(recipe)
     with torch.no_grad():
         fresh.weight.copy_(new)
     after = _eval(layer, x)
@@ -52,20 +37,20 @@ def test_an_evaluation_after_a_data_edit_sees_the_new_weight(recipe, edit):
     assert torch.equal(after, _eval(fresh, x))
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
+@pytest.mark.parametrize("recipe", EVERY_RECIPE, ids=lambda r: r.name)
 def test_a_model_built_under_inference_mode_runs_in_fp8(recipe):
     with torch.inference_mode():
-        layer = _layer(recipe)
+        layer = fp8_layer(recipe)
         x = torch.randn(8, 64)
         with fp8_autocast():
             y = layer(x)  # a training-mode forward under inference mode: evaluation
-    reference = _layer(recipe)
+    reference = fp8_layer(recipe)
     assert torch.equal(y, _eval(reference, x.clone()))
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
+@pytest.mark.parametrize("recipe", EVERY_RECIPE, ids=lambda r: r.name)
 def test_an_inference_mode_forward_leaves_training_unharmed(recipe):
-    layer, x = _layer(recipe), torch.randn(8, 64)
+    layer, x = fp8_layer(recipe), torch.randn(8, 64)
     twin = copy.deepcopy(layer)
     with torch.inference_mode(), fp8_autocast():
         layer(x)  # train mode, but no cast may be kept for the training step that follows
