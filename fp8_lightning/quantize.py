@@ -264,9 +264,10 @@ class Quantized:
         f32 = None if self.f32 is None else self.f32.t()
         if self.transposed is None:
             return Quantized(self.data.t(), self.scale, self.kind, f32, self.nan_free, self.inverse)
-        q = Quantized(self.transposed, self.scale, self.kind, f32, self.nan_free, self.inverse, self.data)
-        q.from_copy = not self.from_copy
-        return q
+        return Quantized(
+            self.transposed, self.scale, self.kind, f32, self.nan_free, self.inverse, self.data,
+            from_copy=not self.from_copy,
+        )
 
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()
