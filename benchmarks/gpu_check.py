@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 
 import torch
 import torch.nn as nn
@@ -99,7 +100,7 @@ def check_linear(name, recipe, in_features: int = 1024, out_features: int = 512,
     for device in ("cpu", "cuda"):
         layer = FP8Linear.from_linear(nn.Linear(in_features, out_features).to(device), recipe)
         layer.load_state_dict(base.state_dict())
-        xi = x.to(device).requires_grad_()
+        xi = x.detach().to(device).requires_grad_()
         with fp8_autocast():
             y = layer(xi)
         y.backward(g.to(device))
@@ -137,6 +138,17 @@ def check_blockwise_shapes() -> list[str]:
     return failures
 
 
+def guarded(name: str, check, only: set[str]) -> list[str]:
+    """The failures of ``check()`` if ``name`` was asked for; an exception is one failure, so the rest still run."""
+    if name not in only:
+        return []
+    try:
+        return check()
+    except Exception as error:  # noqa: BLE001 - reported as a failure with its type and message
+        traceback.print_exc()
+        return [f"{name} raised {type(error).__name__}: {error}"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     checks = ["casts", "scaling", "blockwise-shapes", *RECIPES]
@@ -151,15 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     if not ok:
         print(f"gpu_check: {reason}")
         return 2
-    failures = (check_casts() if "casts" in only else []) + (check_scaling_states() if "scaling" in only else [])
-    failures += check_blockwise_shapes() if "blockwise-shapes" in only else []  # first: the shapes v1 refused
+    failures = guarded("casts", check_casts, only) + guarded("scaling", check_scaling_states, only)
+    failures += guarded("blockwise-shapes", check_blockwise_shapes, only)  # first: the shapes v1 refused
     for name, recipe in RECIPES.items():
-        if name not in only:
-            continue
         native, why = blockwise_gemm_support("cuda")
-        if isinstance(recipe, BlockwiseScaling) and not native:
+        if name in only and isinstance(recipe, BlockwiseScaling) and not native:
             print(f"  {name:14s} emulated (warned once): {why}")
-        failures += check_linear(name, recipe)
+        failures += guarded(name, lambda: check_linear(name, recipe), only)
     print("\n".join(["FAILED: " + f for f in failures]) if failures else "all CUDA paths match the CPU reference")
     return 1 if failures else 0
 

@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_session.sh llama    # the linear layers of Llama-3-8B at 8192 tokens, same configurations
 #   bash benchmarks/gpu_session.sh gpt      # 350M GPT step, same configurations, compiled (ROUNDS=8 by default)
 #   bash benchmarks/gpu_session.sh stack    # four Llama-3-8B-shaped decoder layers, 8 x 1024 tokens, the same
+#   bash benchmarks/gpu_session.sh lease    # one ~9-minute call for a 15-minute lease: the checks, then compiled linear
 #   bash benchmarks/gpu_session.sh dry-run  # on any machine: list each call's steps, install the wheels offline
 #
 # Everything a call writes lands in one archive, $OUT/gpu-<mode>.tar.gz (OUT defaults to ./gpu-results), holding one
@@ -16,6 +17,8 @@
 # this checkout without dependencies (no step imports hydra or omegaconf), and the wheels the GPU image lacks
 # (torchao, for the torchao.float8 peer rows) come from wheels/, filled here beforehand by `make gpu-wheels`
 # (git-ignored; name it in the call's carry). They are installed into a private folder put on PYTHONPATH.
+# Each step's whole log is also appended to $OUT/gpu-<mode>.log as it finishes, so a call cut off at its time limit
+# still brings back every step that ended.
 set -u -o pipefail
 mode=${1:-checks}
 out=${OUT:-gpu-results}
@@ -31,7 +34,7 @@ install_wheels() {  # the wheels in wheels/, offline, into $site (on PYTHONPATH 
 }
 
 if [ "$mode" = dry-run ]; then
-  for call in checks linear llama gpt stack; do
+  for call in checks linear llama gpt stack lease; do
     echo "== call '$call' runs:"
     sed -n "/^  $call)/,/;;/p" "$0" | grep -o 'step [a-z_]* .*' | sed 's/^step /   /'
   done
@@ -48,6 +51,7 @@ mkdir -p "$out" "$work"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$work/device.txt" 2>&1
 "$python" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >>"$work/device.txt" 2>&1
 "$python" -c "import torchao; print('torchao', torchao.__version__)" >>"$work/device.txt" 2>&1 || echo "torchao: not installed" >>"$work/device.txt"
+cat "$work/device.txt" >>"$out/gpu-$mode.log"
 
 failed=0
 step() {  # step NAME COMMAND...: run with a time limit, keep its log, print its tail
@@ -57,6 +61,7 @@ step() {  # step NAME COMMAND...: run with a time limit, keep its log, print its
   [ "$rc" -eq 0 ] || failed=1
   echo "== $name: exit $rc"
   tail -n 8 "$work/$name.log"
+  { echo "===== $name: exit $rc"; cat "$work/$name.log"; } >>"$out/gpu-$mode.log"
 }
 
 case "$mode" in
@@ -80,8 +85,17 @@ case "$mode" in
     step stack "$python" -m benchmarks llama-stack --compile --rounds "${ROUNDS:-8}" \
       --out "$work/perf-llama-stack-gpu"
     ;;
+  lease)  # everything that fits one call: each step capped so the whole call ends inside ~9 minutes
+    STEP_TIMEOUT=90 step gpu_check "$python" -m benchmarks gpu-check
+    STEP_TIMEOUT=120 step kernels "$python" -m benchmarks kernels-gpu --out "$work/kernels_gpu.md"
+    STEP_TIMEOUT=100 step pytest_gpu "$python" -m pytest -q -p no:cacheprovider -m gpu \
+      tests/kernels/test_gpu.py tests/lightning/test_gpu.py tests/optim/test_fused_adam_kernel.py
+    STEP_TIMEOUT=50 step fsdp "$python" -m benchmarks fsdp-gpu-check
+    STEP_TIMEOUT=170 step linear "$python" -m benchmarks linear --suite gpu --compile --sizes 8192 \
+      --out "$work/perf-linear-gpu-compiled"
+    ;;
   *)
-    echo "usage: bash benchmarks/gpu_session.sh checks|linear|llama|gpt|stack|dry-run (got '$mode')" >&2
+    echo "usage: bash benchmarks/gpu_session.sh checks|linear|llama|gpt|stack|lease|dry-run (got '$mode')" >&2
     exit 2
     ;;
 esac

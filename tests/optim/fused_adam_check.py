@@ -75,7 +75,11 @@ def run_case(device: str, name, dtype, preset, overrides, kwargs) -> list[str]:
         # a few float32 ulps of |p| ~ 0.1; a 16-bit master can land one 16-bit step (2**-16 relative) away when
         # the float32 values straddle a rounding boundary
         rtol = 2 * 2.0**-16 if kind == "bf16_int8_remainder" else 2e-6
-        if not torch.allclose(got, want, rtol=rtol, atol=2e-8):
+        # On a GPU, Triton's division and square root are not correctly rounded and multiply-adds contract, so an
+        # element's update can move by a few float32 ulps of the update (about lr), and a 16-bit master one step:
+        # there the bound is relative to the largest master value, not to each element.
+        scale = want.abs() if device == "cpu" else want.abs().max()
+        if not bool(((got - want).abs() <= 2e-8 + rtol * scale).all()):
             problems.append(f"{name} step {step}: master differs by {(got - want).abs().max().item():.3g}")
         if not torch.allclose(fused_param.double(), param.detach().double(), rtol=2 * 2.0**-8, atol=0):
             problems.append(f"{name} step {step}: parameter differs beyond one rounding of its dtype")
