@@ -89,7 +89,13 @@ def check_scaling_states() -> list[str]:
     return failures
 
 
-FAST_ACCUM_TOLERANCE = 1e-3  # relative to the largest output: Hopper's fast FP8 accumulation keeps fewer bits
+# Relative to the largest output. The CPU emulation sums exact products in float32; Hopper's FP8 tensor cores keep
+# about 14 mantissa bits in their accumulator (DeepSeek-V3 technical report, section 3.3.2), which cuBLAS promotes to
+# float32 at intervals unless fast accumulation is on. Seen on an H100 (torch 2.11, 2026-11-26): up to 5.1e-4
+# promoted, 1.4e-3 with fast accumulation; the rowwise (CUTLASS) forward GEMM reached 1.25e-3, as fast
+# accumulation does, with the recipe's fast accumulation off.
+PROMOTED_TOLERANCE = 2.0**-10
+FAST_ACCUM_TOLERANCE = 2.0**-8
 
 
 def check_linear(name, recipe, in_features: int = 1024, out_features: int = 512, tokens: int = 256) -> list[str]:
@@ -110,7 +116,8 @@ def check_linear(name, recipe, in_features: int = 1024, out_features: int = 512,
         err = ((a - b).abs().max() / a.abs().max()).item()
         print(f"  {name:14s} {what}: max relative difference CPU vs CUDA {err:.2e}")
         fast = recipe.fprop_fast_accum if what == "fprop" else recipe.grad_fast_accum
-        if err > (FAST_ACCUM_TOLERANCE if fast else 1e-5):
+        fast = fast or (what == "fprop" and recipe.name == "rowwise")
+        if err > (FAST_ACCUM_TOLERANCE if fast else PROMOTED_TOLERANCE):
             failures.append(f"{name} {what}: CPU and CUDA differ by {err:.2e}")
     return failures
 

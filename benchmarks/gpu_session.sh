@@ -69,7 +69,7 @@ case "$mode" in
     step gpu_check "$python" -m benchmarks gpu-check
     step kernels "$python" -m benchmarks kernels-gpu --out "$work/kernels_gpu.md"
     step pytest_gpu "$python" -m pytest -q -p no:cacheprovider -m gpu \
-      tests/kernels/test_gpu.py tests/lightning/test_gpu.py tests/optim/test_fused_adam_kernel.py
+      tests/kernels/test_gpu.py tests/lightning/test_gpu.py tests/optim/test_fused_adam_kernel.py tests/test_state_device.py
     step fsdp "$python" -m benchmarks fsdp-gpu-check
     ;;
   linear)
@@ -89,7 +89,7 @@ case "$mode" in
     STEP_TIMEOUT=90 step gpu_check "$python" -m benchmarks gpu-check
     STEP_TIMEOUT=120 step kernels "$python" -m benchmarks kernels-gpu --out "$work/kernels_gpu.md"
     STEP_TIMEOUT=100 step pytest_gpu "$python" -m pytest -q -p no:cacheprovider -m gpu \
-      tests/kernels/test_gpu.py tests/lightning/test_gpu.py tests/optim/test_fused_adam_kernel.py
+      tests/kernels/test_gpu.py tests/lightning/test_gpu.py tests/optim/test_fused_adam_kernel.py tests/test_state_device.py
     STEP_TIMEOUT=50 step fsdp "$python" -m benchmarks fsdp-gpu-check
     STEP_TIMEOUT=170 step linear "$python" -m benchmarks linear --suite gpu --compile --sizes 8192 \
       --out "$work/perf-linear-gpu-compiled"

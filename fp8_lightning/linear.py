@@ -82,6 +82,12 @@ class LayerScaling:
     def update(self) -> None:
         advance_histories(list(self.operands.values()))
 
+    def move_to(self, device: torch.device) -> None:
+        """Keep the scaling states on the weight's device (a meta weight has no values to follow)."""
+        if device.type != "meta":
+            for state in self.operands.values():
+                state.move_to(device)
+
     def step_boundary_passed(self, weight: torch.Tensor) -> bool:
         """True when the weight changed in place (an optimizer step) since the cached cast."""
         return self._weight_key is not None and self._weight_key[:2] != (weight._version, weight.data_ptr())
@@ -257,7 +263,16 @@ class FP8Linear(nn.Linear):
         recipe = recipe or self.fp8_recipe
         if recipe not in self._fp8_scalings:
             self._fp8_scalings[recipe] = LayerScaling(recipe)
+            self._fp8_scalings[recipe].move_to(self.weight.device)
         return self._fp8_scalings[recipe]
+
+    def _apply(self, fn, recurse: bool = True):
+        """``.to()``, ``.cuda()``, ``to_empty()``: the scaling states follow the weight to its device, which the
+        compiled layer step needs (it updates them in place, on the device of the tensors it casts)."""
+        super()._apply(fn, recurse)
+        for scaling in self.__dict__.get("_fp8_scalings", {}).values():
+            scaling.move_to(self.weight.device)
+        return self
 
     def fp8_scalings(self) -> list[tuple[Recipe, LayerScaling]]:
         """Every recipe this layer has scaling state for, with the state, in a deterministic order (the same on
