@@ -131,7 +131,7 @@ def check_inputs(device: str) -> dict[str, torch.Tensor]:
 def check_kernels() -> list[tuple[str, bool]]:
     results: list[tuple[str, bool]] = []
     inputs = check_inputs("cuda")
-    for explicit in ("0", "1"):
+    for explicit in ("0",):  # "1" is ignored on a GPU (kernels.availability.explicit_rounding says why)
         with environment(**{EXPLICIT_ROUNDING_ENV: explicit}):
             tag = f"explicit_rounding={explicit}"
             for name, x in inputs.items():

@@ -17,8 +17,9 @@ variable                                    default    effect
                                                        GEMMs instead of refusing (as ``emulate=True``)
 ``FP8_LIGHTNING_DISABLE_TRITON``            ``0``      ``1``: CUDA tensors take the pure-torch path, not the Triton
                                                        kernels
-``FP8_LIGHTNING_TRITON_EXPLICIT_ROUNDING``  ``0``      ``1``: the Triton cast kernels round to the FP8 grid in float32
-                                                       before converting (always on under ``TRITON_INTERPRET=1``)
+``FP8_LIGHTNING_TRITON_EXPLICIT_ROUNDING``  ``0``      ignored on a GPU, with a warning (always on under
+                                                       ``TRITON_INTERPRET=1``: the interpreter's own conversion
+                                                       does not round to nearest even)
 ``FP8_LIGHTNING_DISABLE_CPU_CODEC``         ``0``      ``1``: CPU tensors take the pure-torch path, not the C codec
 ``FP8_LIGHTNING_GLUON_MX_GEMM``             ``0``      ``1``: on Hopper (capability 9.x) the MX GEMM runs the Gluon
                                                        kernel whose wgmma overlaps the scale math (not yet run on

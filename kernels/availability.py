@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import warnings
 
 import torch
 
@@ -54,13 +55,28 @@ def interpreting() -> bool:
 def explicit_rounding() -> bool:
     """Whether the cast kernels round to the FP8 grid in float32 before converting (read at each launch).
 
-    On by default only under the interpreter, whose float8 conversion is not round-to-nearest-even (ties round
-    up, a rounding carry into an odd exponent loses the carry, subnormals flush); after explicit rounding it
-    only converts exact values, which it does correctly. GPUs convert with hardware round-to-nearest-even, so
-    the extra arithmetic is skipped there unless ``FP8_LIGHTNING_TRITON_EXPLICIT_ROUNDING=1`` asks for it (the
-    GPU check verifies both settings bit for bit).
+    On under the interpreter, whose float8 conversion is not round-to-nearest-even (ties round up, a rounding
+    carry into an odd exponent loses the carry, subnormals flush); after explicit rounding it only converts exact
+    values, which it does correctly. GPUs convert with hardware round-to-nearest-even, so the extra arithmetic is
+    never needed there, and ``FP8_LIGHTNING_TRITON_EXPLICIT_ROUNDING=1`` is ignored on a GPU with a warning: on an
+    H100 with Triton 3.6 the transposed copies of the explicitly rounded casts came out wrong (constant bytes)
+    while the row-major ones were exact.
     """
-    return interpreting() or settings().triton_explicit_rounding
+    if interpreting():
+        return True
+    if settings().triton_explicit_rounding:
+        _warn_explicit_rounding_ignored()
+    return False
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_explicit_rounding_ignored() -> None:
+    warnings.warn(
+        "FP8_LIGHTNING_TRITON_EXPLICIT_ROUNDING=1 is ignored on a GPU: the hardware conversion already rounds to "
+        "nearest even, and the explicitly rounded transposed casts were wrong on an H100 with Triton 3.6. Unset it "
+        "to silence this warning.",
+        stacklevel=3,
+    )
 
 
 @functools.lru_cache(maxsize=1)

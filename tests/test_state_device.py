@@ -53,10 +53,13 @@ def test_compiled_step_after_cuda_move_updates_the_states_on_the_gpu(recipe):
             with fp8_autocast():
                 layer(x).square().mean().backward()
     torch.testing.assert_close(compiled.weight.grad, eager.weight.grad, rtol=2.0**-10, atol=0)
-    got, want = state_tensors(compiled), state_tensors(eager)
-    assert all(g.is_cuda for g in got)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w)
+    assert all(t.is_cuda for t in state_tensors(compiled))
+    for (_, ours), (_, theirs) in zip(compiled.fp8_scalings(), eager.fp8_scalings()):
+        for role, state in ours.operands.items():
+            other = theirs.operands[role]
+            for name in ("scale", "amax_history", "pending_amax", "last_amax", "nonfinite_count", "observed"):
+                torch.testing.assert_close(getattr(state, name), getattr(other, name), msg=f"{role} {name}")
+            assert state.initialized == other.initialized
 
 
 def test_every_module_move_sends_the_states_to_the_weights_device(monkeypatch):

@@ -289,3 +289,15 @@ def test_interpreter_setting_does_not_leak_to_other_tests(tmp_path):
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0 and "2 passed" in result.stdout, result.stdout[-3000:] + result.stderr[-2000:]
+
+
+def test_explicit_rounding_is_ignored_on_a_gpu_with_one_warning(monkeypatch):
+    from fp8_lightning.kernels import availability
+
+    monkeypatch.setattr(availability, "interpreting", lambda: False)
+    availability._warn_explicit_rounding_ignored.cache_clear()
+    set_env(monkeypatch, FP8_LIGHTNING_TRITON_EXPLICIT_ROUNDING="1")
+    with pytest.warns(UserWarning, match="ignored on a GPU"):
+        assert availability.explicit_rounding() is False
+    monkeypatch.setattr(availability, "interpreting", lambda: True)
+    assert availability.explicit_rounding() is True  # the interpreter needs it
