@@ -51,6 +51,8 @@ mkdir -p "$out" "$work"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$work/device.txt" 2>&1
 "$python" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >>"$work/device.txt" 2>&1
 "$python" -c "import torchao; print('torchao', torchao.__version__)" >>"$work/device.txt" 2>&1 || echo "torchao: not installed" >>"$work/device.txt"
+"$python" -m pip list 2>/dev/null | grep -i -E "^(torch|triton|lightning|pytorch-lightning|pytest|pytest-xdist|setuptools|wheel|pip|nvidia-cublas[a-z0-9-]*) " >>"$work/device.txt"
+"$python" -m fp8_lightning.capability_table >>"$work/device.txt" 2>&1  # which GEMM serves each recipe here
 cat "$work/device.txt" >>"$out/gpu-$mode.log"
 
 failed=0

@@ -7,6 +7,7 @@ Lightning; the Lightning adapters live in ``fp8_lightning.lightning``.
 from typing import TYPE_CHECKING
 
 from fp8_lightning.autocast import fp8_autocast, is_fp8_enabled
+from fp8_lightning.capability_table import capabilities
 from fp8_lightning.ops.dispatch import fast_dequantize_mxfp8 as dequantize_mxfp8
 from fp8_lightning.ops.dispatch import fast_dequantize_tensorwise as dequantize_tensorwise
 from fp8_lightning.ops.dispatch import fast_quantize_mxfp8 as quantize_mxfp8
@@ -95,6 +96,7 @@ __all__ = [
     "Recipe",
     "RowwiseScaling",
     "TensorwiseScaling",
+    "capabilities",
     "convert_to_fp8",
     "dequantize_mxfp8",
     "dequantize_tensorwise",

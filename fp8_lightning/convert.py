@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from fp8_lightning.conv1d import FP8Conv1D, is_conv1d
 from fp8_lightning.linear import FP8Linear, shape_unsupported_reason
+from fp8_lightning.capability_table import warn_if_not_native
 from fp8_lightning.profitability import ProfitabilityLike, resolve_gate
 from fp8_lightning.recipes import RecipeLike, recipe_from
 from fp8_lightning.scaling import OperandScaling, update_scales
@@ -90,6 +91,10 @@ def convert_to_fp8(
         else:
             FP8Linear.from_linear(child, recipe, emulate)
         report.converted.append(name or "<root>")
+    if report.converted:  # once per recipe and device: where its GEMMs fall back or are refused, say so now
+        first = module.get_submodule(report.converted[0]) if report.converted[0] != "<root>" else module
+        device = gate.device if gate is not None and gate.device is not None else first.weight.device
+        warn_if_not_native(recipe, device)
     return report
 
 

@@ -42,6 +42,8 @@ from typing import Iterator, Union
 import torch
 import torch.nn as nn
 
+from fp8_lightning.capability_table import recipe_route
+from fp8_lightning.gemm_routes import NATIVE
 from fp8_lightning.recipes import Recipe
 from fp8_lightning.settings import settings
 
@@ -106,8 +108,11 @@ def cast_bytes_per_element(recipe: Recipe) -> float:
 EXTRA_KERNELS = 9  # three casts (with their amax) and three transposed copies, plus scale updates
 
 
-def layer_cost(m: int, k: int, n: int, recipe: Recipe, device: DeviceRoofline) -> LayerCost:
-    """The roofline model of the module docstring for one (M, K, N) layer."""
+def layer_cost(
+    m: int, k: int, n: int, recipe: Recipe, device: DeviceRoofline, fp8_flops: float | None = None
+) -> LayerCost:
+    """The roofline model of the module docstring for one (M, K, N) layer. ``fp8_flops``: the rate of the
+    recipe's FP8 GEMMs where they do not run on FP8 tensor cores (:mod:`fp8_lightning.capability_table`)."""
 
     def gemm(flops: float, nbytes: float, peak: float) -> float:
         return max(flops / peak, nbytes / device.bandwidth)
@@ -115,7 +120,8 @@ def layer_cost(m: int, k: int, n: int, recipe: Recipe, device: DeviceRoofline) -
     flops = 2.0 * m * k * n
     bf16 = 3 * gemm(flops, 2.0 * (m * k + n * k + m * n), device.bf16_flops)
     fp8_gemms = recipe.fp8_gemms()  # rowwise: wgrad may stay in bf16
-    fp8 = fp8_gemms * gemm(flops, (m * k + n * k) + 2.0 * m * n, device.fp8_flops) + (3 - fp8_gemms) * bf16 / 3
+    rate = fp8_flops or device.fp8_flops
+    fp8 = fp8_gemms * gemm(flops, (m * k + n * k) + 2.0 * m * n, rate) + (3 - fp8_gemms) * bf16 / 3
     fp8 += cast_bytes_per_element(recipe) * (m * k + n * k + m * n) / device.bandwidth
     fp8 += EXTRA_KERNELS * device.launch_s
     return LayerCost(bf16, fp8)
@@ -204,11 +210,14 @@ class ProfitabilityGate:
             return f"FP8 is emulated on {device.type} (never faster than float32 there); profitability gate forced on"
         roofline = self.roofline or device_roofline(device)
         m, k, n = self.tokens, layer.in_features, layer.out_features
-        cost = layer_cost(m, k, n, recipe, roofline)
+        route = recipe_route(recipe, device) if device.type == "cuda" else None
+        slower = route is not None and route.verdict != NATIVE
+        cost = layer_cost(m, k, n, recipe, roofline, roofline.bf16_flops * route.rate_vs_bf16 if slower else None)
         if cost.fp8_s * self.min_speedup <= cost.bf16_s:
             return None
+        what = f"{route.gemm} at {route.rate_vs_bf16:.2f}x the bf16 rate" if slower else "too small to gain from FP8"
         return (
-            f"too small to gain from FP8 on {roofline.name}: GEMMs (M={m}, K={k}, N={n}) modelled at "
+            f"{what} on {roofline.name}: GEMMs (M={m}, K={k}, N={n}) modelled at "
             f"{cost.fp8_s * 1e6:.1f} us in FP8 vs {cost.bf16_s * 1e6:.1f} us in bf16 (fwd+bwd, roofline from "
             f"{roofline.source}); pass profitability=False to convert it anyway"
         )

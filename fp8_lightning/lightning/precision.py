@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from fp8_lightning.guard import DivergenceGuard, GuardEvent
 from fp8_lightning.lightning.plugin_base import FP8PrecisionMixin, ModuleFilter
+from fp8_lightning.capability_table import warn_if_not_native
 from fp8_lightning.profitability import ProfitabilityLike, profitability_setting, resolve_gate
 from fp8_lightning.recipes import RecipeLike
 
@@ -46,7 +47,10 @@ class FP8TrainerHooks(FP8PrecisionMixin):
         strategy = getattr(getattr(module, "_trainer", None), "strategy", None)
         device = getattr(strategy, "root_device", None)
         with profitability_setting(resolve_gate(self.profitability, device) or False):
-            return super().convert_module(module)
+            module = super().convert_module(module)
+        if device is not None and self.conversion_report is not None and self.conversion_report.converted:
+            warn_if_not_native(self.recipe, device)  # also when the gate is off (profitability=False)
+        return module
 
     @override
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:

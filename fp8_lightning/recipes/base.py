@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Mapping, Union
 import torch
 
 from fp8_lightning.formats import Format
+from fp8_lightning.gemm_routes import Capability, CudaVersion, GemmRoute
 from fp8_lightning.quantize import LAYOUT_MULTIPLE, OperandKind, Quantized
 from fp8_lightning.traced import TracedPlan, plan_for
 
@@ -144,6 +145,12 @@ class Recipe:
     def fp8_gemms(self) -> int:
         """How many of a layer's three GEMMs run in FP8."""
         return 3
+
+    def gemm_route(self, capability: Capability, cuda: CudaVersion, has_scaled_mm_v2: bool) -> GemmRoute:
+        """Which GEMM serves this recipe on a CUDA device of ``capability`` (sm_89 or later) with ``cuda``, and at
+        what rate (:mod:`fp8_lightning.gemm_routes`); a pure function, so the support matrix is made for any
+        device. ``has_scaled_mm_v2``: whether torch has ``torch.nn.functional.scaled_mm``."""
+        raise NotImplementedError(f"{type(self).__name__} does not say which GEMM serves it (Recipe.gemm_route)")
 
     def to_dict(self) -> dict:
         """Plain, YAML-friendly form; ``recipe_from(r.to_dict()) == r``."""

@@ -26,7 +26,9 @@ from fp8_lightning.fine_grained import (
     pack_shard,
     unpack_block_scales,
 )
+from fp8_lightning import cuda_rules
 from fp8_lightning.formats import Format, fp8_dtype
+from fp8_lightning.gemm_routes import GemmRoute, arch_name, cuda_name, emulated_on_gpu, native
 from fp8_lightning.ops import dispatch
 from fp8_lightning.quantize import BLOCK, Quantized
 from fp8_lightning.recipes.base import check_flags
@@ -62,6 +64,15 @@ class BlockwiseScaling(FineGrainedRecipe):
             return cast(x, dtype, WEIGHT_BLOCK, self.power_of_2_scales, transpose=columnwise)
         row = cast(x, dtype, ROW_TILE, self.power_of_2_scales)[0]
         return row, (cast(x, dtype, COLUMN_TILE, self.power_of_2_scales)[0] if columnwise else None)
+
+    def gemm_route(self, capability, cuda, has_scaled_mm_v2) -> GemmRoute:
+        refused = cuda_rules.device_violation(capability, cuda)
+        if refused is not None:
+            return emulated_on_gpu(refused)
+        api = "torch.nn.functional.scaled_mm (v2) and torch._scaled_mm" if has_scaled_mm_v2 else "torch._scaled_mm"
+        return native(f"cuBLAS 1x128 / 128x128 block-scaled GEMM ({api})",
+                      f"{arch_name(capability)}, {cuda_name(cuda)}; shapes cuBLAS cannot take are emulated "
+                      "(fp8_lightning.cuda_rules.blockwise_gemm_plan)")
 
     # -- FSDP2 ----------------------------------------------------------------------------------------------
 

@@ -13,7 +13,8 @@ from typing import ClassVar
 import torch
 
 from fp8_lightning.ops import dispatch
-from fp8_lightning.formats import Format, fp8_dtype
+from fp8_lightning.formats import NATIVE_MX_MIN_CAPABILITY, Format, fp8_dtype
+from fp8_lightning.gemm_routes import GemmRoute, arch_name, native, triton_mx
 from fp8_lightning.gemm import mx_mm
 from fp8_lightning.ops.layer import mx_operand_cast
 from fp8_lightning.mx import E8M0_DTYPE, e8m0_to_float
@@ -84,6 +85,14 @@ class MXFP8BlockScaling(Recipe):
     def cast_bytes_per_element(self) -> float:
         """Rowwise and columnwise copies each read bf16 and write codes and block scales."""
         return 2 * (2 + 1 + 1 / self.block_size)
+
+    def gemm_route(self, capability, cuda, has_scaled_mm_v2) -> GemmRoute:
+        arch = arch_name(capability)
+        if capability >= NATIVE_MX_MIN_CAPABILITY and self.block_size == 32:
+            return native("cuBLAS MX block-scaled GEMM (torch._scaled_mm, E8M0 scales)", f"{arch} has MX tensor cores")
+        if capability >= NATIVE_MX_MIN_CAPABILITY:
+            return triton_mx(f"cuBLAS's MX GEMM takes blocks of 32 only; this recipe has block_size={self.block_size}")
+        return triton_mx(f"{arch} has no MX tensor cores (sm_100 and later have them)")
 
 
 def _mx_multiplier(q: Quantized, k: int) -> torch.Tensor:

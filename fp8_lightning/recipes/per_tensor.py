@@ -17,6 +17,7 @@ import torch
 from fp8_lightning.ops import dispatch
 from fp8_lightning.formats import fp8_dtype
 from fp8_lightning.gemm import per_tensor_mm, per_tensor_scaled_mm
+from fp8_lightning.gemm_routes import GemmRoute, arch_name, native
 from fp8_lightning.quantize import TENSOR, Quantized, amax, dequantize_with_scale, to_fp8_saturated, wide
 from fp8_lightning.recipes.base import Recipe
 from fp8_lightning.scaling import OperandScaling, finite_or_zero
@@ -72,6 +73,9 @@ class PerTensorRecipe(Recipe):
 
     def transposed(self, row: Quantized, column: Quantized | None) -> Quantized:
         return row.t()
+
+    def gemm_route(self, capability, cuda, has_scaled_mm_v2) -> GemmRoute:
+        return native("cuBLAS torch._scaled_mm, tensorwise scales", f"{arch_name(capability)} has FP8 tensor cores")
 
     def traced_plan(self, device: torch.device, out_dtype: torch.dtype, emulate: bool) -> TracedPlan:
         return plan_for(self, device, out_dtype, emulate, scaled_mm=per_tensor_scaled_mm(device, emulate))

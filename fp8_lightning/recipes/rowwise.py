@@ -14,6 +14,7 @@ import torch
 
 from fp8_lightning.fine_grained import SCALE_BYTES, fine_operands, high_precision_gemm, pack_shard, row_mm
 from fp8_lightning.formats import Format, fp8_dtype
+from fp8_lightning.gemm_routes import CUBLAS_ROWWISE_MIN_CUDA, GemmRoute, arch_name, cuda_name, native
 from fp8_lightning.kernels.fine_grained_layout import ROWWISE_TILES
 from fp8_lightning.ops import dispatch
 from fp8_lightning.quantize import HIGH_PRECISION, ROW, Quantized, dequantize_with_scale
@@ -95,6 +96,15 @@ class RowwiseScaling(FineGrainedRecipe):
 
     def fp8_gemms(self) -> int:
         return 2 if self.high_precision_wgrad else 3
+
+    def gemm_route(self, capability, cuda, has_scaled_mm_v2) -> GemmRoute:
+        # ScaledBlas.cpp (_scaled_rowwise_rowwise): cuBLAS's rowwise GEMM on sm_90 with cuBLAS 12.9+, torch's CUTLASS
+        # kernel (f8f8bf16_rowwise) on other architectures and older CUDA
+        where = f"{arch_name(capability)}, {cuda_name(cuda)}"
+        if capability[0] == 9 and cuda is not None and cuda >= CUBLAS_ROWWISE_MIN_CUDA:
+            return native("cuBLAS rowwise-scaled GEMM (torch._scaled_mm)", where)
+        return native("torch's CUTLASS rowwise kernel (torch._scaled_mm)",
+                      f"{where}: cuBLAS's rowwise GEMM needs sm_90 and CUDA 12.9+")
 
 
 ROW.implement(

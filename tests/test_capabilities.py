@@ -1,0 +1,115 @@
+"""The capability table: its routes agree with the library's own device checks on simulated GPUs, conversion warns
+once where a recipe would not run natively, the profitability gate uses the route's rate, and the README's support
+matrix is the table's."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8_lightning import capability_table as caps
+from fp8_lightning import convert_to_fp8
+from fp8_lightning.blockwise import blockwise_gemm_support
+from fp8_lightning.gemm import fp8_gemm_support, native_mx_gemm_support
+from fp8_lightning.gemm_routes import EMULATED, FALLBACK, NATIVE, REFUSED
+from fp8_lightning.profitability import ProfitabilityGate, _datasheet
+from fp8_lightning.recipes import RECIPES, recipe_from
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+ARCHS = [(8, 0), (8, 9), (9, 0), (10, 0), (12, 0)]
+CUDAS = ["12.4", "12.9", "13.0"]
+
+
+@pytest.fixture
+def simulated_gpu(monkeypatch):
+    """Make torch report one CUDA device of a chosen capability and CUDA version (no GPU needed)."""
+
+    def simulate(capability: tuple[int, int], cuda: str = "12.9", name: str = "NVIDIA H100 80GB HBM3"):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+        monkeypatch.setattr(torch.version, "cuda", cuda)
+        monkeypatch.setattr(caps, "_warned", set())
+
+    return simulate
+
+
+@pytest.mark.parametrize("cuda", CUDAS)
+@pytest.mark.parametrize("capability", ARCHS, ids=lambda c: f"sm_{c[0]}{c[1]}")
+def test_routes_agree_with_the_checks_the_gemms_make(simulated_gpu, capability, cuda):
+    simulated_gpu(capability, cuda)
+    table = caps.capabilities("cuda")
+    runs = fp8_gemm_support("cuda")[0]
+    assert table["tensorwise"].runs == table["delayed"].runs == runs
+    if not runs:
+        assert all(route.verdict == REFUSED for route in table.values())
+        return
+    assert (table["blockwise"].verdict == NATIVE) == blockwise_gemm_support("cuda")[0]
+    assert (table["mxfp8"].verdict == NATIVE) == native_mx_gemm_support("cuda")[0]
+    assert table["tensorwise"].verdict == table["rowwise"].verdict == NATIVE
+
+
+def test_the_cpu_emulates_every_recipe():
+    table = caps.capabilities("cpu")
+    assert set(table) == set(RECIPES)
+    assert {route.verdict for route in table.values()} == {EMULATED}
+
+
+def test_mxfp8_on_hopper_warns_once_at_conversion_and_tensorwise_not_at_all(simulated_gpu):
+    simulated_gpu((9, 0))
+    for recipe, expected in (("tensorwise", 0), ("mxfp8", 1)):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                caps.warn_if_not_native(recipe_from(recipe), "cuda")
+        mine = [w for w in seen if "fp8_lightning.capability_table" in str(w.message)]
+        assert len(mine) == expected, [str(w.message) for w in seen]
+    assert "Triton MX GEMM" in str(mine[0].message) and "0.31x" in str(mine[0].message)
+
+
+def test_conversion_on_cpu_does_not_warn():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert_to_fp8(model, "mxfp8")
+
+
+def test_the_gate_keeps_mxfp8_layers_in_bf16_on_hopper_and_converts_them_on_blackwell(simulated_gpu):
+    layer = torch.nn.Linear(4096, 4096)
+    h100 = _datasheet("H100 SXM", 989, 1979, 3.35)
+    gate = ProfitabilityGate(device="cuda", roofline=h100)
+    simulated_gpu((9, 0))
+    reason = gate.skip_reason(layer, recipe_from("mxfp8"))
+    assert reason is not None and "Triton MX GEMM" in reason and "0.31x the bf16 rate" in reason
+    assert gate.skip_reason(layer, recipe_from("tensorwise")) is None
+    simulated_gpu((10, 0), name="NVIDIA B200")
+    assert gate.skip_reason(layer, recipe_from("mxfp8")) is None
+
+
+def test_cli_exit_code_says_whether_the_recipe_runs(simulated_gpu, capsys):
+    simulated_gpu((8, 0), name="NVIDIA A100")
+    assert caps.main(["--recipe", "tensorwise", "--device", "cuda"]) == 1
+    assert "refused" in capsys.readouterr().out
+    simulated_gpu((9, 0))
+    assert caps.main(["--recipe", "mxfp8", "--device", "cuda"]) == 0
+    assert FALLBACK in capsys.readouterr().out
+
+
+def test_readme_support_matrix_is_the_tables():
+    text = README.read_text()
+    found = re.search(r"<!-- support-matrix:start -->\n(.*?)\n<!-- support-matrix:end -->", text, re.S)
+    assert found, "README.md has no support matrix between the support-matrix markers"
+    assert found.group(1).strip() == caps.support_matrix().strip(), (
+        "README.md's support matrix differs from the capability table: paste the output of "
+        "`python -m fp8_lightning.capability_table --matrix` between the markers"
+    )
+
+
+def test_the_package_exports_the_table():
+    import fp8_lightning
+
+    assert fp8_lightning.capabilities("cpu") == caps.capabilities("cpu")
