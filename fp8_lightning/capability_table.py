@@ -16,7 +16,17 @@ import warnings
 import torch
 
 from fp8_lightning.formats import FP8_MIN_CAPABILITY
-from fp8_lightning.gemm_routes import EMULATED, NATIVE, REFUSED, CudaVersion, GemmRoute, arch_name, cuda_name
+from fp8_lightning.gemm_routes import (
+    EMULATED,
+    NATIVE,
+    NATIVE_FP8_RATE,
+    REFUSED,
+    UNKNOWN,
+    CudaVersion,
+    GemmRoute,
+    arch_name,
+    cuda_name,
+)
 from fp8_lightning.recipes import RECIPES, Recipe, recipe_from
 
 MATRIX_ARCHS = ((8, 9), (9, 0), (10, 0), (12, 0))
@@ -25,13 +35,21 @@ CPU_ROUTE = GemmRoute(EMULATED, "float GEMM on the FP8 codes' exact values (C co
                       "the CPU has no FP8 tensor cores: FP8 numerics, emulated", 0.0)
 
 
+def built_in_recipes() -> dict[str, type[Recipe]]:
+    """The recipes this package ships (the registry also holds those a user defines)."""
+    return {name: cls for name, cls in RECIPES.items() if cls.__module__.startswith("fp8_lightning.recipes.")}
+
+
 def route_on(recipe: Recipe, capability: tuple[int, int], cuda: CudaVersion, has_v2: bool) -> GemmRoute:
     """The route of ``recipe`` on a simulated CUDA device: refused below sm_89, else the recipe's own answer."""
     if capability < FP8_MIN_CAPABILITY:
         need = arch_name(FP8_MIN_CAPABILITY)
         return GemmRoute(REFUSED, "none", f"{arch_name(capability)} has no FP8 tensor cores or conversions (needs "
                          f"{need}+); pass emulate=True to emulate FP8 numerics in float32", 0.0)
-    return recipe.gemm_route(capability, cuda, has_v2)
+    try:
+        return recipe.gemm_route(capability, cuda, has_v2)
+    except NotImplementedError as missing:  # a user's recipe that does not say: assume its GEMMs run natively
+        return GemmRoute(UNKNOWN, "the recipe's own GEMMs", str(missing), NATIVE_FP8_RATE)
 
 
 def device_facts(device: torch.device) -> tuple[tuple[int, int], CudaVersion, bool]:
@@ -90,7 +108,7 @@ def support_matrix(cuda: CudaVersion = MATRIX_CUDA, has_v2: bool = True) -> str:
     """The README's support matrix: every recipe x :data:`MATRIX_ARCHS`, with ``cuda`` and torch 2.11's API."""
     header = "| recipe | " + " | ".join(arch_name(a) for a in MATRIX_ARCHS) + " |"
     lines = [header, "|---|" + "---|" * len(MATRIX_ARCHS)]
-    for name, cls in RECIPES.items():
+    for name, cls in built_in_recipes().items():
         cells = [_cell(route_on(cls(), arch, cuda, has_v2)) for arch in MATRIX_ARCHS]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

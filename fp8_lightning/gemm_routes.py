@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-NATIVE, FALLBACK, REFUSED, EMULATED = "native", "fallback", "refused", "emulated"
+NATIVE, FALLBACK, REFUSED, EMULATED, UNKNOWN = "native", "fallback", "refused", "emulated", "unknown"
 
 # ScaledBlas.cpp (_scaled_rowwise_rowwise): cuBLAS's rowwise-scaled GEMM needs sm_90 and cuBLAS 12.9; otherwise torch
 # runs its CUTLASS kernel
@@ -33,9 +33,10 @@ class GemmRoute(NamedTuple):
     """How a recipe's GEMMs run on one device.
 
     ``verdict``: :data:`NATIVE` (FP8 tensor cores through cuBLAS or CUTLASS), :data:`FALLBACK` (runs, slower: a
-    Triton kernel or float32 emulation), :data:`REFUSED` (cannot run without ``emulate=True``) or
-    :data:`EMULATED` (the CPU: FP8 numerics, no speed). ``gemm`` names what runs; ``why`` says why this route;
-    ``rate_vs_bf16`` is the GEMM throughput relative to bf16 on the same device (0 where it does not run)."""
+    Triton kernel or float32 emulation), :data:`REFUSED` (cannot run without ``emulate=True``), :data:`EMULATED`
+    (the CPU: FP8 numerics, no speed) or :data:`UNKNOWN` (a recipe that does not say). ``gemm`` names what runs;
+    ``why`` says why this route; ``rate_vs_bf16`` is the GEMM throughput relative to bf16 on the same device (0
+    where it does not run)."""
 
     verdict: str
     gemm: str

@@ -113,3 +113,12 @@ def test_the_package_exports_the_table():
     import fp8_lightning
 
     assert fp8_lightning.capabilities("cpu") == caps.capabilities("cpu")
+
+
+def test_a_recipe_that_does_not_say_is_reported_unknown_not_a_crash(simulated_gpu):
+    from fp8_lightning.gemm_routes import UNKNOWN
+    from fp8_lightning.recipes import Recipe
+
+    simulated_gpu((9, 0))
+    route = caps.route_on(Recipe.__new__(Recipe), (9, 0), (12, 9), True)
+    assert route.verdict == UNKNOWN and "gemm_route" in route.why and route.runs
