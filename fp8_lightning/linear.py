@@ -41,7 +41,7 @@ from fp8_lightning.gemm import check_device, fp8_mm
 from fp8_lightning.layer_step import FP8LinearFunction
 from fp8_lightning.quantize import OperandKind, Quantized
 from fp8_lightning.recipes import Recipe
-from fp8_lightning.scaling import OperandScaling, advance_histories
+from fp8_lightning.scaling import OperandScaling, advance_histories, records_amax
 from fp8_lightning.traced import make_plan, traced_linear
 
 Observer = Callable[[nn.Module, str, torch.Tensor, Quantized], None]
@@ -310,7 +310,7 @@ class FP8Linear(nn.Linear):
         plan = make_plan(recipe, x.device, out_dtype, self.fp8_emulate)
         with torch.autocast(x.device.type, enabled=False) if autocasting else contextlib.nullcontext():
             x2d = x.reshape(-1, x.shape[-1])
-            y = traced_linear(x2d, self.fp8_gemm_weight, self.bias, plan, scaling.operands, self.training)
+            y = traced_linear(x2d, self.fp8_gemm_weight, self.bias, plan, scaling.operands, records_amax(self.training))
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def _eager_forward(self, x: torch.Tensor, recipe: Recipe, out_dtype: torch.dtype, autocasting: bool):
@@ -318,7 +318,7 @@ class FP8Linear(nn.Linear):
             check_device(x.device, self.fp8_emulate)
         scaling = self._fp8_scalings.get(recipe) or self.fp8_scaling(recipe)
         weight = self.fp8_gemm_weight
-        record = self.training and not torch.is_inference_mode_enabled()  # inference mode is evaluation
+        record = records_amax(self.training)
         if record and scaling.step_boundary_passed(weight) and scaling.booked:
             scaling.update()  # no one called update_scales() after the optimizer step: advance locally
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])

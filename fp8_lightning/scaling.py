@@ -290,6 +290,12 @@ class OperandScaling:
 # --------------------------------------------------------------------------------------------------------
 
 
+def records_amax(training: bool) -> bool:
+    """Whether a cast books its amax and moves its scaling state: in training, and never under
+    ``torch.inference_mode()``, which is evaluation whatever the module's mode (its tensors cannot be kept)."""
+    return training and not torch.is_inference_mode_enabled()
+
+
 def update_scales(states: Iterable[OperandScaling], group: "dist.ProcessGroup | None" = None) -> int:
     """Reduce the step's pending amaxes across ranks (MAX, one all-reduce) and advance every delayed state.
 

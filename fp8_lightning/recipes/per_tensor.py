@@ -20,7 +20,7 @@ from fp8_lightning.gemm import per_tensor_mm, per_tensor_scaled_mm
 from fp8_lightning.gemm_routes import GemmRoute, arch_name, native
 from fp8_lightning.quantize import TENSOR, Quantized, amax, dequantize_with_scale, to_fp8_saturated, wide
 from fp8_lightning.recipes.base import Recipe
-from fp8_lightning.scaling import OperandScaling, finite_or_zero
+from fp8_lightning.scaling import OperandScaling, finite_or_zero, records_amax
 from fp8_lightning.traced import TracedPlan, plan_for
 
 
@@ -110,7 +110,7 @@ class PerTensorRecipe(Recipe):
         agreed = global_amax()
         state.move_to(agreed.device)
         clean = finite_or_zero(agreed)  # evaluation keeps the state as training left it
-        scale = state.scale_for(clean) if module.training else state.evaluation_scale(clean)
+        scale = state.scale_for(clean) if records_amax(module.training) else state.evaluation_scale(clean)
         data = dispatch.fast_quantize_with_scale(shard, scale, fp8_dtype(self.fp8_format))
         return data.view(torch.uint8), (scale, agreed)
 

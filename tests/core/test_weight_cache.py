@@ -82,3 +82,19 @@ def test_lightning_validation_after_an_ema_swap_reports_the_swapped_weights():
     swapped = validate(model)
     assert swapped != first
     assert swapped == validate(other)
+
+
+@pytest.mark.parametrize("recipe", [r for r in EVERY_RECIPE if r.per_tensor], ids=lambda r: r.name)
+def test_an_fsdp_weight_pack_under_inference_mode_keeps_the_scaling_state(recipe):
+    """FSDP2 packs a per-tensor weight for the all-gather with the layer's scale; under inference mode a
+    training-mode layer is evaluated, so the pack must not move the state (nor keep an inference tensor in it)."""
+    layer = fp8_layer(recipe)
+    twin = copy.deepcopy(layer)
+    layer.train()
+    weight = layer.weight.detach()
+    with torch.inference_mode():
+        data, (scale, _) = recipe.fsdp_pack(weight, layer, lambda: weight.abs().amax())
+    state, untouched = layer.fp8_scaling(recipe).operands["weight"], twin.fp8_scaling(recipe).operands["weight"]
+    assert state.initialized == untouched.initialized
+    assert torch.equal(state.scale, untouched.scale) and not state.scale.is_inference()
+    assert torch.equal(scale, untouched.evaluation_scale(weight.abs().amax()))
