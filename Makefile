@@ -13,7 +13,7 @@ TORCH_VERSION ?= 2.13.0
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST_ARGS ?=
 
-.PHONY: venv train test test-fast test-lightning-oldest gpu-check gpu-wheels gpu-dry-run aot-compile clean
+.PHONY: venv train test docs test-fast test-lightning-oldest gpu-check gpu-wheels gpu-dry-run aot-compile clean
 
 venv: $(STAMP)
 
@@ -70,3 +70,7 @@ test-lightning-oldest: $(STAMP)
 	$(PIP) install -q --no-deps --target .lightning-$(LIGHTNING_OLDEST) lightning==$(LIGHTNING_OLDEST) pytorch-lightning==$(LIGHTNING_OLDEST)
 	PYTHONPATH=.lightning-$(LIGHTNING_OLDEST) $(PY) -c "import lightning; assert lightning.__version__ == '$(LIGHTNING_OLDEST)', lightning.__version__"
 	PYTHONPATH=.lightning-$(LIGHTNING_OLDEST) $(PY) -m pytest -q tests/lightning/test_registration.py tests/lightning/test_cli_and_environment.py tests/lightning/test_fit.py tests/distributed/test_strategy_options.py
+
+# The documentation site, strict (a broken link or reference fails), into site/.
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict --quiet

@@ -17,22 +17,7 @@ Which copies the three GEMMs use (every tile runs along the GEMM's reduction dim
     dgrad   dx = g @ W       g: 1x128 tiles along N            W.T: the same blocks, transposed (no new cast)
     wgrad   dW = g.T @ x     g.T: 1x128 tiles along M          x.T: 1x128 tiles along M
 
-The input and the output gradient are each cast twice from high precision: along their last dimension (1x128)
-and down their columns (128x1 tiles in their own layout, handed out transposed). A 128x128 block has the same amax
-in W and W.T, so the weight is cast once and its data and scales are transposed for dgrad.
-
-GEMMs (:func:`blockwise_mm`): on CUDA sm90 with CUDA 12.9+, cuBLAS's block-scaled GEMM with 1x128 / 128x128
-float32 scales in cuBLAS's layouts: every 128-long slice of K is multiplied, scaled by ``scale_inv_a * scale_inv_b``
-and accumulated in float32. Elsewhere the operands are dequantized to float32 and multiplied (the emulation), which
-computes the same sum up to float32 rounding order. Which torch entry point a GEMM shape takes is decided by
-:func:`fp8_lightning.cuda_rules.blockwise_gemm_plan`, a pure function of the shapes, the device and torch's API:
-
-* ``torch.nn.functional.scaled_mm`` (v2, :func:`blockwise_scaled_mm_v2_args`) with cuBLAS's padded 128x128 layout,
-  where torch has it and K and the weight's rows are multiples of 128 (every GPT-2 and Llama GEMM);
-* ``torch._scaled_mm`` (v1, :func:`blockwise_scaled_mm_args`) where v1 both accepts the layout and cuBLAS reads it
-  right: two 1x128 operands (wgrad), or a 128x128 scale whose padded row stride is the exact one v1 demands;
-* the emulation otherwise, and off sm_90 / below CUDA 12.9, with a warning once per reason instead of an error in
-  the middle of a training step.
+The design in full: ``docs/design/notes.md``, section ``fp8_lightning.blockwise``.
 """
 
 from __future__ import annotations

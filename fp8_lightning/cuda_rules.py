@@ -5,34 +5,7 @@ No GPU is needed to run any of this: the rules are torch's C++ checks rewritten 
 library issues can be checked on a machine without one, and so that the path of each GEMM shape is decided by a pure
 function (shapes, architecture, CUDA version, torch's API), never by an error in the middle of a training step.
 
-Sources (line numbers counted in the stored copies named here; torch 2.11's own ``ScaledBlas.cpp`` was not available
-to read: ``benchmarks/results/blockwise-cuda-rules-20261126.md`` says what was checked against the torch 2.11.0
-wheel):
-
-* ``aten/src/ATen/native/cuda/ScaledBlas.cpp`` (pytorch/pytorch at 0174dfab):
-  ``check_size_stride`` (lines 130-139): a dimension of size <= 1 may have any stride;
-  ``is_blockwise_1x128_scaling`` (180-186): scale (rows, ceil(K/128)), strides (1, rows), "outer-dim-major";
-  ``is_blockwise_128x128_scaling`` (188-199): scale (ceil(rows/128), ceil(K/128)), strides (ceil(K/128), 1): the row
-  stride must be *exactly* ceil(K/128), not padded;
-  ``get_joint_scaling`` as called by ``_scaled_mm_out_cuda`` (v1 ``torch._scaled_mm``): pairs tried in the order
-  (TensorWise, TensorWise), (RowWise, RowWise), (128x128, 1x128), (1x128, 128x128), (1x128, 1x128), with ``b.t()`` and
-  ``scale_b.t()`` checked for the right operand; otherwise "Invalid scaling configuration";
-  ``_check_deepseek_support``: compute capability major == 9 only ("DeepSeek style (1x128, 128x128) scaling only
-  supported in CUDA for SM90") and cuBLASLt >= 12.9;
-  ``_scaled_block1x128_block128x128`` / ``_scaled_block128x128_block1x128`` / ``_scaled_block1x128_block1x128``
-  (v2 ``torch.nn.functional.scaled_mm``): the 128x128 scale is (L4, ceil(rows/128)) with strides (1, L4),
-  L4 = round_up(ceil(K/128), 4); the 1x128 scale is (rows, ceil(K/128)) with strides (1, rows).
-* ``torch/_meta_registrations.py`` ``_check_scaled_mm_sizes_v2`` (identical in the torch 2.11.0 wheel and in 2.13 for
-  the blockwise pairs): the same v2 layouts, but with ``K // 128`` and ``rows // 128`` (floor) where the kernel has
-  ceil, so on fake tensors (``torch.compile``) v2 passes only where K and the 128x128 operand's rows are multiples
-  of 128.
-* ``aten/src/ATen/native/ScaledBlasUtils.cpp`` ``check_deepseek_recipe``: v2 blockwise takes two
-  ``Float8_e4m3fn`` operands only (v1's ``get_joint_scaling`` takes any float8).
-* torch PR #166752 ("Fix DeepSeek scaling tensor handling"): cuBLASLt reads 128x128 scales with the row stride
-  L4 = round_up(K/128, 4); a scale laid out with stride ceil(K/128) != L4 is read wrongly (silently wrong results).
-
-Shapes here follow ``out = a @ b.T`` with ``a`` (M, K) and ``b`` (N, K), both K-last, as
-:func:`fp8_lightning.blockwise.blockwise_mm` takes them; ``mat1 = a`` and ``mat2 = b.T`` are what torch receives.
+The design in full: ``docs/design/notes.md``, section ``fp8_lightning.cuda_rules``.
 """
 
 from __future__ import annotations

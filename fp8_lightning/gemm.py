@@ -4,27 +4,7 @@ Every GEMM of :class:`~fp8_lightning.linear.FP8Linear` is written ``out = a @ b.
 the reduction dimension K last (an "NT" GEMM). That is exactly the layout ``torch._scaled_mm`` wants: ``a``
 row-major and ``b.T`` column-major, with no transposes in here.
 
-Backends, chosen per call:
-
-* ``scaled_mm``: ``torch._scaled_mm`` with per-tensor scales, on CUDA sm89+ (and on CPU when requested with
-  ``FP8_LIGHTNING_GEMM=scaled_mm``). CUDA needs K and N divisible by 16; operands are zero-padded when they are
-  not (zeros add nothing to a sum). The bias rides in the epilogue where cuBLAS takes it (bf16/fp16 output) and
-  fast accumulation is chosen per GEMM (the recipe's ``fprop_fast_accum`` / ``grad_fast_accum``).
-* ``float matmul`` (CPU, the default there): per-tensor scales, ``(A @ B.T) / (scale_a * scale_b) + bias`` in
-  one ``addmm``, where A and B hold the FP8 codes' exact values in float32. It is the same arithmetic as CPU
-  ``torch._scaled_mm`` (which converts both operands to float32 and multiplies) up to float32 summation order,
-  without its slow element-by-element float8 conversion and its operand copies; transposed operands are read in
-  place. MX operands enter dequantized (block scales applied), in the same ``addmm``.
-* ``emulate``: dequantize both operands to float32 and matmul (float32 accumulation). Used for MX block
-  scales on CUDA where no block-scaled GEMM is registered (without Triton or with
-  ``FP8_LIGHTNING_DISABLE_TRITON=1``), and on request (``FP8_LIGHTNING_GEMM=emulate`` or ``emulate=True``) on
-  GPUs without FP8 tensor cores.
-* MX operands with 32-element blocks on sm100+ (Blackwell) use cuBLAS's native MX GEMM through
-  ``torch._scaled_mm`` with E8M0 scales in its swizzled layout (:func:`swizzle_mx_scales`).
-* Other MX operands on CUDA go to the Triton block-scaled GEMM (``fp8_lightning.ops.triton_ops``) where it runs
-  (``triton_ops.triton_mx_gemm``; block sizes 32, 64 and 128), else to the emulation.
-
-Device checks return ``(ok, reason)`` so that the same reason feeds errors and test skips.
+The design in full: ``docs/design/notes.md``, section ``fp8_lightning.gemm``.
 """
 
 from __future__ import annotations

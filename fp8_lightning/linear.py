@@ -16,14 +16,7 @@ output and everything outside the GEMMs stay in high precision (the autocast dty
 Within one optimizer step the FP8 weight is cast once and reused across micro-batches: the cache is keyed on
 the parameter's version counter, which every in-place optimizer update bumps.
 
-Under ``torch.compile`` the layer traces into the model's graph (:mod:`fp8_lightning.traced`: the same math with
-the scaling state as tensors updated in place and a frozen plan, one graph, no recompilation as scales move);
-``tests/perf/test_compile.py`` counts the frames and compares with eager runs bit for bit. A layer watched by an
-observer (stats monitor, divergence guard) or fed an FP8-gathered weight runs this eager path as an island.
-
-A converted layer *is* the original module (its class is swapped in place), so its parameters, hooks and
-``state_dict`` keys, shapes and dtypes are exactly those of the ``nn.Linear`` it was. Scaling state is kept
-outside the ``state_dict`` and saved through :func:`fp8_lightning.convert.fp8_state_dict`.
+The design in full: ``docs/design/notes.md``, section ``fp8_lightning.linear``.
 """
 
 from __future__ import annotations

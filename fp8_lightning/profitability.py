@@ -16,17 +16,7 @@ The decision is a roofline model of one layer's forward and backward (fprop, dgr
            + extra_kernels * launch_latency
     FP8 pays off when  t_fp8 * min_speedup <= t_bf16
 
-The device numbers (dense bf16 and FP8 peaks, memory bandwidth, launch latency) come from a table of known
-GPUs (datasheet values times an achievable fraction), or, for another CUDA device, are *measured once* (a large
-bf16 matmul, a large FP8 ``torch._scaled_mm`` and a large copy) and cached in
-``~/.cache/fp8_lightning/roofline.json`` (``FP8_LIGHTNING_CACHE`` moves it). ``M`` is not known when a model
-is converted: the gate assumes ``tokens`` tokens per micro-batch (8192 by default; pass your own).
-
-Default policy (``profitability="auto"``): on CUDA the gate is on; on CPU it is off and every eligible layer is
-converted. On a CPU FP8 is *emulated*: it never runs faster than float32 there, so a CPU user wants FP8
-numerics (tests, CI, debugging a recipe), not speed, and gating would turn everything off. ``True`` forces the
-gate (on CPU it then keeps every layer in high precision, with the reason), ``False`` turns it off, and a
-:class:`ProfitabilityGate` sets its parameters.
+The design in full: ``docs/design/notes.md``, section ``fp8_lightning.profitability``.
 """
 
 from __future__ import annotations

@@ -16,15 +16,7 @@ precision (nothing is transposed in FP8)::
     dgrad   dx = g @ W       g: rows of g (along N)            W.T: columns of W (along N)
     wgrad   dW = g.T @ x     g.T: columns of g (along M)       x.T: columns of x (along M)
 
-A "columns of" copy is quantized in the tensor's own layout (amax down each column) and handed out as the
-transposed view. With ``high_precision_wgrad`` (torchao's ``rowwise_with_gw_hp``) wgrad multiplies the
-high-precision ``g.T`` and ``x.T`` and dgrad's ``W.T`` has one scale for the whole tensor.
-
-GEMMs (:func:`rowwise_mm`): ``out[m, n] = (sum_k a[m, k] * b[n, k]) / (scale_a[m] * scale_b[n])``, the scales
-applied to the float32 accumulator. On CPU that is ``torch._scaled_mm`` with rowwise scales (oneDNN: the FP8 values
-in float32, products summed in float32, then scaled; torchao calls it, and with power-of-two scales the layers
-agree bit for bit), computed as a float32 matmul of the decoded codes; on CUDA (sm89+) ``torch._scaled_mm`` with
-the cuBLAS layouts (:func:`rowwise_scaled_mm_args`).
+The design in full: ``docs/design/notes.md``, section ``fp8_lightning.rowwise``.
 """
 
 from __future__ import annotations

@@ -6,31 +6,7 @@ are parsed and validated the first time it is called, and the answer stays the s
 so a compiled graph and the eager code never disagree about it. A bad value fails at that first read with the
 variable, the value and what is allowed.
 
-==========================================  =========  ============================================================
-variable                                    default    effect
-==========================================  =========  ============================================================
-``FP8_LIGHTNING_GEMM``                      ``auto``   ``auto``: the fastest exact GEMM for the device (float matmul
-                                                       of the FP8 values on CPU, ``torch._scaled_mm`` on CUDA);
-                                                       ``scaled_mm``: ``torch._scaled_mm`` everywhere (also CPU);
-                                                       ``emulate``: dequantize and matmul in float32
-``FP8_LIGHTNING_EMULATE``                   ``0``      ``1``: run FP8 numerics in float32 on devices without FP8
-                                                       GEMMs instead of refusing (as ``emulate=True``)
-``FP8_LIGHTNING_DISABLE_TRITON``            ``0``      ``1``: CUDA tensors take the pure-torch path, not the Triton
-                                                       kernels
-``FP8_LIGHTNING_TRITON_EXPLICIT_ROUNDING``  ``0``      ignored on a GPU, with a warning (always on under
-                                                       ``TRITON_INTERPRET=1``: the interpreter's own conversion
-                                                       does not round to nearest even)
-``FP8_LIGHTNING_DISABLE_CPU_CODEC``         ``0``      ``1``: CPU tensors take the pure-torch path, not the C codec
-``FP8_LIGHTNING_GLUON_MX_GEMM``             ``0``      ``1``: on Hopper (capability 9.x) the MX GEMM runs the Gluon
-                                                       kernel whose wgmma overlaps the scale math (not yet run on
-                                                       a GPU), not the shipped Triton kernel
-``FP8_LIGHTNING_CACHE``                     ``~/.cache/fp8_lightning``  where the C codec is built and the
-                                                       measured GPU roofline is kept (``FP8_LIGHTNING_CACHE_DIR`` is
-                                                       read as its older name)
-==========================================  =========  ============================================================
-
-Booleans accept ``1/0``, ``true/false``, ``yes/no``, ``on/off`` (any case). Code that changes a variable after the
-first read (tests, a notebook) calls :func:`reload_settings`.
+The design in full: ``docs/design/notes.md``, section ``fp8_lightning.settings``.
 """
 
 from __future__ import annotations
@@ -45,9 +21,35 @@ GEMM_BACKENDS = ("auto", "scaled_mm", "emulate")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
+# (variable, default, effect): the documentation's table is rendered from this (``environment_table``), and a test
+# checks that every ``Settings`` field's variable is here.
+VARIABLES = (
+    (PREFIX + "GEMM", "auto", "`auto`: the fastest exact GEMM for the device (float matmul of the FP8 values on CPU, "
+     "`torch._scaled_mm` on CUDA); `scaled_mm`: `torch._scaled_mm` everywhere (also CPU); `emulate`: dequantize and "
+     "matmul in float32"),
+    (PREFIX + "EMULATE", "0", "`1`: emulate FP8 numerics in float32 on devices without FP8 GEMMs instead of refusing "
+     "(as `emulate=True`)"),
+    (PREFIX + "DISABLE_TRITON", "0", "`1`: CUDA tensors take the pure-PyTorch path instead of the Triton kernels"),
+    (PREFIX + "TRITON_EXPLICIT_ROUNDING", "0", "ignored on a GPU, with a warning (the explicitly rounded transposed "
+     "casts were wrong on an H100 with Triton 3.6, and the hardware conversion already rounds to nearest even); "
+     "always on under `TRITON_INTERPRET=1`"),
+    (PREFIX + "DISABLE_CPU_CODEC", "0", "`1`: CPU tensors take the pure-PyTorch path instead of the C codec"),
+    (PREFIX + "GLUON_MX_GEMM", "0", "`1`: on Hopper (capability 9.x) the MX GEMM runs the Gluon kernel whose wgmma "
+     "overlaps the scale math instead of the shipped Triton kernel"),
+    (PREFIX + "CACHE", "~/.cache/fp8_lightning", "where the C codec is built and the measured GPU roofline is kept "
+     "(`FP8_LIGHTNING_CACHE_DIR`, its older name, is still read)"),
+)
+
+
+def environment_table() -> str:
+    """:data:`VARIABLES` as a Markdown table (the documentation's copy is checked against it)."""
+    rows = [f"| `{name}` | `{default}` | {effect} |" for name, default, effect in VARIABLES]
+    return "\n".join(["| variable | default | effect |", "|---|---|---|", *rows])
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """The parsed environment (see the module docstring for each field's variable)."""
+    """The parsed environment (:data:`VARIABLES` lists each field's variable)."""
 
     gemm: str = "auto"
     emulate: bool = False

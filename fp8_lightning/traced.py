@@ -5,25 +5,7 @@
 are the eager layer's math: plain tensor operations for per-tensor casts, and custom ops whose implementations are
 the eager layer's own code for MX casts and GEMMs.
 
-What makes it traceable:
-
-* **State as tensors.** The operand scaling states' tensors (scale, pending amax, last amax, non-finite count and
-  the ``[initialized, observed]`` flags) enter the graph as inputs and are updated in place by the recipe's
-  ``traced_cast`` (plain tensor operations, the reference math of ``quantize`` and ``scaling``, which the
-  compiler fuses with the layer's neighbours; it functionalizes the in-place updates). Nothing is assigned to a
-  Python object inside the graph, so the step compiles once and is never recompiled as scales move. Per-tensor
-  GEMMs on CUDA are ``torch._scaled_mm`` in the graph (bias in its epilogue, fast accumulation per GEMM as the
-  recipe says); MX casts and the other GEMMs are the custom ops of :mod:`fp8_lightning.ops.layer` (the C codec,
-  the CPU float GEMM, Triton or cuBLAS behind them).
-* **A frozen plan.** The layer's autograd Function (:mod:`fp8_lightning.layer_step`) gets tensors and a hashable
-  :class:`TracedPlan` (recipe, formats, output dtype) as its step, never a module or a state object. The output
-  gradient's state is among its tensor inputs and is updated in backward (delayed scaling books its amax there).
-* **No cache.** The weight is cast at every forward (under eager mode it is cast once per optimizer step and kept).
-
-Between graphs, eagerly: ``sync_scales`` / the Lightning plugin advance the delayed histories once per optimizer
-step (in eager mode a layer without them advances its own at the next training forward; compiled layers need
-them). The stats monitor and the divergence guard observe each cast in Python, so a layer with an observer
-attached runs its eager path as an island in the graph (one break per layer while observed).
+The design in full: ``docs/design/notes.md``, section ``fp8_lightning.traced``.
 """
 
 from __future__ import annotations

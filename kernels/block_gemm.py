@@ -14,39 +14,7 @@ two blocks' scales:
 Scales are powers of two, so the fold is one exact multiply (barring float32 under/overflow of the product)
 and one add per output element and block. The result equals the twin up to float32 summation order.
 
-Tiles: (BLOCK_M, BLOCK_N) outputs per program, programs ordered in groups of ``GROUP_M`` rows of tiles so that
-neighbouring programs share operand tiles in L2. The tile configurations the autotuner tries on a GPU are kept in
-one named function, :func:`mx_gemm_configs`, sized so that no selectable configuration spills registers on sm_89,
-sm_90a or sm_100a (``benchmarks/aot_compile.py`` compiles every one ahead of time; ``tests/kernels/test_aot_compile.py``
-fails on a spill). Operand tiles are read through tensor descriptors: on sm90+ the compiled kernel loads them with
-TMA (``cp.async.bulk.tensor``) into the pipelined shared-memory stages, rows past M/N arrive as zeros, and the
-inner loop has no masks; only the store is masked. Ada (sm89) has no TMA: there Triton passes each descriptor as
-a pointer, shape and strides and loads tiles straight into registers for FP8 ``mma.sync``. An operand whose rows
-are not 16-byte aligned or not K-contiguous is copied first (``descriptors.descriptor_ready``).
-
-Why the wgmma is waited on every K step (sm_90a PTX: one ``wgmma.wait_group 0`` per step): Triton keeps a wgmma
-in flight across iterations only when its result feeds nothing but the next wgmma's accumulator (the rules of its
-MMAv3 pipeliner); here every block's product must be scaled before it is added, so the scale math waits for its
-own wgmma. Issuing block k+1's product before folding block k's (software pipelining by hand, with a fresh or a
-hoisted zero accumulator), two blocks per iteration, and ``tl.range``'s ``num_stages``, ``loop_unroll_factor``,
-``disallow_acc_multi_buffer`` and ``warp_specialize`` all still compile to ``wait_group 0`` on Triton 3.6 and 3.9
-(``benchmarks/mx_gemm_overlap.py``; ``benchmarks/results/mx-gemm-overlap-20261124.md``). The same loop written
-in Gluon (Triton's lower-level dialect: ``warpgroup_mma(is_async=True)``, ``warpgroup_mma_wait(1)``) compiles to
-``wait_group 1`` without spills: that is :mod:`~fp8_lightning.kernels.block_gemm_gluon`, which
-``FP8_LIGHTNING_GLUON_MX_GEMM=1`` selects on Hopper (opt-in: the interpreter that tests this kernel against its twin
-cannot run Gluon, and it has not run on a GPU yet).
-The exact alternatives do not pay: rescaling the running accumulator by a ratio of scales overflows float32
-(E8M0 spans 2**-127 .. 2**127), and pre-scaling the operands in bf16 halves the tensor-core rate. What remains
-for overlap is between warpgroups: with 8 warps (two per 128-row tile) each waits only for its own wgmma, so
-one's scale math can run under the other's (not measured: no GPU has run this kernel yet).
-
-Supported: any M, N >= 1; K a multiple of the block size; block sizes 32, 64, 128 (``tl.dot`` needs a K step
-of at least 32 for FP8 on Hopper); E4M3 and E5M2 in either operand (HYBRID's E5M2 x E4M3 backward GEMMs);
-output float32, bfloat16 or float16. Anything else falls back to the emulation (see ``fp8_lightning.kernels``).
-
-Only core builtins are used (``tl.full`` rather than ``tl.zeros``, integer division rather than ``tl.cdiv``), for
-the reason given in ``per_tensor``. Promoting every 32-element partial product to the float32 accumulator also
-sidesteps the limited accumulation precision of Hopper's FP8 tensor-core instructions over long K.
+The design in full: ``docs/design/notes.md``, section ``kernels.block_gemm``.
 """
 
 from __future__ import annotations

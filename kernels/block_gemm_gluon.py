@@ -14,18 +14,7 @@ k-1's, and block k-1 is scaled and added while block k's is in flight. Operand t
 (``cp.async.bulk.tensor``) into two shared-memory stages, each with its mbarrier: block k's tiles are loaded while
 block k-1's wgmma runs, into the stage block k-2 used (its wgmma was waited for in the previous iteration).
 
-Status: compiled ahead of time for sm_90a in every configuration :func:`tile_for` can pick (``kernels/aot.py``,
-no spills; ``tests/kernels/test_aot_compile.py`` checks from its PTX that the loop waits with ``wait_group 1`` and
-loads by TMA), but it has never run on a GPU, and the Triton interpreter that tests the shipped kernel on a CPU
-cannot run Gluon. So it is off by default: ``FP8_LIGHTNING_GLUON_MX_GEMM=1`` selects it on capability 9.x
-(:func:`~fp8_lightning.kernels.availability.gluon_mx_gemm_status`); ``benchmarks/kernels_gpu.py`` checks it
-against the shipped kernel and the emulation and times it on the first GPU that runs the benchmarks.
-
-This module imports ``triton.experimental.gluon`` at import time; it is imported only through
-:func:`~fp8_lightning.kernels.availability.gluon_status`, which reports a Triton without a usable Gluon as a reason.
-Supported: what ``mx_gemm`` admits (any M, N >= 1, K a multiple of the block size, blocks 32/64/128, E4M3/E5M2
-in either operand, float32/bfloat16/float16 output), with K-contiguous scales of fewer than 2**31 elements
-(:func:`refusal` says why not; the shipped kernel then runs).
+The design in full: ``docs/design/notes.md``, section ``kernels.block_gemm_gluon``.
 """
 
 from __future__ import annotations

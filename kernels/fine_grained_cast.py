@@ -13,23 +13,7 @@ the layout ``torch._scaled_mm`` reads. Here every copy a layer needs is one laun
   with the row stride rounded up to 4 floats (16 bytes);
 * for a weight's 128x128 blocks, also ``W.T``'s codes and block scales (dgrad's operand) from the same registers.
 
-One kernel covers every copy. It sees the source ``x`` (any strides) in *(line, position)* coordinates: a scale is
-shared by the positions of a window along one line (``WINDOW``: all of them for rowwise, 128 for blockwise) and,
-for 128x128 blocks (``SQUARE``), by 128 lines too. Lines are rows of ``x`` for the copies that reduce over its last
-dimension and columns of ``x`` for the ones that reduce over its first (then the codes come out transposed). A
-program owns ``BLOCK_LINES`` lines and one window: it reads the window in ``CHUNK``-long pieces once for the amax
-and once more to cast (from cache: a window is at most a row of the tensor), so no tile is larger than 4,096
-elements and nothing spills (``benchmarks/aot_compile.py``).
-
-Bit-identical to the twins, for the reasons :mod:`fp8_lightning.kernels.per_tensor` gives (amax on the bit patterns,
-NaN above inf; ``div_rn`` is the correctly rounded quotient that the twins get by dividing in float64; explicit
-saturation and, under the interpreter, rounding to the FP8 grid before the conversion), plus the recipes' rules:
-
-    rowwise    scale = fp8_max / max(amax, eps), capped at float32 max;  1 where amax is inf or NaN
-    blockwise  scale = fp8_max / amax, capped at float32 max;           1 where amax is 0, inf or NaN
-    both       power-of-two scales keep sign and exponent (2**floor(log2(scale)), as ``frexp`` does)
-
-Only core builtins, as in the other kernel modules, so the kernels also run in Triton's interpreter.
+The design in full: ``docs/design/notes.md``, section ``kernels.fine_grained_cast``.
 """
 
 from __future__ import annotations

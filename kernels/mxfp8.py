@@ -13,16 +13,7 @@ registers writes
 ``X_pad`` is X rounded up to a whole number of blocks: missing elements are zeros, exactly what
 ``pad_dim`` + ``quantize_mxfp8`` produce. ``x`` may have any strides (a transposed view is read as it lies).
 
-The shared exponent is computed on the float32 bit pattern of the block amax, reproducing the twin's
-``frexp``-based rule exactly:
-
-    floor(log2(amax)) = exponent field - 127      (normal amax; +inf counts as 2**-1, as torch.frexp says)
-    floor:  e = floor(log2(amax)) - emax
-    rceil:  e + 1 where the mantissa exceeds 1.75 (amax / 2**e > fp8_max = 1.75 * 2**emax), and for +inf
-    e = clamp(e, -127, 127); amax 0, subnormal or NaN -> -127; NaN blocks get the E8M0 NaN byte 255
-
-Elements are multiplied by ``2**-e`` (an exact float32 power of two built from its bits), saturated (NaN kept)
-and rounded to nearest even, as ``torch.ldexp`` + ``to_fp8_saturated`` do.
+The design in full: ``docs/design/notes.md``, section ``kernels.mxfp8``.
 """
 
 from __future__ import annotations

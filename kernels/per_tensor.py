@@ -14,29 +14,7 @@ The pure-torch twins live in :mod:`fp8_lightning.quantize` (``amax``, ``tensorwi
   finish books a delayed amax), write ``1 / scale`` and, for a 2-D operand, its transposed copy: one custom op
   per cast and no scalar operation around it, each of which would be a launch.
 
-Why the numbers are bit-identical to the twins:
-
-* The amax is reduced on the *bit patterns* of ``|x|`` as int32: for non-negative floats the integer order is
-  the float order, and every NaN pattern is larger than +inf, so an integer max propagates NaN exactly like
-  ``torch.amax``. One ``atomic_max`` per program combines the programs (max is order-independent).
-* ``x * scale`` is one float32 multiply in both; saturation is an explicit clamp that keeps NaN (the float8
-  conversion must never see an out-of-range value); the conversion rounds to nearest even on GPUs
-  (``cvt.rn.satfinite``).
-* With ``EXPLICIT_ROUNDING`` (always under the interpreter, see ``availability.explicit_rounding``) the value is
-  first rounded to the FP8 grid in float32 by :func:`_round_to_grid`, so that the conversion only ever sees
-  representable values. The interpreter needs it: its own conversion rounds ties up, loses a rounding carry
-  into an odd exponent (7.75 becomes 4.0 in E4M3), turns NaN into a number and flushes subnormals.
-* The tensorwise scale follows ``tensorwise_scale`` operation by operation: ``fp8_max / clamp(amax, eps)``
-  correctly rounded to float32 (torch divides in float64, the kernel with ``div_rn``: the same bits), capped at
-  float32 max, then optionally rounded down to a power of two (``frexp``: NaN becomes 0.5).
-
-Triton's standard library (``tl.max``, ``tl.zeros``, ``tl.cdiv``, ...) is itself made of ``@triton.jit``
-functions, compiled or interpreted depending on ``TRITON_INTERPRET`` *when triton is imported*. The kernels use
-only core builtins (``tl.reduce`` with ``tl.max``'s combine function, ``tl.full``, integer arithmetic), so they
-also run in the interpreter in a process that imported triton before turning it on (a test session does).
-
-Inputs: float32, bfloat16 or float16, any shape (flattened; a non-contiguous input is copied first), and 2-D
-(any strides) for :func:`cast_transpose`. Outputs are contiguous.
+The design in full: ``docs/design/notes.md``, section ``kernels.per_tensor``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """The capability table: its routes agree with the library's own device checks on simulated GPUs, conversion warns
-once where a recipe would not run natively, the profitability gate uses the route's rate, and the README's support
-matrix is the table's."""
+once where a recipe would not run natively, and the profitability gate uses the route's rate (tests/test_docs.py
+checks the support matrix's copies)."""
 
 from __future__ import annotations
 
-import re
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +17,6 @@ from fp8_lightning.gemm_routes import EMULATED, FALLBACK, NATIVE, REFUSED
 from fp8_lightning.profitability import ProfitabilityGate, _datasheet
 from fp8_lightning.recipes import RECIPES, recipe_from
 
-README = Path(__file__).resolve().parents[1] / "README.md"
 ARCHS = [(8, 0), (8, 9), (9, 0), (10, 0), (12, 0)]
 CUDAS = ["12.4", "12.9", "13.0"]
 
@@ -97,16 +94,6 @@ def test_cli_exit_code_says_whether_the_recipe_runs(simulated_gpu, capsys):
     simulated_gpu((9, 0))
     assert caps.main(["--recipe", "mxfp8", "--device", "cuda"]) == 0
     assert FALLBACK in capsys.readouterr().out
-
-
-def test_readme_support_matrix_is_the_tables():
-    text = README.read_text()
-    found = re.search(r"<!-- support-matrix:start -->\n(.*?)\n<!-- support-matrix:end -->", text, re.S)
-    assert found, "README.md has no support matrix between the support-matrix markers"
-    assert found.group(1).strip() == caps.support_matrix().strip(), (
-        "README.md's support matrix differs from the capability table: paste the output of "
-        "`python -m fp8_lightning.capability_table --matrix` between the markers"
-    )
 
 
 def test_the_package_exports_the_table():

@@ -3,26 +3,7 @@
     ddp_model.register_comm_hook(FP8CommState(), fp8_compress_hook)
     Trainer(strategy=DDPStrategy(ddp_comm_hook=fp8_compress_hook, ddp_comm_state=FP8CommState()))
 
-Why: a data-parallel step moves every gradient; sending one byte per element instead of two (bf16) or four halves
-or quarters what the wire carries, which pays where steps wait on communication (many ranks, slow links, small
-per-rank batches). No FP8 collective is needed and nothing is ever summed in FP8 (the scheme of FP8-LM, with
-the reduction in float32 on the receiving side instead of a patched NCCL):
-
-1. **Agreed scales.** Each rank computes the max |g| of every block (``block_size`` elements) of the bucket; one
-   small all-reduce (MAX) agrees them, so every rank encodes a block with the same scale ``fp8_max / amax``.
-2. **Reduce-scatter as all-to-all.** Chunk ``r`` of the bucket (``1 / world`` of it) goes to rank ``r`` as FP8
-   codes (``uint8`` views: gloo and NCCL move them); rank ``r`` sums the ``world`` copies in float32.
-3. **All-gather of the FP8 mean.** The owner encodes its mean, applying ``factor / world`` of the 1/N before the
-   cast and ``1 / factor`` after the decode (FP8-LM's split). The factor is automatic: it starts at 1 (a mean
-   that never overflows, since ``|mean| <= amax``), doubles after ``growth_interval`` calls without overflow
-   (a mean that cancelled between ranks keeps its precision instead of sinking into the subnormals) and backs off
-   at once, to the largest power of two that fits, when a block would overflow. The factor each owner used
-   travels with its chunk (4 bytes), and every rank adopts the smallest, so the state stays the same everywhere.
-
-Wire bytes per rank for ``n`` elements: ``(w-1)/w * n`` (all-to-all) + ``(w-1) * (n/w + 4)`` (all-gather) +
-``2(w-1)/w * 8 * blocks`` (scales), i.e. about half a bf16 ring all-reduce (``2(w-1)/w * 2n``) and a quarter
-of a float32 one. A block that held NaN or inf on any rank comes back NaN on every rank (the saturating cast
-would otherwise hide it), so non-finite checks still fire. The result is the mean, as DDP's default hook gives.
+The design in full: ``docs/design/notes.md``, section ``fp8_lightning.distributed.grad_comm``.
 """
 
 # no `from __future__ import annotations`: DDP checks the hook's annotations as objects (dist.GradBucket)

@@ -11,33 +11,7 @@ what the first returns and hands the gathered buffers to the second::
     all:       fsdp_post_all_gather -> FP8GatheredWeight (N x K, FP8 data + scale), the unsharded parameter
     FP8Linear: LayerScaling.weight_operands() sees ``fp8_weight_operands`` and uses the FP8 data as is
 
-Scales, per recipe:
-
-* tensorwise / delayed: ONE scale for the whole weight, identical on every rank. It needs the amax of the
-  whole weight, which :class:`~fp8_lightning.distributed.amax.WeightAmaxSync` agrees for *all* weights of the
-  model in one coalesced MAX all-reduce the first time a weight is gathered after the weights changed (i.e. once
-  per optimizer step). Tensorwise uses ``fp8_max / amax``; delayed uses the layer's delayed weight scale (just in
-  time from that amax on first use) and records the agreed amax in the layer's history, so the result is the
-  same as the layer computing on the whole weight in one process. The scale travels as all-gather metadata,
-  not through the collective.
-* MXFP8: blocks of 32 run along K (the last dimension); FSDP2 shards rows (dim 0), so every block lies in one
-  shard and each rank quantizes its rows locally. The E8M0 block scales travel with the data (1/32 byte per
-  element), packed into the same uint8 rows (K data bytes, then K/32 scale bytes): one all-gather input per
-  weight, which FSDP2's single-rank shortcut (it copies only the first input) also handles. dgrad needs W
-  quantized along N (columnwise). That copy is derived from the *gathered* FP8 weight
-  (dequantized exactly, then quantized along N), not from the high-precision weight, which no rank holds in
-  full: gathering a second columnwise copy would double the traffic back to bf16 levels. The price is a second
-  rounding of W in dgrad only; the measured effect on the loss is in ``tests/distributed``.
-* rowwise / blockwise: float32 row or 128x128 block scales travel in the same rows as the codes
-  (:mod:`fp8_lightning.fine_grained`).
-
-Rules FSDP2 imposes and how they are met: gloo cannot all-gather float8 dtypes, so FP8 data and E8M0 scales
-travel as ``uint8`` views (free on NCCL too); the buffers are allocated once at the first gather, so a weight
-always gathers in the same layout (its layer's recipe at wrap time); later gathers refill the same storage
-(``out=``), so FP8 copies saved for backward stay valid; the gathered data is a view of FSDP2's buffer, never a
-copy. A shard must be even (``N % world == 0``): :func:`fp8_all_gather_unsupported_reason` says so otherwise.
-
-Outside FP8 compute (e.g. a high-precision evaluation) a gathered weight behaves as its dequantized value.
+The design in full: ``docs/design/notes.md``, section ``fp8_lightning.distributed.weight``.
 """
 
 from __future__ import annotations

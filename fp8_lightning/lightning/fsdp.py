@@ -4,36 +4,7 @@
     trainer = Trainer(strategy=FP8FSDPStrategy(block_classes=["Block"], reduce_dtype="bf16"),
                       plugins=[FP8Precision(recipe="mxfp8")])
 
-What it adds to ``ModelParallelStrategy`` (all real work is in :mod:`fp8_lightning.distributed`):
-
-* **Conversion before sharding.** ``ModelParallelStrategy`` calls the precision plugin's ``convert_module``
-  after ``configure_model`` has sharded the model, too late for FP8 all-gather (FSDP2 reads a parameter's type
-  when ``fully_shard`` runs). This strategy converts with the FP8 precision plugin (idempotent, in place) and
-  makes the FP8 weights gather in FP8 *before* any ``fully_shard``: right before the user's ``configure_model``
-  and again right after it for layers it created.
-* **A default sharding policy.** A LightningModule without ``configure_model`` is sharded per block: every child
-  of every ``nn.ModuleList``, or the modules whose class names are in ``block_classes``; then each top-level
-  child that holds parameters, or the LightningModule itself when it holds parameters directly or its
-  children share one (tied embeddings; its ``forward`` must then be what ``training_step`` calls). A user's
-  ``configure_model`` runs first and, if it calls ``fully_shard`` itself, is respected. Without one, the strategy
-  shards in its own ``setup``, before the optimizers are built; the user's module gains no hook.
-* **Every rank shards.** ``data_parallel_size="auto"`` means all ranks (``ModelParallelStrategy`` alone would
-  take the nodes only and leave the processes of a node to tensor parallelism).
-* **FP8 precision by default.** With no FP8 precision plugin (``precision="32-true"`` / ``"bf16-mixed"``) the
-  strategy installs ``FP8Precision(recipe, dtype=...)``; ``bf16-true``/``16-true`` are refused (FP8 training
-  keeps float32 master weights).
-* **Options.** ``fp8_all_gather=False`` keeps the weight all-gather in high precision; ``fp8_reduce_scatter=True``
-  sends gradients through the reduce-scatter in FP8 (:class:`~fp8_lightning.distributed.FP8ReduceScatter`,
-  float32 sums on the receiving side); ``param_dtype`` /
-  ``reduce_dtype`` set FSDP2's ``MixedPrecisionPolicy`` (the reduce-scatter precision of gradients);
-  ``activation_checkpointing=True`` checkpoints every block, recomputing under the forward's FP8 setting.
-* **Gradient accumulation** skips the reduce-scatter on all but the last micro-batch
-  (``set_requires_gradient_sync``), as DDP's ``no_sync`` does.
-* **Checkpoints** are ``ModelParallelStrategy``'s torch distributed checkpoints (a folder with one shard per
-  rank for model and optimizer state); the FP8 scaling state, identical on every rank, is the precision plugin's
-  ``state_dict`` and goes into the folder's metadata file.
-
-Launch: any Lightning launcher (``torchrun``, SLURM's ``srun``, or Lightning's own subprocess launcher).
+The design in full: ``docs/design/notes.md``, section ``fp8_lightning.lightning.fsdp``.
 """
 
 from __future__ import annotations

@@ -1,28 +1,7 @@
 """What the Trainer and the Fabric FP8 precision plugins share: conversion, the forward context, the per-step
 work around the optimizer step, and the checkpointed state.
 
-The plugin classes themselves (:mod:`.precision`, :mod:`.fabric`) only wire these methods into Lightning's
-hooks. Everything numerical is in the core:
-
-* ``convert_module`` converts ``nn.Linear`` layers *in place* with :func:`~fp8_lightning.convert.convert_to_fp8`
-  (Lightning's DDP strategy ignores the returned module; an FSDP2 strategy calls this before sharding). It is
-  idempotent. Layers an FP8 plugin converted earlier under another recipe (a previous ``fit`` under another
-  precision) train under this plugin's recipe, with a warning that names them; layers the user converted with
-  ``convert_to_fp8`` keep their recipe, and ``replace_layers=False`` keeps every layer's.
-* ``forward_context`` enters :func:`~fp8_lightning.autocast.fp8_autocast` plus, for the non-FP8 parts, torch
-  autocast in ``dtype`` (bf16 on CUDA by default; float32, i.e. no autocast, on CPU).
-* Before the optimizer step (gradients complete, weights untouched) the optional divergence guard reads the
-  step's FP8 statistics and moves troubled layers to high precision; a step whose FP8 operands held NaN/inf
-  has its gradients dropped. After the step :func:`~fp8_lightning.convert.sync_scales` runs once: one coalesced
-  MAX all-reduce of all pending amaxes across ranks, then every delayed scale advances. With gradient
-  accumulation Lightning calls the optimizer step once per ``accumulate_grad_batches`` micro-batches, so the
-  histories advance once per optimizer step and the FP8 weights (cached on the weight's version) are cast once.
-* ``state_dict`` holds the scaling state of every converted layer (histories, scales, fallback decisions) and
-  the guard's counters, with a sha256 checksum of them; Lightning saves it in checkpoints under the plugin's class
-  name. ``load_state_dict`` refuses an entry whose checksum does not match, or that holds a scale that is not finite
-  and positive or a history of another shape, with an error that names the checkpoint (``checkpoint_path``, else
-  the Trainer's ``ckpt_path``) and the fix, before it restores anything. The model's own
-  ``state_dict`` is untouched, so checkpoints interchange with plain-precision runs both ways.
+The design in full: ``docs/design/notes.md``, section ``fp8_lightning.lightning.plugin_base``.
 """
 
 from __future__ import annotations

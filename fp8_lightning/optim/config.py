@@ -14,21 +14,7 @@ preset          first moment m         second moment v              master weigh
                                                                     rounded stochastically
 ==============  =====================  ===========================  =========================  ==========
 
-``default`` is built for loss parity at 6 bytes per parameter or less (bf16 weights 2 + gradient 2, or about
-0.1 with gradients released in backward, + 3.06): E4M3 for ``m`` is what MS-AMP/FP8-LM showed to be harmless
-(``m`` is a noisy average whose sign and rough size is what matters); ``v`` goes through the square root so
-that 8 bits cover the range of the gradients (``state_formats.py``); the master of a bf16 weight keeps 16
-significant bits (bf16 + one remainder byte), which is what the updates need: the measured loss cost of *no*
-master is about 4% for bf16 weights, the cost of the 16-bit master is within noise of an exact float32 one
-(``benchmarks/results/optimizer_convergence*``). A float32 parameter is its own (exact) master.
-``max_savings`` keeps no master copy. Rounded to nearest, a bf16 parameter loses every update smaller than
-half a bf16 ulp (measured: +4% loss); rounded stochastically (``master_weights="bf16_stochastic"``, no extra
-bytes) it keeps them in expectation, which measured at parity, so that is the preset.
-Earlier configurations stay available as options: ``exp_avg_sq="fp16:128"`` (11-bit ``v``, +1 byte) and
-``master_weights="bf16_remainder"`` (exact float32 master, +1 byte).
-
-Tensors with fewer than ``min_quantize_numel`` elements (biases, norm gains) keep float32 states: their bytes are
-negligible, and the padding of a 128-element block plus a 4-byte scale would cost more than it saves.
+The design in full: ``docs/design/notes.md``, section ``fp8_lightning.optim.config``.
 """
 
 from __future__ import annotations

@@ -1,40 +1,6 @@
 """Master weights: where the optimizer keeps the precise copy of a parameter that its updates accumulate into.
 
-A training step changes a weight by ``lr * update``, often far less than one unit in the last place (ulp) of a
-bfloat16 weight (bf16 keeps 8 significant bits: a weight of 0.02 has an ulp of 2**-13 ~ 1.2e-4, while
-``lr = 1e-4`` moves it by about 1e-4 per step, and by 1e-6 at the end of a cosine schedule). Rounding every step
-to bf16 silently drops such updates. The choices, per parameter:
-
-``"fp32"``
-    A float32 parameter is its own master (nothing extra is held). A lower-precision parameter gets a float32
-    copy in the optimizer state (4 extra bytes per element).
-``"bf16_remainder"``
-    For a bfloat16 parameter: the optimizer keeps only the 16 low bits that bf16 drops, as an int16 remainder.
-    ``bf16 bits << 16 + remainder`` reconstructs the float32 master *exactly* (2 extra bytes per element instead
-    of 4). The bf16 parameter the model computes with is the float32 master rounded to nearest (ties away from
-    zero), so the forward pass sees the best bf16 weight, not a truncated one. Other dtypes fall back to "fp32".
-``"bf16_int8_remainder"``
-    For a bfloat16 parameter: one signed byte of remainder (1 extra byte per element). The master is the float32
-    value rounded to nearest to 16 significant bits (bf16's 8 plus 8 more: a "float24" with bf16's exponent),
-    stored as ``bf16 bits << 8 + remainder``; the bf16 parameter is that value rounded to nearest. The step of
-    this 16-bit grid is 2**-15 of the weight's binade (1/256 of a bf16 ulp, 1/32 of a float16 ulp); each store
-    rounds to the nearest grid value, an error of at most 2**-16 relative, so the many updates far below a bf16
-    ulp still accumulate (only those under half a grid step are dropped). Reconstruction from the stored bytes is
-    exact; only the rounding at each store loses anything. Other dtypes fall back to "fp32".
-``"bf16_stochastic"``
-    No master for a bfloat16 parameter (zero extra bytes), but the float32 result is rounded into bf16
-    *stochastically*: up with probability equal to the fraction of a bf16 ulp that was cut off, so updates below
-    half an ulp survive in expectation instead of being dropped every time. The random bits are a hash of the
-    element index and the step count (:func:`rounding_noise`): no generator state, and a resumed run draws the
-    same bits as an uninterrupted one. Other dtypes round to nearest ("param").
-``"fp16_scaled"``
-    A float16 copy with one power-of-two scale per tensor (2 extra bytes; 11 significant bits instead of bf16's 8).
-    Lossier than the remainder, kept for parity with MS-AMP's 16-bit master weights.
-``"param"``
-    No master: the update is computed in float32 and rounded into the parameter's own dtype (zero extra bytes;
-    updates below half an ulp are lost). For maximum savings only.
-
-The bit arithmetic (:func:`split_fp32`, :func:`join_fp32`) is pure and exact; tests compare it with float64.
+The design in full: ``docs/design/notes.md``, section ``fp8_lightning.optim.master_weights``.
 """
 
 from __future__ import annotations

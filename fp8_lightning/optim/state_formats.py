@@ -15,16 +15,7 @@ in float32 and encodes it again. A :class:`StateFormat` names that narrow format
     per-tensor scale cannot promise for states whose magnitudes span many binades across a tensor.
     The last block is zero-padded; the scale of a block without a nonzero finite value is 1.
 
-``transform="sqrt"`` (for the second moment only, which is never negative)
-    stores ``sqrt(v)`` and decodes by squaring. Why: E4M3 covers about 2**17.8 between its largest value and its
-    smallest subnormal, while ``v = EMA(g**2)`` spans *twice* the binades of the gradient it comes from; the
-    square root halves that span so the same 8 bits cover a gradient range of 2**17.8 instead of 2**8.9. It is
-    also the quantity Adam divides by, so the stored error is the error of the update's denominator.
-    (COAT's "dynamic range expansion" is the general form ``|x|**k``; k=1/2 is its simplest member and exact to
-    invert.)
-
-Everything here is a pure function of tensors; the optimizer keeps the results as plain tensors in its state so
-that ``state_dict`` saves them unchanged.
+The design in full: ``docs/design/notes.md``, section ``fp8_lightning.optim.state_formats``.
 """
 
 from __future__ import annotations
