@@ -62,7 +62,7 @@ aot-compile: $(STAMP)
 	$(PY) -m benchmarks aot --jobs 2 --out benchmarks/results/aot-compile-$$(date +%Y%m%d).md
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info outputs multirun
+	rm -rf $(VENV) build dist *.egg-info outputs multirun site
 
 # The Lightning integration against the oldest Lightning pyproject.toml allows (shadowing the installed one).
 LIGHTNING_OLDEST ?= 2.6.0
