@@ -130,6 +130,19 @@ def _mx_gemm_kernel(
     tl.store(c_ptr + cm[:, None] * stride_cm + cn[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
+def m_bucket(m: int) -> int:
+    """The token counts that share one tuned tile: a power of two (at least 64), so a new batch size or a ragged
+    last batch reuses the tile of its bucket instead of autotuning again (each tuning times every candidate)."""
+    return max(64, 1 << (m - 1).bit_length())
+
+
+_TUNED: dict[tuple, dict] = {}  # (M bucket, N, K, BLOCK_K, dtypes, device) -> the tile the autotuner chose
+
+
+def _pinned(config: triton.Config) -> dict:
+    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
 _mx_gemm_autotuned = triton.autotune(
     configs=mx_gemm_configs(),
     key=["M", "N", "K", "BLOCK_K"],
@@ -167,6 +180,8 @@ def mx_gemm(
         return out.zero_()
     if config is None and interpreting():
         config = INTERPRETER_CONFIG
+    tuning_key = (m_bucket(m), n, k, block_size, a.dtype, b.dtype, out_dtype, str(a.device))
+    config = config or _TUNED.get(tuning_key)
     a, b = descriptor_ready(a), descriptor_ready(b)
     # Block shapes are set per config (the pre-hook when autotuning); these are placeholders of the right rank.
     blocks = config or INTERPRETER_CONFIG
@@ -182,6 +197,7 @@ def mx_gemm(
             return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
         _mx_gemm_autotuned[grid](*args, BLOCK_K=block_size)
+        _TUNED[tuning_key] = _pinned(_mx_gemm_autotuned.best_config)
     else:
         tiles = triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
         launch = {key: value for key, value in config.items() if key in ("num_warps", "num_stages")}

@@ -140,3 +140,38 @@ def test_autotuner_hooks_prune_per_gpu_and_size_the_descriptor_blocks(monkeypatc
         config.pre_hook({**args, **config.kwargs})
         assert args["a_desc"].block_shape == [config.kwargs["BLOCK_M"], 64]
         assert args["b_desc"].block_shape == [config.kwargs["BLOCK_N"], 64]
+
+
+def test_one_autotuning_serves_every_token_count_of_its_power_of_two_bucket(monkeypatch):
+    """A new M re-tuned every candidate tile before; now the tile chosen for M's bucket is pinned for the rest."""
+    import triton
+
+    from fp8_lightning.kernels import block_gemm
+
+    assert [block_gemm.m_bucket(m) for m in (1, 64, 65, 100, 128, 129, 4096, 4097)] == [
+        64, 64, 128, 128, 128, 256, 4096, 8192]
+    chosen = triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=4, num_stages=3)
+    tunings, pinned_launches = [], []
+
+    class Autotuner:  # stands in for triton.autotune's object: each call tunes, then exposes best_config
+        best_config = chosen
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: tunings.append(args[5])
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: pinned_launches.append((args[5], meta))
+
+    monkeypatch.setattr(block_gemm, "_mx_gemm_autotuned", Autotuner())
+    monkeypatch.setattr(block_gemm, "_mx_gemm_kernel", Kernel())
+    monkeypatch.setattr(block_gemm, "_TUNED", {})
+    monkeypatch.setattr("fp8_lightning.kernels.availability.interpreting", lambda: False)
+    monkeypatch.setattr("fp8_lightning.kernels.availability.gluon_mx_gemm_status", lambda device: (False, ""))
+    b, b_scale = torch.zeros(256, 128, dtype=E4M3), torch.zeros(256, 4, dtype=torch.uint8)
+    for m in (1000, 1024, 777, 2000):
+        a, a_scale = torch.zeros(m, 128, dtype=E4M3), torch.zeros(m, 4, dtype=torch.uint8)
+        block_gemm.mx_gemm(a, a_scale, b, b_scale, torch.bfloat16)
+    assert tunings == [1000, 2000]  # 1024 and 777 share 1000's bucket; 2000 opens the next one
+    assert [m for m, _ in pinned_launches] == [1024, 777]
+    assert all(meta["BLOCK_M"] == 64 and meta["num_warps"] == 4 for _, meta in pinned_launches)
