@@ -88,12 +88,12 @@ case "$mode" in
       --out "$work/perf-llama-stack-gpu"
     ;;
   lease)  # everything that fits one call: each step capped so the whole call ends inside ~9 minutes
-    STEP_TIMEOUT=90 step gpu_check "$python" -m benchmarks gpu-check
-    STEP_TIMEOUT=120 step kernels "$python" -m benchmarks kernels-gpu --out "$work/kernels_gpu.md"
-    STEP_TIMEOUT=100 step pytest_gpu "$python" -m pytest -q -p no:cacheprovider -m gpu \
+    STEP_TIMEOUT=140 step gpu_check "$python" -m benchmarks gpu-check
+    STEP_TIMEOUT=90 step kernels "$python" -m benchmarks kernels-gpu --out "$work/kernels_gpu.md"
+    STEP_TIMEOUT=90 step pytest_gpu "$python" -m pytest -q -p no:cacheprovider -m gpu \
       tests/kernels/test_gpu.py tests/lightning/test_gpu.py tests/optim/test_fused_adam_kernel.py tests/test_state_device.py
-    STEP_TIMEOUT=50 step fsdp "$python" -m benchmarks fsdp-gpu-check
-    STEP_TIMEOUT=170 step linear "$python" -m benchmarks linear --suite gpu --compile --sizes 8192 \
+    STEP_TIMEOUT=40 step fsdp "$python" -m benchmarks fsdp-gpu-check
+    STEP_TIMEOUT=160 step linear "$python" -m benchmarks linear --suite gpu --compile --sizes 2048 8192 \
       --out "$work/perf-linear-gpu-compiled"
     ;;
   *)
