@@ -93,7 +93,8 @@ case "$mode" in
     STEP_TIMEOUT=90 step pytest_gpu "$python" -m pytest -q -p no:cacheprovider -m gpu \
       tests/kernels/test_gpu.py tests/lightning/test_gpu.py tests/optim/test_fused_adam_kernel.py tests/test_state_device.py
     STEP_TIMEOUT=40 step fsdp "$python" -m benchmarks fsdp-gpu-check
-    STEP_TIMEOUT=160 step linear "$python" -m benchmarks linear --suite gpu --compile --sizes 2048 8192 \
+    STEP_TIMEOUT=60 step host_time "$python" -m benchmarks host-time --device cuda --modes eager --rounds 100
+    STEP_TIMEOUT=150 step linear "$python" -m benchmarks linear --suite gpu --compile --sizes 2048 8192 \
       --out "$work/perf-linear-gpu-compiled"
     ;;
   *)
