@@ -66,6 +66,8 @@ class Report:
     spill_bytes: int  # spill stores + spill loads
     shared_bytes: int
     ptx: str = dataclasses.field(repr=False, default="")
+    wgmma_serialized: bool = False  # ptxas's C7514: it serialized the wgmma (a non-wgmma instruction reads an
+    # in-flight accumulator), so no product overlaps the instructions around it
 
 
 def _kernel_fn(name: str):
@@ -302,6 +304,9 @@ _USED = re.compile(r"Used (\d+) registers")
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
+WGMMA_SERIALIZED = "(C7514)"  # ptxas: "Potential Performance Loss: wgmma.mma_async instructions are serialized"
+
+
 def parse_ptxas_log(log: str) -> tuple[int, int]:
     """(registers, spilled bytes) from ``ptxas -v``'s report of one kernel."""
     registers = _USED.search(log)
@@ -362,4 +367,5 @@ def compile_variant(variant: Variant, target: str, fn=None) -> Report:
                 options={"num_warps": variant.num_warps, "num_stages": variant.num_stages},
             )
     registers, spilled = parse_ptxas_log(log.getvalue())
-    return Report(variant, target, registers, spilled, kernel.metadata.shared, kernel.asm["ptx"])
+    return Report(variant, target, registers, spilled, kernel.metadata.shared, kernel.asm["ptx"],
+                  wgmma_serialized=WGMMA_SERIALIZED in log.getvalue())
