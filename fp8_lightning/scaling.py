@@ -292,8 +292,9 @@ class OperandScaling:
 
 def records_amax(training: bool) -> bool:
     """Whether a cast books its amax and moves its scaling state: in training, and never under
-    ``torch.inference_mode()``, which is evaluation whatever the module's mode (its tensors cannot be kept)."""
-    return training and not torch.is_inference_mode_enabled()
+    ``torch.inference_mode()``, which is evaluation whatever the module's mode (its tensors cannot be kept).
+    A compiled graph cannot ask for inference mode (dynamo refuses the call); there the module's mode decides."""
+    return training and (torch.compiler.is_compiling() or not torch.is_inference_mode_enabled())
 
 
 def update_scales(states: Iterable[OperandScaling], group: "dist.ProcessGroup | None" = None) -> int:
