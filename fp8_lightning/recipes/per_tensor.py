@@ -73,6 +73,15 @@ class PerTensorRecipe(Recipe):
     def transposed(self, row: Quantized, column: Quantized | None) -> Quantized:
         return row.t()
 
+    def grouped_operands(self, role, x, bounds, dtype, columnwise, state, record):
+        """One scale for the whole tensor, shared by every group (TransformerEngine's grouped GEMMs share the
+        activation and gradient scales): each group's ``x[start:end].T`` is a view of the same codes."""
+        row = self.cast(role, x, dtype, False, True, state, record)[0]
+        if not columnwise:
+            return row, None
+        return row, [None if start == end else Quantized(row.data[start:end].t(), row.scale, TENSOR)
+                     for start, end in bounds]
+
     def traced_plan(self, device: torch.device, out_dtype: torch.dtype, emulate: bool) -> TracedPlan:
         return plan_for(self, device, out_dtype, emulate, scaled_mm=per_tensor_scaled_mm(device, emulate))
 
