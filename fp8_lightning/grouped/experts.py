@@ -13,6 +13,7 @@ forward is transformers' grouped-mm forward with the projections in FP8. The rou
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import sys
@@ -109,6 +110,11 @@ class ExpertsScaling:
     def weight_casts(self) -> int:
         return sum(part.weight_casts for part in self.parts.values())
 
+    @property
+    def gemms(self) -> collections.Counter:
+        """Grouped FP8 GEMMs run by kind, over the projections."""
+        return sum((part.gemms for part in self.parts.values()), collections.Counter())
+
     def update(self) -> None:
         for part in self.parts.values():
             part.update()
@@ -150,6 +156,11 @@ class FP8ExpertsMixin:
     @property
     def fp8_weight_casts(self) -> int:
         return sum(s.weight_casts for s in self._fp8_scalings.values())
+
+    @property
+    def fp8_gemm_counts(self) -> collections.Counter:
+        """Grouped FP8 GEMMs this module ran, by kind ("fprop", "dgrad", "wgrad"), over its recipes."""
+        return sum((s.gemms for s in self._fp8_scalings.values()), collections.Counter())
 
     def fp8_active_recipe(self) -> Recipe | None:
         """The recipe this call runs under, or None for the high-precision forward."""

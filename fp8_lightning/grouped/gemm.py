@@ -20,6 +20,7 @@ group: FP8 numerics, emulated; on CUDA the first call warns once that no FP8 gro
 
 from __future__ import annotations
 
+import collections
 import warnings
 
 import torch
@@ -46,6 +47,7 @@ class GroupedScaling(LayerScaling):
         shared = {role: state for role, state in self.operands.items() if role != "weight"}
         per_expert = {f"weight.{e}": s for e, s in enumerate(self.expert_states) if s is not None}
         self.operands = {**shared, **per_expert}
+        self.gemms = collections.Counter()  # grouped FP8 GEMMs run, by kind ("fprop", "dgrad", "wgrad")
 
     def weight_operands(self, weight: torch.Tensor, record: bool, regathered: bool = False):
         """Each expert's (W_e, W_e.T) operands: in training cast once per weight version and scale generation, in
@@ -177,6 +179,7 @@ class FP8GroupedMMFunction(torch.autograd.Function):
         # ------------------------------------------------ fprop ------------------------------------------------
         w_kn = torch.stack([_values(w).t() for w, _ in w_operands])  # (E, K, N)
         y = grouped_product(_values(x_row), w_kn, offs, bounds)
+        scaling.gemms["fprop"] += 1
         ctx.saved = (x_columns, [w_t for _, w_t in w_operands])
         return y.to(step.out_dtype)
 
@@ -198,12 +201,14 @@ class FP8GroupedMMFunction(torch.autograd.Function):
         if needs_a:
             w_nk = torch.stack([_values(w).t() for w in w_t])  # (E, N, K): W_e as the product's right operand
             grad_a = grouped_product(_values(g_row), w_nk, offs, bounds).to(a_dtype)
+            scaling.gemms["dgrad"] += 1
         # ------------------------------------------------ wgrad ------------------------------------------------
         if needs_w:
             sizes = [end - start for start, end in bounds]
             g_t = torch.cat([_values(q, m) for q, m in zip(g_columns, sizes) if q is not None], dim=1)  # (N, M)
             x_t = torch.cat([_values(q, m) for q, m in zip(x_columns, sizes) if q is not None], dim=1)  # (K, M)
             grad_w = grouped_product(g_t, x_t.t(), offs, bounds).to(w_dtype)  # (E, N, K), zero for empty experts
+            scaling.gemms["wgrad"] += 1
         ctx.saved = None
         return grad_a, grad_w, None
 
