@@ -181,7 +181,10 @@ class FP8ExpertsMixin:
         if record and scaling.step_boundary_passed(weight) and scaling.booked:
             scaling.update()  # no one advanced the scales after the optimizer step: advance locally
         with torch.autocast(device_type, enabled=False) if autocasting else contextlib.nullcontext():
-            return fp8_grouped_mm(x.to(weight.dtype), b, offs, out_dtype=out_dtype, scaling=scaling, training=record)
+            return fp8_grouped_mm(
+                x.to(weight.dtype), b, offs, out_dtype=out_dtype, scaling=scaling, training=record,
+                regathered=self.__dict__.get("_is_fsdp_managed_module", False),  # FSDP2 refills gathered weights
+            )
 
 
 class FP8GroupedExperts(FP8ExpertsMixin, GroupedExperts):

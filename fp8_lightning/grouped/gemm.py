@@ -153,10 +153,12 @@ def _values(q: Quantized, width: int | None = None) -> torch.Tensor:
 class GroupedStep:
     """What one call needs besides its tensors: the recipe's state, the groups and the output dtype."""
 
-    __slots__ = ("scaling", "bounds", "offs", "out_dtype", "record")
+    __slots__ = ("scaling", "bounds", "offs", "out_dtype", "record", "regathered")
 
-    def __init__(self, scaling: GroupedScaling, bounds, offs: torch.Tensor, out_dtype: torch.dtype, record: bool):
+    def __init__(self, scaling: GroupedScaling, bounds, offs: torch.Tensor, out_dtype: torch.dtype, record: bool,
+                 regathered: bool = False):  # fmt: skip
         self.scaling, self.bounds, self.offs, self.out_dtype, self.record = scaling, bounds, offs, out_dtype, record
+        self.regathered = regathered
 
 
 class FP8GroupedMMFunction(torch.autograd.Function):
@@ -175,7 +177,7 @@ class FP8GroupedMMFunction(torch.autograd.Function):
         x_row, x_columns = recipe.grouped_operands(
             "input", a.detach(), bounds, scaling.forward_dtype, needs_w, scaling.operands.get("input"), step.record
         )
-        w_operands = scaling.weight_operands(weight, step.record)
+        w_operands = scaling.weight_operands(weight, step.record, step.regathered)
         # ------------------------------------------------ fprop ------------------------------------------------
         w_kn = torch.stack([_values(w).t() for w, _ in w_operands])  # (E, K, N)
         y = grouped_product(_values(x_row), w_kn, offs, bounds)
@@ -232,6 +234,7 @@ def fp8_grouped_mm(
     *,
     scaling: GroupedScaling | None = None,
     training: bool = True,
+    regathered: bool = False,
 ) -> torch.Tensor:
     """``torch._grouped_mm(a, b, offs)`` with its three GEMMs (forward, input and weight gradients) on FP8 operands.
 
@@ -244,6 +247,8 @@ def fp8_grouped_mm(
         scaling: the state to keep between calls (a module's :class:`GroupedScaling`); a fresh one by default, which
             makes delayed scaling scale each tensor just in time.
         training: book the casts in ``scaling`` (amax histories); False leaves it as it was.
+        regathered: ``b`` was refilled in place since the last call (an FSDP2 all-gather into a reused buffer keeps
+            its version counter): cast it afresh instead of reusing ``scaling``'s cached cast.
     """
     recipe = scaling.recipe if scaling is not None else recipe_from(recipe)
     experts, k, n = check_grouped_shapes(a, b, recipe)
@@ -253,5 +258,5 @@ def fp8_grouped_mm(
     elif scaling.experts != experts:
         raise ValueError(f"fp8_grouped_mm: scaling holds {scaling.experts} experts but b holds {experts}.")
     warn_once(a.device)
-    step = GroupedStep(scaling, bounds, offs, out_dtype or a.dtype, training)
+    step = GroupedStep(scaling, bounds, offs, out_dtype or a.dtype, training, regathered)
     return FP8GroupedMMFunction.apply(a, b.transpose(1, 2), step).contiguous()

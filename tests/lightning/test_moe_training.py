@@ -1,0 +1,69 @@
+"""Mixture-of-experts models from transformers (random-init Qwen3-MoE and Mixtral) train through
+``Trainer(precision=...)`` for every FP8 string with their fused experts in FP8 (the conversion report and the
+experts' grouped-GEMM counters show it), follow the float32 run's losses, and checkpoint into the plain model."""
+
+import lightning as L
+import pytest
+import torch
+
+from fp8_lightning.lightning.strings import PRECISION_RECIPES
+
+from .user_model import loader, trainer_kwargs
+
+pytest.importorskip("transformers", reason="needs transformers (dev extras)")
+from tests.helpers.moe import tiny_moe  # noqa: E402
+
+STEPS = 6
+FAMILIES = ["qwen3_moe", "mixtral"]
+
+
+class MoELM(L.LightningModule):
+    def __init__(self, family: str):
+        super().__init__()
+        self.model = tiny_moe(family)
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        (seq,) = batch
+        loss = self.model(input_ids=seq, labels=seq).loss
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.0)
+
+
+def _fit(family: str, precision: str, **kwargs) -> tuple[MoELM, L.Trainer]:
+    L.seed_everything(0, verbose=False)
+    module = MoELM(family)
+    trainer = L.Trainer(max_steps=STEPS, precision=precision, **trainer_kwargs(**kwargs))
+    trainer.fit(module, loader(n=STEPS * 16, batch_size=16))
+    return module, trainer
+
+
+@pytest.fixture(scope="module")
+def fp32_losses():
+    return {family: _fit(family, "32-true")[0].losses for family in FAMILIES}
+
+
+@pytest.mark.parametrize("precision", list(PRECISION_RECIPES))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_moe_model_trains_with_experts_in_fp8(family, precision, fp32_losses, tmp_path):
+    module, trainer = _fit(family, precision)
+    report = trainer.precision_plugin.conversion_report
+    experts = {name: m for name, m in module.named_modules() if name.endswith("mlp.experts")}
+    assert sorted(report.experts) == sorted(experts), report
+    for m in experts.values():  # two projections, three FP8 grouped GEMMs each, every step
+        assert m.fp8_gemm_counts == {"fprop": 2 * STEPS, "dgrad": 2 * STEPS, "wgrad": 2 * STEPS}
+    want = fp32_losses[family]
+    assert module.losses[0] == pytest.approx(want[0], rel=0.01)
+    assert module.losses[-1] < module.losses[0]
+    assert module.losses[-1] == pytest.approx(want[-1], rel=0.03)
+
+    path = tmp_path / "moe.ckpt"
+    trainer.save_checkpoint(path)
+    weights = torch.load(path, weights_only=False)["state_dict"]
+    plain = tiny_moe(family, seed=1)
+    plain.load_state_dict({k.removeprefix("model."): v for k, v in weights.items()}, strict=True)
+    for name, p in plain.named_parameters():
+        assert torch.equal(p, module.model.get_parameter(name)), name
