@@ -1,8 +1,9 @@
 """Model-level operations: convert ``nn.Linear`` layers to FP8 in place, and save/sync their scaling state.
 
 ``convert_to_fp8(model)`` walks the model and turns every eligible ``nn.Linear`` into an
-:class:`~fp8_lightning.linear.FP8Linear` (and transformers' ``Conv1D`` into an
-:class:`~fp8_lightning.conv1d.FP8Conv1D`) *in place* (the same module object, the same parameters), so
+:class:`~fp8_lightning.linear.FP8Linear` (transformers' ``Conv1D`` into an
+:class:`~fp8_lightning.conv1d.FP8Conv1D`, and fused 3-D expert modules into their FP8 class,
+:mod:`fp8_lightning.grouped.experts`) *in place* (the same module object, the same parameters), so
 optimizers, DDP wrappers and other references created before the conversion stay valid, and the model's
 ``state_dict`` is unchanged. It returns a :class:`ConversionReport` that names every converted layer and every
 skipped one with its reason, including modules of other types that hold a 2-D weight. Calling it again is
@@ -43,12 +44,14 @@ ModuleFilter = Callable[[nn.Module, str], bool]
 @dataclasses.dataclass
 class ConversionReport:
     """What :func:`convert_to_fp8` did: converted layer names, and skipped ones with the reason; the same for fused
-    expert modules (``experts``, ``experts_skipped``, which also names any other module holding a 3-D weight)."""
+    expert modules (``experts``, ``experts_skipped``, which also names any other module holding a 3-D weight), and
+    the routers of mixtures of experts, kept in high precision by design (``routers``)."""
 
     converted: list[str] = dataclasses.field(default_factory=list)
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
     experts: list[str] = dataclasses.field(default_factory=list)
     experts_skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    routers: list[str] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"FP8 conversion: {len(self.converted)} layer(s) converted, {len(self.skipped)} skipped"]
@@ -57,6 +60,7 @@ class ConversionReport:
         lines += [f"  skipped {name}: {reason}" for name, reason in self.skipped.items()]
         lines += [f"  experts converted: {name}" for name in self.experts]
         lines += [f"  experts skipped {name}: {reason}" for name, reason in self.experts_skipped.items()]
+        lines += [f"  router kept in high precision: {name}" for name in self.routers]
         return "\n".join(lines)
 
 
@@ -67,7 +71,8 @@ def convert_to_fp8(
     emulate: bool = False,
     profitability: ProfitabilityLike = None,
 ) -> ConversionReport:
-    """Swap eligible ``nn.Linear`` layers of ``module`` (the module itself included) to FP8, in place.
+    """Swap eligible ``nn.Linear`` layers and fused expert modules of ``module`` (the module itself included) to
+    FP8, in place. Routers stay in high precision.
 
     Args:
         recipe: the scaling recipe (object, name or dict); ``DelayedScaling()`` by default.
@@ -86,8 +91,13 @@ def convert_to_fp8(
             continue
         features = linear_features(child)
         if features is None:
-            if holds_linear_like_weight(child):
-                report.skipped[name or "<root>"] = _not_linear_reason(child)
+            if is_router(child):
+                report.routers.append(name or "<root>")
+            elif holds_linear_like_weight(child):
+                report.skipped[name or "<root>"] = (
+                    f"{type(child).__name__} holds a 2-D weight but is not an nn.Linear (or transformers' Conv1D): "
+                    "no FP8 conversion for this module type"
+                )
             continue
         reason = _skip_reason(child, name, features, recipe, module_filter_fn)
         if reason is None and gate is not None and not isinstance(child, FP8Linear):
@@ -133,14 +143,10 @@ def _convert_experts(
     return True
 
 
-def _not_linear_reason(module: nn.Module) -> str:
-    kind = type(module).__name__
-    if kind.endswith(("Router", "Gate")):
-        return f"{kind} is a router (its scores pick the experts): kept in high precision"
-    return (
-        f"{kind} holds a 2-D weight but is not an nn.Linear (or transformers' Conv1D): no FP8 conversion for this "
-        "module type"
-    )
+def is_router(module: nn.Module) -> bool:
+    """The router of a mixture of experts (transformers' ``*TopKRouter`` / ``*TopkRouter``): a 2-D weight whose
+    scores pick the experts, kept in high precision."""
+    return holds_linear_like_weight(module) and type(module).__name__.lower().endswith("topkrouter")
 
 
 def linear_features(module: nn.Module) -> tuple[int, int] | None:

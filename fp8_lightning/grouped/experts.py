@@ -38,6 +38,12 @@ def high_precision_grouped_mm(x: torch.Tensor, b: torch.Tensor, offs: torch.Tens
     return out
 
 
+# Under torch.compile the grouped GEMMs run eagerly between graphs: their groups are read on the host, and the
+# compiler's grouped GEMM takes bf16 only.
+_fp8_grouped_island = torch.compiler.disable(fp8_grouped_mm)
+_high_precision_island = torch.compiler.disable(high_precision_grouped_mm)
+
+
 class GroupedExperts(nn.Module):
     """SwiGLU experts with fused 3-D weights (torchtitan's layout), for a mixture of experts written by hand.
 
@@ -60,7 +66,8 @@ class GroupedExperts(nn.Module):
 
     def project(self, x: torch.Tensor, name: str, offs: torch.Tensor) -> torch.Tensor:
         """``x_e @ w[e].T`` for each expert's group of rows."""
-        return high_precision_grouped_mm(x, getattr(self, name).transpose(-2, -1), offs)
+        run = _high_precision_island if torch.compiler.is_compiling() else high_precision_grouped_mm
+        return run(x, getattr(self, name).transpose(-2, -1), offs)
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         return self.project(F.silu(self.project(x, "w1", offs)) * self.project(x, "w3", offs), "w2", offs)
@@ -181,7 +188,8 @@ class FP8ExpertsMixin:
         if record and scaling.step_boundary_passed(weight) and scaling.booked:
             scaling.update()  # no one advanced the scales after the optimizer step: advance locally
         with torch.autocast(device_type, enabled=False) if autocasting else contextlib.nullcontext():
-            return fp8_grouped_mm(
+            run = _fp8_grouped_island if torch.compiler.is_compiling() else fp8_grouped_mm
+            return run(
                 x.to(weight.dtype), b, offs, out_dtype=out_dtype, scaling=scaling, training=record,
                 regathered=self.__dict__.get("_is_fsdp_managed_module", False),  # FSDP2 refills gathered weights
             )
@@ -202,7 +210,7 @@ class FP8TransformersExperts(FP8ExpertsMixin):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         recipe = self.fp8_active_recipe()
-        if recipe is None or hidden_states.shape[-1] != self._fp8_hidden:
+        if recipe is None:
             return super().forward(hidden_states, top_k_index, top_k_weights)
         num_tokens, top_k = hidden_states.shape[0], top_k_index.shape[-1]
         expert_ids, perm = torch.sort(top_k_index.reshape(-1))
@@ -222,11 +230,6 @@ class FP8TransformersExperts(FP8ExpertsMixin):
         out = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
         restored = torch.empty_like(out).index_copy_(0, perm, out)  # back to (token, k) order
         return restored.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
-
-    @property
-    def _fp8_hidden(self) -> int:
-        down = self.down_proj
-        return down.shape[2] if self.is_transposed else down.shape[1]
 
 
 _FP8_CLASSES: dict[type, type] = {}
