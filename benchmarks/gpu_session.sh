@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_session.sh llama    # the linear layers of Llama-3-8B at 8192 tokens, same configurations
 #   bash benchmarks/gpu_session.sh gpt      # 350M GPT step, same configurations, compiled (ROUNDS=8 by default)
 #   bash benchmarks/gpu_session.sh stack    # four Llama-3-8B-shaped decoder layers, 8 x 1024 tokens, the same
+#   bash benchmarks/gpu_session.sh grouped  # MoE grouped GEMM fwd+bwd at DeepSeek-V3 / Qwen3-30B-A3B expert shapes
 #   bash benchmarks/gpu_session.sh dry-run  # on any machine: list each call's steps, install the wheels offline
 #
 # Everything a call writes lands in one archive, $OUT/gpu-<mode>.tar.gz (OUT defaults to ./gpu-results), holding one
@@ -31,7 +32,7 @@ install_wheels() {  # the wheels in wheels/, offline, into $site (on PYTHONPATH 
 }
 
 if [ "$mode" = dry-run ]; then
-  for call in checks linear llama gpt stack; do
+  for call in checks linear llama gpt stack grouped; do
     echo "== call '$call' runs:"
     sed -n "/^  $call)/,/;;/p" "$0" | grep -o 'step [a-z_]* .*' | sed 's/^step /   /'
   done
@@ -80,8 +81,11 @@ case "$mode" in
     step stack "$python" -m benchmarks llama-stack --compile --rounds "${ROUNDS:-8}" \
       --out "$work/perf-llama-stack-gpu"
     ;;
+  grouped)
+    step grouped "$python" -m benchmarks grouped --suite gpu --out "$work/perf-grouped-gpu"
+    ;;
   *)
-    echo "usage: bash benchmarks/gpu_session.sh checks|linear|llama|gpt|stack|dry-run (got '$mode')" >&2
+    echo "usage: bash benchmarks/gpu_session.sh checks|linear|llama|gpt|stack|grouped|dry-run (got '$mode')" >&2
     exit 2
     ;;
 esac

@@ -147,27 +147,27 @@ class FP8ExpertsMixin:
     def _fp8_adopt(self, recipe: Recipe, emulate: bool, weights: dict[str, bool]) -> None:
         self.fp8_recipe, self.fp8_emulate, self.fp8_weights = recipe, emulate, weights
         self.fp8_disabled_reason = getattr(self, "fp8_disabled_reason", None)
-        self._fp8_scalings = getattr(self, "_fp8_scalings", {})
+        self._fp8_expert_scalings = getattr(self, "_fp8_expert_scalings", {})
         self.fp8_scaling(recipe)
 
     def fp8_scaling(self, recipe: Recipe | None = None) -> ExpertsScaling:
         recipe = recipe or self.fp8_recipe
-        if recipe not in self._fp8_scalings:
+        if recipe not in self._fp8_expert_scalings:
             sizes = {name: getattr(self, name).shape[0] for name in self.fp8_weights}
-            self._fp8_scalings[recipe] = ExpertsScaling(recipe, sizes)
-        return self._fp8_scalings[recipe]
+            self._fp8_expert_scalings[recipe] = ExpertsScaling(recipe, sizes)
+        return self._fp8_expert_scalings[recipe]
 
     def fp8_scalings(self) -> list[tuple[Recipe, ExpertsScaling]]:
-        return sorted(self._fp8_scalings.items(), key=lambda item: repr(item[0]))
+        return sorted(self._fp8_expert_scalings.items(), key=lambda item: repr(item[0]))
 
     @property
     def fp8_weight_casts(self) -> int:
-        return sum(s.weight_casts for s in self._fp8_scalings.values())
+        return sum(s.weight_casts for s in self._fp8_expert_scalings.values())
 
     @property
     def fp8_gemm_counts(self) -> collections.Counter:
         """Grouped FP8 GEMMs this module ran, by kind ("fprop", "dgrad", "wgrad"), over its recipes."""
-        return sum((s.gemms for s in self._fp8_scalings.values()), collections.Counter())
+        return sum((s.gemms for s in self._fp8_expert_scalings.values()), collections.Counter())
 
     def fp8_active_recipe(self) -> Recipe | None:
         """The recipe this call runs under, or None for the high-precision forward."""
