@@ -67,3 +67,24 @@ def test_moe_model_trains_with_experts_in_fp8(family, precision, fp32_losses, tm
     plain.load_state_dict({k.removeprefix("model."): v for k, v in weights.items()}, strict=True)
     for name, p in plain.named_parameters():
         assert torch.equal(p, module.model.get_parameter(name)), name
+
+
+def _fit_epochs(epochs: int, ckpt_path=None) -> tuple[MoELM, L.Trainer]:
+    L.seed_everything(0, verbose=False)
+    module = MoELM("qwen3_moe")
+    trainer = L.Trainer(max_epochs=epochs, precision="fp8-hybrid", **trainer_kwargs())
+    trainer.fit(module, loader(n=3 * 16, batch_size=16), ckpt_path=ckpt_path)
+    return module, trainer
+
+
+def test_resume_restores_the_experts_scaling_state(tmp_path):
+    """Delayed scaling: the experts' amax histories travel in the checkpoint, so a run resumed after epoch 1
+    reproduces the uninterrupted run's losses."""
+    uninterrupted, _ = _fit_epochs(2)
+    first, trainer = _fit_epochs(1)
+    path = tmp_path / "epoch1.ckpt"
+    trainer.save_checkpoint(path)
+    saved = torch.load(path, weights_only=False)["FP8Precision"]["modules"][0]
+    assert sum(name.endswith("mlp.experts") for name in saved) == 2
+    resumed, _ = _fit_epochs(2, ckpt_path=path)
+    assert first.losses + resumed.losses == pytest.approx(uninterrupted.losses, rel=1e-6)
