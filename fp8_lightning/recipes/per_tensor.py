@@ -17,7 +17,7 @@ import torch
 from fp8_lightning.ops import dispatch
 from fp8_lightning.formats import fp8_dtype
 from fp8_lightning.gemm import per_tensor_mm, per_tensor_scaled_mm
-from fp8_lightning.quantize import TENSOR, Quantized, amax, dequantize_with_scale, to_fp8_saturated, wide
+from fp8_lightning.quantize import TENSOR, Quantized, amax, to_fp8_saturated, wide
 from fp8_lightning.recipes.base import Recipe
 from fp8_lightning.scaling import OperandScaling, finite_or_zero
 from fp8_lightning.traced import TracedPlan, plan_for
@@ -134,7 +134,7 @@ def _tensor_f32(q: Quantized) -> torch.Tensor:
 
 
 def _tensor_dequantize(q: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
-    return dequantize_with_scale(q.data, q.scale, out_dtype)
+    return dispatch.fast_dequantize_with_scale(q.data, q.scale, out_dtype)
 
 
 TENSOR.implement(

@@ -16,7 +16,7 @@ from fp8_lightning.fine_grained import SCALE_BYTES, fine_operands, high_precisio
 from fp8_lightning.formats import Format, fp8_dtype
 from fp8_lightning.kernels.fine_grained_layout import ROWWISE_TILES
 from fp8_lightning.ops import dispatch
-from fp8_lightning.quantize import HIGH_PRECISION, ROW, Quantized, dequantize_with_scale
+from fp8_lightning.quantize import HIGH_PRECISION, ROW, Quantized
 from fp8_lightning.recipes.base import check_flags, invalid
 from fp8_lightning.recipes.fine_grained import FineGrainedRecipe
 from fp8_lightning.rowwise import (
@@ -100,7 +100,7 @@ class RowwiseScaling(FineGrainedRecipe):
 ROW.implement(
     gemm=row_mm,
     to_f32=lambda q: dispatch.fast_fp8_to_float32(q.data, q.nan_free),
-    dequantize=lambda q, out_dtype: dequantize_with_scale(q.data, q.scale, out_dtype),
+    dequantize=lambda q, out_dtype: dispatch.fast_dequantize_with_scale(q.data, q.scale, out_dtype),
     scale_multiplier=lambda q, k: q.scale.float(),
     representative_scale=lambda q: q.scale.float().amin().reshape(()),
 )
