@@ -147,6 +147,7 @@ class FP8ExpertsMixin:
     def _fp8_adopt(self, recipe: Recipe, emulate: bool, weights: dict[str, bool]) -> None:
         self.fp8_recipe, self.fp8_emulate, self.fp8_weights = recipe, emulate, weights
         self.fp8_disabled_reason = getattr(self, "fp8_disabled_reason", None)
+        self.fp8_observer = getattr(self, "fp8_observer", None)
         self._fp8_expert_scalings = getattr(self, "_fp8_expert_scalings", {})
         self.fp8_scaling(recipe)
 
@@ -169,6 +170,15 @@ class FP8ExpertsMixin:
         """Grouped FP8 GEMMs this module ran, by kind ("fprop", "dgrad", "wgrad"), over its recipes."""
         return sum((s.gemms for s in self._fp8_expert_scalings.values()), collections.Counter())
 
+    def fp8_stat_roles(self) -> list[str]:
+        """The operands an observer sees, as statistics name them: per projection its input and output gradient
+        (shared by the experts) and each expert's weight (``"down_proj.weight[3]"``)."""
+        roles = []
+        for name in self.fp8_weights:
+            experts = getattr(self, name).shape[0]
+            roles += [f"{name}.input", *(f"{name}.weight[{e}]" for e in range(experts)), f"{name}.grad_output"]
+        return roles
+
     def fp8_active_recipe(self) -> Recipe | None:
         """The recipe this call runs under, or None for the high-precision forward."""
         state = autocast_state()
@@ -185,6 +195,8 @@ class FP8ExpertsMixin:
         out_dtype = torch.get_autocast_dtype(device_type) if autocasting else x.dtype
         scaling = self.fp8_scaling(recipe).parts[name]
         record = self.training and not torch.is_inference_mode_enabled()
+        observer = self.__dict__.get("fp8_observer")
+        observe = None if observer is None else lambda role, t, q: observer(self, f"{name}.{role}", t, q)
         if record and scaling.step_boundary_passed(weight) and scaling.booked:
             scaling.update()  # no one advanced the scales after the optimizer step: advance locally
         with torch.autocast(device_type, enabled=False) if autocasting else contextlib.nullcontext():
@@ -192,6 +204,7 @@ class FP8ExpertsMixin:
             return run(
                 x.to(weight.dtype), b, offs, out_dtype=out_dtype, scaling=scaling, training=record,
                 regathered=self.__dict__.get("_is_fsdp_managed_module", False),  # FSDP2 refills gathered weights
+                observer=observe,
             )
 
 

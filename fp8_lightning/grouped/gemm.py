@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import warnings
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -153,12 +154,12 @@ def _values(q: Quantized, width: int | None = None) -> torch.Tensor:
 class GroupedStep:
     """What one call needs besides its tensors: the recipe's state, the groups and the output dtype."""
 
-    __slots__ = ("scaling", "bounds", "offs", "out_dtype", "record", "regathered")
+    __slots__ = ("scaling", "bounds", "offs", "out_dtype", "record", "regathered", "observer")
 
     def __init__(self, scaling: GroupedScaling, bounds, offs: torch.Tensor, out_dtype: torch.dtype, record: bool,
-                 regathered: bool = False):  # fmt: skip
+                 regathered: bool = False, observer: Callable | None = None):  # fmt: skip
         self.scaling, self.bounds, self.offs, self.out_dtype, self.record = scaling, bounds, offs, out_dtype, record
-        self.regathered = regathered
+        self.regathered, self.observer = regathered, observer
 
 
 class FP8GroupedMMFunction(torch.autograd.Function):
@@ -178,6 +179,10 @@ class FP8GroupedMMFunction(torch.autograd.Function):
             "input", a.detach(), bounds, scaling.forward_dtype, needs_w, scaling.operands.get("input"), step.record
         )
         w_operands = scaling.weight_operands(weight, step.record, step.regathered)
+        if step.observer is not None:
+            step.observer("input", a, x_row)
+            for e, (w, _) in enumerate(w_operands):
+                step.observer(f"weight[{e}]", weight[e], w)
         # ------------------------------------------------ fprop ------------------------------------------------
         w_kn = torch.stack([_values(w).t() for w, _ in w_operands])  # (E, K, N)
         y = grouped_product(_values(x_row), w_kn, offs, bounds)
@@ -198,6 +203,8 @@ class FP8GroupedMMFunction(torch.autograd.Function):
             "grad_output", grad_y.contiguous(), bounds, scaling.backward_dtype, needs_w,
             scaling.operands.get("grad_output"), True,
         )
+        if step.observer is not None:
+            step.observer("grad_output", grad_y, g_row)
         grad_a = grad_w = None
         # ------------------------------------------------ dgrad ------------------------------------------------
         if needs_a:
@@ -235,6 +242,7 @@ def fp8_grouped_mm(
     scaling: GroupedScaling | None = None,
     training: bool = True,
     regathered: bool = False,
+    observer: Callable[[str, torch.Tensor, Quantized], None] | None = None,
 ) -> torch.Tensor:
     """``torch._grouped_mm(a, b, offs)`` with its three GEMMs (forward, input and weight gradients) on FP8 operands.
 
@@ -249,6 +257,8 @@ def fp8_grouped_mm(
         training: book the casts in ``scaling`` (amax histories); False leaves it as it was.
         regathered: ``b`` was refilled in place since the last call (an FSDP2 all-gather into a reused buffer keeps
             its version counter): cast it afresh instead of reusing ``scaling``'s cached cast.
+        observer: called as ``observer(role, x, q)`` with each high-precision operand and its FP8 operand:
+            ``"input"``, ``"weight[e]"`` for each expert, ``"grad_output"`` (statistics, the divergence guard).
     """
     recipe = scaling.recipe if scaling is not None else recipe_from(recipe)
     experts, k, n = check_grouped_shapes(a, b, recipe)
@@ -258,5 +268,5 @@ def fp8_grouped_mm(
     elif scaling.experts != experts:
         raise ValueError(f"fp8_grouped_mm: scaling holds {scaling.experts} experts but b holds {experts}.")
     warn_once(a.device)
-    step = GroupedStep(scaling, bounds, offs, out_dtype or a.dtype, training, regathered)
+    step = GroupedStep(scaling, bounds, offs, out_dtype or a.dtype, training, regathered, observer)
     return FP8GroupedMMFunction.apply(a, b.transpose(1, 2), step).contiguous()

@@ -165,3 +165,29 @@ def test_torch_compile_runs_the_fp8_experts_between_graphs():
     assert torch.equal(compiled, eager)
     compiled.sum().backward()
     assert experts.fp8_gemm_counts == {"fprop": 6, "dgrad": 1, "wgrad": 3}  # x needs no gradient: one dgrad (w2)
+
+
+def test_statistics_and_the_guard_see_each_expert():
+    """The stats collector observes each projection's input and output gradient and every expert's weight; a
+    non-finite expert weight makes the divergence guard name that expert and move the module back."""
+    from fp8_lightning.guard import DivergenceGuard, GuardState
+    from fp8_lightning.stats import attach_collector
+
+    model = tiny_moe("qwen3_moe")
+    convert_to_fp8(model, "tensorwise")
+    module = model.model.layers[1].mlp.experts
+    with torch.no_grad():
+        module.down_proj[5, 3, 7] = float("inf")
+    collector = attach_collector(model)
+    collector.always = True
+    ids = torch.randint(0, 128, (2, 16))
+    with fp8_autocast():
+        model(ids, labels=ids).loss.backward()
+    stats = collector.finish_step()
+    name = "model.layers.1.mlp.experts"
+    roles = {role for layer, role in stats if layer == name}
+    assert {"gate_up_proj.input", "gate_up_proj.grad_output", "down_proj.weight[0]", "down_proj.weight[7]"} <= roles
+    assert stats[(name, "down_proj.weight[5]")].nonfinite and not stats[(name, "down_proj.weight[4]")].nonfinite
+    assert stats[("model.layers.0.mlp.experts", "gate_up_proj.input")].amax > 0
+    events = GuardState(DivergenceGuard()).step(0, stats)
+    assert [(e.layer, e.role) for e in events] == [(name, "down_proj.weight[5]")]

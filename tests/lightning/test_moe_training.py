@@ -88,3 +88,24 @@ def test_resume_restores_the_experts_scaling_state(tmp_path):
     assert sum(name.endswith("mlp.experts") for name in saved) == 2
     resumed, _ = _fit_epochs(2, ckpt_path=path)
     assert first.losses + resumed.losses == pytest.approx(uninterrupted.losses, rel=1e-6)
+
+
+def test_divergence_guard_moves_an_expert_module_back_and_names_the_expert():
+    from fp8_lightning import DivergenceGuard, FP8Precision
+
+    L.seed_everything(0, verbose=False)
+    module = MoELM("qwen3_moe")
+    experts = module.model.model.layers[0].mlp.experts
+    with torch.no_grad():  # expert 3: one large value, the rest far below the FP8 range its scale leaves them
+        experts.down_proj[3].fill_(1e-9)
+        experts.down_proj[3, 0, 0] = 1.0
+    guard = DivergenceGuard(underflow_threshold=0.3, patience=1)
+    trainer = L.Trainer(max_steps=3, plugins=[FP8Precision(recipe="tensorwise", divergence_guard=guard)],
+                        **trainer_kwargs())  # fmt: skip
+    trainer.fit(module, loader(n=3 * 16, batch_size=16))
+    events = trainer.precision_plugin.guard_state.events
+    assert [(e.step, e.layer, e.role, e.kind) for e in events] == [
+        (0, "model.model.layers.0.mlp.experts", "down_proj.weight[3]", "underflow")]
+    assert "down_proj.weight[3] underflow" in experts.fp8_disabled_reason
+    assert experts.fp8_gemm_counts["fprop"] == 2  # FP8 in the first step only, then high precision
+    assert all(torch.isfinite(torch.tensor(module.losses)))
