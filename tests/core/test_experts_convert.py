@@ -191,3 +191,26 @@ def test_statistics_and_the_guard_see_each_expert():
     assert stats[("model.layers.0.mlp.experts", "gate_up_proj.input")].amax > 0
     events = GuardState(DivergenceGuard()).step(0, stats)
     assert [(e.layer, e.role) for e in events] == [(name, "down_proj.weight[5]")]
+
+
+def test_fp8_optimizer_states_train_fp8_experts_like_adamw():
+    from fp8_lightning import FP8Optimizer
+
+    losses = {}
+    for mode in ("adamw", "fp8 states"):
+        model = tiny_moe("qwen3_moe")
+        convert_to_fp8(model, "mxfp8")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        if mode == "fp8 states":
+            optimizer = FP8Optimizer(optimizer, "max_savings")
+        ids = torch.randint(0, 64, (8, 32), generator=torch.Generator().manual_seed(1))
+        losses[mode] = []
+        for _ in range(5):
+            with fp8_autocast():
+                loss = model(ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[mode].append(loss.item())
+    assert losses["fp8 states"][-1] < losses["fp8 states"][0] - 0.5
+    assert losses["fp8 states"] == pytest.approx(losses["adamw"], rel=5e-3)

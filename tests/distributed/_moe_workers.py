@@ -80,6 +80,8 @@ def moe_strategy_worker(rank: int, world: int, port: int, out: dict) -> None:
         res[f"{strategy}_experts"] = sorted(trainer.precision_plugin.conversion_report.experts)
         res[f"{strategy}_gemms"] = [dict(m.fp8_gemm_counts) for m in experts_of(module).values()]
         res[f"{strategy}_steps"] = trainer.precision_plugin.optimizer_steps
+        gathers = getattr(trainer.strategy, "all_gather_report", None)
+        res[f"{strategy}_gathered_high_precision"] = dict(gathers.high_precision) if gathers else None
     if rank == 0:
         out.update(res)
     end_worker()
