@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fp8_lightning import FP8Linear, MXFP8BlockScaling, TensorwiseScaling, fp8_autocast, fp8_grouped_mm
+from fp8_lightning import FP8Linear, MXFP8BlockScaling, RowwiseScaling, TensorwiseScaling, fp8_autocast, fp8_grouped_mm
 from fp8_lightning.grouped.gemm import GroupedScaling, group_bounds
 from tests.helpers.layers import EVERY_RECIPE
 
@@ -182,3 +182,19 @@ def test_bad_shapes_are_refused_with_the_fix():
         fp8_grouped_mm(torch.randn(8, 32), torch.randn(2, 48, 32), offs)
     with pytest.raises(ValueError, match="K=48, N=64 cannot run under MXFP8BlockScaling.*divisible by 32.*Pad"):
         fp8_grouped_mm(torch.randn(8, 48), torch.randn(2, 48, 64), offs, recipe="mxfp8")
+
+
+@pytest.mark.parametrize("recipe", EVERY_RECIPE + [RowwiseScaling(high_precision_wgrad=True)], ids=_ids)
+def test_a_recipe_s_stacked_weight_cast_has_the_bits_of_casting_each_expert(recipe):
+    """Recipes that cast all experts' weights at once (MXFP8, rowwise) make the operands of casting each expert on
+    its own (the protocol's default)."""
+    from fp8_lightning.recipes import Recipe
+
+    torch.manual_seed(4)
+    weight = torch.randn(5, 96, 64) * torch.logspace(-2, 2, 5).view(-1, 1, 1)  # (E, N, K), experts of other ranges
+    fwd = GroupedScaling(recipe, 5).forward_dtype
+    stacked = recipe.grouped_weight_operands(weight, fwd, GroupedScaling(recipe, 5).expert_states, True)
+    single = Recipe.grouped_weight_operands(recipe, weight, fwd, GroupedScaling(recipe, 5).expert_states, True)
+    for e, ((row, col), (row_1, col_1)) in enumerate(zip(stacked, single)):
+        assert torch.equal(_values64(row, 64), _values64(row_1, 64)), e
+        assert torch.equal(_values64(col, 96), _values64(col_1, 96)), e
