@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from fp8_lightning import FP8Linear, MXFP8BlockScaling, RowwiseScaling, TensorwiseScaling, fp8_autocast, fp8_grouped_mm
 from fp8_lightning.grouped.gemm import GroupedScaling, group_bounds
+from tests.conftest import requires_cuda_fp8
 from tests.helpers.layers import EVERY_RECIPE
 
 SIZES = [0, 5, 33, 17, 0, 40]  # empty experts, groups that are no multiple of 16 or 32
@@ -198,3 +199,21 @@ def test_a_recipe_s_stacked_weight_cast_has_the_bits_of_casting_each_expert(reci
     for e, ((row, col), (row_1, col_1)) in enumerate(zip(stacked, single)):
         assert torch.equal(_values64(row, 64), _values64(row_1, 64)), e
         assert torch.equal(_values64(col, 96), _values64(col_1, 96)), e
+
+
+
+@pytest.mark.gpu
+@requires_cuda_fp8
+@pytest.mark.parametrize("recipe", EVERY_RECIPE, ids=_ids)
+def test_on_cuda_the_grouped_gemms_match_the_cpu_run(recipe, monkeypatch):
+    """On a GPU the grouped GEMMs run emulated on the CUDA casts, with one warning: the output and both gradients
+    match the CPU run within float32 rounding of the products."""
+    from fp8_lightning.grouped import gemm
+
+    monkeypatch.setattr(gemm, "_WARNED", set())
+    a, b, offs, g = _inputs()
+    cpu = _run(recipe, a, b, offs, g)
+    with pytest.warns(UserWarning, match="no FP8 grouped GEMM kernel"):
+        cuda = _run(recipe, a.cuda(), b.cuda(), offs.cuda(), g.cuda())
+    for name, here, there in zip(("y", "da", "db"), cpu, cuda):
+        torch.testing.assert_close(there.cpu(), here, rtol=1e-4, atol=1e-4 * here.abs().amax().item(), msg=name)
