@@ -23,6 +23,8 @@ SUITES: dict[str, Suite] = {
                  "precision?"),
     "llama-stack": Suite("bench_gpt", "How fast is a training step of four Llama-3-8B-shaped decoder layers (GPU) in "
                          "each precision?", ("--suite", "gpu", "--models", "llama3_8b_x4")),
+    "grouped": Suite("bench_grouped", "How fast is an MoE projection's grouped GEMM step in each FP8 recipe vs bf16 "
+                     "grouped and a per-expert loop, at DeepSeek-V3 and Qwen3-30B-A3B shapes with skewed routing?"),
     "memory": Suite("bench_memory", "How many bytes do saved activations, optimizer states and FSDP2 all-gathers "
                     "take in each precision?"),
     "host-time": Suite("host_time", "How many host microseconds does one FP8 layer step cost, eager and compiled, "

@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_session.sh gpt      # 350M GPT step, same configurations, compiled (ROUNDS=8 by default)
 #   bash benchmarks/gpu_session.sh stack    # four Llama-3-8B-shaped decoder layers, 8 x 1024 tokens, the same
 #   bash benchmarks/gpu_session.sh lease    # one ~9-minute call for a 15-minute lease: the checks, then compiled linear
+#   bash benchmarks/gpu_session.sh grouped  # MoE grouped GEMM fwd+bwd at DeepSeek-V3 / Qwen3-30B-A3B expert shapes
 #   bash benchmarks/gpu_session.sh dry-run  # on any machine: list each call's steps, install the wheels offline
 #
 # Everything a call writes lands in one archive, $OUT/gpu-<mode>.tar.gz (OUT defaults to ./gpu-results), holding one
@@ -34,7 +35,7 @@ install_wheels() {  # the wheels in wheels/, offline, into $site (on PYTHONPATH 
 }
 
 if [ "$mode" = dry-run ]; then
-  for call in checks linear llama gpt stack lease; do
+  for call in checks linear llama gpt stack grouped lease; do
     echo "== call '$call' runs:"
     sed -n "/^  $call)/,/;;/p" "$0" | grep -o 'step [a-z_]* .*' | sed 's/^step /   /'
   done
@@ -71,7 +72,7 @@ case "$mode" in
     step gpu_check "$python" -m benchmarks gpu-check
     step kernels "$python" -m benchmarks kernels-gpu --out "$work/kernels_gpu.md"
     step pytest_gpu "$python" -m pytest -q -p no:cacheprovider -m gpu \
-      tests/kernels/test_gpu.py tests/lightning/test_gpu.py tests/optim/test_fused_adam_kernel.py tests/test_state_device.py
+      tests/kernels/test_gpu.py tests/lightning/test_gpu.py tests/optim/test_fused_adam_kernel.py tests/test_state_device.py tests/core/test_grouped_mm.py
     step fsdp "$python" -m benchmarks fsdp-gpu-check
     ;;
   linear)
@@ -87,18 +88,22 @@ case "$mode" in
     step stack "$python" -m benchmarks llama-stack --compile --rounds "${ROUNDS:-8}" \
       --out "$work/perf-llama-stack-gpu"
     ;;
+  grouped)
+    step grouped "$python" -m benchmarks grouped --suite gpu --out "$work/perf-grouped-gpu"
+    ;;
   lease)  # everything that fits one call: each step capped so the whole call ends inside ~9 minutes
     STEP_TIMEOUT=140 step gpu_check "$python" -m benchmarks gpu-check
     STEP_TIMEOUT=90 step kernels "$python" -m benchmarks kernels-gpu --out "$work/kernels_gpu.md"
     STEP_TIMEOUT=90 step pytest_gpu "$python" -m pytest -q -p no:cacheprovider -m gpu \
-      tests/kernels/test_gpu.py tests/lightning/test_gpu.py tests/optim/test_fused_adam_kernel.py tests/test_state_device.py
+      tests/kernels/test_gpu.py tests/lightning/test_gpu.py tests/optim/test_fused_adam_kernel.py tests/test_state_device.py \
+      tests/core/test_grouped_mm.py
     STEP_TIMEOUT=40 step fsdp "$python" -m benchmarks fsdp-gpu-check
     STEP_TIMEOUT=60 step host_time "$python" -m benchmarks host-time --device cuda --modes eager --rounds 100
     STEP_TIMEOUT=150 step linear "$python" -m benchmarks linear --suite gpu --compile --sizes 2048 8192 \
       --out "$work/perf-linear-gpu-compiled"
     ;;
   *)
-    echo "usage: bash benchmarks/gpu_session.sh checks|linear|llama|gpt|stack|lease|dry-run (got '$mode')" >&2
+    echo "usage: bash benchmarks/gpu_session.sh checks|linear|llama|gpt|stack|grouped|lease|dry-run (got '$mode')" >&2
     exit 2
     ;;
 esac

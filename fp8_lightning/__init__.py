@@ -21,6 +21,7 @@ from fp8_lightning.convert import (
     sync_scales,
 )
 from fp8_lightning.formats import Format, fp8_max
+from fp8_lightning.grouped import GroupedExperts, fp8_grouped_mm
 from fp8_lightning.gemm import fp8_gemm_support, fp8_mm
 from fp8_lightning.linear import FP8Linear
 from fp8_lightning.optim import FP8Optimizer
@@ -90,6 +91,7 @@ __all__ = [
     "FP8Precision",
     "FP8StatsMonitor",
     "Format",
+    "GroupedExperts",
     "MXFP8BlockScaling",
     "ProfitabilityGate",
     "Quantized",
@@ -102,6 +104,7 @@ __all__ = [
     "dequantize_tensorwise",
     "fp8_autocast",
     "fp8_gemm_support",
+    "fp8_grouped_mm",
     "fp8_max",
     "fp8_mm",
     "fp8_modules",

@@ -1,8 +1,9 @@
 """Model-level operations: convert ``nn.Linear`` layers to FP8 in place, and save/sync their scaling state.
 
 ``convert_to_fp8(model)`` walks the model and turns every eligible ``nn.Linear`` into an
-:class:`~fp8_lightning.linear.FP8Linear` (and transformers' ``Conv1D`` into an
-:class:`~fp8_lightning.conv1d.FP8Conv1D`) *in place* (the same module object, the same parameters), so
+:class:`~fp8_lightning.linear.FP8Linear` (transformers' ``Conv1D`` into an
+:class:`~fp8_lightning.conv1d.FP8Conv1D`, and fused 3-D expert modules into their FP8 class,
+:mod:`fp8_lightning.grouped.experts`) *in place* (the same module object, the same parameters), so
 optimizers, DDP wrappers and other references created before the conversion stay valid, and the model's
 ``state_dict`` is unchanged. It returns a :class:`ConversionReport` that names every converted layer and every
 skipped one with its reason, including modules of other types that hold a 2-D weight. Calling it again is
@@ -25,6 +26,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fp8_lightning.conv1d import FP8Conv1D, is_conv1d
+from fp8_lightning.grouped.experts import (
+    FP8ExpertsMixin,
+    convert_experts,
+    expert_weights,
+    experts_skip_reason,
+    holds_3d_weight,
+)
 from fp8_lightning.linear import FP8Linear, shape_unsupported_reason
 from fp8_lightning.capability_table import warn_if_not_native
 from fp8_lightning.profitability import ProfitabilityLike, resolve_gate
@@ -36,14 +44,24 @@ ModuleFilter = Callable[[nn.Module, str], bool]
 
 @dataclasses.dataclass
 class ConversionReport:
-    """What :func:`convert_to_fp8` did: converted layer names, and skipped ones with the reason."""
+    """What :func:`convert_to_fp8` did: converted layer names, and skipped ones with the reason; the same for fused
+    expert modules (``experts``, ``experts_skipped``, which also names any other module holding a 3-D weight), and
+    the routers of mixtures of experts, kept in high precision by design (``routers``)."""
 
     converted: list[str] = dataclasses.field(default_factory=list)
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    experts: list[str] = dataclasses.field(default_factory=list)
+    experts_skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    routers: list[str] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"FP8 conversion: {len(self.converted)} layer(s) converted, {len(self.skipped)} skipped"]
+        if self.experts or self.experts_skipped:
+            lines[0] += f"; {len(self.experts)} expert module(s) converted, {len(self.experts_skipped)} skipped"
         lines += [f"  skipped {name}: {reason}" for name, reason in self.skipped.items()]
+        lines += [f"  experts converted: {name}" for name in self.experts]
+        lines += [f"  experts skipped {name}: {reason}" for name, reason in self.experts_skipped.items()]
+        lines += [f"  router kept in high precision: {name}" for name in self.routers]
         return "\n".join(lines)
 
 
@@ -54,7 +72,8 @@ def convert_to_fp8(
     emulate: bool = False,
     profitability: ProfitabilityLike = None,
 ) -> ConversionReport:
-    """Swap eligible ``nn.Linear`` layers of ``module`` (the module itself included) to FP8, in place.
+    """Swap eligible ``nn.Linear`` layers and fused expert modules of ``module`` (the module itself included) to
+    FP8, in place. Routers stay in high precision.
 
     Args:
         recipe: the scaling recipe (object, name or dict); ``DelayedScaling()`` by default.
@@ -69,9 +88,13 @@ def convert_to_fp8(
     gate = resolve_gate(profitability)
     report = ConversionReport()
     for name, child in module.named_modules():
+        if _convert_experts(child, name or "<root>", recipe, module_filter_fn, emulate, report):
+            continue
         features = linear_features(child)
         if features is None:
-            if holds_linear_like_weight(child):
+            if is_router(child):
+                report.routers.append(name or "<root>")
+            elif holds_linear_like_weight(child):
                 report.skipped[name or "<root>"] = (
                     f"{type(child).__name__} holds a 2-D weight but is not an nn.Linear (or transformers' Conv1D): "
                     "no FP8 conversion for this module type"
@@ -96,6 +119,39 @@ def convert_to_fp8(
         device = gate.device if gate is not None and gate.device is not None else first.weight.device
         warn_if_not_native(recipe, device)
     return report
+
+
+def _convert_experts(
+    child: nn.Module, name: str, recipe, module_filter_fn: ModuleFilter | None, emulate: bool,
+    report: ConversionReport,
+) -> bool:
+    """Convert (or report) a fused experts module, or name a module with a 3-D weight left alone; True when
+    ``child`` was such a module."""
+    if expert_weights(child) is None:
+        if holds_3d_weight(child):
+            report.experts_skipped[name] = (
+                f"{type(child).__name__} holds a 3-D weight but is not a fused experts module this library knows "
+                "(transformers' use_experts_implementation experts, fp8_lightning.GroupedExperts): no FP8 conversion"
+            )
+        return holds_3d_weight(child)
+    if module_filter_fn is not None and not module_filter_fn(child, name):
+        reason = "excluded by module_filter_fn"
+    else:
+        reason = experts_skip_reason(child, recipe)
+    if reason is not None:
+        if isinstance(child, FP8ExpertsMixin):
+            reason = f"left in FP8 as an earlier conversion made it ({child.fp8_recipe.name}); {reason}"
+        report.experts_skipped[name] = reason
+    else:
+        convert_experts(child, recipe, emulate)
+        report.experts.append(name)
+    return True
+
+
+def is_router(module: nn.Module) -> bool:
+    """The router of a mixture of experts (transformers' ``*TopKRouter`` / ``*TopkRouter``): a 2-D weight whose
+    scores pick the experts, kept in high precision."""
+    return holds_linear_like_weight(module) and type(module).__name__.lower().endswith("topkrouter")
 
 
 def linear_features(module: nn.Module) -> tuple[int, int] | None:
@@ -135,10 +191,24 @@ def fp8_modules(module: nn.Module) -> Iterator[tuple[str, FP8Linear]]:
             yield name, child
 
 
+def fp8_expert_modules(module: nn.Module) -> Iterator[tuple[str, FP8ExpertsMixin]]:
+    """Converted fused experts modules with their names, in module order."""
+    for name, child in module.named_modules():
+        if isinstance(child, FP8ExpertsMixin):
+            yield name, child
+
+
+def scaled_modules(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """Every module with FP8 scaling state (converted layers and experts), in module order."""
+    for name, child in module.named_modules():
+        if isinstance(child, (FP8Linear, FP8ExpertsMixin)):
+            yield name, child
+
+
 def operand_states(module: nn.Module) -> list[OperandScaling]:
     """Every per-tensor scaling state of the model, in a deterministic order."""
     states = []
-    for _, layer in fp8_modules(module):
+    for _, layer in scaled_modules(module):
         for _, scaling in layer.fp8_scalings():
             states.extend(scaling.operands.values())
     return states
@@ -155,7 +225,7 @@ def sync_scales(module: nn.Module, group: "dist.ProcessGroup | None" = None) -> 
 def fp8_state_dict(module: nn.Module) -> dict:
     """The scaling state of every converted layer, keyed by layer name (goes into checkpoints)."""
     out = {}
-    for name, layer in fp8_modules(module):
+    for name, layer in scaled_modules(module):
         out[name] = {
             "disabled_reason": layer.fp8_disabled_reason,
             "scalings": [s.state_dict() for _, s in layer.fp8_scalings()],
@@ -171,7 +241,7 @@ def load_fp8_state_dict(module: nn.Module, state: dict, strict: bool = True, sou
     named in the errors.
     """
     where = _where(source)
-    layers = dict(fp8_modules(module))
+    layers = dict(scaled_modules(module))
     if strict and set(layers) != set(state):
         missing, unexpected = sorted(set(layers) - set(state)), sorted(set(state) - set(layers))
         raise KeyError(

@@ -92,11 +92,16 @@ PRIVATES: tuple[Private, ...] = (
         attribute="_local_tensor",
     ),
     Private(
-        "torch:Tensor._version", ("linear.py", "distributed/amax.py"),
+        "torch:_grouped_mm", ("grouped/gemm.py", "grouped/experts.py"),
+        "The grouped GEMM of mixtures of experts (tokens sorted by expert, int32 group ends), the one transformers' "
+        "experts call; the emulated FP8 grouped GEMM runs its float32 products through it on CPU.",
+    ),
+    Private(
+        "torch:Tensor._version", ("linear.py", "distributed/amax.py", "grouped/gemm.py"),
         "The in-place version counter: a cached FP8 weight is reused until the weight changes; no public reader.",
     ),
     Private(
-        "torch.distributed.fsdp:FSDPModule", ("linear.py",),
+        "torch.distributed.fsdp:FSDPModule", ("linear.py", "grouped/experts.py"),
         "FSDP marks the modules it manages with this flag; the layer reads it to choose the all-gather route.",
         attribute="_is_fsdp_managed_module",
         source="torch.distributed.fsdp._fully_shard._fully_shard",

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fp8_lightning.convert import fp8_modules
+from fp8_lightning.convert import fp8_expert_modules, fp8_modules
 from fp8_lightning.formats import fp8_max
 from fp8_lightning.ops.dispatch import fast_amax
 from fp8_lightning.quantize import Quantized
@@ -178,16 +178,18 @@ class StatsCollector:
     def install(self) -> "StatsCollector":
         """Hook every converted layer (idempotent; picks up layers converted since the last call)."""
         layers = list(fp8_modules(self.model))
-        self.names = {id(layer): name for name, layer in layers}
+        experts = list(fp8_expert_modules(self.model))  # roles per projection and expert (fp8_stat_roles)
+        self.names = {id(layer): name for name, layer in layers + experts}
         self.keys = [(name, role) for name, _ in layers for role in ROLES]
-        for _, layer in layers:
+        self.keys += [(name, role) for name, module in experts for role in module.fp8_stat_roles()]
+        for _, layer in layers + experts:
             layer.fp8_observer = self.observe
         self.installed = True
         return self
 
     def remove(self) -> None:
         """Unhook all layers: they go back to zero observation cost."""
-        for _, layer in fp8_modules(self.model):
+        for _, layer in [*fp8_modules(self.model), *fp8_expert_modules(self.model)]:
             if getattr(layer, "fp8_observer", None) == self.observe:
                 layer.fp8_observer = None
         self.installed = False

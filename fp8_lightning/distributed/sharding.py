@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from fp8_lightning.autocast import autocast_state, fp8_autocast
 from fp8_lightning.conv1d import FP8Conv1D
-from fp8_lightning.convert import fp8_modules
+from fp8_lightning.convert import fp8_expert_modules, fp8_modules
 from fp8_lightning.distributed.amax import WeightAmaxSync
 from fp8_lightning.distributed.weight import FP8ShardedWeight, fp8_all_gather_unsupported_reason
 from fp8_lightning.privates import local_shard
@@ -49,6 +49,7 @@ class AllGatherReport:
 
 
 CONV1D_GATHER_REASON = "weight stored (in, out) (transformers Conv1D); FP8 all-gather needs (out, in)"
+EXPERTS_GATHER_REASON = "fused 3-D expert weights: gathered in high precision, cast to FP8 per expert after the gather"
 
 
 def enable_fp8_all_gather(model: nn.Module, world_size: int) -> AllGatherReport:
@@ -88,6 +89,8 @@ def enable_fp8_all_gather(model: nn.Module, world_size: int) -> AllGatherReport:
         wrapped = FP8ShardedWeight(weight.detach(), sync)
         layer.weight = nn.Parameter(wrapped, requires_grad=weight.requires_grad)
         report.fp8.append(name)
+    for name, experts in fp8_expert_modules(model):
+        report.high_precision[name] = EXPERTS_GATHER_REASON
     sync.unbind()  # re-bind at the next gather
     return report
 

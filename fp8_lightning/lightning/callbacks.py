@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from fp8_lightning.convert import fp8_modules
+from fp8_lightning.convert import scaled_modules
 from fp8_lightning.guard import DivergenceGuard
 from fp8_lightning.lightning.plugin_base import FP8PrecisionMixin
 from fp8_lightning.stats import OperandStats, StatsCollector, attach_collector, detach_collector
@@ -137,7 +137,7 @@ class FP8StatsMonitor(Callback):
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         plugin = trainer.precision_plugin
         guard = getattr(plugin, "divergence_guard", None) or DivergenceGuard()
-        for name, layer in fp8_modules(pl_module):
+        for name, layer in scaled_modules(pl_module):
             rows = [r for r in self.rows.values() if r.layer == name]
             if not rows and layer.fp8_disabled_reason is not None:  # fell back before any measured step
                 rows = [self.rows.setdefault((name, "-"), TroubleRow(name, "-"))]

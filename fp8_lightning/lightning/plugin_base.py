@@ -19,6 +19,7 @@ from fp8_lightning.convert import (
     ConversionReport,
     convert_to_fp8,
     fp8_modules,
+    scaled_modules,
     check_fp8_state,
     fp8_state_checksum,
     fp8_state_dict,
@@ -207,7 +208,7 @@ class FP8PrecisionMixin:
             stats = attach_collector(module).finish_step(self.amax_reduction_group, reduce=True)
             nonfinite = nonfinite or any(s.nonfinite for s in stats.values())
             new = self.guard_state.step(self.optimizer_steps, stats)
-            layers = dict(fp8_modules(module))
+            layers = dict(scaled_modules(module))  # converted layers and expert modules
             for event in new:
                 if event.layer in layers:
                     layers[event.layer].fp8_disabled_reason = event.reason

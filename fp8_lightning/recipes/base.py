@@ -11,6 +11,7 @@ Recipe/Quantizer split:
   dequantization and scale statistics, :class:`~fp8_lightning.quantize.OperandKind`) the recipe's module implements;
 * FSDP2: :meth:`Recipe.fsdp_unsupported_reason`, :meth:`Recipe.fsdp_pack`, :meth:`Recipe.fsdp_unpack`,
   :meth:`Recipe.fsdp_operands`, :attr:`Recipe.global_weight_amax`;
+* grouped GEMMs of mixtures of experts: :meth:`Recipe.grouped_operands`, :meth:`Recipe.grouped_weight_operands`;
 * the cost model: :meth:`Recipe.cast_bytes_per_element`, :meth:`Recipe.fp8_gemms`.
 
 A subclass registers itself under its ``name`` (:func:`recipe_from` and checkpoints find it by that name), so a
@@ -116,6 +117,42 @@ class Recipe:
         operations or custom ops. ``state``: the role's state tensors (``()`` without state). A columnwise copy that
         :meth:`transposed` derives is returned as the transposed data with scale None."""
         raise NotImplementedError(f"{type(self).__name__} does not define traced_cast()")
+
+    # -- grouped GEMMs (mixtures of experts) ----------------------------------------------------------------
+
+    def grouped_operands(
+        self, role: str, x: torch.Tensor, bounds: list[tuple[int, int]], dtype: torch.dtype, columnwise: bool,
+        state: Any, record: bool,
+    ) -> tuple[Quantized, list[Quantized | None] | None]:
+        """The operand of a 2-D ``x`` whose rows are sorted into groups (``bounds``: each group's (start, end) row),
+        K last, and with ``columnwise`` each group's operand of ``x[start:end].T`` (None for an empty group), whose
+        scales run along that group's rows only: a weight gradient reduces over one expert's tokens.
+
+        By default the rowwise copy is one cast of ``x`` (its scales run along K, within a row, so they never cross
+        a group) and the columnwise copies are cast group by group from the high-precision rows."""
+        row = self.cast(role, x, dtype, False, True, state, record)[0]
+        if not columnwise:
+            return row, None
+        columns = []
+        for start, end in bounds:
+            if start == end:
+                columns.append(None)
+                continue
+            part_row, part_column = self.cast(role, x[start:end], dtype, True, True, state, record)
+            columns.append(self.transposed(part_row, part_column))
+        return row, columns
+
+    def grouped_weight_operands(
+        self, weight: torch.Tensor, dtype: torch.dtype, states: list[Any], record: bool
+    ) -> list[tuple[Quantized, Quantized]]:
+        """For each expert ``e`` of a 3-D ``weight`` (E, N, K): (the operand of ``weight[e]``, the operand of
+        ``weight[e].T`` that the input gradient multiplies), each expert cast on its own with its own state
+        (``states[e]``): its scales never cover another expert's weights."""
+        operands = []
+        for expert, state in zip(weight, states):
+            row, column = self.cast("weight", expert, dtype, True, True, state, record)
+            operands.append((row, self.transposed(row, column)))
+        return operands
 
     # -- FSDP2 all-gather of the weight ---------------------------------------------------------------------
 

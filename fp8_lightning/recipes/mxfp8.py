@@ -59,6 +59,19 @@ class MXFP8BlockScaling(Recipe):
     def traced_cast(self, x, state, plan, role, dtype, columnwise, record):
         return mx_operand_cast(x, self.block_size, self.scale_rounding, dtype, columnwise)
 
+    def grouped_weight_operands(self, weight, dtype, states, record):
+        """Every expert's operands from two casts, whatever the number of experts: ``weight`` (E, N, K) as E*N rows
+        (blocks along K) and its transpose as E*K rows (blocks along N, each inside one expert, N being a whole
+        number of blocks): the bits of casting each expert on its own."""
+        experts, n, k = weight.shape
+        rows = dispatch.fast_quantize_mx_operand(
+            weight.reshape(experts * n, k), self.block_size, self.scale_rounding, dtype
+        )
+        columns = dispatch.fast_quantize_mx_operand(
+            weight.transpose(1, 2).reshape(experts * k, n), self.block_size, self.scale_rounding, dtype
+        )
+        return [(_rows_of(rows, e * n, n), _rows_of(columns, e * k, k)) for e in range(experts)]
+
     # -- FSDP2 ----------------------------------------------------------------------------------------------
 
     def fsdp_unsupported_reason(self, rows: int, cols: int, world_size: int) -> str | None:
@@ -93,6 +106,11 @@ class MXFP8BlockScaling(Recipe):
         if capability >= NATIVE_MX_MIN_CAPABILITY:
             return triton_mx(f"cuBLAS's MX GEMM takes blocks of 32 only; this recipe has block_size={self.block_size}")
         return triton_mx(f"{arch} has no MX tensor cores (sm_100 and later have them)")
+
+
+def _rows_of(q: Quantized, start: int, count: int) -> Quantized:
+    """Rows ``start`` to ``start + count`` of an MX operand (views): one expert's part of a stacked cast."""
+    return Quantized(q.data[start : start + count], q.scale[start : start + count], MX)
 
 
 def _mx_multiplier(q: Quantized, k: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ from fp8_lightning.ops import dispatch
 from fp8_lightning.formats import fp8_dtype
 from fp8_lightning.gemm import per_tensor_mm, per_tensor_scaled_mm
 from fp8_lightning.gemm_routes import GemmRoute, arch_name, native
-from fp8_lightning.quantize import TENSOR, Quantized, amax, dequantize_with_scale, to_fp8_saturated, wide
+from fp8_lightning.quantize import TENSOR, Quantized, amax, to_fp8_saturated, wide
 from fp8_lightning.recipes.base import Recipe
 from fp8_lightning.scaling import OperandScaling, finite_or_zero, records_amax
 from fp8_lightning.traced import TracedPlan, plan_for
@@ -77,6 +77,15 @@ class PerTensorRecipe(Recipe):
     def gemm_route(self, capability, cuda, has_scaled_mm_v2) -> GemmRoute:
         return native("cuBLAS torch._scaled_mm, tensorwise scales", f"{arch_name(capability)} has FP8 tensor cores")
 
+    def grouped_operands(self, role, x, bounds, dtype, columnwise, state, record):
+        """One scale for the whole tensor, shared by every group (TransformerEngine's grouped GEMMs share the
+        activation and gradient scales): each group's ``x[start:end].T`` is a view of the same codes."""
+        row = self.cast(role, x, dtype, False, True, state, record)[0]
+        if not columnwise:
+            return row, None
+        return row, [None if start == end else Quantized(row.data[start:end].t(), row.scale, TENSOR)
+                     for start, end in bounds]
+
     def traced_plan(self, device: torch.device, out_dtype: torch.dtype, emulate: bool) -> TracedPlan:
         return plan_for(self, device, out_dtype, emulate, scaled_mm=per_tensor_scaled_mm(device, emulate))
 
@@ -129,7 +138,7 @@ def _tensor_f32(q: Quantized) -> torch.Tensor:
 
 
 def _tensor_dequantize(q: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
-    return dequantize_with_scale(q.data, q.scale, out_dtype)
+    return dispatch.fast_dequantize_with_scale(q.data, q.scale, out_dtype)
 
 
 TENSOR.implement(

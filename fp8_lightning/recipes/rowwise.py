@@ -17,7 +17,7 @@ from fp8_lightning.formats import Format, fp8_dtype
 from fp8_lightning.gemm_routes import CUBLAS_ROWWISE_MIN_CUDA, GemmRoute, arch_name, cuda_name, native
 from fp8_lightning.kernels.fine_grained_layout import ROWWISE_TILES
 from fp8_lightning.ops import dispatch
-from fp8_lightning.quantize import HIGH_PRECISION, ROW, Quantized, dequantize_with_scale
+from fp8_lightning.quantize import HIGH_PRECISION, ROW, Quantized
 from fp8_lightning.recipes.base import check_flags, invalid
 from fp8_lightning.recipes.fine_grained import FineGrainedRecipe
 from fp8_lightning.rowwise import (
@@ -70,6 +70,19 @@ class RowwiseScaling(FineGrainedRecipe):
             return row, tensorwise_column_operand(x, dtype, self.eps, self.power_of_2_scales)
         return row, high_precision_operand(x)
 
+    def grouped_weight_operands(self, weight, dtype, states, record):
+        """Every expert's operands from two casts, whatever the number of experts: ``weight`` (E, N, K) as E*N rows,
+        and its transpose as E*K rows (a scale per column of an expert's weight is a scale per row of its
+        transpose): the bits of casting each expert on its own. With a high-precision weight gradient dgrad's
+        weight has one scale per expert, so each expert is cast on its own."""
+        if self.high_precision_wgrad:
+            return super().grouped_weight_operands(weight, dtype, states, record)
+        experts, n, k = weight.shape
+        rows = self.cast("weight", weight.reshape(experts * n, k), dtype, False, True, None, record)[0]
+        flipped = weight.transpose(1, 2).reshape(experts * k, n)
+        columns = self.cast("weight", flipped, dtype, False, True, None, record)[0]
+        return [(_rows_of(rows, e * n, n), _rows_of(columns, e * k, k)) for e in range(experts)]
+
     def traced_plan(self, device, out_dtype, emulate):
         wgrad_kind = HIGH_PRECISION if self.high_precision_wgrad else ROW
         return plan_for(self, device, out_dtype, emulate, wgrad_kind=wgrad_kind)
@@ -107,10 +120,15 @@ class RowwiseScaling(FineGrainedRecipe):
                       f"{where}: cuBLAS's rowwise GEMM needs sm_90 and CUDA 12.9+")
 
 
+def _rows_of(q: Quantized, start: int, count: int) -> Quantized:
+    """Rows ``start`` to ``start + count`` of a rowwise operand (views): one expert's part of a stacked cast."""
+    return Quantized(q.data[start : start + count], q.scale[start : start + count], ROW)
+
+
 ROW.implement(
     gemm=row_mm,
     to_f32=lambda q: dispatch.fast_fp8_to_float32(q.data, q.nan_free),
-    dequantize=lambda q, out_dtype: dequantize_with_scale(q.data, q.scale, out_dtype),
+    dequantize=lambda q, out_dtype: dispatch.fast_dequantize_with_scale(q.data, q.scale, out_dtype),
     scale_multiplier=lambda q, k: q.scale.float(),
     representative_scale=lambda q: q.scale.float().amin().reshape(()),
 )

@@ -84,3 +84,13 @@ def test_host_time_of_the_cuda_branch_reports_every_layer(tmp_path):
     text = out.read_text()
     assert "CUDA branch with stubbed kernels" in text
     assert all(f"| ours {name} |" in text for name in ("delayed", "tensorwise", "mxfp8"))
+
+
+def test_grouped_suite_reports_fp8_bf16_and_the_per_expert_loop(tmp_path):
+    run_suite("grouped", "--suite", "cpu", "--models", "qwen3-30b-a3b", "--shrink", "8", "--experts", "8",
+              "--tokens", "32", "--rounds", "1", "--warmup", "0", "--out", str(tmp_path))  # fmt: skip
+    rows = _check_folder(tmp_path, "grouped.png")["rows"]
+    fp8 = {f"fp8 {name}" for name in ("delayed", "tensorwise", "mxfp8", "rowwise", "blockwise")}
+    assert {r["config"] for r in rows} == {"bf16 grouped", "fp32 grouped", "bf16 per-expert loop"} | fp8
+    assert {r["shape"] for r in rows} == {"qwen3-30b-a3b gate_up", "qwen3-30b-a3b down"}
+    assert all(r["ms"] > 0 and r["empty_experts"] >= 1 for r in rows)

@@ -1,0 +1,128 @@
+"""The grouped GEMM of one mixture-of-experts projection, forward + backward: each FP8 recipe against bf16 and fp32
+grouped GEMMs (``torch._grouped_mm``) and a per-expert loop of bf16 GEMMs.
+
+Expert shapes (the gate/up projection, hidden -> 2 x expert hidden, and the down projection):
+
+* ``deepseek-v3``: hidden 7168, expert hidden 2048, 256 routed experts, 8 per token;
+* ``qwen3-30b-a3b``: hidden 2048, expert hidden 768, 128 experts, 8 per token.
+
+Tokens are routed with a realistic skew: expert popularity falls as ``1 / rank**skew`` and a fraction of the experts
+(``--empty``) gets no token at all. On a CPU (``--suite cpu``, the default without CUDA) the shapes are divided by
+``--shrink`` and fewer experts and tokens run; FP8 is emulated there (exact FP8 values in float32 GEMMs), so the
+numbers show the emulation's cost, not a speed-up. On a GPU the goal is a grouped FP8 step at least 1.3x faster
+than the bf16 grouped GEMM.
+
+Usage::
+
+    python -m benchmarks grouped --suite cpu
+    python -m benchmarks grouped --suite gpu --models deepseek-v3
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks.bench_common import bar_plot, header, interleaved_medians, markdown_table, run_folder, write_results
+
+from fp8_lightning import fp8_grouped_mm
+
+MODELS = {  # hidden, expert hidden, experts, experts per token
+    "deepseek-v3": (7168, 2048, 256, 8),
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+}
+SUITES = {"gpu": dict(tokens=4096, shrink=1, experts=None), "cpu": dict(tokens=256, shrink=8, experts=16)}
+RECIPES = ["delayed", "tensorwise", "mxfp8", "rowwise", "blockwise"]
+TARGET = 1.3
+
+
+def skewed_counts(tokens: int, experts: int, top_k: int, skew: float, empty: float, seed: int = 0) -> torch.Tensor:
+    """Tokens per expert for ``tokens * top_k`` routed rows: popularity ``1 / rank**skew``, the least popular
+    ``empty`` fraction of the experts with none."""
+    g = torch.Generator().manual_seed(seed)
+    weights = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64) ** skew
+    weights[experts - int(empty * experts):] = 0
+    picks = torch.multinomial(weights, tokens * top_k, replacement=True, generator=g)
+    return torch.bincount(picks, minlength=experts)
+
+
+def projections(model: str, shrink: int, experts: int | None) -> tuple[list[tuple[str, int, int]], int, int]:
+    hidden, inner, total, top_k = MODELS[model]
+    hidden, inner = hidden // shrink, inner // shrink
+    return [("gate_up", hidden, 2 * inner), ("down", inner, hidden)], experts or total, top_k
+
+
+def configurations(a, b, offs, counts, dtype):
+    """name -> a function that runs one forward + backward."""
+    g = torch.randn(a.shape[0], b.shape[2], dtype=dtype, device=a.device)
+
+    def step(fn):
+        def run():
+            x, w = a.detach().requires_grad_(), b.detach().requires_grad_()
+            fn(x, w).backward(g)
+        return run
+
+    def loop(x, w):
+        return torch.cat([x[s:e] @ w[i] for i, (s, e) in enumerate(zip([0, *offs.tolist()[:-1]], offs.tolist()))])
+
+    fns = {
+        "bf16 grouped": step(lambda x, w: torch._grouped_mm(x.bfloat16(), w.bfloat16(), offs)),
+        "fp32 grouped": step(lambda x, w: torch._grouped_mm(x.float(), w.float(), offs)),
+        "bf16 per-expert loop": step(lambda x, w: loop(x.bfloat16(), w.bfloat16())),
+    }
+    for recipe in RECIPES:
+        fns[f"fp8 {recipe}"] = step(lambda x, w, r=recipe: fp8_grouped_mm(x, w, offs, recipe=r, out_dtype=dtype))
+    return fns
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suite", choices=sorted(SUITES), default="gpu" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS))
+    parser.add_argument("--tokens", type=int, help="tokens per step (each routed to top-k experts)")
+    parser.add_argument("--shrink", type=int, help="divide hidden sizes by this (CPU runs)")
+    parser.add_argument("--experts", type=int, help="experts to run (default: the model's on GPU)")
+    parser.add_argument("--skew", type=float, default=1.0)
+    parser.add_argument("--empty", type=float, default=0.125, help="fraction of experts routed no token")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--out", help="output folder (default benchmarks/results/perf-grouped-<device>-<date>)")
+    args = parser.parse_args(argv)
+    preset = SUITES[args.suite]
+    tokens, shrink = args.tokens or preset["tokens"], args.shrink or preset["shrink"]
+    device = torch.device("cuda" if args.suite == "gpu" else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows, groups, series = [], [], {}
+    for model in args.models:
+        shapes, experts, top_k = projections(model, shrink, args.experts or preset["experts"])
+        counts = skewed_counts(tokens, experts, top_k, args.skew, args.empty)
+        offs = torch.cumsum(counts, 0).to(torch.int32).to(device)
+        for name, k, n in shapes:
+            torch.manual_seed(0)
+            a = torch.randn(int(counts.sum()), k, dtype=dtype, device=device)
+            b = torch.randn(experts, n, k, dtype=dtype, device=device).transpose(-2, -1) / k**0.5  # (E, K, N)
+            times = interleaved_medians(configurations(a, b, offs, counts, dtype), device, args.warmup, args.rounds)
+            label = f"{model} {name}"
+            groups.append(label)
+            for config, seconds in times.items():
+                ratio = times["bf16 grouped"] / seconds
+                rows.append(dict(shape=label, experts=experts, rows=int(counts.sum()), k=k, n=n,
+                                 empty_experts=int((counts == 0).sum()), max_tokens=int(counts.max()),
+                                 config=config, ms=1e3 * seconds, vs_bf16=ratio))  # fmt: skip
+                series.setdefault(config, []).append(ratio)
+    folder = run_folder("grouped", device, args.out)
+    head = header("grouped", device, argv)
+    columns = [("shape", "shape", "{}"), ("experts", "experts", "{}"), ("rows", "routed rows", "{}"),
+               ("empty_experts", "empty", "{}"), ("max_tokens", "max/expert", "{}"), ("k", "K", "{}"),
+               ("n", "N", "{}"), ("config", "config", "{}"), ("ms", "ms (fwd+bwd)", "{:.2f}"),
+               ("vs_bf16", "speed vs bf16 grouped", "{:.2f}x")]  # fmt: skip
+    notes = (f"Suite {args.suite}: {tokens} tokens, top-k routing with skew {args.skew} and {args.empty:.0%} of the "
+             f"experts empty, hidden sizes divided by {shrink}. Goal on a GPU: FP8 >= {TARGET}x bf16 grouped.")
+    write_results(folder, head, rows, markdown_table(columns, rows), notes)
+    bar_plot(folder / "grouped.png", groups, series, "speed vs bf16 grouped GEMM",
+             "MoE grouped GEMM forward+backward", target=TARGET if device.type == "cuda" else None)
+
+
+if __name__ == "__main__":
+    main()

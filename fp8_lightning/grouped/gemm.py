@@ -1,0 +1,272 @@
+"""The grouped FP8 GEMM of mixtures of experts: ``fp8_grouped_mm(a, b, offs)``, differentiable in ``a`` and ``b``.
+
+It follows ``torch._grouped_mm``'s 2-D x 3-D convention: ``a`` (M, K) holds the tokens sorted by expert, ``b``
+(E, K, N) the experts' weights, and ``offs`` (int32, E) the cumulative end row of each expert's group. With ``W_e =
+b[e].T`` (N, K) the weight of expert ``e`` as a linear layer holds it, and ``x_e``, ``g_e`` its rows of ``a`` and of
+the output gradient::
+
+    fprop   y_e  = x_e @ W_e.T      grouped over tokens, reduction over K
+    dgrad   dx_e = g_e @ W_e        grouped over tokens, reduction over N (each expert's transposed weight)
+    wgrad   dW_e = g_e.T @ x_e      one GEMM per expert over its own tokens: the reduction dimension is ragged
+
+All three multiply FP8 operands cast by the recipe (:meth:`~fp8_lightning.recipes.base.Recipe.grouped_operands`,
+:meth:`~fp8_lightning.recipes.base.Recipe.grouped_weight_operands`): scales never cross an expert boundary, a weight's
+scales cover one expert, and the wgrad copies are quantized along each expert's tokens (MX blocks padded per group).
+
+The products are computed from the operands' exact values (codes times scales) in float32, as one
+``torch._grouped_mm`` per GEMM where the device runs it in float32 (the CPU), else one float32 GEMM per non-empty
+group: FP8 numerics, emulated; on CUDA the first call warns once that no FP8 grouped kernel runs.
+"""
+
+from __future__ import annotations
+
+import collections
+import warnings
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from fp8_lightning.linear import LayerScaling
+from fp8_lightning.ops.dispatch import dequantize_operand
+from fp8_lightning.quantize import Quantized
+from fp8_lightning.recipes import Recipe, RecipeLike, recipe_from
+
+_WARNED: set[str] = set()
+
+
+class GroupedScaling(LayerScaling):
+    """Scaling state of one grouped GEMM for one recipe: the input's and the output gradient's states shared by every
+    expert, one weight state per expert, and the per-step FP8 weight cache (keyed as a linear layer keys it)."""
+
+    def __init__(self, recipe: Recipe, experts: int):
+        super().__init__(recipe)
+        self.experts = experts
+        self.expert_states = [
+            recipe.operand_states(self.forward_dtype, self.backward_dtype).get("weight") for _ in range(experts)
+        ]
+        shared = {role: state for role, state in self.operands.items() if role != "weight"}
+        per_expert = {f"weight.{e}": s for e, s in enumerate(self.expert_states) if s is not None}
+        self.operands = {**shared, **per_expert}
+        self.gemms = collections.Counter()  # grouped FP8 GEMMs run, by kind ("fprop", "dgrad", "wgrad")
+
+    def weight_operands(self, weight: torch.Tensor, record: bool, regathered: bool = False):
+        """Each expert's (W_e, W_e.T) operands: in training cast once per weight version and scale generation, in
+        evaluation cast afresh (see :class:`~fp8_lightning.linear.LayerScaling`)."""
+        if regathered:
+            self._weight_cache = None
+        if not record:
+            return self.recipe.grouped_weight_operands(weight.detach(), self.forward_dtype, self.expert_states, False)
+        generations = tuple(s.generation for s in self.expert_states if s is not None)
+        key = (weight._version, weight.data_ptr(), generations, weight.device)
+        if self._weight_cache is None or key != self._weight_key:
+            self._weight_cache = self.recipe.grouped_weight_operands(
+                weight.detach(), self.forward_dtype, self.expert_states, True
+            )
+            self._weight_key = key
+            self.weight_casts += 1
+        return self._weight_cache
+
+
+def group_bounds(offs: torch.Tensor, rows: int, experts: int) -> list[tuple[int, int]]:
+    """Each group's (start, end) row from ``offs``, checked: int32, 1-D, one entry per expert, non-decreasing, ending
+    at the number of rows."""
+    if not torch.is_tensor(offs) or offs.dtype != torch.int32 or offs.dim() != 1:
+        got = f"{offs.dtype} tensor of shape {tuple(offs.shape)}" if torch.is_tensor(offs) else type(offs).__name__
+        raise TypeError(
+            f"fp8_grouped_mm: offs must be a 1-D int32 tensor of cumulative group ends (torch._grouped_mm's "
+            f"convention); got a {got}. Build it with torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)."
+        )
+    if offs.numel() != experts:
+        raise ValueError(
+            f"fp8_grouped_mm: offs has {offs.numel()} entries but b holds {experts} experts; pass one cumulative "
+            "end per expert (0 tokens for an expert repeats the previous end)."
+        )
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    if any(end < start for start, end in zip(starts, ends)) or (ends and ends[0] < 0):
+        raise ValueError(
+            f"fp8_grouped_mm: offs={ends} is not non-decreasing from 0; it must hold cumulative token counts, with "
+            "the tokens of a sorted by expert."
+        )
+    if (ends[-1] if ends else 0) != rows:
+        raise ValueError(
+            f"fp8_grouped_mm: offs ends at {ends[-1] if ends else 0} but a has {rows} rows; the groups must cover "
+            "every row of a (drop unrouted rows from a, or add them to a group)."
+        )
+    return list(zip(starts, ends))
+
+
+def check_grouped_shapes(a: torch.Tensor, b: torch.Tensor, recipe: Recipe) -> tuple[int, int, int]:
+    """(E, K, N) of ``a`` (M, K) and ``b`` (E, K, N), checked against each other and the recipe's shape rule."""
+    if not (torch.is_tensor(a) and a.dim() == 2 and a.is_floating_point()):
+        what = f"shape {tuple(a.shape)}, dtype {a.dtype}" if torch.is_tensor(a) else type(a).__name__
+        raise ValueError(f"fp8_grouped_mm: a must be a 2-D floating-point (M, K) tensor of tokens; got {what}.")
+    if not (torch.is_tensor(b) and b.dim() == 3 and b.is_floating_point()):
+        what = f"shape {tuple(b.shape)}" if torch.is_tensor(b) else type(b).__name__
+        raise ValueError(
+            f"fp8_grouped_mm: b must be a 3-D floating-point (E, K, N) tensor of expert weights; got {what}. A fused "
+            "weight stored (E, N, K) (transformers' gate_up_proj, down_proj) is passed as weight.transpose(-2, -1)."
+        )
+    experts, k, n = b.shape
+    if a.shape[1] != k:
+        raise ValueError(
+            f"fp8_grouped_mm: a is {tuple(a.shape)} and b is {tuple(b.shape)}: a's K={a.shape[1]} must equal b's "
+            f"K={k} (b is (E, K, N); transpose its last two dimensions if it is stored (E, N, K))."
+        )
+    reason = recipe.shape_unsupported_reason(k, n)
+    if reason is not None:
+        raise ValueError(
+            f"fp8_grouped_mm: experts of K={k}, N={n} cannot run under {type(recipe).__name__}: {reason}. Pad the "
+            "expert dimensions to that multiple, or run these experts in high precision (torch._grouped_mm)."
+        )
+    return experts, k, n
+
+
+def grouped_product(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, bounds: list[tuple[int, int]]):
+    """``torch._grouped_mm(a, b, offs)`` in float32: 2-D x 3-D (one GEMM per group of rows) or 2-D x 2-D (``a``
+    (K, M) and ``b`` (M, N) reduced over each group's columns of ``a``, giving (E, K, N)). The CPU runs it as one
+    call; elsewhere (CUDA's grouped kernels take bf16 only) one GEMM per non-empty group."""
+    if a.is_cpu:
+        if b.dim() == 2:  # the kernel wants 16-byte strides: pad the token dimension with zeros past the last group
+            pad = -a.shape[1] % 4
+            a, b = F.pad(a, (0, pad)), F.pad(b, (0, 0, 0, pad)).contiguous()
+        return torch._grouped_mm(a.contiguous(), b, offs)
+    if b.dim() == 3:
+        out = a.new_zeros(a.shape[0], b.shape[2])
+        for e, (start, end) in enumerate(bounds):
+            if end > start:
+                out[start:end] = a[start:end] @ b[e]
+        return out
+    out = a.new_zeros(len(bounds), a.shape[0], b.shape[1])
+    for e, (start, end) in enumerate(bounds):
+        if end > start:
+            out[e] = a[:, start:end] @ b[start:end]
+    return out
+
+
+def _values(q: Quantized, width: int | None = None) -> torch.Tensor:
+    """An operand's float32 values (codes times scales), cut to ``width`` columns (MX copies pad K to whole blocks)."""
+    values = dequantize_operand(q, torch.float32)
+    return values if width is None else values[:, :width]
+
+
+class GroupedStep:
+    """What one call needs besides its tensors: the recipe's state, the groups and the output dtype."""
+
+    __slots__ = ("scaling", "bounds", "offs", "out_dtype", "record", "regathered", "observer")
+
+    def __init__(self, scaling: GroupedScaling, bounds, offs: torch.Tensor, out_dtype: torch.dtype, record: bool,
+                 regathered: bool = False, observer: Callable | None = None):  # fmt: skip
+        self.scaling, self.bounds, self.offs, self.out_dtype, self.record = scaling, bounds, offs, out_dtype, record
+        self.regathered, self.observer = regathered, observer
+
+
+class FP8GroupedMMFunction(torch.autograd.Function):
+    """``y = grouped(a @ W_e.T)`` from FP8 operands; ``weight`` is (E, N, K), each ``weight[e]`` a linear layer's
+    (out, in) weight. Saves the FP8 columnwise copies of ``a`` and the weights' transposed operands."""
+
+    @staticmethod
+    def forward(ctx, a, weight, step: GroupedStep):
+        scaling, bounds, offs = step.scaling, step.bounds, step.offs
+        recipe = scaling.recipe
+        ctx.step, ctx.dtypes, ctx.weight_shape = step, (a.dtype, weight.dtype), weight.shape
+        if a.shape[0] == 0:  # an empty batch: nothing to cast; zero gradients
+            ctx.saved = None
+            return a.new_zeros(0, weight.shape[1], dtype=step.out_dtype)
+        needs_w = ctx.needs_input_grad[1]
+        x_row, x_columns = recipe.grouped_operands(
+            "input", a.detach(), bounds, scaling.forward_dtype, needs_w, scaling.operands.get("input"), step.record
+        )
+        w_operands = scaling.weight_operands(weight, step.record, step.regathered)
+        if step.observer is not None:
+            step.observer("input", a, x_row)
+            for e, (w, _) in enumerate(w_operands):
+                step.observer(f"weight[{e}]", weight[e], w)
+        # ------------------------------------------------ fprop ------------------------------------------------
+        w_kn = torch.stack([_values(w).t() for w, _ in w_operands])  # (E, K, N)
+        y = grouped_product(_values(x_row), w_kn, offs, bounds)
+        scaling.gemms["fprop"] += 1
+        ctx.saved = (x_columns, [w_t for _, w_t in w_operands])
+        return y.to(step.out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        step, (a_dtype, w_dtype) = ctx.step, ctx.dtypes
+        needs_a, needs_w = ctx.needs_input_grad[:2]
+        if ctx.saved is None:  # an empty batch
+            grad_w = grad_y.new_zeros(ctx.weight_shape, dtype=w_dtype) if needs_w else None
+            return grad_y.new_zeros(0, ctx.weight_shape[2], dtype=a_dtype), grad_w, None
+        scaling, bounds, offs = step.scaling, step.bounds, step.offs
+        x_columns, w_t = ctx.saved
+        g_row, g_columns = scaling.recipe.grouped_operands(
+            "grad_output", grad_y.contiguous(), bounds, scaling.backward_dtype, needs_w,
+            scaling.operands.get("grad_output"), True,
+        )
+        if step.observer is not None:
+            step.observer("grad_output", grad_y, g_row)
+        grad_a = grad_w = None
+        # ------------------------------------------------ dgrad ------------------------------------------------
+        if needs_a:
+            w_nk = torch.stack([_values(w).t() for w in w_t])  # (E, N, K): W_e as the product's right operand
+            grad_a = grouped_product(_values(g_row), w_nk, offs, bounds).to(a_dtype)
+            scaling.gemms["dgrad"] += 1
+        # ------------------------------------------------ wgrad ------------------------------------------------
+        if needs_w:
+            sizes = [end - start for start, end in bounds]
+            g_t = torch.cat([_values(q, m) for q, m in zip(g_columns, sizes) if q is not None], dim=1)  # (N, M)
+            x_t = torch.cat([_values(q, m) for q, m in zip(x_columns, sizes) if q is not None], dim=1)  # (K, M)
+            grad_w = grouped_product(g_t, x_t.t(), offs, bounds).to(w_dtype)  # (E, N, K), zero for empty experts
+            scaling.gemms["wgrad"] += 1
+        ctx.saved = None
+        return grad_a, grad_w, None
+
+
+def warn_once(device: torch.device) -> None:
+    """One warning per process and device type where the grouped GEMM runs emulated on an accelerator."""
+    if device.type != "cpu" and device.type not in _WARNED:
+        _WARNED.add(device.type)
+        warnings.warn(
+            f"fp8_grouped_mm on {device.type}: no FP8 grouped GEMM kernel runs here yet; the grouped GEMMs multiply "
+            "the FP8 operands' exact values in float32 (FP8 numerics, high-precision speed)."
+        )
+
+
+def fp8_grouped_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offs: torch.Tensor,
+    recipe: RecipeLike = None,
+    out_dtype: torch.dtype | None = None,
+    *,
+    scaling: GroupedScaling | None = None,
+    training: bool = True,
+    regathered: bool = False,
+    observer: Callable[[str, torch.Tensor, Quantized], None] | None = None,
+) -> torch.Tensor:
+    """``torch._grouped_mm(a, b, offs)`` with its three GEMMs (forward, input and weight gradients) on FP8 operands.
+
+    Args:
+        a: (M, K) tokens sorted by expert.
+        b: (E, K, N) expert weights (a fused (E, N, K) weight is passed as ``weight.transpose(-2, -1)``).
+        offs: int32 (E,), the cumulative end row of each expert's group; it must end at M.
+        recipe: the scaling recipe (object, name or dict); ``DelayedScaling()`` by default.
+        out_dtype: the output dtype; ``a.dtype`` by default.
+        scaling: the state to keep between calls (a module's :class:`GroupedScaling`); a fresh one by default, which
+            makes delayed scaling scale each tensor just in time.
+        training: book the casts in ``scaling`` (amax histories); False leaves it as it was.
+        regathered: ``b`` was refilled in place since the last call (an FSDP2 all-gather into a reused buffer keeps
+            its version counter): cast it afresh instead of reusing ``scaling``'s cached cast.
+        observer: called as ``observer(role, x, q)`` with each high-precision operand and its FP8 operand:
+            ``"input"``, ``"weight[e]"`` for each expert, ``"grad_output"`` (statistics, the divergence guard).
+    """
+    recipe = scaling.recipe if scaling is not None else recipe_from(recipe)
+    experts, k, n = check_grouped_shapes(a, b, recipe)
+    bounds = group_bounds(offs, a.shape[0], experts)
+    if scaling is None:
+        scaling = GroupedScaling(recipe, experts)
+    elif scaling.experts != experts:
+        raise ValueError(f"fp8_grouped_mm: scaling holds {scaling.experts} experts but b holds {experts}.")
+    warn_once(a.device)
+    step = GroupedStep(scaling, bounds, offs, out_dtype or a.dtype, training, regathered, observer)
+    return FP8GroupedMMFunction.apply(a, b.transpose(1, 2), step).contiguous()
