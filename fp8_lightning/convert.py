@@ -88,7 +88,7 @@ def convert_to_fp8(
     gate = resolve_gate(profitability)
     report = ConversionReport()
     for name, child in module.named_modules():
-        if _convert_experts(child, name or "<root>", recipe, module_filter_fn, emulate, report):
+        if _convert_experts(child, name or "<root>", recipe, module_filter_fn, emulate, report, gate):
             continue
         features = linear_features(child)
         if features is None:
@@ -123,7 +123,7 @@ def convert_to_fp8(
 
 def _convert_experts(
     child: nn.Module, name: str, recipe, module_filter_fn: ModuleFilter | None, emulate: bool,
-    report: ConversionReport,
+    report: ConversionReport, gate=None,
 ) -> bool:
     """Convert (or report) a fused experts module, or name a module with a 3-D weight left alone; True when
     ``child`` was such a module."""
@@ -138,6 +138,8 @@ def _convert_experts(
         reason = "excluded by module_filter_fn"
     else:
         reason = experts_skip_reason(child, recipe)
+    if reason is None and gate is not None and not isinstance(child, FP8ExpertsMixin):
+        reason = gate.experts_skip_reason(next(child.parameters()).device)
     if reason is not None:
         if isinstance(child, FP8ExpertsMixin):
             reason = f"left in FP8 as an earlier conversion made it ({child.fp8_recipe.name}); {reason}"

@@ -213,6 +213,18 @@ class ProfitabilityGate:
         )
 
 
+    def experts_skip_reason(self, device: torch.device) -> str | None:
+        """Why fused experts on ``device`` should stay in high precision: their grouped GEMMs have no FP8 kernel on
+        a GPU yet and run emulated in float32, slower than bf16."""
+        device = torch.device(self.device) if self.device is not None else device
+        if not self.applies_to(device):
+            return f"FP8 is emulated on {device.type} (never faster than float32 there); profitability gate forced on"
+        return (
+            f"its grouped GEMMs would run emulated in float32 on {device.type} (no FP8 grouped kernel runs on a GPU "
+            "yet), slower than bf16; pass profitability=False to convert it anyway (FP8 numerics)"
+        )
+
+
 ProfitabilityLike = Union[str, bool, ProfitabilityGate, None]
 _setting: contextvars.ContextVar[ProfitabilityLike] = contextvars.ContextVar("fp8_profitability", default="auto")
 
@@ -250,6 +262,10 @@ def resolve_gate(value: ProfitabilityLike, device: torch.device | str | None = N
 
 class _AutoGate(ProfitabilityGate):
     """``"auto"``: the gate on CUDA, every layer kept on other devices (see the module docstring)."""
+
+    def experts_skip_reason(self, device: torch.device) -> str | None:
+        device = torch.device(self.device) if self.device is not None else device
+        return super().experts_skip_reason(device) if device.type == "cuda" else None
 
     def skip_reason(self, layer: nn.Linear, recipe: Recipe) -> str | None:
         device = torch.device(self.device) if self.device is not None else layer.weight.device

@@ -214,3 +214,21 @@ def test_fp8_optimizer_states_train_fp8_experts_like_adamw():
             losses[mode].append(loss.item())
     assert losses["fp8 states"][-1] < losses["fp8 states"][0] - 0.5
     assert losses["fp8 states"] == pytest.approx(losses["adamw"], rel=5e-3)
+
+
+def test_the_gate_keeps_experts_in_bf16_where_their_gemms_would_be_emulated_on_a_gpu():
+    """No FP8 grouped kernel runs on a GPU yet: the grouped GEMMs would be emulated in float32, slower than bf16, so
+    the profitability gate keeps experts in high precision on CUDA (with the reason) and lets them convert on a CPU
+    or when it is off."""
+    from fp8_lightning import ProfitabilityGate
+    from fp8_lightning.profitability import profitability_setting
+
+    def experts():
+        return GroupedExperts(dim=64, hidden_dim=64, num_experts=2)
+
+    report = convert_to_fp8(experts(), "tensorwise", profitability=ProfitabilityGate(device="cuda"))
+    assert report.experts == [] and "emulated in float32 on cuda" in report.experts_skipped["<root>"]
+    assert "profitability=False" in report.experts_skipped["<root>"]
+    with profitability_setting("auto"):
+        assert convert_to_fp8(experts(), "tensorwise").experts == ["<root>"]  # the weights are on the CPU
+    assert convert_to_fp8(experts(), "tensorwise", profitability=False).experts == ["<root>"]
