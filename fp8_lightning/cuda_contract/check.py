@@ -18,7 +18,7 @@ from typing import Iterable, Iterator
 import torch
 
 from fp8_lightning.cuda_contract import rules_v2
-from fp8_lightning.cuda_contract.rules import FLOAT8, ARCHS, Facts, Outcome, Target, scaled_mm_v1
+from fp8_lightning.cuda_contract.rules import CONTRACT_ARCHS, FLOAT8, Facts, Outcome, Target, scaled_mm_v1
 from fp8_lightning.cuda_contract.simulate import MODES, TRITON_API, V1_API, Call, GemmRecord, run_layer
 from fp8_lightning.recipes import RECIPES
 
@@ -111,7 +111,7 @@ def recipe_names(spec: str) -> list[str]:
 
 
 def arch_names(spec: str) -> list[str]:
-    return list(ARCHS) if spec == "all" else spec.split(",")
+    return list(CONTRACT_ARCHS) if spec == "all" else spec.split(",")
 
 
 def grid_shapes(models: Iterable[str] = MODELS, tokens: Iterable[int] = TOKENS) -> Iterator[tuple[str, int, int, int]]:

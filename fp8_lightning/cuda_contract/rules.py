@@ -37,7 +37,8 @@ from fp8_lightning import cuda_rules
 
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 E8M0 = torch.float8_e8m0fnu
-ARCHS = {"sm_89": (8, 9), "sm_90": (9, 0), "sm_100": (10, 0), "sm_120": (12, 0)}
+ARCHS = {"sm_80": (8, 0), "sm_89": (8, 9), "sm_90": (9, 0), "sm_100": (10, 0), "sm_120": (12, 0)}
+CONTRACT_ARCHS = ("sm_89", "sm_90", "sm_100", "sm_120")  # the FP8 architectures every GEMM is checked on
 CUBLAS_ROWWISE_CUDA = (12, 9)  # cuBLASLt's outer-vector (rowwise) scales
 MX_MIN_CAPABILITY, MX_MIN_CUDA = (10, 0), (12, 8)
 ROWWISE_CUTLASS_ANY_OUT_TORCH = (2, 13)  # PR #187569: CUTLASS rowwise writes fp16 and fp32 right
