@@ -12,9 +12,10 @@ The traced step runs as ``torch.compile`` traces it (``torch.compiler.is_compili
 expanded to the implementation the compiled graph calls at run time, on the layouts its cast ops declare.
 
 Fake-tensor gaps of a torch built without CUDA are bridged while a simulation runs: ``Tensor.to(device)``,
-``Tensor.contiguous()``, ``Tensor.copy_`` and basic indexing of a fake CUDA tensor (their Python bindings take a
-CUDA device guard, which such a build lacks) take the equivalent dispatcher ops, and the autograd engine (whose graph
-nodes also ask for one) is left out: the layer's autograd Function's forward and backward are called directly.
+``Tensor.contiguous()``, ``Tensor.copy_``, ``torch.tensor(..., device=)`` and basic indexing of a fake CUDA tensor
+(their Python bindings take a CUDA device guard, which such a build lacks) take the equivalent dispatcher ops, and
+the autograd engine (whose graph nodes also ask for one) is left out: the layer's autograd Function's forward and
+backward are called directly.
 Per-tensor scaling states are simulated after their first step (initialized), since a first cast reads its amax on
 the host, which a fake tensor cannot give.
 """
@@ -128,6 +129,16 @@ def _contiguous(original):
     return contiguous
 
 
+def _tensor(original):
+    def tensor(data, *args, device=None, **kwargs):
+        if device is not None and torch.device(device).type == "cuda":  # a fake tensor has no values to copy
+            like = original(data, *args, **kwargs)
+            return torch.empty(like.shape, dtype=like.dtype, device=device)
+        return original(data, *args, device=device, **kwargs)
+
+    return tensor
+
+
 def _copy(original):
     def copy_(self, src, non_blocking=False):
         if isinstance(self, FakeTensor):
@@ -138,13 +149,16 @@ def _copy(original):
 
 
 def _basic_index(t: torch.Tensor, index):
-    """``t[index]`` for integers and slices through dispatcher ops (views), or None for other indices."""
+    """``t[index]`` for integers, slices and None through dispatcher ops (views), or None for other indices."""
     out, dim = t, 0
     for item in index if isinstance(index, tuple) else (index,):
         if isinstance(item, int):
             out = out.select(dim, item)
         elif isinstance(item, slice) and item.step in (None, 1):
             out = torch.ops.aten.slice.Tensor(out, dim, item.start, item.stop, 1)
+            dim += 1
+        elif item is None:
+            out = out.unsqueeze(dim)
             dim += 1
         else:
             return None
@@ -253,12 +267,24 @@ def simulated_device(target: Target, triton: bool = True) -> Iterator[FakeTensor
             (torch.Tensor, "to", _to(torch.Tensor.to)),
             (torch.Tensor, "contiguous", _contiguous(torch.Tensor.contiguous)),
             (torch.Tensor, "copy_", _copy(torch.Tensor.copy_)),
+            (torch, "tensor", _tensor(torch.tensor)),
             (torch.Tensor, "__getitem__", _getitem(torch.Tensor.__getitem__)),
             (torch.Tensor, "__setitem__", _setitem(torch.Tensor.__setitem__)),
         ]
         for owner, name, value in patches:
             stack.enter_context(mock.patch.object(owner, name, value))
-        yield stack.enter_context(FakeTensorMode(allow_non_fake_inputs=False))
+        yield stack.enter_context(_fake_mode())
+
+
+_FAKE_MODE: list[FakeTensorMode] = []
+
+
+def _fake_mode() -> FakeTensorMode:
+    """One fake-tensor mode for every simulation: fake tensors a library cache keeps (a constant made once per
+    device) stay usable in the next simulation."""
+    if not _FAKE_MODE:
+        _FAKE_MODE.append(FakeTensorMode(allow_non_fake_inputs=False))
+    return _FAKE_MODE[0]
 
 
 def run_layer(

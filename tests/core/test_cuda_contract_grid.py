@@ -120,3 +120,22 @@ def test_the_command_line_prints_each_gemm_and_exits_1_on_a_planted_violation(mo
     assert main(args + ["--quiet"]) == 1
     out = capsys.readouterr().out
     assert "eager fprop: violation" in out and "Invalid scaling configuration." in out
+
+
+@pytest.mark.parametrize("triton", [True, False], ids=["triton", "no-triton"])
+@pytest.mark.parametrize("arch", CONTRACT_ARCHS)
+def test_recipe_variants_have_no_violation(arch, triton):
+    """HYBRID gradients (E5M2 in dgrad and wgrad), rowwise's high-precision wgrad, MX blocks of 64, E4M3 per-tensor
+    recipes; with the Triton kernels and without them (the pure-PyTorch casts' layouts)."""
+    from fp8_lightning.recipes import DelayedScaling, MXFP8BlockScaling
+
+    variants = [
+        RowwiseScaling(high_precision_wgrad=True), RowwiseScaling(fp8_format="HYBRID"), BlockwiseScaling(fp8_format="HYBRID"),
+        MXFP8BlockScaling(fp8_format="HYBRID"), MXFP8BlockScaling(block_size=64), TensorwiseScaling(fp8_format="E4M3"),
+        DelayedScaling(fp8_format="E4M3"),
+    ]
+    target = Target(arch, (12, 9), (2, 11))
+    for recipe in variants:
+        for m, k, n in ((77, 768, 3072), (4113, 3072, 768)):
+            for v in check_layer(target, recipe, m, k, n, triton=triton):
+                assert v.status != VIOLATION, (arch, triton, recipe, m, k, n, v.record.mode, v.record.role, v.reasons)
