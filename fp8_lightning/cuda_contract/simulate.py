@@ -17,7 +17,8 @@ Fake-tensor gaps of a torch built without CUDA are bridged while a simulation ru
 the autograd engine (whose graph nodes also ask for one) is left out: the layer's autograd Function's forward and
 backward are called directly.
 Per-tensor scaling states are simulated after their first step (initialized), since a first cast reads its amax on
-the host, which a fake tensor cannot give.
+the host, which a fake tensor cannot give. The library's per-device constant caches are restored after each run, so
+no fake tensor outlives it.
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ from unittest import mock
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from fp8_lightning import blockwise, gemm
+from fp8_lightning import blockwise, gemm, mx
 from fp8_lightning.autocast import fp8_autocast
 from fp8_lightning.kernels import availability
 from fp8_lightning.layer_step import FP8LinearFunction
 from fp8_lightning.linear import EagerStep, FP8Linear
+from fp8_lightning.ops import dispatch
 from fp8_lightning.ops.registry import HOT_OPS
 from fp8_lightning.traced import TracedPlan
 from fp8_lightning import traced
@@ -273,18 +275,9 @@ def simulated_device(target: Target, triton: bool = True) -> Iterator[FakeTensor
         ]
         for owner, name, value in patches:
             stack.enter_context(mock.patch.object(owner, name, value))
-        yield stack.enter_context(_fake_mode())
-
-
-_FAKE_MODE: list[FakeTensorMode] = []
-
-
-def _fake_mode() -> FakeTensorMode:
-    """One fake-tensor mode for every simulation: fake tensors a library cache keeps (a constant made once per
-    device) stay usable in the next simulation."""
-    if not _FAKE_MODE:
-        _FAKE_MODE.append(FakeTensorMode(allow_non_fake_inputs=False))
-    return _FAKE_MODE[0]
+        for cache in (mx._SMALLEST_SUBNORMALS, mx._E8M0_TABLES, dispatch._DECODE_TABLES):  # per-device constants
+            stack.enter_context(mock.patch.dict(cache))
+        yield stack.enter_context(FakeTensorMode(allow_non_fake_inputs=False))
 
 
 def run_layer(

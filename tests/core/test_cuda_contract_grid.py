@@ -30,6 +30,18 @@ def test_a_step_records_its_three_gemms_with_their_operands():
         assert fprop["mat2"].stride == (1, 768) and fprop["bias"].shape == (3072,)  # column-major, bias fused
 
 
+def test_a_simulation_leaves_no_fake_tensor_or_patch_behind():
+    """The library's per-device constant caches and torch's functions are as they were after a simulation."""
+    from fp8_lightning import mx
+    from fp8_lightning.ops import dispatch
+
+    to, is_available = torch.Tensor.to, torch.cuda.is_available
+    run_layer(Target("sm_100"), RECIPES["mxfp8"](), 77, 768, 3072, "eager", triton=False)
+    for cache in (mx._SMALLEST_SUBNORMALS, mx._E8M0_TABLES, dispatch._DECODE_TABLES):
+        assert all(t.device.type == "cpu" for t in cache.values())
+    assert torch.Tensor.to is to and torch.cuda.is_available is is_available
+
+
 def _blockwise_fallback_is_planned(verdict, target: Target) -> bool:
     """A blockwise GEMM emulated where fp8_lightning.cuda_rules.blockwise_gemm_plan (the documented plan) says so."""
     r = verdict.record
