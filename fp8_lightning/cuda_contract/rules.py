@@ -65,18 +65,19 @@ def c10_name(dtype: torch.dtype) -> str:
 
 
 class Facts(NamedTuple):
-    """What the rules read of a tensor: its shape, strides and dtype."""
+    """What the rules read of a tensor: its shape, strides, dtype and where it starts in its storage."""
 
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
+    offset: int = 0  # elements into its storage (allocations themselves are aligned)
 
     @classmethod
     def of(cls, t: torch.Tensor) -> "Facts":
-        return cls(tuple(t.shape), tuple(t.stride()), t.dtype)
+        return cls(tuple(t.shape), tuple(t.stride()), t.dtype, t.storage_offset())
 
     def t(self) -> "Facts":
-        return Facts(self.shape[::-1], self.stride[::-1], self.dtype)
+        return Facts(self.shape[::-1], self.stride[::-1], self.dtype, self.offset)
 
     def numel(self) -> int:
         count = 1
@@ -236,6 +237,15 @@ def operand_violation(target: Target, mat1: Facts, mat2: Facts, names=("mat1", "
     return None
 
 
+def alignment_violation(mat1: Facts, mat2: Facts) -> str | None:
+    """cuBLASLt's FP8 GEMMs read 16-byte aligned matrices (torch does not check; cuBLASLt finds no algorithm)."""
+    for name, f in (("mat1", mat1), ("mat2", mat2)):
+        start = f.offset * f.dtype.itemsize
+        if start % 16:
+            return f"cuBLASLt needs 16-byte aligned FP8 matrices: {name} starts {start} bytes into its storage"
+    return None
+
+
 def major_violation(target: Target, mat1: Facts, mat2: Facts) -> str | None:
     """``_scaled_gemm`` on sm_90 (and cuBLASLt's FP8 GEMMs on sm_89): mat1 row-major, mat2 column-major."""
     if target.capability[0] >= 10:
@@ -298,6 +308,9 @@ def scaled_mm_v1(
     reason = operand_violation(target, mat1, mat2) or bias_violation(out_dtype, bias, n)
     if reason is not None:
         return Outcome("none", reason)
+    misaligned = alignment_violation(mat1, mat2)
+    if misaligned is not None:
+        return Outcome(f"cuBLASLt ({pair[0]} x {pair[1]})", misaligned)
     if pair == (ROWWISE, ROWWISE):
         outcome = rowwise_outcome(target, mat2, bias, out_dtype)
         return outcome if outcome.violation else Outcome(outcome.kernel, major_violation(target, mat1, mat2))

@@ -33,11 +33,12 @@ from fp8_lightning.cuda_contract.rules import (
     Facts,
     Outcome,
     Target,
-    rowwise_outcome,
+    alignment_violation,
     bias_violation,
     deepseek_violation,
     major_violation,
     operand_violation,
+    rowwise_outcome,
 )
 
 SCALING_NAMES = {
@@ -106,6 +107,9 @@ def scaled_mm_v2(
     if impl is None:
         return Outcome("none", f"Invalid scaling configuration. ... Got {kinds[0]} x {kinds[1]} for "
                                f"{mat_a.describe()} and {mat_b.describe()} (blockwise and MX: Float8_e4m3fn only)")
+    misaligned = alignment_violation(mat_a, mat_b)
+    if misaligned is not None:
+        return Outcome(f"cuBLASLt ({kinds[0]} x {kinds[1]})", misaligned)
     (m, k), n = mat_a.shape, mat_b.shape[1]
     if impl == "deepseek":
         kernel = f"cuBLASLt {kinds[0]} x {kinds[1]}"

@@ -75,6 +75,8 @@ V1_CASES = [
     ("DeepSeek below cuBLASLt 12.9", Target("sm_90", (12, 4)), (facts((64, 768)), column_major(768, 3072),
      column_major(64, 6, F32), facts((24, 6), F32, (6, 1)).t()), {},
      "DeepSeek style (1x128, 128x128) scaling requires cublasLt >= 12.9", False),
+    ("misaligned mat1", SM90, (Facts((64, 768), (768, 1), E4M3, 8),) + tensorwise()[1:], {},
+     "cuBLASLt needs 16-byte aligned FP8 matrices: mat1 starts 8 bytes into its storage", False),
     ("MX below sm_100", SM90, (facts((128, 256)), column_major(256, 128), facts((128 * 8,), torch.float8_e8m0fnu),
      facts((128 * 8,), torch.float8_e8m0fnu)), {}, "cuBLASLt has no MX (1x32, e8m0) block scaling", False),
     ("MX scale size", Target("sm_100"), (facts((128, 256)), column_major(256, 128),
