@@ -34,13 +34,14 @@ from typing import NamedTuple
 import torch
 
 from fp8_lightning import cuda_rules
+from fp8_lightning.formats import NATIVE_MX_MIN_CAPABILITY, NATIVE_MX_MIN_CUDA
 
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 E8M0 = torch.float8_e8m0fnu
 ARCHS = {"sm_80": (8, 0), "sm_89": (8, 9), "sm_90": (9, 0), "sm_100": (10, 0), "sm_120": (12, 0)}
 CONTRACT_ARCHS = ("sm_89", "sm_90", "sm_100", "sm_120")  # the FP8 architectures every GEMM is checked on
 CUBLAS_ROWWISE_CUDA = (12, 9)  # cuBLASLt's outer-vector (rowwise) scales
-MX_MIN_CAPABILITY, MX_MIN_CUDA = (10, 0), (12, 8)
+MX_MIN_CAPABILITY, MX_MIN_CUDA = NATIVE_MX_MIN_CAPABILITY, NATIVE_MX_MIN_CUDA
 ROWWISE_CUTLASS_ANY_OUT_TORCH = (2, 13)  # PR #187569: CUTLASS rowwise writes fp16 and fp32 right
 SCALED_MM_V2_TORCH = (2, 10)  # torch.nn.functional.scaled_mm with the blockwise scaling types
 ARCH_MESSAGE = (

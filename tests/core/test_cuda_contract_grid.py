@@ -122,6 +122,25 @@ def test_rowwise_fp32_outputs_take_the_rowwise_kernel_where_torch_writes_them(mo
     assert all(v.status == VIOLATION and "Only bf16 and fp16" in v.reasons[0] for v in forced)
 
 
+def test_mxfp8_on_blackwell_with_a_torch_below_cuda_12_8_does_not_call_cublas_mx(monkeypatch):
+    """The contract found it: sm_100 with a torch built on CUDA 12.4 called cuBLAS's MX GEMM, which CUDA 12.8
+    brought; now such a device takes the Triton MX GEMM (or the emulation without Triton), and the old gate is
+    caught."""
+    from fp8_lightning import gemm
+    from fp8_lightning.recipes import MXFP8BlockScaling
+
+    old_cuda = Target("sm_100", (12, 4), (2, 11))
+    with_triton = check_layer(old_cuda, MXFP8BlockScaling(), 77, 768, 3072)
+    assert {v.kernel for v in with_triton} == {"Triton MX GEMM"} and {v.status for v in with_triton} == {NATIVE}
+    without = check_layer(old_cuda, MXFP8BlockScaling(), 77, 768, 3072, triton=False)
+    assert {v.status for v in without} == {FALLBACK}
+    assert {v.kernel for v in check_layer(Target("sm_100"), MXFP8BlockScaling(), 77, 768, 3072)} == {
+        "cuBLASLt MX (VEC32_UE8M0)"}
+    monkeypatch.setattr(gemm, "native_mx_gemm_support", lambda device: (True, "the capability alone"))
+    old_gate = check_layer(old_cuda, MXFP8BlockScaling(), 77, 768, 3072, ("eager",))
+    assert all(v.status == VIOLATION and "CUDA 12.8" in v.reasons[0] for v in old_gate)
+
+
 def test_the_command_line_prints_each_gemm_and_exits_1_on_a_planted_violation(monkeypatch, capsys):
     args = ["--arch", "sm_90", "--cuda", "12.9", "--torch", "2.11", "--recipe", "blockwise", "--shape", "64,768,3072"]
     assert main(args) == 0
