@@ -24,6 +24,14 @@ commit 2bec3bdf, whose rowwise rules match the torch 2.10/2.11 releases: fp16 ou
 * torch PR #166752: cuBLASLt reads a 128x128 scale with the row stride round_up(ceil(K/128), 4).
 * cuBLASLt's MX (VEC32_UE8M0) block scaling runs on compute capability 10.0+ with CUDA 12.8+; torch has no check of
   its own there (the cuBLASLt call fails).
+
+Where the 2.11-era copy and main differ (``Target.torch`` picks; 2.13 stands for main): rowwise on CUTLASS takes
+bf16 and fp16 outputs in 2.11 ("Only bf16 and fp16 high precision output types ...") and bf16, fp16 and fp32 in main,
+whose no-bias kernel also writes fp16 right; rowwise leaves cuBLASLt for CUTLASS on ``major == 10`` in 2.11 and
+``major >= 10`` in main (sm_120 too); 2.11's ``_scaled_block1x128_block1x128`` tests ``scale_b``'s stride where it
+means ``scale_a``'s when scale_a has one column (harmless for the library's layouts, which pass both readings); main
+adds ``validate_scaled_mm_v2_inputs``, which repeats the tensorwise, rowwise and MX element counts in v2's meta
+function. The blockwise rules are the same in both.
 """
 
 from __future__ import annotations
