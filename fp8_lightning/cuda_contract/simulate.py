@@ -5,8 +5,8 @@ How: the layer runs its real code (eager, or the traced step that ``torch.compil
 ``FakeTensorMode`` with ``device="cuda"`` tensors (shapes, strides and dtypes, no memory), while the device queries
 the library asks (``torch.cuda.is_available``, ``get_device_capability``, ``torch.version.cuda``, whether torch has
 ``torch.nn.functional.scaled_mm``, whether the Triton kernels run) answer for the simulated device. The torch entry
-points are wrapped so that each call's operands are recorded before torch's own meta function checks them; a GEMM
-that calls none of them is a fallback (the float32 emulation, or the Triton MX GEMM, recorded by name).
+points and the Triton MX GEMM are wrapped so that each call's operands are recorded before torch's own meta function
+checks them; a GEMM that calls none of them was emulated (or computed in high precision).
 
 The traced step runs as ``torch.compile`` traces it (``torch.compiler.is_compiling()`` answers True), its GEMM op
 expanded to the implementation the compiled graph calls at run time, on the layouts its cast ops declare.
@@ -15,10 +15,9 @@ Fake-tensor gaps of a torch built without CUDA are bridged while a simulation ru
 ``Tensor.contiguous()``, ``Tensor.copy_``, ``torch.tensor(..., device=)`` and basic indexing of a fake CUDA tensor
 (their Python bindings take a CUDA device guard, which such a build lacks) take the equivalent dispatcher ops, and
 the autograd engine (whose graph nodes also ask for one) is left out: the layer's autograd Function's forward and
-backward are called directly.
-Per-tensor scaling states are simulated after their first step (initialized), since a first cast reads its amax on
-the host, which a fake tensor cannot give. The library's per-device constant caches are restored after each run, so
-no fake tensor outlives it.
+backward are called directly. Per-tensor scaling states are simulated after their first step (initialized), since a
+first cast reads its amax on the host, which a fake tensor cannot give. The library's per-device constant caches are
+restored after each run, so no fake tensor outlives it.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from unittest import mock
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from fp8_lightning import blockwise, gemm, mx
+from fp8_lightning import blockwise, gemm, mx, traced
 from fp8_lightning.autocast import fp8_autocast
 from fp8_lightning.kernels import availability
 from fp8_lightning.layer_step import FP8LinearFunction
@@ -40,7 +39,6 @@ from fp8_lightning.linear import EagerStep, FP8Linear
 from fp8_lightning.ops import dispatch
 from fp8_lightning.ops.registry import HOT_OPS
 from fp8_lightning.traced import TracedPlan
-from fp8_lightning import traced
 
 from fp8_lightning.cuda_contract.rules import Facts, Target
 
