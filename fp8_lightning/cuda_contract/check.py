@@ -134,5 +134,6 @@ def describe_call(call: Call) -> str:
             parts.append(f"{name}={value.describe()}")
         elif value is not None:
             parts.append(f"{name}={getattr(value, 'name', value)}")
-    first = call.args.get("mat1", call.args.get("mat_a", call.args.get("a")))
-    return f"{call.api}({'mat1=' + first.describe() + ', ' if first is not None else ''}{', '.join(parts)})"
+    first = next((n for n in ("mat1", "mat_a") if n in call.args), None)
+    lead = f"{first}={call.args[first].describe()}, " if first else ""
+    return f"{call.api}({lead}{', '.join(parts)})"
