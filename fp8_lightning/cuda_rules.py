@@ -178,6 +178,29 @@ def v2_violation(
 
 
 # --------------------------------------------------------------------------------------------------------
+# Rowwise: which output dtypes torch's rowwise GEMM writes itself
+# --------------------------------------------------------------------------------------------------------
+
+ROWWISE_CUBLAS_MAJOR = 9  # cuBLASLt's outer-vector (rowwise) scales: compute capability 9.x ...
+ROWWISE_CUBLAS_MIN_CUDA = (12, 9)  # ... with cuBLAS 12.9+; elsewhere torch runs CUTLASS's f8f8bf16_rowwise
+
+
+def rowwise_direct_output(capability: tuple[int, int], cuda: tuple[int, int] | None, out_dtype) -> bool:
+    """Whether ``torch._scaled_mm`` with rowwise scales writes ``out_dtype`` itself, correctly, in every torch the
+    library supports (2.11 on). ScaledBlas.cpp ``_scaled_mm_out_cuda``: rowwise GEMMs run cuBLASLt on compute
+    capability 9.x with cuBLAS >= 12.9, which writes bf16, fp16 and fp32; elsewhere they run CUTLASS
+    (``f8f8bf16_rowwise``), which in torch 2.11 takes bf16 and fp16 only ("Only bf16 and fp16 high precision output
+    types are supported for row-wise scaling.") and, without a bias, writes bf16 whatever the output dtype (fp16
+    and fp32 became right with torch PR #187569, after 2.11). So: bf16 everywhere; fp16 and fp32 on the cuBLASLt
+    path only."""
+    name = str(out_dtype).rpartition(".")[2]
+    if name == "bfloat16":
+        return True
+    on_cublas = capability[0] == ROWWISE_CUBLAS_MAJOR and cuda is not None and tuple(cuda) >= ROWWISE_CUBLAS_MIN_CUDA
+    return on_cublas and name in ("float16", "float32")
+
+
+# --------------------------------------------------------------------------------------------------------
 # The plan: which path each GEMM shape takes
 # --------------------------------------------------------------------------------------------------------
 

@@ -31,7 +31,8 @@ _MIN_SUBNORMAL = {E4M3_DTYPE: 2.0**-9, E5M2_DTYPE: 2.0**-16}
 
 # NVIDIA compute capabilities with FP8 hardware, one definition for every device check:
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores and conversions (Ada, Hopper, Blackwell)
-NATIVE_MX_MIN_CAPABILITY = (10, 0)  # cuBLAS's 1x32 block-scaled (MX) GEMM (Blackwell)
+NATIVE_MX_MIN_CAPABILITY = (10, 0)  # cuBLAS's 1x32 block-scaled (MX) GEMM (Blackwell) ...
+NATIVE_MX_MIN_CUDA = (12, 8)  # ... in cuBLAS 12.8 on (VEC32_UE8M0 scales)
 BLOCKWISE_CAPABILITY_MAJOR = 9  # cuBLAS's 1x128 / 128x128 block-scaled GEMM (Hopper only)
 
 

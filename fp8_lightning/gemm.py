@@ -13,7 +13,7 @@ import torch
 
 from fp8_lightning.ops.dispatch import dequantize_operand, operand_f32
 from fp8_lightning.kernels.availability import kernels_usable
-from fp8_lightning.formats import FP8_MIN_CAPABILITY, NATIVE_MX_MIN_CAPABILITY
+from fp8_lightning.formats import FP8_MIN_CAPABILITY, NATIVE_MX_MIN_CAPABILITY, NATIVE_MX_MIN_CUDA
 from fp8_lightning.ops.triton_ops import mx_gemm_supported, triton_mx_gemm
 from fp8_lightning.quantize import LAYOUT_MULTIPLE, Quantized, pad_2d, pad_dim, scaled_mm_layout
 from fp8_lightning.settings import settings
@@ -119,7 +119,8 @@ def _add_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 
 
 def native_mx_gemm_support(device: torch.device | str) -> tuple[bool, str]:
-    """Whether cuBLAS runs MX (1x32 block-scaled) FP8 GEMMs natively on ``device`` (sm100+), and why not."""
+    """Whether cuBLAS runs MX (1x32 block-scaled) FP8 GEMMs natively on ``device`` (sm100+, with a torch built on
+    CUDA 12.8+, whose cuBLAS has the MX scale mode), and why not."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return False, "native MX GEMMs need a CUDA device"
@@ -127,7 +128,11 @@ def native_mx_gemm_support(device: torch.device | str) -> tuple[bool, str]:
     if (major, minor) < NATIVE_MX_MIN_CAPABILITY:
         need = ".".join(map(str, NATIVE_MX_MIN_CAPABILITY))
         return False, f"compute capability {major}.{minor} has no native MX GEMM (needs {need}+, Blackwell)"
-    return True, f"compute capability {major}.{minor}"
+    cuda = torch.version.cuda
+    if not cuda or tuple(int(p) for p in cuda.split(".")[:2]) < NATIVE_MX_MIN_CUDA:
+        need = ".".join(map(str, NATIVE_MX_MIN_CUDA))
+        return False, f"torch's CUDA {cuda} has no cuBLAS MX GEMM (needs CUDA {need}+)"
+    return True, f"compute capability {major}.{minor}, CUDA {cuda}"
 
 
 def swizzle_mx_scales(scale: torch.Tensor) -> torch.Tensor:

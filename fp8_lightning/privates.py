@@ -78,6 +78,20 @@ PRIVATES: tuple[Private, ...] = (
         "no public query for that.",
     ),
     Private(
+        "torch._subclasses.fake_tensor:FakeTensorMode", ("cuda_contract/simulate.py",),
+        "The CUDA contract runs the layer on fake CUDA tensors (shapes, strides, dtypes, no GPU); torch has no public "
+        "fake-tensor mode (torch.compile uses this one).",
+    ),
+    Private(
+        "torch._subclasses.fake_tensor:FakeTensor", ("cuda_contract/simulate.py",),
+        "Which tensors the CUDA contract's device-guard bridges apply to (fake ones only).",
+    ),
+    Private(
+        "torch._C._nn:_parse_to", ("cuda_contract/simulate.py",),
+        "Tensor.to's own argument parser, so that the CUDA contract's bridge for fake CUDA tensors reads .to()'s "
+        "arguments exactly as torch does.",
+    ),
+    Private(
         "torch.distributed._composable:checkpoint", ("distributed/sharding.py",),
         "Activation checkpointing applied per block before fully_shard, as FSDP2 expects (torchtitan does the "
         "same); the public torch.utils.checkpoint has no module-level form that composes with fully_shard.",

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from fp8_lightning import cuda_rules
 from fp8_lightning.quantize import (
     HIGH_PRECISION,
     Quantized,
@@ -100,15 +101,29 @@ def codes_f32(q: Quantized) -> torch.Tensor:
     return q.f32 if q.f32 is not None else fp8_to_float32(q.data)
 
 
+def direct_output(device: torch.device, out_dtype: torch.dtype) -> bool:
+    """Whether the rowwise ``torch._scaled_mm`` on CUDA ``device`` writes ``out_dtype`` itself
+    (:func:`fp8_lightning.cuda_rules.rowwise_direct_output`): bf16 always, fp16 and fp32 where cuBLASLt runs it
+    (sm_90 with CUDA 12.9+). The device is asked only for fp16 and fp32 outputs."""
+    if out_dtype == torch.bfloat16:
+        return True
+    if out_dtype not in (torch.float16, torch.float32) or not torch.cuda.is_available():
+        return False
+    version = torch.version.cuda
+    cuda = tuple(int(p) for p in version.split(".")[:2]) if version else None
+    return cuda_rules.rowwise_direct_output(torch.cuda.get_device_capability(device), cuda, out_dtype)
+
+
 def rowwise_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     """``a @ b.T`` for rowwise operands (M, K) and (N, K), scales applied to the float32 accumulator.
 
     CPU: a float32 matmul of the codes' exact values (:func:`codes_f32`), then ``* (1 / scale_a) * (1 / scale_b)``:
     with power-of-two scales the bits of CPU ``torch._scaled_mm`` (measured equal; the codes decode several times
     faster than its float8 conversion), with float32 scales within a rounding of them. CUDA: ``torch._scaled_mm`` in
-    cuBLAS's layout (:func:`rowwise_scaled_mm_args`); its rowwise kernel writes bf16 only, so other output dtypes
-    take its tensorwise kernel with unit scales (float32 output) and apply ``scale_a * scale_b`` after it, the same
-    arithmetic.
+    cuBLAS's layout (:func:`rowwise_scaled_mm_args`), writing the output dtype itself where torch's rowwise kernel
+    does (:func:`direct_output`: bf16 everywhere, fp16 and fp32 on sm_90 with CUDA 12.9+); elsewhere an fp16 or
+    fp32 output takes the tensorwise kernel with unit scales (float32 output) and ``scale_a * scale_b`` applied
+    after it, the same arithmetic.
     ``fast_accum``: cuBLAS's fast accumulation (``use_fast_accum``), as for the per-tensor GEMMs; the CPU GEMM
     accumulates in float32 either way."""
     if a.data.is_cpu:
@@ -117,7 +132,7 @@ def rowwise_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: b
         return acc.mul_(inverse_a).mul_(inverse_b).to(out_dtype)  # in place: acc is this GEMM's own
     n = b.data.shape[0]
     mat1, mat2, scale_a, scale_b = rowwise_scaled_mm_args(a, b)
-    if out_dtype == torch.bfloat16:
+    if direct_output(a.data.device, out_dtype):
         out = torch._scaled_mm(
             mat1, mat2, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum
         )

@@ -18,7 +18,7 @@ from fp8_lightning.profitability import ProfitabilityGate, _datasheet
 from fp8_lightning.recipes import RECIPES, recipe_from
 
 ARCHS = [(8, 0), (8, 9), (9, 0), (10, 0), (12, 0)]
-CUDAS = ["12.4", "12.9", "13.0"]
+CUDAS = ["12.4", "12.8", "12.9", "13.0"]
 
 
 @pytest.fixture

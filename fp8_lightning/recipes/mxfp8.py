@@ -13,8 +13,8 @@ from typing import ClassVar
 import torch
 
 from fp8_lightning.ops import dispatch
-from fp8_lightning.formats import NATIVE_MX_MIN_CAPABILITY, Format, fp8_dtype
-from fp8_lightning.gemm_routes import GemmRoute, arch_name, native, triton_mx
+from fp8_lightning.formats import NATIVE_MX_MIN_CAPABILITY, NATIVE_MX_MIN_CUDA, Format, fp8_dtype
+from fp8_lightning.gemm_routes import GemmRoute, arch_name, cuda_name, native, triton_mx
 from fp8_lightning.gemm import mx_mm
 from fp8_lightning.ops.layer import mx_operand_cast
 from fp8_lightning.mx import E8M0_DTYPE, e8m0_to_float
@@ -101,11 +101,13 @@ class MXFP8BlockScaling(Recipe):
 
     def gemm_route(self, capability, cuda, has_scaled_mm_v2) -> GemmRoute:
         arch = arch_name(capability)
-        if capability >= NATIVE_MX_MIN_CAPABILITY and self.block_size == 32:
-            return native("cuBLAS MX block-scaled GEMM (torch._scaled_mm, E8M0 scales)", f"{arch} has MX tensor cores")
-        if capability >= NATIVE_MX_MIN_CAPABILITY:
+        if capability < NATIVE_MX_MIN_CAPABILITY:
+            return triton_mx(f"{arch} has no MX tensor cores (sm_100 and later have them)")
+        if cuda is None or cuda < NATIVE_MX_MIN_CUDA:
+            return triton_mx(f"{arch} has MX tensor cores, but the cuBLAS of {cuda_name(cuda)} has no MX GEMM (12.8+)")
+        if self.block_size != 32:
             return triton_mx(f"cuBLAS's MX GEMM takes blocks of 32 only; this recipe has block_size={self.block_size}")
-        return triton_mx(f"{arch} has no MX tensor cores (sm_100 and later have them)")
+        return native("cuBLAS MX block-scaled GEMM (torch._scaled_mm, E8M0 scales)", f"{arch} has MX tensor cores")
 
 
 def _rows_of(q: Quantized, start: int, count: int) -> Quantized:
