@@ -41,12 +41,28 @@ def autocast_state() -> AutocastState:
 
 
 def is_fp8_enabled() -> bool:
+    """Whether converted layers run in FP8 here (inside :func:`fp8_autocast`, and not disabled by a nested one).
+
+    Returns:
+        True inside ``fp8_autocast()`` (enabled), else False.
+    """
     return autocast_state().enabled
 
 
 @contextlib.contextmanager
 def fp8_autocast(enabled: bool = True, recipe: RecipeLike = None) -> Iterator[AutocastState]:
-    """Run converted layers in FP8 (``enabled=True``) or in high precision (``enabled=False``)."""
+    """Run converted layers in FP8 (``enabled=True``) or in high precision (``enabled=False``) inside the block.
+
+    Args:
+        enabled: True for FP8, False for high precision (nested blocks restore the outer setting on exit).
+        recipe: a recipe (object, name or dict) every converted layer uses inside, instead of its own.
+
+    Returns:
+        A context manager yielding the state in force.
+
+    Raises:
+        TypeError: ``enabled`` is not a bool.
+    """
     if not isinstance(enabled, bool):
         raise TypeError(f"fp8_autocast(enabled={enabled!r}): expected True or False.")
     new = AutocastState(enabled, recipe_from(recipe) if recipe is not None else None)

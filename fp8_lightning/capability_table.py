@@ -68,7 +68,15 @@ def recipe_route(recipe: Recipe, device: torch.device | str | None = None) -> Ge
 
 
 def capabilities(device: torch.device | str | None = None) -> dict[str, GemmRoute]:
-    """Every registered recipe (its defaults) on ``device``: ``{name: GemmRoute}``."""
+    """Which GEMM serves every registered recipe (its defaults) on ``device``, natively or not, and why.
+
+    Args:
+        device: a torch device; default: the current CUDA device, else the CPU.
+
+    Returns:
+        ``{recipe name: GemmRoute}``; each route has ``verdict`` (native, fallback, refused, emulated or unknown),
+        ``gemm`` (what runs), ``why`` and ``rate_vs_bf16`` (GEMM throughput relative to bf16 on that device).
+    """
     return {name: recipe_route(cls(), device) for name, cls in RECIPES.items()}
 
 

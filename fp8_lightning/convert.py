@@ -83,6 +83,13 @@ def convert_to_fp8(
         profitability: keep layers too small to gain from FP8 in high precision
             (:mod:`fp8_lightning.profitability`): ``"auto"`` (the default, also for None) gates layers on CUDA
             and converts every eligible layer on CPU; True, False, or a ``ProfitabilityGate(tokens=...)``.
+
+    Returns:
+        A :class:`ConversionReport`: converted layers and experts, and each one left in high precision with the
+        reason (``print(report)`` lists them).
+
+    Raises:
+        ValueError: an invalid recipe or ``profitability`` value (the message names what is allowed).
     """
     recipe = recipe_from(recipe)
     gate = resolve_gate(profitability)
@@ -187,7 +194,14 @@ def _skip_reason(
 
 
 def fp8_modules(module: nn.Module) -> Iterator[tuple[str, FP8Linear]]:
-    """Converted layers with their names, in module order (the same order on every rank)."""
+    """Converted layers with their names, in module order (the same order on every rank).
+
+    Args:
+        module: the model.
+
+    Returns:
+        An iterator of ``(name, FP8Linear)``.
+    """
     for name, child in module.named_modules():
         if isinstance(child, FP8Linear):
             yield name, child
@@ -219,13 +233,25 @@ def operand_states(module: nn.Module) -> list[OperandScaling]:
 def sync_scales(module: nn.Module, group: "dist.ProcessGroup | None" = None) -> int:
     """Once per optimizer step: reduce amaxes across ranks in one collective and advance every delayed scale.
 
-    Returns the number of collectives issued (0 or 1).
+    Args:
+        module: the model holding converted layers.
+        group: the process group the amaxes agree over (default: the world, when distributed is initialized).
+
+    Returns:
+        The number of collectives issued (0 or 1).
     """
     return update_scales(operand_states(module), group)
 
 
 def fp8_state_dict(module: nn.Module) -> dict:
-    """The scaling state of every converted layer, keyed by layer name (goes into checkpoints)."""
+    """The scaling state of every converted layer and expert module, for checkpoints.
+
+    Args:
+        module: the model holding converted layers.
+
+    Returns:
+        ``{layer name: state}`` with CPU tensors; :func:`load_fp8_state_dict` restores it.
+    """
     out = {}
     for name, layer in scaled_modules(module):
         out[name] = {
@@ -236,11 +262,22 @@ def fp8_state_dict(module: nn.Module) -> dict:
 
 
 def load_fp8_state_dict(module: nn.Module, state: dict, strict: bool = True, source: str | None = None) -> None:
-    """Restore what :func:`fp8_state_dict` saved. ``strict`` refuses missing or unexpected layers.
+    """Restore what :func:`fp8_state_dict` saved.
 
     The state is checked before anything is restored (:func:`check_fp8_state`): finite, positive scales, finite
-    non-negative amaxes, and tensors of the shapes this model's layers hold. ``source`` (a checkpoint path) is
-    named in the errors.
+    non-negative amaxes, and tensors of the shapes this model's layers hold.
+
+    Args:
+        module: the model holding converted layers.
+        state: what :func:`fp8_state_dict` returned.
+        strict: refuse missing or unexpected layers.
+        source: a checkpoint path, named in the errors.
+
+    Returns:
+        None; the layers' scaling states hold the restored values.
+
+    Raises:
+        ValueError: a missing or unexpected layer (with ``strict``), or a state that fails the checks above.
     """
     where = _where(source)
     layers = dict(scaled_modules(module))

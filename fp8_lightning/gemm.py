@@ -30,7 +30,14 @@ def requested_backend() -> str:
 
 
 def fp8_gemm_support(device: torch.device | str) -> tuple[bool, str]:
-    """Whether ``torch._scaled_mm`` can run per-tensor FP8 GEMMs on ``device``, and why not."""
+    """Whether ``torch._scaled_mm`` can run per-tensor FP8 GEMMs on ``device``.
+
+    Args:
+        device: a torch device.
+
+    Returns:
+        ``(supported, reason)``: the reason says why not, or what makes it work.
+    """
     device = torch.device(device)
     if device.type == "cpu":
         return True, "CPU: torch._scaled_mm runs on oneDNN"

@@ -101,3 +101,20 @@ def test_module_docstrings_are_short_and_undated():
 def test_the_docstring_check_can_fail():
     assert DATED.search("measured 2026-11-22 on the CI host")
     assert not DATED.search("the 2-core CI host")
+
+
+def test_public_functions_document_their_arguments_and_results():
+    import inspect
+
+    import fp8_lightning
+
+    checked = ["capabilities", "convert_to_fp8", "fp8_autocast", "sync_scales", "fp8_state_dict", "load_fp8_state_dict",
+               "recipe_from", "fp8_gemm_support", "fp8_modules", "is_fp8_enabled", "fp8_grouped_mm"]
+    missing = []
+    for name in checked:
+        obj = getattr(fp8_lightning, name)
+        doc = inspect.getdoc(obj) or ""
+        takes_args = bool(inspect.signature(obj).parameters)
+        if (takes_args and "Args:" not in doc) or "Returns:" not in doc:
+            missing.append(name)
+    assert not missing, f"public functions without Args:/Returns: sections: {missing}"

@@ -259,6 +259,14 @@ def fp8_grouped_mm(
             its version counter): cast it afresh instead of reusing ``scaling``'s cached cast.
         observer: called as ``observer(role, x, q)`` with each high-precision operand and its FP8 operand:
             ``"input"``, ``"weight[e]"`` for each expert, ``"grad_output"`` (statistics, the divergence guard).
+
+    Returns:
+        The (M, N) product, differentiable in ``a`` and ``b``.
+
+    Raises:
+        TypeError: ``offs`` is not an int32 tensor.
+        ValueError: ``offs`` not non-decreasing or not ending at M; K not a multiple of the recipe's block; a weight
+            of the wrong shape (each message names the argument and the fix).
     """
     recipe = scaling.recipe if scaling is not None else recipe_from(recipe)
     experts, k, n = check_grouped_shapes(a, b, recipe)

@@ -234,7 +234,16 @@ RecipeLike = Union[Recipe, str, Mapping[str, Any], None]
 def recipe_from(spec: RecipeLike, default: Recipe | None = None) -> Recipe:
     """Build a recipe from a recipe object, a name, or a dict with a ``name`` key (YAML form).
 
-    ``None`` gives ``default`` (the delayed recipe when no default is given).
+    Args:
+        spec: a :class:`Recipe`, a registered name (``"delayed"``, ``"tensorwise"``, ...), a dict such as
+            ``{"name": "delayed", "margin": 1}``, or None.
+        default: what None gives (the delayed recipe when not given).
+
+    Returns:
+        The recipe.
+
+    Raises:
+        ValueError: an unknown name or field, or a field value the recipe does not allow.
     """
     if spec is None:
         return default if default is not None else RECIPES["delayed"]()
