@@ -25,11 +25,13 @@ from fp8_lightning.gemm import fp8_gemm_support, fp8_mm
 from fp8_lightning.linear import FP8Linear
 from fp8_lightning.optim import FP8Optimizer
 from fp8_lightning.profitability import ProfitabilityGate
+from fp8_lightning.nvfp4 import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
 from fp8_lightning.quantize import Quantized
 from fp8_lightning.recipes import (
     BlockwiseScaling,
     DelayedScaling,
     MXFP8BlockScaling,
+    NVFP4BlockScaling,
     Recipe,
     RowwiseScaling,
     TensorwiseScaling,
@@ -91,6 +93,8 @@ __all__ = [
     "FP8StatsMonitor",
     "Format",
     "MXFP8BlockScaling",
+    "NVFP4BlockScaling",
+    "NVFP4Tensor",
     "ProfitabilityGate",
     "Quantized",
     "Recipe",
@@ -99,6 +103,7 @@ __all__ = [
     "capabilities",
     "convert_to_fp8",
     "dequantize_mxfp8",
+    "dequantize_nvfp4",
     "dequantize_tensorwise",
     "fp8_autocast",
     "fp8_gemm_support",
@@ -109,6 +114,7 @@ __all__ = [
     "is_fp8_enabled",
     "load_fp8_state_dict",
     "quantize_mxfp8",
+    "quantize_nvfp4",
     "quantize_tensorwise",
     "recipe_from",
     "sync_scales",

@@ -50,7 +50,7 @@ def test_compose_and_instantiate(compose_train, group, option):
         assert isinstance(optimizer, torch.optim.Optimizer)
 
 
-@pytest.mark.parametrize("option", [o for o in group_options("precision") if o.startswith("fp8_")])
+@pytest.mark.parametrize("option", [o for o in group_options("precision") if o.startswith(("fp8_", "fp4_"))])
 def test_fp8_precision_configs_match_the_precision_strings(compose_train, option):
     """precision=fp8_x with default fields is the same recipe as Trainer(precision="fp8-x")."""
     cfg = compose_train(f"precision={option}")
