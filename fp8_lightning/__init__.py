@@ -26,6 +26,7 @@ from fp8_lightning.linear import FP8Linear
 from fp8_lightning.optim import FP8Optimizer
 from fp8_lightning.profitability import ProfitabilityGate
 from fp8_lightning.nvfp4 import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
+from fp8_lightning.policy import RecipePolicy, first_last_high_precision
 from fp8_lightning.quantize import Quantized
 from fp8_lightning.recipes import (
     BlockwiseScaling,
@@ -98,6 +99,7 @@ __all__ = [
     "ProfitabilityGate",
     "Quantized",
     "Recipe",
+    "RecipePolicy",
     "RowwiseScaling",
     "TensorwiseScaling",
     "capabilities",
@@ -110,6 +112,7 @@ __all__ = [
     "fp8_max",
     "fp8_mm",
     "fp8_modules",
+    "first_last_high_precision",
     "fp8_state_dict",
     "is_fp8_enabled",
     "load_fp8_state_dict",
