@@ -13,10 +13,11 @@ The format::
 * ``s_global``: one float32 scale per tensor, ``amax / (448 * 6)`` (torchao's ``per_tensor_amax_to_scale``; the
   inverse of TransformerEngine's encode scale ``448 * 6 / amax``), so the largest block scale lands near 448.
 
-Quantization follows torchao's ``nvfp4_quantize`` operation for operation (all in float32)::
+Quantization follows torchao 0.18's ``nvfp4_quantize`` operation for operation (all in float32; the encode factor
+is TE's ``S_enc / s_block``)::
 
     s_block = e4m3(clamp(block_amax / 6 / s_global, 2**-6, 448))     (round to nearest even)
-    e2m1    = rne_e2m1(clamp(x / (s_global * s_block), -6, 6))
+    e2m1    = rne_e2m1(clamp(x * ((1 / s_global) / s_block), -6, 6))
 
 Rounding to E2M1 is to nearest, ties to the even code (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2,
 3.5 -> 4, 5 -> 4); the sign bit follows the input's, so a small negative value gives code 8 (-0). Special values:
@@ -24,7 +25,13 @@ Rounding to E2M1 is to nearest, ties to the even code (0.25 -> 0, 0.75 -> 1, 1.2
 * an all-zero block gets the smallest normal E4M3 scale (2**-6) and zero codes; an all-zero (or non-finite) tensor
   gets the global scale 1 instead of 0 (which would make every block scale 0 / 0);
 * a NaN makes its block's scale NaN (E4M3 code 0x7F), so the whole block dequantizes to NaN (the NaN is not lost);
-* +-inf makes the tensor's amax non-finite: the global scale is 1 and the inf saturates to +-6 * 448.
+  a NaN element's own code is what torchao's bit-level cast makes of its bits (3, i.e. +-1.5, for the default
+  quiet NaN; the sign bit kept);
+* +-inf makes the tensor's amax non-finite: the global scale is 1 and the inf saturates to +-6 * 448 (given a global
+  scale explicitly, e.g. torchao's ``per_tensor_amax_to_scale(inf) = inf``, the arithmetic is torchao's, bit for
+  bit: NaN blocks where inf / inf arises);
+* a global scale that underflows (an amax below about 2e-41) divides by zero as torchao does: codes come out
+  saturated or NaN (3); the global scale 1 of :func:`global_scale_from_amax` applies only to amax 0 or non-finite.
 
 The random Hadamard transform (RHT) multiplies 16-element blocks along the reduction dimension by
 ``H16 @ diag(signs) / 4``, an orthonormal matrix (``(H16 D / 4) (H16 D / 4)^T = I``): applied to both operands of
@@ -80,7 +87,16 @@ def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     code = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
     for midpoint, tie_up in _MIDPOINTS:
         code += (mag >= midpoint if tie_up else mag > midpoint).to(torch.uint8)
+    code = torch.where(torch.isnan(v), _nan_codes(v), code)
     return code | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def _nan_codes(v: torch.Tensor) -> torch.Tensor:
+    """What torchao's bit-level cast (``_f32_to_floatx_unpacked``) makes of NaNs, which E2M1 cannot hold: its
+    normal-number path applied to the NaN's bits (3 for the default quiet NaN; other payloads give other codes)."""
+    bits = v.float().abs().view(torch.int32).to(torch.int64)
+    mant_odd = (bits >> 22) & 1
+    return (((bits + ((1 - 127) << 23) + (1 << 21) - 1 + mant_odd) >> 22) & 0xFF).to(torch.uint8)
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
@@ -100,7 +116,8 @@ def stochastic_e2m1_codes(v: torch.Tensor, uniform: torch.Tensor) -> torch.Tenso
     low, high = table[lower.long()], table[lower.long() + 1]
     gap = torch.where(high > low, high - low, torch.ones_like(high))
     up = (uniform < (mag - low) / gap) & (lower < 7)
-    return (lower + up.to(torch.uint8)) | (torch.signbit(v).to(torch.uint8) << 3)
+    code = torch.where(torch.isnan(v), _nan_codes(v), lower + up.to(torch.uint8))
+    return code | (torch.signbit(v).to(torch.uint8) << 3)
 
 
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
@@ -161,8 +178,10 @@ def quantize_nvfp4(
     block_amax = tiles.abs().amax(dim=(1, 3))  # (row tiles, K blocks)
     block_scale = block_amax / E2M1_MAX / global_scale
     scales = torch.clamp(block_scale, min=E4M3_TINY, max=E4M3_MAX).to(torch.float8_e4m3fn)
-    total = global_scale * scales.float()
-    scaled = torch.clamp(tiles / total[:, None, :, None], -E2M1_MAX, E2M1_MAX).reshape(pr, pk)
+    # x * ((1 / s_global) / s_block), each step rounded to float32: torchao 0.18's and TE's encode arithmetic
+    encode = (1.0 / global_scale) / scales.float()
+    factors = encode.repeat_interleave(tile_rows, dim=0).unsqueeze(-1)
+    scaled = torch.clamp(xf.reshape(pr, pk // NVFP4_BLOCK, NVFP4_BLOCK) * factors, -E2M1_MAX, E2M1_MAX).reshape(pr, pk)
     codes = e2m1_codes(scaled) if uniform is None else stochastic_e2m1_codes(scaled, uniform)
     return NVFP4Tensor(pack_e2m1(codes), scales, global_scale, (rows, k), tile_rows)
 
