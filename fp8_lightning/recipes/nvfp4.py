@@ -31,6 +31,7 @@ import torch.distributed as dist
 from fp8_lightning.formats import Format
 from fp8_lightning.gemm_routes import GemmRoute, arch_name, emulated_on_gpu
 from fp8_lightning.nvfp4 import (
+    E2M1_MAX,
     NVFP4_BLOCK,
     apply_rht,
     block_multipliers,
@@ -225,6 +226,8 @@ NVFP4.implement(
     dequantize=lambda q, out_dtype: dispatch.operand_f32(q).to(out_dtype),
     scale_multiplier=_multiplier,
     representative_scale=lambda q: q.scale.float().amax().reciprocal(),
+    value_limits=lambda q: (E2M1_MAX, E2M1_MAX + 1.0),  # half of the top binade's step (2) above 6
+    code_values=lambda q: e2m1_values(unpack_e2m1(q.data)),
 )
 
 __all__ = ["NVFP4BlockScaling", "NVFP4LayerState"]

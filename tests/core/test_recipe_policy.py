@@ -163,3 +163,21 @@ def test_recipes_of_one_model_are_independent_layers():
     assert isinstance(model.blocks[1]["up"], FP8Linear)
     assert model.blocks[1]["up"].fp8_recipe == NVFP4BlockScaling()
     assert model.blocks[0]["up"].fp8_recipe == TensorwiseScaling()
+
+
+def test_the_stats_collector_reads_a_model_of_mixed_recipes():
+    from fp8_lightning.stats import attach_collector
+
+    model = Stack(n=2)
+    convert_to_fp8(model, "nvfp4", layers={"last": 0, "blocks.0": "tensorwise"})
+    collector = attach_collector(model)
+    collector.always = True
+    x = torch.randn(8, 32)
+    x[0, 0] = 1e-6  # a value the 4-bit cast flushes to zero
+    with fp8_autocast():
+        model(x).sum().backward()
+    stats = collector.finish_step()
+    nvfp4, fp8 = stats[("blocks.1.up", "input")], stats[("blocks.0.up", "input")]
+    assert nvfp4.fp8_max == 6.0 and fp8.fp8_max == 448.0
+    assert nvfp4.overflow == 0 and not nvfp4.nonfinite and nvfp4.underflow > 0
+    assert stats[("lm_head", "grad_output")].fp8_max == 6.0
