@@ -26,11 +26,14 @@ from fp8_lightning.gemm import fp8_gemm_support, fp8_mm
 from fp8_lightning.linear import FP8Linear
 from fp8_lightning.optim import FP8Optimizer
 from fp8_lightning.profitability import ProfitabilityGate
+from fp8_lightning.nvfp4 import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
+from fp8_lightning.policy import RecipePolicy, first_last_high_precision
 from fp8_lightning.quantize import Quantized
 from fp8_lightning.recipes import (
     BlockwiseScaling,
     DelayedScaling,
     MXFP8BlockScaling,
+    NVFP4BlockScaling,
     Recipe,
     RowwiseScaling,
     TensorwiseScaling,
@@ -93,14 +96,18 @@ __all__ = [
     "Format",
     "GroupedExperts",
     "MXFP8BlockScaling",
+    "NVFP4BlockScaling",
+    "NVFP4Tensor",
     "ProfitabilityGate",
     "Quantized",
     "Recipe",
+    "RecipePolicy",
     "RowwiseScaling",
     "TensorwiseScaling",
     "capabilities",
     "convert_to_fp8",
     "dequantize_mxfp8",
+    "dequantize_nvfp4",
     "dequantize_tensorwise",
     "fp8_autocast",
     "fp8_gemm_support",
@@ -108,10 +115,12 @@ __all__ = [
     "fp8_max",
     "fp8_mm",
     "fp8_modules",
+    "first_last_high_precision",
     "fp8_state_dict",
     "is_fp8_enabled",
     "load_fp8_state_dict",
     "quantize_mxfp8",
+    "quantize_nvfp4",
     "quantize_tensorwise",
     "recipe_from",
     "sync_scales",

@@ -35,6 +35,7 @@ from fp8_lightning.grouped.experts import (
 )
 from fp8_lightning.linear import FP8Linear, shape_unsupported_reason
 from fp8_lightning.capability_table import warn_if_not_native
+from fp8_lightning.policy import POLICY_SKIP, LayersLike, RecipePolicy
 from fp8_lightning.profitability import ProfitabilityLike, resolve_gate
 from fp8_lightning.recipes import RecipeLike, recipe_from
 from fp8_lightning.scaling import OperandScaling, update_scales
@@ -44,12 +45,14 @@ ModuleFilter = Callable[[nn.Module, str], bool]
 
 @dataclasses.dataclass
 class ConversionReport:
-    """What :func:`convert_to_fp8` did: converted layer names, and skipped ones with the reason; the same for fused
-    expert modules (``experts``, ``experts_skipped``, which also names any other module holding a 3-D weight), and
-    the routers of mixtures of experts, kept in high precision by design (``routers``)."""
+    """What :func:`convert_to_fp8` did: converted layer names, skipped ones with the reason, each converted layer's
+    recipe with why it got it (``recipes``: name -> ``"<recipe name>: <why>"``); the same for fused expert modules
+    (``experts``, ``experts_skipped``, which also names any other module holding a 3-D weight), and the routers of
+    mixtures of experts, kept in high precision by design (``routers``)."""
 
     converted: list[str] = dataclasses.field(default_factory=list)
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    recipes: dict[str, str] = dataclasses.field(default_factory=dict)
     experts: list[str] = dataclasses.field(default_factory=list)
     experts_skipped: dict[str, str] = dataclasses.field(default_factory=dict)
     routers: list[str] = dataclasses.field(default_factory=list)
@@ -58,6 +61,7 @@ class ConversionReport:
         lines = [f"FP8 conversion: {len(self.converted)} layer(s) converted, {len(self.skipped)} skipped"]
         if self.experts or self.experts_skipped:
             lines[0] += f"; {len(self.experts)} expert module(s) converted, {len(self.experts_skipped)} skipped"
+        lines += [f"  {name}: {self.recipes[name]}" for name in self.converted if name in self.recipes]
         lines += [f"  skipped {name}: {reason}" for name, reason in self.skipped.items()]
         lines += [f"  experts converted: {name}" for name in self.experts]
         lines += [f"  experts skipped {name}: {reason}" for name, reason in self.experts_skipped.items()]
@@ -71,6 +75,7 @@ def convert_to_fp8(
     module_filter_fn: ModuleFilter | None = None,
     emulate: bool = False,
     profitability: ProfitabilityLike = None,
+    layers: LayersLike = None,
 ) -> ConversionReport:
     """Swap eligible ``nn.Linear`` layers and fused expert modules of ``module`` (the module itself included) to
     FP8, in place. Routers stay in high precision.
@@ -83,6 +88,10 @@ def convert_to_fp8(
         profitability: keep layers too small to gain from FP8 in high precision
             (:mod:`fp8_lightning.profitability`): ``"auto"`` (the default, also for None) gates layers on CUDA
             and converts every eligible layer on CPU; True, False, or a ``ProfitabilityGate(tokens=...)``.
+        layers: per-layer recipes (:mod:`fp8_lightning.policy`): ``{pattern: recipe or None, "first": n,
+            "last": n}``, a callable ``fn(name, module)`` or a :class:`~fp8_lightning.policy.RecipePolicy`, on top
+            of the recipe's own default (NVFP4: the last 15% of the repeated blocks in high precision). The report
+            names each layer's recipe and why.
 
     Returns:
         A :class:`ConversionReport`: converted layers and experts, and each one left in high precision with the
@@ -94,6 +103,8 @@ def convert_to_fp8(
     recipe = recipe_from(recipe)
     gate = resolve_gate(profitability)
     report = ConversionReport()
+    candidates = [(name, child) for name, child in module.named_modules() if linear_features(child) is not None]
+    choices = RecipePolicy.from_arg(layers, recipe).resolve(module, [name for name, _ in candidates], recipe)
     for name, child in module.named_modules():
         if _convert_experts(child, name or "<root>", recipe, module_filter_fn, emulate, report, gate):
             continue
@@ -107,24 +118,32 @@ def convert_to_fp8(
                     "no FP8 conversion for this module type"
                 )
             continue
-        reason = _skip_reason(child, name, features, recipe, module_filter_fn)
+        choice = choices[name]
+        layer_recipe = choice.recipe
+        reason = _skip_reason(child, name, features, layer_recipe or recipe, module_filter_fn)
+        if reason is None and layer_recipe is None:
+            reason = f"{POLICY_SKIP} ({choice.why})"
         if reason is None and gate is not None and not isinstance(child, FP8Linear):
             shape = types.SimpleNamespace(weight=child.weight, in_features=features[0], out_features=features[1])
-            reason = gate.skip_reason(shape, recipe)
+            reason = gate.skip_reason(shape, layer_recipe)
         if reason is not None:
             if isinstance(child, FP8Linear):  # converted by an earlier call: say that it stays FP8
                 reason = f"left in FP8 as an earlier conversion made it ({child.fp8_recipe.name}); {reason}"
             report.skipped[name or "<root>"] = reason
             continue
         if is_conv1d(child) or isinstance(child, FP8Conv1D):
-            FP8Conv1D.from_conv1d(child, recipe, emulate)
+            FP8Conv1D.from_conv1d(child, layer_recipe, emulate)
         else:
-            FP8Linear.from_linear(child, recipe, emulate)
+            FP8Linear.from_linear(child, layer_recipe, emulate)
         report.converted.append(name or "<root>")
-    if report.converted:  # once per recipe and device: where its GEMMs fall back or are refused, say so now
-        first = module.get_submodule(report.converted[0]) if report.converted[0] != "<root>" else module
-        device = gate.device if gate is not None and gate.device is not None else first.weight.device
-        warn_if_not_native(recipe, device)
+        report.recipes[name or "<root>"] = f"{layer_recipe.name} ({choice.why})"
+    warned = set()
+    for name in report.converted:  # once per recipe and device: where its GEMMs fall back or are refused, say so
+        layer = module.get_submodule(name) if name != "<root>" else module
+        if layer.fp8_recipe not in warned:
+            warned.add(layer.fp8_recipe)
+            device = gate.device if gate is not None and gate.device is not None else layer.weight.device
+            warn_if_not_native(layer.fp8_recipe, device)
     return report
 
 

@@ -176,18 +176,33 @@ class OperandKind(str):
         except KeyError:
             raise ValueError(f"operand kind {name!r} is unknown; declared: {sorted(cls._declared)}.") from None
 
-    def implement(self, gemm, to_f32, dequantize, scale_multiplier, representative_scale) -> None:
+    def implement(
+        self, gemm, to_f32, dequantize, scale_multiplier, representative_scale, value_limits=None, code_values=None
+    ) -> None:
         """Give the kind its behaviour (once, from the recipe module that makes it):
 
         * ``gemm(a, b, out_dtype, emulate, bias, fast_accum)``: ``a @ b.T (+ bias)`` of two operands of the kind;
         * ``to_f32(q)``: the float32 matrix a CPU float GEMM multiplies (codes or dequantized values);
         * ``dequantize(q, out_dtype)``: the high-precision values the operand stands for;
         * ``scale_multiplier(q, k)``: each element's factor before the cast, broadcastable to ``q.data[..., :k]``;
-        * ``representative_scale(q)``: one number for the operand's scale (its smallest multiplier).
+        * ``representative_scale(q)``: one number for the operand's scale (its smallest multiplier);
+        * ``value_limits(q)`` (optional): (largest code value, the scaled magnitude above which the cast saturated),
+          by default the float8 dtype's (:func:`float8_limits`);
+        * ``code_values(q)`` (optional): each element's code value in float32, by default ``q.data`` as float32.
         """
         # instance attributes: a call goes straight to the implementation (the GEMM is on the hot path)
         self.gemm, self.to_f32, self.dequantize = gemm, to_f32, dequantize
         self.scale_multiplier, self.representative_scale = scale_multiplier, representative_scale
+        if value_limits is not None:
+            self.value_limits = value_limits
+        if code_values is not None:
+            self.code_values = code_values
+
+    def value_limits(self, q: "Quantized") -> tuple[float, float]:
+        return float8_limits(q.data.dtype)
+
+    def code_values(self, q: "Quantized") -> torch.Tensor:
+        return q.data.float()
 
     def _unimplemented(self, *args, **kwargs):
         raise NotImplementedError(
@@ -201,6 +216,14 @@ class OperandKind(str):
         return (OperandKind.named, (str(self),))
 
     __hash__ = str.__hash__
+
+
+def float8_limits(dtype: torch.dtype) -> tuple[float, float]:
+    """(max, saturation threshold) of a float8 ``dtype``: a scaled magnitude above ``max + ulp / 2`` (half a step of
+    the top binade) was changed by the clamp before the cast; exactly ``max`` or a rounding step above it was not."""
+    top = fp8_max(dtype)
+    ulp = 2.0 ** math.floor(math.log2(top)) * torch.finfo(dtype).eps
+    return top, top + ulp / 2
 
 
 TENSOR = OperandKind("tensor", transposable=True)

@@ -255,6 +255,10 @@ class OperandScaling:
         """Advance the history with the step's (already reduced) pending amax and recompute the scale."""
         advance_histories([self])
 
+    def traced_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors the traced layer step takes for this state (its recipe's ``traced_cast`` reads them)."""
+        return self.scale, self.pending_amax, self.last_amax, self.nonfinite_count, self.flags
+
     # -- persistence ----------------------------------------------------------------------------------------
 
     _TENSORS = ("scale", "amax_history", "pending_amax", "last_amax", "nonfinite_count")

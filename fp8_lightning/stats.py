@@ -30,9 +30,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fp8_lightning.convert import fp8_expert_modules, fp8_modules
-from fp8_lightning.formats import fp8_max
 from fp8_lightning.ops.dispatch import fast_amax
-from fp8_lightning.quantize import Quantized
+from fp8_lightning.quantize import Quantized, float8_limits
 
 ROLES = ("input", "weight", "grad_output")
 _FIELDS = ("seen", "amax", "overflow", "underflow", "nonfinite", "scale", "order")  # columns of the packed step tensor
@@ -58,22 +57,20 @@ def saturation_threshold(dtype: torch.dtype) -> float:
     the last place there. Values between the max and this round to the max anyway (the largest element of a
     tensor scaled to exactly ``fp8_max`` lands a float32 rounding step either side of it), so they are not
     overflow."""
-    top = fp8_max(dtype)
-    ulp = 2.0 ** math.floor(math.log2(top)) * torch.finfo(dtype).eps
-    return top + ulp / 2
+    return float8_limits(dtype)[1]
 
 
 def overflow_count(x: torch.Tensor, q: Quantized) -> torch.Tensor:
     """Number of elements of ``x`` that the cast saturated: their scaled magnitude was above
     :func:`saturation_threshold`, so the clamp to the format's max changed them."""
     scaled = x.detach().float() * scale_multiplier(q, x.shape[-1])
-    return (scaled.abs() > saturation_threshold(q.data.dtype)).sum()
+    return (scaled.abs() > q.kind.value_limits(q)[1]).sum()
 
 
 def underflow_count(x: torch.Tensor, q: Quantized) -> torch.Tensor:
     """Number of finite non-zero elements of ``x`` that were flushed to an FP8 zero."""
     x = x.detach()
-    data = q.data[..., : x.shape[-1]].float()
+    data = q.kind.code_values(q)[..., : x.shape[-1]]
     return ((x != 0) & torch.isfinite(x) & (data == 0)).sum()
 
 
@@ -205,7 +202,7 @@ class StatsCollector:
         key = (self.names.get(id(layer), type(layer).__name__), role)
         acc = self._acc.get(key)
         if acc is None:
-            acc = self._acc[key] = _Accumulator(x.device, fp8_max(q.data.dtype), len(self._acc))
+            acc = self._acc[key] = _Accumulator(x.device, q.kind.value_limits(q)[0], len(self._acc))
         with torch.no_grad():
             acc.add(x, q)
 

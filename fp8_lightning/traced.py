@@ -87,9 +87,7 @@ def make_plan(recipe: Any, device: torch.device, out_dtype: torch.dtype, emulate
 
 
 def _state_tensors(state: OperandScaling | None) -> tuple[torch.Tensor, ...]:
-    if state is None:
-        return ()
-    return state.scale, state.pending_amax, state.last_amax, state.nonfinite_count, state.flags
+    return () if state is None else state.traced_tensors()
 
 
 def traced_linear(

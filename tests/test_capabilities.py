@@ -68,6 +68,18 @@ def test_mxfp8_on_hopper_warns_once_at_conversion_and_tensorwise_not_at_all(simu
     assert "Triton MX GEMM" in str(mine[0].message) and "0.31x" in str(mine[0].message)
 
 
+@pytest.mark.parametrize("capability, why", [((9, 0), "sm_90 has no FP4 tensor cores"),
+                                             ((10, 0), "cuBLAS NVFP4 GEMM")])
+def test_nvfp4_on_a_gpu_warns_once_that_it_is_emulated(simulated_gpu, capability, why):
+    simulated_gpu(capability)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            caps.warn_if_not_native(recipe_from("nvfp4"), "cuda")
+    mine = [str(w.message) for w in seen if "fp8_lightning.capability_table" in str(w.message)]
+    assert len(mine) == 1 and why in mine[0] and "float32 emulation" in mine[0], mine
+
+
 def test_conversion_on_cpu_does_not_warn():
     model = torch.nn.Sequential(torch.nn.Linear(64, 64))
     with warnings.catch_warnings():

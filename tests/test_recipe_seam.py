@@ -83,8 +83,8 @@ def test_operand_kinds_are_declared_once_and_found_by_name():
     assert OperandKind.named("mx") is MX and Quantized(torch.zeros(1), torch.ones(1), "mx").kind is MX
     with pytest.raises(ValueError, match="declared already"):
         OperandKind("mx")
-    with pytest.raises(ValueError, match="'nvfp4' is unknown"):
-        OperandKind.named("nvfp4")
+    with pytest.raises(ValueError, match="'mxfp4' is unknown"):
+        OperandKind.named("mxfp4")
     lonely = OperandKind("test_unimplemented_kind")
     with pytest.raises(NotImplementedError, match="must call OperandKind.implement"):
         lonely.gemm(None, None, torch.float32)

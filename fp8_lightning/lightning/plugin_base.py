@@ -30,6 +30,7 @@ from fp8_lightning.convert import (
 from fp8_lightning.guard import DivergenceGuard, GuardEvent, GuardState
 from fp8_lightning.lightning.strings import precision_for_recipe
 from fp8_lightning.recipes import Recipe, RecipeLike, recipe_from
+from fp8_lightning.policy import POLICY_SKIP, LayersLike, RecipePolicy
 from fp8_lightning.stats import attach_collector
 
 # sha256 of the rest of the plugin's checkpoint entry (fp8_lightning.convert.fp8_state_checksum)
@@ -100,9 +101,12 @@ class FP8PrecisionMixin:
         replace_layers: bool = True,
         emulate: bool = False,
         divergence_guard: DivergenceGuard | bool | dict | None = None,
+        layers: LayersLike = None,
     ) -> None:
         super().__init__()  # the package's Precision base, next in the MRO
         self.recipe = recipe_from(recipe)
+        RecipePolicy.from_arg(layers, self.recipe)  # fail fast on a bad policy
+        self.layers = layers
         self.module_filter_fn = module_filter_fn
         self.dtype = parse_dtype(dtype)
         self.replace_layers = bool(replace_layers)
@@ -132,12 +136,12 @@ class FP8PrecisionMixin:
             def keep(layer: nn.Module, name: str) -> bool:
                 return name not in users and (user_filter is None or user_filter(layer, name))
 
-            report = convert_to_fp8(module, self.recipe, keep, self.emulate)
+            report = convert_to_fp8(module, self.recipe, keep, self.emulate, layers=self.layers)
             report.skipped = {k: v for k, v in report.skipped.items() if k not in before}
             for name, layer in fp8_modules(module):
                 if name in report.converted:
                     setattr(layer, PLUGIN_CONVERTED, True)
-            self._warn_recipe_change(before, report.converted)
+            self._warn_recipe_change(before, report.converted, dict(fp8_modules(module)))
         else:
             report = ConversionReport()
         report.converted = [name or "<root>" for name, _ in fp8_modules(module)]
@@ -161,8 +165,8 @@ class FP8PrecisionMixin:
             self._load_into_modules(self._pending_state)
         return module
 
-    def _warn_recipe_change(self, before: dict[str, Recipe], converted: list[str]) -> None:
-        moved = [name for name in converted if name in before and before[name] != self.recipe]
+    def _warn_recipe_change(self, before: dict[str, Recipe], converted: list[str], layers: dict) -> None:
+        moved = [name for name in converted if name in before and before[name] != layers[name].fp8_recipe]
         if moved:
             old = sorted({type(before[name]).__name__ for name in moved})
             rank_zero_warn(
@@ -172,7 +176,10 @@ class FP8PrecisionMixin:
             )
 
     def _warn_skipped(self, report: ConversionReport) -> None:
-        unexpected = {k: v for k, v in report.skipped.items() if v != "excluded by module_filter_fn"}
+        unexpected = {
+            k: v for k, v in report.skipped.items()
+            if v != "excluded by module_filter_fn" and not v.startswith(POLICY_SKIP)
+        }
         if unexpected:
             listing = "; ".join(f"{name} ({reason})" for name, reason in unexpected.items())
             rank_zero_warn(

@@ -20,6 +20,7 @@ from typing_extensions import override
 from fp8_lightning.guard import DivergenceGuard, GuardEvent
 from fp8_lightning.lightning.plugin_base import FP8PrecisionMixin, ModuleFilter
 from fp8_lightning.capability_table import warn_if_not_native
+from fp8_lightning.policy import LayersLike
 from fp8_lightning.profitability import ProfitabilityLike, profitability_setting, resolve_gate
 from fp8_lightning.recipes import RecipeLike
 
@@ -36,8 +37,9 @@ class FP8TrainerHooks(FP8PrecisionMixin):
         emulate: bool = False,
         divergence_guard: DivergenceGuard | bool | dict | None = None,
         profitability: ProfitabilityLike = "auto",
+        layers: LayersLike = None,
     ) -> None:
-        super().__init__(recipe, module_filter_fn, dtype, replace_layers, emulate, divergence_guard)
+        super().__init__(recipe, module_filter_fn, dtype, replace_layers, emulate, divergence_guard, layers)
         resolve_gate(profitability)  # fail fast on an invalid value
         self.profitability = profitability
 

@@ -8,19 +8,15 @@
 ``"fp8-mxfp8"``      MXFP8: E4M3 blocks of 32 along K with power-of-two (E8M0) scales
 ``"fp8-rowwise"``    E4M3, one power-of-two scale per row of each GEMM operand (torchao's ``rowwise``)
 ``"fp8-blockwise"``  E4M3, 1x128 tiles for activations and gradients, 128x128 blocks for weights (DeepSeek-V3)
+``"fp4-nvfp4"``      NVFP4: E2M1 in 1x16 blocks with E4M3 scales and a tensor scale, 16x16 weight tiles, RHT on the
+                     wgrad operands, stochastic rounding of gradients (``NVFP4BlockScaling()``; emulated)
 ===================  ===========================================================================================
 
 ``"fp8-<recipe name>"`` for every other recipe (``"fp8-delayed"``: ``DelayedScaling()`` with its defaults) is accepted
 too: it is what ``trainer.precision`` reports for a plugin whose recipe is not one of the rows above, so the string
 a run reports can always be passed back to ``Trainer(precision=...)``.
 
-A program with its own list of precisions (litgpt checks ``--precision`` against its own) accepts the FP8 strings
-with :func:`precision_choices`::
-
-    from fp8_lightning.lightning import precision_choices
-    CHOICES = precision_choices(("bf16-true", "32-true"))      # or a typing.Literal of them
-
-Plain data and lookups only; registration with Lightning is in :mod:`fp8_lightning.lightning.registration`.
+The design in full: ``docs/design/notes.md``, section ``fp8_lightning.lightning.strings``.
 """
 
 from __future__ import annotations
@@ -33,6 +29,7 @@ from fp8_lightning.recipes import (
     BlockwiseScaling,
     DelayedScaling,
     MXFP8BlockScaling,
+    NVFP4BlockScaling,
     RECIPES,
     Recipe,
     RowwiseScaling,
@@ -46,6 +43,7 @@ PRECISION_RECIPES: dict[str, Recipe] = {
     "fp8-mxfp8": MXFP8BlockScaling(),
     "fp8-rowwise": RowwiseScaling(),
     "fp8-blockwise": BlockwiseScaling(),
+    "fp4-nvfp4": NVFP4BlockScaling(),
 }
 PRECISION_STRINGS = tuple(PRECISION_RECIPES)
 # "fp8-<recipe name>" for the recipes without a row above: the recipe with its defaults (what precision_for_recipe
@@ -57,8 +55,9 @@ ACCEPTED_PRECISION_STRINGS = PRECISION_STRINGS + tuple(RECIPE_PRECISIONS)
 
 
 def is_fp8_precision(value: Any) -> bool:
-    """True for any string that claims to be an FP8 precision (``"fp8..."``, any case), valid or not."""
-    return isinstance(value, str) and value.strip().lower().startswith("fp8")
+    """True for any string that claims to be one of this package's precisions (``"fp8..."`` or ``"fp4..."``, any
+    case), valid or not."""
+    return isinstance(value, str) and value.strip().lower().startswith(("fp8", "fp4"))
 
 
 def recipe_for_precision(name: str) -> Recipe:

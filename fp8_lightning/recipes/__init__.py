@@ -6,6 +6,7 @@
 * :class:`MXFP8BlockScaling`: blocks of 32 along the reduction dimension share a power-of-two E8M0 scale.
 * :class:`RowwiseScaling`: one scale per row of each GEMM operand, along its reduction dimension.
 * :class:`BlockwiseScaling`: 1x128 tiles for inputs and output gradients, 128x128 blocks for weights.
+* :class:`NVFP4BlockScaling`: E2M1 values in 1x16 blocks with E4M3 scales and a tensor scale (16x16 weight tiles).
 
 Recipes build from a name or a plain dict so that YAML/Hydra configs carry them::
 
@@ -30,6 +31,7 @@ from fp8_lightning.recipes.blockwise import BlockwiseScaling
 from fp8_lightning.recipes.delayed import DelayedScaling
 from fp8_lightning.recipes.fine_grained import FineGrainedRecipe
 from fp8_lightning.recipes.mxfp8 import MXFP8BlockScaling
+from fp8_lightning.recipes.nvfp4 import NVFP4BlockScaling
 from fp8_lightning.recipes.per_tensor import PerTensorRecipe
 from fp8_lightning.recipes.rowwise import RowwiseScaling
 from fp8_lightning.recipes.tensorwise import TensorwiseScaling
@@ -44,6 +46,7 @@ __all__ = [
     "DelayedScaling",
     "FineGrainedRecipe",
     "MXFP8BlockScaling",
+    "NVFP4BlockScaling",
     "PerTensorRecipe",
     "Recipe",
     "RecipeLike",

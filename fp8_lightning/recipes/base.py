@@ -189,6 +189,11 @@ class Recipe:
         device. ``has_scaled_mm_v2``: whether torch has ``torch.nn.functional.scaled_mm``."""
         raise NotImplementedError(f"{type(self).__name__} does not say which GEMM serves it (Recipe.gemm_route)")
 
+    def default_layers(self) -> dict[str, Any]:
+        """The layer policy this recipe implies when the user gives none (:mod:`fp8_lightning.policy`): nothing by
+        default; NVFP4 keeps the last 15% of the repeated blocks in high precision, as the NVFP4 paper does."""
+        return {}
+
     def to_dict(self) -> dict:
         """Plain, YAML-friendly form; ``recipe_from(r.to_dict()) == r``."""
         out = {"name": self.name}

@@ -74,7 +74,7 @@ def test_construction_from_names_and_dicts():
 
 
 def test_bad_names_and_dicts_are_explained():
-    with pytest.raises(ValueError, match="unknown; allowed: blockwise, delayed, mxfp8, rowwise, tensorwise"):
+    with pytest.raises(ValueError, match="unknown; allowed: blockwise, delayed, mxfp8, nvfp4, rowwise, tensorwise"):
         recipe_from("columnwise")
     with pytest.raises(ValueError, match="needs a 'name' key"):
         recipe_from({"margin": 1})

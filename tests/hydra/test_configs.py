@@ -50,7 +50,7 @@ def test_compose_and_instantiate(compose_train, group, option):
         assert isinstance(optimizer, torch.optim.Optimizer)
 
 
-@pytest.mark.parametrize("option", [o for o in group_options("precision") if o.startswith("fp8_")])
+@pytest.mark.parametrize("option", [o for o in group_options("precision") if o.startswith(("fp8_", "fp4_"))])
 def test_fp8_precision_configs_match_the_precision_strings(compose_train, option):
     """precision=fp8_x with default fields is the same recipe as Trainer(precision="fp8-x")."""
     cfg = compose_train(f"precision={option}")
@@ -108,3 +108,11 @@ def test_trainer_ddp_selects_ddp_strategy(compose_train):
 def test_scheduler_total_steps_follows_max_steps(compose_train):
     cfg = compose_train("trainer.max_steps=77")
     assert cfg.scheduler.total_steps == 77
+
+
+def test_nvfp4_layer_policy_reaches_the_plugin(compose_train):
+    _, (plugin,) = build_precision(compose_train("precision=fp4_nvfp4"))
+    assert plugin.recipe.name == "nvfp4" and plugin.layers is None  # the recipe's default: bf16 tail
+    cfg = compose_train("precision=fp4_nvfp4", "precision.layers={last: 0.25, lm_head: null, blocks.0: mxfp8}")
+    _, (plugin,) = build_precision(cfg)
+    assert plugin.layers == {"last": 0.25, "lm_head": None, "blocks.0": "mxfp8"}

@@ -7,6 +7,7 @@ import torch.nn as nn
 import fp8_lightning
 from fp8_lightning import FP8Linear, FP8Precision
 from fp8_lightning.lightning.strings import PRECISION_RECIPES
+from fp8_lightning.policy import POLICY_SKIP
 
 from .user_model import TinyTransformerLM, final_loss, fit_fabric, fit_trainer
 
@@ -32,8 +33,8 @@ def test_trainer_fits_each_string_close_to_fp32(precision, fp32_trainer_loss):
     assert trainer.precision == precision
     plugin = trainer.precision_plugin
     assert isinstance(plugin, FP8Precision) and plugin.recipe == PRECISION_RECIPES[precision]
-    assert sorted(plugin.conversion_report.converted) == sorted(LINEARS)
-    assert all(isinstance(model.get_submodule(n), FP8Linear) for n in LINEARS)
+    assert sorted(plugin.conversion_report.converted + policy_kept(plugin)) == sorted(LINEARS)
+    assert all(isinstance(model.get_submodule(n), FP8Linear) for n in plugin.conversion_report.converted)
     assert isinstance(model.ln_f, nn.LayerNorm) and type(model.embed) is nn.Embedding
     assert model.losses[-1] < 0.7 * model.losses[0]  # it learned
     assert final_loss(model.losses) == pytest.approx(fp32_trainer_loss, rel=0.03)
@@ -42,12 +43,17 @@ def test_trainer_fits_each_string_close_to_fp32(precision, fp32_trainer_loss):
     assert plugin.optimizer_steps == STEPS
 
 
+def policy_kept(plugin) -> list[str]:
+    """Layers the recipe's default layer policy keeps in high precision (NVFP4: the last 15% of the blocks)."""
+    return [name for name, why in plugin.conversion_report.skipped.items() if why.startswith(POLICY_SKIP)]
+
+
 @pytest.mark.parametrize("precision", list(PRECISION_RECIPES))
 def test_fabric_fits_each_string_close_to_fp32(precision, fp32_fabric_loss):
     model, losses, fabric = fit_fabric(STEPS, precision=precision)
     plugin = fabric.strategy.precision
     assert isinstance(plugin, fp8_lightning.FP8FabricPrecision) and plugin.precision == precision
-    assert sorted(plugin.conversion_report.converted) == sorted(LINEARS)
+    assert sorted(plugin.conversion_report.converted + policy_kept(plugin)) == sorted(LINEARS)
     assert final_loss(losses) == pytest.approx(fp32_fabric_loss, rel=0.03)
     assert model.module.blocks[0].fc1.fp8_weight_casts == STEPS
 

@@ -1,0 +1,264 @@
+"""NVFP4 numerics as pure functions: E2M1 codes, two-level block scales, the random Hadamard transform and
+stochastic rounding (NVIDIA's NVFP4 training recipe, TransformerEngine's ``NVFP4BlockScaling``).
+
+The format::
+
+    x ~= e2m1 * s_block * s_global
+
+* ``e2m1``: a 4-bit float, 1 sign, 2 exponent and 1 mantissa bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their
+  negatives (code ``c`` has magnitude :data:`E2M1_VALUES` ``[c & 7]`` and sign bit ``c & 8``). No inf, no NaN.
+  Two codes per byte, **the even element in the low nibble** (element ``2j`` in bits 0-3, ``2j + 1`` in bits 4-7):
+  torch's ``float4_e2m1fn_x2`` as its CUDA tests pack it for cuBLAS, and torchao's ``pack_uint4``.
+* ``s_block``: one E4M3 scale per block of 16 consecutive elements along K (1x16), or per 16x16 tile (weights).
+* ``s_global``: one float32 scale per tensor, ``amax / (448 * 6)`` (torchao's ``per_tensor_amax_to_scale``; the
+  inverse of TransformerEngine's encode scale ``448 * 6 / amax``), so the largest block scale lands near 448.
+
+The design in full: ``docs/design/notes.md``, section ``fp8_lightning.nvfp4``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+E4M3_TINY = 2.0**-6  # smallest normal E4M3: torchao's E4M3_EPS, the floor of a block scale
+NVFP4_BLOCK = 16
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Midpoints between consecutive magnitudes and whether the tie rounds up (to the even code above) or down.
+_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+_MASK32 = 0xFFFFFFFF
+
+
+class NVFP4Tensor(NamedTuple):
+    """A quantized NVFP4 tensor: packed codes, E4M3 block scales, the float32 global scale.
+
+    ``codes``: uint8 ``(rows, ceil(K / 16) * 8)`` (K zero-padded to whole blocks); ``block_scales``: float8_e4m3fn
+    ``(rows, ceil(K / 16))`` for 1x16 blocks, ``(ceil(rows / 16), ceil(K / 16))`` for 16x16 tiles;
+    ``global_scale``: a float32 scalar; ``shape``: the unpadded (rows, K)."""
+
+    codes: torch.Tensor
+    block_scales: torch.Tensor
+    global_scale: torch.Tensor
+    shape: tuple[int, int]
+    tile_rows: int = 1
+
+    def as_float4(self) -> torch.Tensor:
+        """``codes`` as ``torch.float4_e2m1fn_x2`` (the dtype cuBLAS's FP4 GEMM takes), where torch has it."""
+        return self.codes.view(torch.float4_e2m1fn_x2)
+
+
+# --------------------------------------------------------------------------------------------------------
+# E2M1
+# --------------------------------------------------------------------------------------------------------
+
+
+def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
+    """The 4-bit codes (uint8, 0-15) of float32 ``v`` rounded to nearest E2M1, ties to even, saturating at +-6."""
+    mag = v.abs()
+    code = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
+    for midpoint, tie_up in _MIDPOINTS:
+        code += (mag >= midpoint if tie_up else mag > midpoint).to(torch.uint8)
+    code = torch.where(torch.isnan(v), _nan_codes(v), code)
+    return code | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def _nan_codes(v: torch.Tensor) -> torch.Tensor:
+    """What torchao's bit-level cast (``_f32_to_floatx_unpacked``) makes of NaNs, which E2M1 cannot hold: its
+    normal-number path applied to the NaN's bits (3 for the default quiet NaN; other payloads give other codes)."""
+    bits = v.float().abs().view(torch.int32).to(torch.int64)
+    mant_odd = (bits >> 22) & 1
+    return (((bits + ((1 - 127) << 23) + (1 << 21) - 1 + mant_odd) >> 22) & 0xFF).to(torch.uint8)
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """The float32 value of each 4-bit code (uint8, 0-15)."""
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=codes.device)
+    return table[codes.long()]
+
+
+def stochastic_e2m1_codes(v: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Codes of ``v`` (float32, within +-6) rounded down or up to its E2M1 neighbours: up when ``uniform`` (in
+    [0, 1)) is below ``(|v| - lower) / (upper - lower)``, so the expected value is ``v``."""
+    mag = v.abs()
+    lower = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)  # the largest code whose magnitude <= |v|
+    for value in E2M1_VALUES[1:]:
+        lower += (mag >= value).to(torch.uint8)
+    table = torch.tensor(E2M1_VALUES + (E2M1_VALUES[-1],), device=v.device)
+    low, high = table[lower.long()], table[lower.long() + 1]
+    gap = torch.where(high > low, high - low, torch.ones_like(high))
+    up = (uniform < (mag - low) / gap) & (lower < 7)
+    code = torch.where(torch.isnan(v), _nan_codes(v), lower + up.to(torch.uint8))
+    return code | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """Two codes per byte along the last dimension (even length): the even element in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_e2m1`."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Two-level scales
+# --------------------------------------------------------------------------------------------------------
+
+
+def global_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """``amax / (448 * 6)`` in float32; 1 where amax is 0 or not finite (see the module docstring)."""
+    amax = amax.float()
+    fine = torch.isfinite(amax) & (amax > 0)
+    return torch.where(fine, amax / (E4M3_MAX * E2M1_MAX), torch.ones_like(amax))
+
+
+def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    extra_rows, extra_cols = (-x.shape[0]) % rows, (-x.shape[1]) % cols
+    if extra_rows or extra_cols:
+        x = torch.nn.functional.pad(x, (0, extra_cols, 0, extra_rows))
+    return x
+
+
+def quantize_nvfp4(
+    x: torch.Tensor,
+    global_scale: torch.Tensor | None = None,
+    tile_rows: int = 1,
+    uniform: torch.Tensor | None = None,
+) -> NVFP4Tensor:
+    """NVFP4 codes, E4M3 block scales and the global scale of a 2-D ``x`` (K last).
+
+    ``global_scale``: the per-tensor scale (default :func:`global_scale_from_amax` of ``x``'s amax; torchao's
+    ``per_tensor_amax_to_scale`` for finite, non-zero amaxes). ``tile_rows=16``: 16x16 tiles (weights) instead
+    of 1x16 blocks. ``uniform``: numbers in [0, 1) of the padded shape for stochastic rounding (default: round to
+    nearest even). K and the rows are zero-padded to whole blocks (zeros change no amax).
+    """
+    if x.dim() != 2:
+        raise ValueError(f"quantize_nvfp4 takes a 2-D tensor (K last); got shape {tuple(x.shape)}.")
+    if not x.is_floating_point():
+        raise TypeError(f"quantize_nvfp4 takes a floating-point tensor; got {x.dtype}.")
+    if tile_rows not in (1, NVFP4_BLOCK):
+        raise ValueError(f"tile_rows={tile_rows} is invalid; allowed: 1 (1x16 blocks) or 16 (16x16 tiles).")
+    rows, k = x.shape
+    xf = _pad_to(x.float(), tile_rows, NVFP4_BLOCK)
+    if global_scale is None:
+        global_scale = global_scale_from_amax(xf.abs().amax() if xf.numel() else xf.new_zeros(()))
+    global_scale = global_scale.float()
+    pr, pk = xf.shape
+    tiles = xf.reshape(pr // tile_rows, tile_rows, pk // NVFP4_BLOCK, NVFP4_BLOCK)
+    block_amax = tiles.abs().amax(dim=(1, 3))  # (row tiles, K blocks)
+    block_scale = block_amax / E2M1_MAX / global_scale
+    scales = torch.clamp(block_scale, min=E4M3_TINY, max=E4M3_MAX).to(torch.float8_e4m3fn)
+    # x * ((1 / s_global) / s_block), each step rounded to float32: torchao 0.18's and TE's encode arithmetic
+    encode = (1.0 / global_scale) / scales.float()
+    factors = encode.repeat_interleave(tile_rows, dim=0).unsqueeze(-1)
+    scaled = torch.clamp(xf.reshape(pr, pk // NVFP4_BLOCK, NVFP4_BLOCK) * factors, -E2M1_MAX, E2M1_MAX).reshape(pr, pk)
+    codes = e2m1_codes(scaled) if uniform is None else stochastic_e2m1_codes(scaled, uniform)
+    return NVFP4Tensor(pack_e2m1(codes), scales, global_scale, (rows, k), tile_rows)
+
+
+def block_multipliers(q: NVFP4Tensor) -> torch.Tensor:
+    """``s_global * s_block`` per element block, float32 of shape (padded rows, K blocks): each block's factor."""
+    factors = q.global_scale * q.block_scales.float()
+    return factors.repeat_interleave(q.tile_rows, dim=0)
+
+
+def dequantize_nvfp4(q: NVFP4Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The values an NVFP4 tensor stands for, ``e2m1 * (s_global * s_block)`` in float32, unpadded, in
+    ``out_dtype``."""
+    values = e2m1_values(unpack_e2m1(q.codes))
+    factors = block_multipliers(q).repeat_interleave(NVFP4_BLOCK, dim=1)
+    rows, k = q.shape
+    return (values * factors[: values.shape[0]])[:rows, :k].to(out_dtype)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Random Hadamard transform
+# --------------------------------------------------------------------------------------------------------
+
+
+def hadamard_16(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The 16x16 Sylvester Hadamard matrix (entries +-1; ``H @ H.T = 16 I``)."""
+    h = torch.ones(1, 1, dtype=dtype)
+    while h.shape[0] < NVFP4_BLOCK:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def rht_signs(seed: int) -> torch.Tensor:
+    """The random sign vector (16 entries of +-1, float32) of seed ``seed``: the same on every machine."""
+    bits = _hash32(torch.arange(NVFP4_BLOCK, dtype=torch.int64), seed)
+    return torch.where(bits & 1 == 1, -1.0, 1.0).float()
+
+
+@functools.lru_cache(maxsize=None)
+def _rht_matrix_cpu(signs: tuple[float, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.diag(torch.tensor(signs, dtype=dtype)) @ hadamard_16(dtype) / 4.0
+
+
+def rht_matrix(signs: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``diag(signs) @ H16 / 4``: orthonormal, so ``R @ R.T = I``."""
+    return _rht_matrix_cpu(tuple(signs.tolist()), dtype).to(signs.device)
+
+
+def apply_rht(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """``x`` (K last, K a multiple of 16) with each 16-element block along K multiplied by ``matrix``."""
+    rows, k = x.shape
+    return (x.reshape(rows, k // NVFP4_BLOCK, NVFP4_BLOCK) @ matrix.to(x.dtype)).reshape(rows, k)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Counter-based uniform numbers (stochastic rounding)
+# --------------------------------------------------------------------------------------------------------
+
+
+def _hash32(index: torch.Tensor, seed: "int | torch.Tensor") -> torch.Tensor:
+    """A 32-bit hash (murmur3's finaliser) of ``index * golden + seed``, as int64 in [0, 2**32)."""
+    h = (index * 0x9E3779B1 + seed) & _MASK32
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _MASK32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _MASK32
+    return h ^ (h >> 16)
+
+
+def mix_seed(*parts: "int | torch.Tensor") -> "int | torch.Tensor":
+    """One 32-bit key from several (seed, rank, counter): each part hashed into the running key."""
+    key = 0
+    for i, part in enumerate(parts):
+        key = _hash32(torch.as_tensor(part, dtype=torch.int64) + i * 0x632BE5AB, key)
+    return key
+
+
+def uniform_like(shape: tuple[int, int], key: "int | torch.Tensor", device: torch.device | str = "cpu") -> torch.Tensor:
+    """Float32 numbers in [0, 1) (24 random bits each) for every position of ``shape``, from ``key`` alone."""
+    index = torch.arange(shape[0] * shape[1], dtype=torch.int64, device=device).reshape(shape)
+    key = key.to(device) if torch.is_tensor(key) else key
+    return (_hash32(index, key) >> 8).float() * 2.0**-24
+
+
+__all__ = [
+    "E2M1_MAX",
+    "E2M1_VALUES",
+    "NVFP4_BLOCK",
+    "NVFP4Tensor",
+    "apply_rht",
+    "block_multipliers",
+    "dequantize_nvfp4",
+    "e2m1_codes",
+    "e2m1_values",
+    "global_scale_from_amax",
+    "hadamard_16",
+    "mix_seed",
+    "pack_e2m1",
+    "quantize_nvfp4",
+    "rht_matrix",
+    "rht_signs",
+    "stochastic_e2m1_codes",
+    "uniform_like",
+    "unpack_e2m1",
+]

@@ -1,0 +1,233 @@
+"""NVFP4 (TransformerEngine's ``NVFP4BlockScaling``, NVIDIA's 4-bit training recipe): E2M1 values in 1x16 blocks
+with E4M3 block scales and a float32 tensor scale (:mod:`fp8_lightning.nvfp4` holds the math).
+
+Per GEMM operand, as in TE and the NVFP4 paper:
+
+* input and output gradient: 1x16 blocks along each GEMM's K, cast from high precision twice (rowwise for fprop
+  and dgrad, columnwise for wgrad); the columnwise (wgrad) copies of both pass through the random Hadamard
+  transform (one seeded sign vector per layer, saved in its scaling state), so wgrad's product is unchanged in
+  exact arithmetic;
+* weight: 16x16 tiles (``fp4_2d_weights``), so its rowwise (fprop) and columnwise (dgrad) copies are the same
+  numbers; with ``fp4_2d_weights=False`` 1x16 blocks along each GEMM's K;
+* gradients round stochastically (``disable_stochastic_rounding=False``), with uniform numbers drawn from the
+  layer's seed, the data-parallel rank and a per-layer cast counter (saved with the state): runs repeat exactly and
+  a resumed run continues exactly; everything else rounds to nearest even.
+
+The operand kind ``NVFP4`` holds the packed codes (uint8, K / 2 bytes per row) and each 16-block's float32
+multiplier ``s_global * s_block`` (the divisor the cast used, so ``x_q = e2m1 * multiplier`` exactly). Its GEMM is
+emulated everywhere: the dequantized operands multiplied in float32 (CPU, and CUDA: cuBLAS's FP4 GEMM on sm_100+ is
+not wired yet). Rows of columnwise copies (the token dimension M) are zero-padded to whole blocks; both wgrad
+operands are padded alike, so zeros add nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from fp8_lightning.formats import Format
+from fp8_lightning.gemm_routes import GemmRoute, arch_name, emulated_on_gpu
+from fp8_lightning.nvfp4 import (
+    E2M1_MAX,
+    NVFP4_BLOCK,
+    apply_rht,
+    block_multipliers,
+    e2m1_values,
+    mix_seed,
+    quantize_nvfp4,
+    rht_matrix,
+    rht_signs,
+    uniform_like,
+    unpack_e2m1,
+)
+from fp8_lightning.ops import dispatch
+from fp8_lightning.quantize import OperandKind, Quantized
+from fp8_lightning.recipes.base import Recipe, check_flags, invalid
+
+NVFP4 = OperandKind("nvfp4")
+NATIVE_NVFP4_MIN_CAPABILITY = (10, 0)
+_ROW, _COLUMN = 0, 1  # which copy a stochastic cast makes: part of its seed
+
+
+class NVFP4LayerState:
+    """One layer's NVFP4 state: the RHT sign vector and the count of stochastic casts (the per-step part of the
+    rounding seed). Shared by the ``"input"`` and ``"grad_output"`` roles; it holds no amax, so the once-per-step
+    scale update passes it by (``delayed = False``)."""
+
+    delayed = False
+    _dirty = False
+    dirty = False
+    generation = 0
+
+    def __init__(self, recipe: "NVFP4BlockScaling", device: torch.device | str = "cpu"):
+        self.signs = rht_signs(recipe.seed).to(device)
+        self.sr_casts = torch.zeros((), dtype=torch.int64, device=device)
+
+    def traced_tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.signs, self.sr_casts
+
+    def state_dict(self) -> dict:
+        return {"rht_signs": self.signs.detach().cpu().clone(), "sr_casts": self.sr_casts.detach().cpu().clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        device = self.signs.device
+        self.signs = state["rht_signs"].to(device=device, dtype=torch.float32).clone()
+        self.sr_casts = state["sr_casts"].to(device=device, dtype=torch.int64).clone()
+
+    def move_to(self, device: torch.device) -> None:
+        if self.signs.device != device:
+            self.signs, self.sr_casts = self.signs.to(device), self.sr_casts.to(device)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _operand(q) -> Quantized:
+    return Quantized(q.codes, block_multipliers(q)[: q.codes.shape[0]], NVFP4)
+
+
+def _pad_columns(x: torch.Tensor) -> torch.Tensor:
+    extra = (-x.shape[1]) % NVFP4_BLOCK
+    return torch.nn.functional.pad(x, (0, extra)) if extra else x
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4BlockScaling(Recipe):
+    """NVFP4: E2M1 codes, an E4M3 scale per 16 elements along K and a float32 scale per tensor.
+
+    ``disable_rht``: no random Hadamard transform on the wgrad operands. ``disable_stochastic_rounding``: gradients
+    round to nearest even too. ``fp4_2d_weights``: 16x16 weight tiles (the rowwise and columnwise weight copies are
+    the same numbers); False: 1x16 blocks along each GEMM's K. ``seed``: the RHT sign vector's seed and the base of
+    the stochastic-rounding seeds. The GEMMs are emulated (dequantized operands multiplied in float32).
+    """
+
+    name: ClassVar[str] = "nvfp4"
+    operand_kind: ClassVar = NVFP4
+
+    fp8_format: Format = Format.E4M3  # the block scales' format (the values are E2M1)
+    disable_rht: bool = False
+    disable_stochastic_rounding: bool = False
+    fp4_2d_weights: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_flags(self, "disable_rht", "disable_stochastic_rounding", "fp4_2d_weights")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**31:
+            raise invalid(type(self).__name__, "seed", self.seed, "an integer in [0, 2**31)")
+
+    # -- the layer ------------------------------------------------------------------------------------------
+
+    def shape_unsupported_reason(self, in_features: int, out_features: int) -> str | None:
+        bad = [f"{n}={v}" for n, v in (("in_features", in_features), ("out_features", out_features)) if v % 16]
+        if not bad:
+            return None
+        return (f"{', '.join(bad)} not divisible by 16: NVFP4 scales blocks of 16 elements along each GEMM's K "
+                "(NVFP4BlockScaling); pad the layer to a multiple of 16 or keep it in high precision")
+
+    def operand_states(self, forward_dtype, backward_dtype) -> dict:
+        state = NVFP4LayerState(self)
+        return {"input": state, "grad_output": state}
+
+    def cast(self, role, x, dtype, columnwise, columnwise_f32, state, record):
+        signs = None if state is None else state.signs
+        counter = None if state is None else state.sr_casts
+        row, col = self._copies(role, x, signs, counter, record)
+        if not columnwise:
+            return row, None
+        return row, col()
+
+    def _copies(self, role, x, signs, counter, record):
+        """(rowwise operand, a function making the columnwise operand) of a 2-D ``x``."""
+        if role == "weight":
+            tile = NVFP4_BLOCK if self.fp4_2d_weights else 1
+            return _operand(quantize_nvfp4(x, tile_rows=tile)), lambda: _operand(quantize_nvfp4(x.t(), tile_rows=tile))
+        stochastic = role == "grad_output" and not self.disable_stochastic_rounding
+        key = None
+        if stochastic:
+            key = mix_seed(self.seed, _rank(), counter if counter is not None else 0)
+            if record and counter is not None:
+                counter.add_(1)
+        row = self._activation_copy(x, key, _ROW)
+        return row, lambda: self._activation_copy(self._wgrad_form(x.t(), signs), key, _COLUMN)
+
+    def _wgrad_form(self, x_t: torch.Tensor, signs: torch.Tensor | None) -> torch.Tensor:
+        """``x.T`` padded along M to whole blocks and, unless disabled, through the RHT (float32)."""
+        x_t = _pad_columns(x_t.float())
+        if self.disable_rht:
+            return x_t
+        return apply_rht(x_t, rht_matrix(signs if signs is not None else rht_signs(self.seed), torch.float32))
+
+    @staticmethod
+    def _activation_copy(x: torch.Tensor, key, copy: int) -> Quantized:
+        uniform = None
+        if key is not None:
+            rows, k = x.shape
+            uniform = uniform_like((rows, k + (-k) % NVFP4_BLOCK), mix_seed(key, copy), x.device)
+        return _operand(quantize_nvfp4(x, uniform=uniform))
+
+    def traced_cast(self, x, state, plan, role, dtype, columnwise, record):
+        signs, counter = state if state else (None, None)
+        row, col = self._copies(role, x, signs, counter, record)
+        if not columnwise:
+            return row.data, row.scale, None, None
+        col = col()
+        return row.data, row.scale, col.data, col.scale
+
+    def default_layers(self) -> dict:
+        """The NVFP4 paper's policy: the last ~15% of the repeated blocks in high precision (``layers={"last": 0}``
+        turns it off)."""
+        return {"last": 0.15}
+
+    # -- FSDP2 ----------------------------------------------------------------------------------------------
+
+    def fsdp_unsupported_reason(self, rows: int, cols: int, world_size: int) -> str | None:
+        return "NVFP4 weights are all-gathered in high precision (the packed FP4 all-gather is not implemented yet)"
+
+    # -- cost model -----------------------------------------------------------------------------------------
+
+    def cast_bytes_per_element(self) -> float:
+        """Rowwise and columnwise copies each read bf16 twice (amax, cast) and write half a byte and the scales."""
+        return 2 * (2 + 2 + 0.5 + 1 / NVFP4_BLOCK)
+
+    def gemm_route(self, capability, cuda, has_scaled_mm_v2) -> GemmRoute:
+        arch = arch_name(capability)
+        if capability >= NATIVE_NVFP4_MIN_CAPABILITY:
+            return emulated_on_gpu(f"{arch} has FP4 tensor cores, but the cuBLAS NVFP4 GEMM (torch._scaled_mm with "
+                                   "float4_e2m1fn_x2 and 1x16 E4M3 scales) is not wired yet")
+        return emulated_on_gpu(f"{arch} has no FP4 tensor cores (sm_100 and later have them)")
+
+
+def nvfp4_to_f32(q: Quantized) -> torch.Tensor:
+    """The dequantized values of an NVFP4 operand, float32: each code's value times its block's multiplier."""
+    values = e2m1_values(unpack_e2m1(q.data))
+    return values * q.scale.float().repeat_interleave(NVFP4_BLOCK, dim=-1)
+
+
+def nvfp4_mm(a: Quantized, b: Quantized, out_dtype, emulate=False, bias=None, fast_accum=False) -> torch.Tensor:
+    """``a @ b.T (+ bias)`` of two NVFP4 operands: their dequantized values multiplied in float32."""
+    out = dispatch.operand_f32(a) @ dispatch.operand_f32(b).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def _multiplier(q: Quantized, k: int) -> torch.Tensor:
+    return q.scale.float().reciprocal().repeat_interleave(NVFP4_BLOCK, dim=-1)[..., :k]
+
+
+NVFP4.implement(
+    gemm=nvfp4_mm,
+    to_f32=nvfp4_to_f32,
+    dequantize=lambda q, out_dtype: dispatch.operand_f32(q).to(out_dtype),
+    scale_multiplier=_multiplier,
+    representative_scale=lambda q: q.scale.float().amax().reciprocal(),
+    value_limits=lambda q: (E2M1_MAX, E2M1_MAX + 1.0),  # half of the top binade's step (2) above 6
+    code_values=lambda q: e2m1_values(unpack_e2m1(q.data)),
+)
+
+__all__ = ["NVFP4BlockScaling", "NVFP4LayerState"]
