@@ -18,7 +18,6 @@ The design in full: ``docs/design/notes.md``, section ``fp8_lightning.nvfp4``.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -195,14 +194,10 @@ def rht_signs(seed: int) -> torch.Tensor:
     return torch.where(bits & 1 == 1, -1.0, 1.0).float()
 
 
-@functools.lru_cache(maxsize=None)
-def _rht_matrix_cpu(signs: tuple[float, ...], dtype: torch.dtype) -> torch.Tensor:
-    return torch.diag(torch.tensor(signs, dtype=dtype)) @ hadamard_16(dtype) / 4.0
-
-
 def rht_matrix(signs: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``diag(signs) @ H16 / 4``: orthonormal, so ``R @ R.T = I``."""
-    return _rht_matrix_cpu(tuple(signs.tolist()), dtype).to(signs.device)
+    """``diag(signs) @ H16 / 4``: orthonormal, so ``R @ R.T = I``. Built elementwise (every entry is +-1/4, exact),
+    without reading the signs on the host, so a compiled graph traces it."""
+    return signs.to(dtype)[:, None] * hadamard_16(dtype).to(signs.device) / 4.0
 
 
 def apply_rht(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
