@@ -118,3 +118,7 @@ def test_public_functions_document_their_arguments_and_results():
         if (takes_args and "Args:" not in doc) or "Returns:" not in doc:
             missing.append(name)
     assert not missing, f"public functions without Args:/Returns: sections: {missing}"
+    from fp8_lightning.capability_table import built_in_recipes
+
+    undocumented = [name for name, cls in built_in_recipes().items() if "Args:" not in (inspect.getdoc(cls) or "")]
+    assert not undocumented, f"recipe classes without an Args: section: {undocumented}"

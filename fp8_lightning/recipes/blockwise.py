@@ -43,6 +43,13 @@ class BlockwiseScaling(FineGrainedRecipe):
     ``power_of_2_scales``, TransformerEngine's default); an all-zero or non-finite block gets scale 1. Tiles run
     along each GEMM's reduction dimension: activations and gradients are cast twice from high precision (along
     the feature and along the token dimension); the weight once, its blocks transposed for the input gradient.
+
+    Args:
+        fp8_format: the FP8 formats (``Format.HYBRID``: E4M3 forward, E5M2 gradients; ``Format.E4M3``: E4M3
+            everywhere), as an enum or its name.
+        fprop_fast_accum: cuBLAS's fast accumulation for the forward GEMM on CUDA.
+        grad_fast_accum: cuBLAS's fast accumulation for the two backward GEMMs on CUDA.
+        power_of_2_scales: round scales down to a power of two (the default, as TransformerEngine).
     """
 
     name: ClassVar[str] = "blockwise"

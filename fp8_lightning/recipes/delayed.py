@@ -28,6 +28,17 @@ class DelayedScaling(PerTensorRecipe):
     ``scale = (fp8_max / amax) / 2**margin`` with ``amax`` the maximum (``"max"``) or the newest
     (``"most_recent"``) entry of the last ``amax_history_len`` per-step amaxes. The first use of a tensor
     scales it just in time from its own amax. ``reduce_amax`` agrees amaxes across data-parallel ranks.
+
+    Args:
+        fp8_format: the FP8 formats (``Format.HYBRID``: E4M3 forward, E5M2 gradients; ``Format.E4M3``: E4M3
+            everywhere), as an enum or its name.
+        fprop_fast_accum: cuBLAS's fast accumulation for the forward GEMM on CUDA.
+        grad_fast_accum: cuBLAS's fast accumulation for the two backward GEMMs on CUDA.
+        margin: the scale is divided by ``2**margin`` (headroom above the amax).
+        amax_history_len: how many steps' amaxes the scale is taken from.
+        amax_compute_algo: ``"max"`` (the largest amax of the history) or ``"most_recent"``.
+        power_of_2_scales: round scales down to a power of two.
+        reduce_amax: agree the amaxes across ranks once per step (``sync_scales``).
     """
 
     name: ClassVar[str] = "delayed"

@@ -31,6 +31,15 @@ class MXFP8BlockScaling(Recipe):
     the FP8 range; ``"floor"`` (OCP MX v1.0) uses ``floor(log2(amax)) - emax`` and saturates the few values that
     overflow. Scales are powers of two by construction. Data is E4M3; ``fp8_format=HYBRID`` makes the output
     gradient E5M2.
+
+    Args:
+        fp8_format: the FP8 formats (``Format.HYBRID``: E4M3 forward, E5M2 gradients; ``Format.E4M3``: E4M3
+            everywhere), as an enum or its name.
+        fprop_fast_accum: cuBLAS's fast accumulation for the forward GEMM on CUDA.
+        grad_fast_accum: cuBLAS's fast accumulation for the two backward GEMMs on CUDA.
+        block_size: elements per block along the reduction dimension (32, as cuBLAS and OCP MX; 64 and 128 run
+            on the Triton kernel).
+        scale_rounding: ``"rceil"`` (cuBLAS, TransformerEngine) or ``"floor"`` (OCP MX v1.0).
     """
 
     name: ClassVar[str] = "mxfp8"

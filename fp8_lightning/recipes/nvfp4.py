@@ -103,6 +103,14 @@ class NVFP4BlockScaling(Recipe):
     round to nearest even too. ``fp4_2d_weights``: 16x16 weight tiles (the rowwise and columnwise weight copies are
     the same numbers); False: 1x16 blocks along each GEMM's K. ``seed``: the RHT sign vector's seed and the base of
     the stochastic-rounding seeds. The GEMMs are emulated (dequantized operands multiplied in float32).
+
+    Args:
+        fp8_format, fprop_fast_accum, grad_fast_accum: the fields every recipe has (:class:`Recipe`); the
+            emulated FP4 GEMMs accumulate in float32.
+        disable_rht: skip the random Hadamard transform of the weight-gradient operands.
+        disable_stochastic_rounding: round gradients to nearest instead of stochastically.
+        fp4_2d_weights: 16x16 weight tiles (the same numbers in both weight copies) instead of 1x16 blocks.
+        seed: seeds the Hadamard sign vector and the stochastic rounding (per step and rank).
     """
 
     name: ClassVar[str] = "nvfp4"

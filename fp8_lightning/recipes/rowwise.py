@@ -38,6 +38,16 @@ class RowwiseScaling(FineGrainedRecipe):
     from high precision along its own reduction dimension. ``high_precision_wgrad=True`` is torchao's
     ``rowwise_with_gw_hp``: the weight gradient is computed in high precision and the weight of the input-gradient
     GEMM is scaled per tensor. Defaults (E4M3 everywhere, power-of-two scales) are torchao's ``rowwise``.
+
+    Args:
+        fp8_format: the FP8 formats (``Format.HYBRID``: E4M3 forward, E5M2 gradients; ``Format.E4M3``: E4M3
+            everywhere), as an enum or its name.
+        fprop_fast_accum: cuBLAS's fast accumulation for the forward GEMM on CUDA.
+        grad_fast_accum: cuBLAS's fast accumulation for the two backward GEMMs on CUDA.
+        power_of_2_scales: round scales down to a power of two (the default).
+        high_precision_wgrad: run the weight-gradient GEMM in high precision (torchao's
+            ``rowwise_with_gw_hp``).
+        eps: the smallest amax a scale is made from.
     """
 
     name: ClassVar[str] = "rowwise"

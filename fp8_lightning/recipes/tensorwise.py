@@ -18,7 +18,16 @@ from fp8_lightning.recipes.per_tensor import PerTensorRecipe
 
 @dataclasses.dataclass(frozen=True)
 class TensorwiseScaling(PerTensorRecipe):
-    """Per-tensor "current" scaling: ``scale = fp8_max / max(amax, eps)`` from the tensor being cast."""
+    """Per-tensor "current" scaling: ``scale = fp8_max / max(amax, eps)`` from the tensor being cast.
+
+    Args:
+        fp8_format: the FP8 formats (``Format.HYBRID``: E4M3 forward, E5M2 gradients; ``Format.E4M3``: E4M3
+            everywhere), as an enum or its name.
+        fprop_fast_accum: cuBLAS's fast accumulation for the forward GEMM on CUDA.
+        grad_fast_accum: cuBLAS's fast accumulation for the two backward GEMMs on CUDA.
+        power_of_2_scales: round scales down to a power of two.
+        eps: the smallest amax a scale is made from (an all-zero tensor gets ``fp8_max / eps``).
+    """
 
     name: ClassVar[str] = "tensorwise"
 
