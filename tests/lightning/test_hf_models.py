@@ -5,14 +5,13 @@ float32 run's."""
 
 import lightning as L
 import pytest
-import torch
 
 from fp8_lightning import FP8Linear
 from fp8_lightning.conv1d import FP8Conv1D
 from fp8_lightning.lightning.strings import PRECISION_RECIPES
 from fp8_lightning.policy import POLICY_SKIP
 
-from .user_model import VOCAB, loader, trainer_kwargs
+from .user_model import VOCAB, CausalLM, loader, trainer_kwargs
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (dev extras)")
 STEPS = 6
@@ -32,22 +31,6 @@ def gpt2():
 
 
 MODELS = {"llama": (llama, FP8Linear, 2 * 7 + 1), "gpt2": (gpt2, FP8Conv1D, 2 * 4)}  # (factory, class, how many)
-
-
-class CausalLM(L.LightningModule):
-    def __init__(self, factory):
-        super().__init__()
-        self.model = factory()
-        self.losses: list[float] = []
-
-    def training_step(self, batch, batch_idx):
-        (seq,) = batch
-        loss = self.model(input_ids=seq, labels=seq).loss
-        self.losses.append(loss.item())
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.0)
 
 
 def _fit(name: str, precision: str) -> tuple[CausalLM, L.Trainer]:

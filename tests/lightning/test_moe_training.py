@@ -8,7 +8,7 @@ import torch
 
 from fp8_lightning.lightning.strings import PRECISION_RECIPES
 
-from .user_model import loader, trainer_kwargs
+from .user_model import CausalLM, loader, trainer_kwargs
 
 pytest.importorskip("transformers", reason="needs transformers (dev extras)")
 from tests.helpers.moe import tiny_moe  # noqa: E402
@@ -17,25 +17,13 @@ STEPS = 6
 FAMILIES = ["qwen3_moe", "mixtral"]
 
 
-class MoELM(L.LightningModule):
-    def __init__(self, family: str):
-        super().__init__()
-        self.model = tiny_moe(family)
-        self.losses: list[float] = []
-
-    def training_step(self, batch, batch_idx):
-        (seq,) = batch
-        loss = self.model(input_ids=seq, labels=seq).loss
-        self.losses.append(loss.item())
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.0)
+def moe_lm(family: str) -> CausalLM:
+    return CausalLM(lambda: tiny_moe(family))
 
 
-def _fit(family: str, precision: str, **kwargs) -> tuple[MoELM, L.Trainer]:
+def _fit(family: str, precision: str, **kwargs) -> tuple[CausalLM, L.Trainer]:
     L.seed_everything(0, verbose=False)
-    module = MoELM(family)
+    module = moe_lm(family)
     trainer = L.Trainer(max_steps=STEPS, precision=precision, **trainer_kwargs(**kwargs))
     trainer.fit(module, loader(n=STEPS * 16, batch_size=16))
     return module, trainer
@@ -69,9 +57,9 @@ def test_moe_model_trains_with_experts_in_fp8(family, precision, fp32_losses, tm
         assert torch.equal(p, module.model.get_parameter(name)), name
 
 
-def _fit_epochs(epochs: int, ckpt_path=None) -> tuple[MoELM, L.Trainer]:
+def _fit_epochs(epochs: int, ckpt_path=None) -> tuple[CausalLM, L.Trainer]:
     L.seed_everything(0, verbose=False)
-    module = MoELM("qwen3_moe")
+    module = moe_lm("qwen3_moe")
     trainer = L.Trainer(max_epochs=epochs, precision="fp8-hybrid", **trainer_kwargs())
     trainer.fit(module, loader(n=3 * 16, batch_size=16), ckpt_path=ckpt_path)
     return module, trainer
@@ -94,7 +82,7 @@ def test_divergence_guard_moves_an_expert_module_back_and_names_the_expert():
     from fp8_lightning import DivergenceGuard, FP8Precision
 
     L.seed_everything(0, verbose=False)
-    module = MoELM("qwen3_moe")
+    module = moe_lm("qwen3_moe")
     experts = module.model.model.layers[0].mlp.experts
     with torch.no_grad():  # expert 3: one large value, the rest far below the FP8 range its scale leaves them
         experts.down_proj[3].fill_(1e-9)
