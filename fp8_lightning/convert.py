@@ -98,7 +98,8 @@ def convert_to_fp8(
         reason (``print(report)`` lists them).
 
     Raises:
-        ValueError: an invalid recipe or ``profitability`` value (the message names what is allowed).
+        ValueError: an invalid recipe or ``profitability`` value (the message names what is allowed), or a layer
+            split by a tensor-parallel style into shards its recipe cannot scale (the message names the fix).
     """
     recipe = recipe_from(recipe)
     gate = resolve_gate(profitability)
@@ -131,6 +132,10 @@ def convert_to_fp8(
                 reason = f"left in FP8 as an earlier conversion made it ({child.fp8_recipe.name}); {reason}"
             report.skipped[name or "<root>"] = reason
             continue
+        parallel = child.__dict__.get("fp8_tensor_parallel")  # split by an FP8 tensor-parallel style
+        refused = None if parallel is None else parallel.unsupported_reason(child, layer_recipe)
+        if refused is not None:
+            raise ValueError(parallel.refusal(layer_recipe, refused, name))
         if is_conv1d(child) or isinstance(child, FP8Conv1D):
             FP8Conv1D.from_conv1d(child, layer_recipe, emulate)
         else:

@@ -278,56 +278,82 @@ class FP8Linear(nn.Linear):
         return sum(s.weight_casts for s in self._fp8_scalings.values())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        state = autocast_state()
-        recipe = state.recipe or self.fp8_recipe
-        if not state.enabled or self.fp8_disabled_reason is not None or self._runtime_fallback(x, recipe):
-            return F.linear(x, self.fp8_gemm_weight, self.bias)
+        parallel = self.__dict__.get("fp8_tensor_parallel")  # set by the FP8 tensor-parallel styles
+        if parallel is not None:  # the layer's shards: local GEMMs between the style's collectives
+            return parallel.forward(self, x)
+        return self.fp8_forward(x, self.fp8_gemm_weight, self.bias)
+
+    def fp8_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T + bias`` with this layer's FP8 GEMMs, scaling state and fallbacks: the whole forward of a
+        plain layer, and the local step of a tensor-parallel one (``weight`` and ``bias`` are then its shards)."""
+        recipe = self.fp8_runs(x, weight)
+        if recipe is None:
+            return F.linear(x, weight, bias)
         device_type = "cpu" if x.is_cpu else x.device.type  # is_cpu: a flag; .device builds an object
         autocasting = torch.is_autocast_enabled(device_type)
         out_dtype = torch.get_autocast_dtype(device_type) if autocasting else x.dtype
         if not torch.compiler.is_compiling():  # eager: no compiler wrapper to pass through
-            return self._eager_forward(x, recipe, out_dtype, autocasting)
+            return self._eager_forward(x, recipe, out_dtype, autocasting, weight, bias)
         if self._traceable():
-            return self._traced_forward(x, recipe, out_dtype, autocasting)
-        return self._eager_island(x, recipe, out_dtype, autocasting)
+            return self._traced_forward(x, recipe, out_dtype, autocasting, weight, bias)
+        return self._eager_island(x, recipe, out_dtype, autocasting, weight, bias)
+
+    def fp8_runs(self, x: torch.Tensor, weight: torch.Tensor) -> Recipe | None:
+        """The recipe this call's GEMMs run in FP8 under, or None when the layer runs in high precision."""
+        state = autocast_state()
+        recipe = state.recipe or self.fp8_recipe
+        if not state.enabled or self.fp8_disabled_reason is not None or self._runtime_fallback(x, weight, recipe):
+            return None
+        return recipe
 
     def _traceable(self) -> bool:
         """Whether the traced step serves this call: not while an observer watches each cast (the stats monitor,
         the guard) nor for weights all-gathered in FP8 (they arrive cast): those run the eager path as an island."""
-        return self.fp8_observer is None and not hasattr(self.weight, "fp8_weight_operands")
+        return (self.fp8_observer is None and not hasattr(self.weight, "fp8_weight_operands")
+                and "fp8_tensor_parallel" not in self.__dict__)
 
-    def _traced_forward(self, x: torch.Tensor, recipe: Recipe, out_dtype: torch.dtype, autocasting: bool):
+    def _traced_forward(
+        self, x: torch.Tensor, recipe: Recipe, out_dtype: torch.dtype, autocasting: bool, weight=None, bias=None
+    ):
         """The layer step as one graph (:mod:`fp8_lightning.traced`)."""
+        weight, bias = (self.fp8_gemm_weight, self.bias) if weight is None else (weight, bias)
         check_device(x.device, self.fp8_emulate)
         scaling = self._fp8_scalings[recipe]  # made when the layer was converted (or by an eager call)
         plan = make_plan(recipe, x.device, out_dtype, self.fp8_emulate)
         with torch.autocast(x.device.type, enabled=False) if autocasting else contextlib.nullcontext():
             x2d = x.reshape(-1, x.shape[-1])
-            y = traced_linear(x2d, self.fp8_gemm_weight, self.bias, plan, scaling.operands, records_amax(self.training))
+            y = traced_linear(x2d, weight, bias, plan, scaling.operands, records_amax(self.training))
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
-    def _eager_forward(self, x: torch.Tensor, recipe: Recipe, out_dtype: torch.dtype, autocasting: bool):
+    def _eager_forward(
+        self, x: torch.Tensor, recipe: Recipe, out_dtype: torch.dtype, autocasting: bool, weight=None, bias=None
+    ):
         if not x.is_cpu:  # a CPU always runs FP8 GEMMs
             check_device(x.device, self.fp8_emulate)
         scaling = self._fp8_scalings.get(recipe) or self.fp8_scaling(recipe)
-        weight = self.fp8_gemm_weight
+        weight, bias = (self.fp8_gemm_weight, self.bias) if weight is None else (weight, bias)
         record = records_amax(self.training)
         if record and scaling.step_boundary_passed(weight) and scaling.booked:
             scaling.update()  # no one called update_scales() after the optimizer step: advance locally
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        step = EagerStep(self, scaling, self.fp8_emulate, out_dtype, self._eager_operands(x2d, weight, scaling, record))
+        operands = self._eager_operands(x, x2d, weight, scaling, record)
+        step = EagerStep(self, scaling, self.fp8_emulate, out_dtype, operands)
         if autocasting:  # the FP8 path picks its own dtypes: autocast stays out of it
             with torch.autocast(x.device.type, enabled=False):
-                y = FP8LinearFunction.apply(x2d, weight, self.bias, step)
+                y = FP8LinearFunction.apply(x2d, weight, bias, step)
         else:
-            y = FP8LinearFunction.apply(x2d, weight, self.bias, step)
+            y = FP8LinearFunction.apply(x2d, weight, bias, step)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
-    def _eager_operands(self, x2d: torch.Tensor, weight: torch.Tensor, scaling: LayerScaling, record: bool):
-        """(x, x.T, W, W.T, W's columnwise copy) for the eager step: the input cast now, the weight from the step's
-        cache."""
+    def _eager_operands(self, x_in, x2d: torch.Tensor, weight: torch.Tensor, scaling: LayerScaling, record: bool):
+        """(x, x.T, W, W.T, W's columnwise copy) for the eager step: the input cast now (or as it arrived, cast
+        before an FP8 all-gather: ``x_in.fp8_operands``), the weight from the step's cache."""
         recipe = scaling.recipe
-        x, x_col = scaling.cast("input", x2d.detach(), record, columnwise=True, columnwise_f32=False)  # x_col: saved
+        arrived = getattr(x_in, "fp8_operands", None)  # {recipe: (x, x.T)} of a sequence-parallel FP8 all-gather
+        if arrived is not None and recipe in arrived:
+            x, x_col = arrived[recipe]
+        else:
+            x, x_col = scaling.cast("input", x2d.detach(), record, columnwise=True, columnwise_f32=False)
         # FSDP2 marks the modules it manages; it refills their gathered weights in place at every forward
         w, w_col = scaling.weight_operands(weight, record, self.__dict__.get("_is_fsdp_managed_module", False))
         observer = self.__dict__.get("fp8_observer")  # read where set: a module's missing-attribute path is slow
@@ -339,24 +365,25 @@ class FP8Linear(nn.Linear):
     # Under torch.compile a layer the traced step cannot serve runs eagerly between graphs.
     _eager_island = torch.compiler.disable(_eager_forward)
 
-    def _runtime_fallback(self, x: torch.Tensor, recipe: Recipe) -> bool:
+    def _runtime_fallback(self, x: torch.Tensor, weight: torch.Tensor, recipe: Recipe) -> bool:
         if not x.is_floating_point():
             raise TypeError(
                 f"FP8Linear got an input of dtype {x.dtype}; FP8 GEMMs need floating-point input. "
                 "Convert the input with .float() (or embed integer ids with nn.Embedding first)."
             )
-        if x.dim() == 0 or x.shape[-1] != self.in_features:
+        in_features, out_features = weight.shape[1], weight.shape[0]  # a tensor-parallel layer's shard
+        if x.dim() == 0 or x.shape[-1] != in_features:
             raise ValueError(
                 f"{type(self).__name__}(in_features={self.in_features}, out_features={self.out_features}) got an "
-                f"input of shape {tuple(x.shape)}; its last dimension must be in_features={self.in_features}. "
+                f"input of shape {tuple(x.shape)}; its last dimension must be {in_features}. "
                 "Reshape the input, or check which layer it was meant for."
             )
         if x.numel() == 0:  # no tokens (an empty micro-batch): nothing to cast; the plain GEMM gives the empty
             return True  # output and exact zero weight and bias gradients
-        reason = shape_unsupported_reason(self.in_features, self.out_features, recipe)
+        reason = shape_unsupported_reason(in_features, out_features, recipe)
         if reason is not None and reason not in self._fp8_warned:
             self._fp8_warned.add(reason)
-            warnings.warn(f"FP8Linear({self.in_features}, {self.out_features}) runs in high precision: {reason}.")
+            warnings.warn(f"FP8Linear({in_features}, {out_features}) runs in high precision: {reason}.")
         return reason is not None
 
     def extra_repr(self) -> str:

@@ -115,6 +115,9 @@ class OperandScaling:
         self._dirty = False  # an amax was booked this step and waits for update() ("observed")
         self.casts = 0
         self.generation = 0  # bumped by every update(): cached casts made before it are stale
+        # The ranks that hold shards of the tensor this operand casts (tensor parallelism): each cast takes the amax
+        # of the whole tensor, agreed across them, so that every shard is cast with the one scale of the whole.
+        self.amax_group: "dist.ProcessGroup | None" = None
 
     # -- host-side flags, kept in step with ``flags`` -------------------------------------------------------
 
@@ -153,6 +156,8 @@ class OperandScaling:
         """
         self.move_to(x.device)
         transpose = transpose and x.dim() == 2
+        if self.amax_group is not None:
+            return self._agreed_cast(x, record)
         if not record:
             return self._evaluation_cast(x, transpose)
         outputs = self.recipe.state_cast(self, x, record, transpose)  # the CUDA kernels, where they run
@@ -175,6 +180,20 @@ class OperandScaling:
         scale_value = scale.item() if finite or scale.is_cpu else None
         in_range = finite and host_amax * scale_value <= self.max_value * (1 + 2**-20)
         return dispatch.quantize_operand(x, scale, self.dtype, not in_range, finite, scale_value)
+
+    def _agreed_cast(self, x: torch.Tensor, record: bool) -> Quantized:
+        """The cast of one shard of a tensor split over :attr:`amax_group`: the amax is the whole tensor's (one
+        MAX all-reduce of the shards' amaxes), then the scale is made and kept as for an unsplit tensor."""
+        x_amax = agreed_amax(x, self.amax_group)
+        clean = finite_or_zero(x_amax)
+        scale = self.scale_for(self.book(x_amax, record)) if record else self.evaluation_scale(clean)
+        return self._cast_with(x, scale, None)
+
+    def __getstate__(self) -> dict:
+        """For pickle and deepcopy: a process group does not travel (a copy casts as an unsplit tensor)."""
+        state = self.__dict__.copy()
+        state["amax_group"] = None
+        return state
 
     def _evaluation_cast(self, x: torch.Tensor, transpose: bool) -> Quantized:
         """The cast of an evaluation forward, which leaves every tensor, flag and counter of the state as it
@@ -292,6 +311,15 @@ class OperandScaling:
 # --------------------------------------------------------------------------------------------------------
 # Once per step, for all operands of a model
 # --------------------------------------------------------------------------------------------------------
+
+
+def agreed_amax(x: torch.Tensor, group: "dist.ProcessGroup") -> torch.Tensor:
+    """max |x| over the shards of a tensor held by the ranks of ``group`` (float32 scalar): one MAX all-reduce of
+    the local amaxes. A NaN is sent as inf, so that MAX carries it to every rank (NaN compares false)."""
+    local = torch.nan_to_num(dispatch.fast_amax(x), nan=float("inf"))
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+    return local
 
 
 def records_amax(training: bool) -> bool:

@@ -1,6 +1,6 @@
-"""FSDP2 support: FP8 parameter all-gather (tensor subclasses with FSDP2's extension hooks), the coalesced
-whole-weight amax reduction, and the helpers that prepare and shard an FP8 model; FP8 gradient communication
-(a DDP communication hook and an FSDP2 reduce-scatter). No Lightning imports."""
+"""Distributed FP8: tensor and sequence parallel styles; FSDP2's FP8 parameter all-gather (tensor subclasses with
+FSDP2's extension hooks), the coalesced whole-weight amax reduction, and the helpers that prepare and shard an FP8
+model; FP8 gradient communication (a DDP communication hook and an FSDP2 reduce-scatter). No Lightning imports."""
 
 from fp8_lightning.distributed.amax import WeightAmaxSync
 from fp8_lightning.distributed.grad_comm import FP8CommState, fp8_all_reduce_mean, fp8_compress_hook
@@ -20,12 +20,21 @@ from fp8_lightning.distributed.sharding import (
     shard_model,
     weight_amax_reductions,
 )
+from fp8_lightning.distributed.tensor_parallel import (
+    FP8ColwiseParallel,
+    FP8RowwiseParallel,
+    PrepareFP8ModuleInput,
+    gather_sequence,
+)
 from fp8_lightning.distributed.weight import FP8GatheredWeight, FP8ShardedWeight, fp8_all_gather_unsupported_reason
 
 __all__ = [
     "AllGatherReport",
+    "FP8ColwiseParallel",
     "FP8CommState",
     "FP8ReduceScatter",
+    "FP8RowwiseParallel",
+    "PrepareFP8ModuleInput",
     "FP8GatheredWeight",
     "FP8ShardedWeight",
     "WeightAmaxSync",
@@ -39,6 +48,7 @@ __all__ = [
     "fp8_compress_hook",
     "fp8_reduce_scatter_unsupported_reason",
     "fp8_checkpoint_context",
+    "gather_sequence",
     "is_sharded",
     "shard_model",
     "weight_amax_reductions",

@@ -12,6 +12,8 @@ Recipe/Quantizer split:
 * FSDP2: :meth:`Recipe.fsdp_unsupported_reason`, :meth:`Recipe.fsdp_pack`, :meth:`Recipe.fsdp_unpack`,
   :meth:`Recipe.fsdp_operands`, :attr:`Recipe.global_weight_amax`;
 * grouped GEMMs of mixtures of experts: :meth:`Recipe.grouped_operands`, :meth:`Recipe.grouped_weight_operands`;
+* tensor and sequence parallelism: :meth:`Recipe.tensor_parallel_unsupported_reason`, :meth:`Recipe.sequence_cast`,
+  :meth:`Recipe.sequence_gather`;
 * the cost model: :meth:`Recipe.cast_bytes_per_element`, :meth:`Recipe.fp8_gemms`.
 
 A subclass registers itself under its ``name`` (:func:`recipe_from` and checkpoints find it by that name), so a
@@ -153,6 +155,49 @@ class Recipe:
             row, column = self.cast("weight", expert, dtype, True, True, state, record)
             operands.append((row, self.transposed(row, column)))
         return operands
+
+    # -- tensor and sequence parallelism ---------------------------------------------------------------------
+
+    def tensor_parallel_block(self) -> int:
+        """The extent of a scale block along either dimension of a weight: a tensor-parallel shard must hold whole
+        blocks (and the FP8 GEMM layouts take multiples of 16)."""
+        return LAYOUT_MULTIPLE
+
+    def tensor_parallel_unsupported_reason(
+        self, in_features: int, out_features: int, sharded: str, tp_size: int
+    ) -> str | None:
+        """Why an (out_features, in_features) weight split over ``tp_size`` ranks along ``sharded``
+        (``"out_features"``: colwise, ``"in_features"``: rowwise) cannot run in FP8, or None."""
+        size = in_features if sharded == "in_features" else out_features
+        block = self.tensor_parallel_block()
+        if size % (tp_size * block):
+            return (f"{sharded}={size} split over {tp_size} ranks gives shards of {size / tp_size:g}, which must "
+                    f"hold whole {type(self).__name__} blocks of {block}")
+        local_in, local_out = (size // tp_size, out_features) if sharded == "in_features" else (in_features,
+                                                                                                 size // tp_size)
+        reason = self.shape_unsupported_reason(local_in, local_out)
+        return None if reason is None else f"each rank's shard ({local_out}, {local_in}): {reason}"
+
+    def sequence_block(self) -> int:
+        """Tokens per scale block of the copies quantized along the token dimension (a wgrad operand): a
+        sequence-parallel shard must hold whole blocks for its FP8 all-gather to equal the cast of the whole."""
+        return 1
+
+    def sequence_cast(
+        self, x: torch.Tensor, dtype: torch.dtype, state: Any, record: bool, group: Any
+    ) -> tuple[Quantized, Quantized | None] | None:
+        """This rank's tokens ``x`` (2-D) cast for a sequence-parallel FP8 all-gather: (the fprop operand, the copy
+        quantized along the tokens or None where :meth:`transposed` derives it), each scale what the cast of the
+        gathered tensor would give (agreed across ``group`` where a scale spans ranks); None: not in FP8."""
+        return self.cast("input", x, dtype, True, True, state, record)
+
+    def sequence_gather(self, row: Quantized, column: Quantized | None, gather) -> tuple[Quantized, Quantized | None]:
+        """The operands of the gathered tokens from every rank's :meth:`sequence_cast`; ``gather(t, dim)`` gathers
+        ``t`` along its token dimension ``dim`` (the rows of ``row``, the columns of ``column``)."""
+        gathered_column = None
+        if column is not None:
+            gathered_column = Quantized(gather(column.data, 1), gather(column.scale, 1), column.kind)
+        return Quantized(gather(row.data, 0), gather(row.scale, 0), row.kind), gathered_column
 
     # -- FSDP2 all-gather of the weight ---------------------------------------------------------------------
 

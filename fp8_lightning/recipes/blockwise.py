@@ -81,6 +81,14 @@ class BlockwiseScaling(FineGrainedRecipe):
                       f"{arch_name(capability)}, {cuda_name(cuda)}; shapes cuBLAS cannot take are emulated "
                       "(fp8_lightning.cuda_rules.blockwise_gemm_plan)")
 
+    # -- tensor and sequence parallelism ---------------------------------------------------------------------
+
+    def tensor_parallel_block(self) -> int:
+        return WEIGHT_BLOCK[0]  # 128x128 weight blocks
+
+    def sequence_block(self) -> int:
+        return COLUMN_TILE[0]  # the wgrad copy's 128-token tiles
+
     # -- FSDP2 ----------------------------------------------------------------------------------------------
 
     def fsdp_unsupported_reason(self, rows: int, cols: int, world_size: int) -> str | None:

@@ -81,6 +81,15 @@ class MXFP8BlockScaling(Recipe):
         )
         return [(_rows_of(rows, e * n, n), _rows_of(columns, e * k, k)) for e in range(experts)]
 
+    # -- tensor and sequence parallelism ---------------------------------------------------------------------
+
+    def tensor_parallel_block(self) -> int:
+        """A weight's rowwise copy has blocks along K and its columnwise copy blocks along N."""
+        return max(self.block_size, 16)
+
+    def sequence_block(self) -> int:
+        return self.block_size
+
     # -- FSDP2 ----------------------------------------------------------------------------------------------
 
     def fsdp_unsupported_reason(self, rows: int, cols: int, world_size: int) -> str | None:

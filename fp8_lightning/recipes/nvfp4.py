@@ -193,6 +193,10 @@ class NVFP4BlockScaling(Recipe):
 
     # -- FSDP2 ----------------------------------------------------------------------------------------------
 
+    def tensor_parallel_unsupported_reason(self, in_features, out_features, sharded, tp_size) -> str | None:
+        return ("NVFP4's tensor-level scale is not agreed across tensor-parallel ranks: keep this layer in another "
+                "recipe (layers={...}) or out of the tensor-parallel plan")
+
     def fsdp_unsupported_reason(self, rows: int, cols: int, world_size: int) -> str | None:
         return "NVFP4 weights are all-gathered in high precision (the packed FP4 all-gather is not implemented yet)"
 

@@ -110,6 +110,12 @@ class PerTensorRecipe(Recipe):
                 flags[1] = 1.0
         return data, used, data_t, None
 
+    # -- sequence parallelism -------------------------------------------------------------------------------
+
+    def sequence_gather(self, row, column, gather):
+        """One scale, agreed before the cast: only the codes travel; ``x.T`` is their transpose."""
+        return Quantized(gather(row.data, 0), row.scale, TENSOR, nan_free=row.nan_free), None
+
     # -- FSDP2 ----------------------------------------------------------------------------------------------
 
     def fsdp_pack(self, shard, module, global_amax):

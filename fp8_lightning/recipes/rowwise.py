@@ -20,10 +20,12 @@ from fp8_lightning.ops import dispatch
 from fp8_lightning.quantize import HIGH_PRECISION, ROW, Quantized
 from fp8_lightning.recipes.base import check_flags, invalid
 from fp8_lightning.recipes.fine_grained import FineGrainedRecipe
+from fp8_lightning.quantize import to_fp8_saturated, wide
 from fp8_lightning.rowwise import (
     dequantize_rowwise,
     high_precision_operand,
     quantize_rowwise,
+    rowwise_scale,
     tensorwise_column_operand,
 )
 from fp8_lightning.traced import plan_for
@@ -96,6 +98,28 @@ class RowwiseScaling(FineGrainedRecipe):
     def traced_plan(self, device, out_dtype, emulate):
         wgrad_kind = HIGH_PRECISION if self.high_precision_wgrad else ROW
         return plan_for(self, device, out_dtype, emulate, wgrad_kind=wgrad_kind)
+
+    # -- sequence parallelism -------------------------------------------------------------------------------
+
+    def sequence_cast(self, x, dtype, state, record, group):
+        """The fprop copy scales rows (whole on each rank); the wgrad copy scales columns, which span every rank's
+        tokens, so its column amaxes are agreed first (one MAX all-reduce of K values). With a high-precision weight
+        gradient ``x.T`` stays unquantized: None (gathered in high precision)."""
+        if self.high_precision_wgrad:
+            return None
+        row = self.cast("input", x, dtype, False, True, state, record)[0]
+        column_amax = x.detach().abs().amax(dim=0, keepdim=True).float()
+        column_amax = torch.nan_to_num(column_amax, nan=float("inf"))  # MAX carries inf; NaN compares false
+        if torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(column_amax, op=torch.distributed.ReduceOp.MAX, group=group)
+        scale = rowwise_scale(column_amax, dtype, self.eps, self.power_of_2_scales)
+        data = to_fp8_saturated(wide(x.detach()) * scale, dtype)
+        return row, Quantized(data.t(), scale.t(), ROW)
+
+    def sequence_gather(self, row, column, gather):
+        """The column scales were agreed before the cast: the columnwise codes travel without them."""
+        gathered_row = Quantized(gather(row.data, 0), gather(row.scale, 0), ROW)
+        return gathered_row, Quantized(gather(column.data, 1), column.scale, ROW)
 
     # -- FSDP2 ----------------------------------------------------------------------------------------------
 

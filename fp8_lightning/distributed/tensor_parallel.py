@@ -1,0 +1,279 @@
+"""FP8 tensor and sequence parallelism: parallel styles for ``torch.distributed.tensor.parallel.parallelize_module``.
+
+:class:`FP8ColwiseParallel` and :class:`FP8RowwiseParallel` shard a linear layer's weight as torch's
+``ColwiseParallel`` / ``RowwiseParallel`` do (DTensor parameters, so distributed checkpoints and ``fully_shard``
+see the usual layout), and run an FP8 layer's GEMMs on its local shards between explicit collectives:
+
+* per-tensor recipes (delayed, tensorwise) cast each split operand with the one scale of the whole tensor: the
+  shards' amaxes are agreed across the tensor-parallel group (the weight and, colwise, the output gradient;
+  rowwise, the input). Rowwise, blockwise and MXFP8 scale blocks that lie inside a shard, which set-up checks;
+* a sequence-sharded input entering a colwise layer (``input_layouts=Shard(1)``) is cast once and its FP8 codes
+  and scales are all-gathered (:func:`gather_sequence`); its gradient is reduce-scattered in high precision;
+* :class:`PrepareFP8ModuleInput` does that gather once for several colwise consumers (attention's q, k, v).
+
+A layer the recipe leaves in high precision, or a plain ``nn.Linear``, behaves as under torch's own styles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+from fp8_lightning.distributed.sequence import (
+    AllReduce,
+    GatherTokens,
+    GradientAllReduce,
+    ReduceScatterTokens,
+    SequenceGathered,
+    gather_tokens,
+)
+from fp8_lightning.linear import FP8Linear
+from fp8_lightning.recipes import Recipe
+from fp8_lightning.scaling import records_amax
+
+# the operands whose tensor each rank holds a part of, per style (per-tensor recipes agree their amax)
+_SPLIT_ROLES = {"colwise": ("weight", "grad_output"), "rowwise": ("weight", "input")}
+
+
+def _local(t: torch.Tensor | None, grad_placements=None) -> torch.Tensor | None:
+    """The local shard of a DTensor (with its autograd edge), else ``t``."""
+    return t.to_local(grad_placements=grad_placements) if isinstance(t, DTensor) else t
+
+
+@dataclasses.dataclass(eq=False)
+class ShardedLinear:
+    """What an FP8 parallel style leaves on a linear layer (``layer.fp8_tensor_parallel``): how its weight is split
+    and the collectives around its local GEMMs (:meth:`forward`, called by :class:`~fp8_lightning.linear.FP8Linear`).
+    """
+
+    style: str  # "colwise" (weight rows split) or "rowwise" (weight columns split)
+    mesh: DeviceMesh
+    output_layout: Placement
+    sequence_input: bool = False  # colwise: the input arrives sharded along its tokens
+
+    @property
+    def group(self):
+        return self.mesh.get_group()
+
+    @property
+    def size(self) -> int:
+        return self.mesh.size()
+
+    def unsupported_reason(self, layer: nn.Module, recipe: Recipe) -> str | None:
+        """Why ``layer``'s shards cannot run their GEMMs in FP8 under ``recipe``, or None."""
+        sharded = "out_features" if self.style == "colwise" else "in_features"
+        return recipe.tensor_parallel_unsupported_reason(layer.in_features, layer.out_features, sharded, self.size)
+
+    def refusal(self, recipe: Recipe, reason: str, name: str = "") -> str:
+        """The set-up error of a layer whose shards ``recipe`` cannot scale."""
+        where = f"Layer '{name}'" if name else "This layer"
+        return (f"{where} is split {self.style} over {self.size} tensor-parallel ranks, and under "
+                f"{type(recipe).__name__} {reason}. Use another tensor-parallel size, another recipe for this layer "
+                "(layers={...}), or leave the layer out of the plan.")
+
+    def bind(self, layer: FP8Linear) -> None:
+        """Point the per-tensor scaling states of the split operands at the group (each recipe's, once)."""
+        roles = _SPLIT_ROLES[self.style] + (("input",) if self.sequence_input else ())
+        for _, scaling in layer.fp8_scalings():
+            for role in roles:
+                state = scaling.operands.get(role)
+                if state is not None and hasattr(state, "amax_group") and state.amax_group is None:
+                    state.amax_group = self.group
+
+    def forward(self, layer: FP8Linear, x: torch.Tensor) -> torch.Tensor:
+        """The layer on this rank: ``x`` is the local input the style's input hook made (plain tensor)."""
+        self.bind(layer)
+        weight = _local(layer.fp8_gemm_weight)
+        if self.style == "colwise":
+            return layer.fp8_forward(x, weight, _local(layer.bias))
+        y = layer.fp8_forward(x, weight, None)  # a partial sum of the output
+        if isinstance(self.output_layout, Shard):
+            y = ReduceScatterTokens.apply(y, self.output_layout.dim % y.dim(), self.group)
+        else:
+            y = AllReduce.apply(y, self.group)
+        if layer.bias is None:
+            return y
+        bias = _local(layer.bias)
+        if isinstance(self.output_layout, Shard):  # each rank sums its tokens' share of the bias gradient
+            bias = GradientAllReduce.apply(bias, self.group)
+        return y + bias.to(y.dtype)
+
+
+def _fp8_sharded(module: nn.Module) -> bool:
+    return isinstance(module, FP8Linear) and "fp8_tensor_parallel" in module.__dict__
+
+
+def gather_sequence(consumers: list[FP8Linear], x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """All-gather this rank's tokens ``x`` (sharded along ``dim``) for ``consumers``, colwise layers that read the
+    gathered tensor: in FP8 when the first consumer runs FP8 now and the shard holds whole scale blocks of its recipe
+    (the codes and scales of one cast travel; each consumer with that recipe multiplies them), else in high
+    precision. The result's backward reduce-scatters the gradient."""
+    dim = dim % x.dim()
+    layer = consumers[0]
+    recipe = layer.fp8_runs(x, _local(layer.fp8_gemm_weight))
+    tokens_per_run = math.prod(x.shape[dim:-1])
+    copies = None
+    if recipe is not None and tokens_per_run % recipe.sequence_block() == 0:
+        layer.fp8_tensor_parallel.bind(layer)
+        scaling = layer.fp8_scaling(recipe)
+        x2d = x.reshape(-1, x.shape[-1])
+        state = scaling.operands.get("input")
+        copies = recipe.sequence_cast(x2d, scaling.forward_dtype, state, records_amax(layer.training), group)
+    if copies is None:
+        out = GatherTokens.apply(x, dim, group)
+    else:
+        outer = math.prod(x.shape[:dim])
+        row, column = recipe.sequence_gather(*copies, lambda t, d: gather_tokens(t, d, outer, group))
+        shape = list(x.shape)
+        shape[dim] *= torch.distributed.get_world_size(group)
+        values = row.kind.dequantize(row, x.dtype).reshape(shape)  # what any other reader of the input sees
+        out = SequenceGathered.apply(x, values, dim, group)
+        out.fp8_operands = {recipe: (row, column)}
+    out.fp8_sequence_gathered = True  # its gradient is reduced by its own backward: consumers add no all-reduce
+    return out
+
+
+def _colwise_input(torch_fn, input_layouts, mod, inputs, mesh):
+    if not _fp8_sharded(mod):
+        return torch_fn(mod, inputs, mesh)
+    x = inputs[0]
+    if getattr(x, "fp8_sequence_gathered", False):
+        return x
+    layout = x.placements[0] if isinstance(x, DTensor) else input_layouts[0]
+    if isinstance(layout, Shard):
+        return gather_sequence([mod], _local(x), layout.dim, mesh.get_group())
+    if isinstance(x, DTensor):  # each rank's input gradient is a partial sum; DTensor reduces it upstream
+        return _local(x.redistribute(placements=[Replicate()]), grad_placements=[Partial()])
+    return GradientAllReduce.apply(x, mesh.get_group())
+
+
+def _rowwise_input(torch_fn, mod, inputs, mesh):
+    if not _fp8_sharded(mod):
+        return torch_fn(mod, inputs, mesh)
+    x = inputs[0]
+    if isinstance(x, DTensor):
+        return _local(x.redistribute(placements=[Shard(-1)]))
+    return x
+
+
+def _output(torch_fn, local_layout, output_layouts, use_local_output, mod, outputs, mesh):
+    if not _fp8_sharded(mod):
+        return torch_fn(mod, outputs, mesh)
+    if use_local_output and local_layout == output_layouts[0]:
+        return outputs
+    out = DTensor.from_local(outputs, mesh, [local_layout], run_check=False)
+    if local_layout != output_layouts[0]:
+        out = out.redistribute(placements=list(output_layouts))
+    return out.to_local() if use_local_output else out
+
+
+def _has_submodule(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _check_module(style: str, module: nn.Module) -> None:
+    if not isinstance(module, (nn.Linear, nn.Embedding)):
+        raise TypeError(
+            f"{style} shards nn.Linear layers (and, as torch's style, nn.Embedding); got {type(module).__name__}. "
+            "Leave this module out of the tensor-parallel plan, or give it torch's own style if it has one."
+        )
+
+
+def _check_layer(parallel: ShardedLinear, module: nn.Module) -> None:
+    if isinstance(module, FP8Linear):
+        reason = parallel.unsupported_reason(module, module.fp8_recipe)
+        if reason is not None:
+            raise ValueError(parallel.refusal(module.fp8_recipe, reason))
+
+
+class FP8ColwiseParallel(ColwiseParallel):
+    """torch's ``ColwiseParallel`` for FP8 layers: the weight's rows are split; with ``input_layouts=Shard(1)`` (a
+    sequence-parallel input) the input is all-gathered in FP8. Same arguments as ``ColwiseParallel``."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _check_module(type(self).__name__, module)
+        if isinstance(module, nn.Embedding):
+            return super()._apply(module, device_mesh)
+        layout = self.input_layouts[0]
+        if isinstance(layout, Shard) and layout.dim == -1:
+            raise ValueError(f"{type(self).__name__}(input_layouts=Shard(-1)) would split the features a colwise "
+                             "layer reduces over: use RowwiseParallel for that input, or Shard(1) for a sequence.")
+        parallel = ShardedLinear("colwise", device_mesh, Shard(-1), isinstance(layout, Shard))
+        _check_layer(parallel, module)
+        torch_in = partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)
+        torch_out = partial(self._prepare_output_fn, self.output_layouts, self.use_local_output)
+        module = distribute_module(module, device_mesh, self._partition_linear_fn,
+                             partial(_colwise_input, torch_in, self.input_layouts),
+                             partial(_output, torch_out, Shard(-1), self.output_layouts, self.use_local_output))
+        module.fp8_tensor_parallel = parallel
+        return module
+
+
+class FP8RowwiseParallel(RowwiseParallel):
+    """torch's ``RowwiseParallel`` for FP8 layers: the weight's columns are split and the partial outputs summed
+    (all-reduce), or reduce-scattered along the tokens with ``output_layouts=Shard(1)`` (sequence parallel). Same
+    arguments as ``RowwiseParallel``."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _check_module(type(self).__name__, module)
+        if isinstance(module, nn.Embedding):
+            return super()._apply(module, device_mesh)
+        self.desired_input_layouts = (Shard(-1),)
+        parallel = ShardedLinear("rowwise", device_mesh, self.output_layouts[0])
+        _check_layer(parallel, module)
+        torch_in = partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)
+        torch_out = partial(self._prepare_output_fn, self.output_layouts, self.use_local_output)
+        module = distribute_module(module, device_mesh, self._partition_linear_fn, partial(_rowwise_input, torch_in),
+                             partial(_output, torch_out, self.output_layouts[0], self.output_layouts,
+                                     self.use_local_output))
+        module.fp8_tensor_parallel = parallel
+        return module
+
+
+class PrepareFP8ModuleInput(PrepareModuleInput):
+    """torch's ``PrepareModuleInput`` that all-gathers a sequence-sharded input once, in FP8, for the colwise FP8
+    layers ``consumers`` (names of submodules, e.g. ``("q_proj", "k_proj", "v_proj")``) that read it.
+
+    Args:
+        consumers: the submodules that read the gathered input; they share one cast of it.
+        sequence_dim: the token dimension the input arrives sharded along (``Shard(sequence_dim)``).
+        **kwargs: ``PrepareModuleInput``'s (``input_layouts``, ``desired_input_layouts``, ...), used where a
+            consumer is not an FP8 layer.
+    """
+
+    def __init__(self, *, consumers: tuple[str, ...], sequence_dim: int = 1, **kwargs):
+        kwargs.setdefault("input_layouts", (Shard(sequence_dim),))
+        kwargs.setdefault("desired_input_layouts", (Replicate(),))
+        super().__init__(**kwargs)
+        if not consumers:
+            raise ValueError("PrepareFP8ModuleInput(consumers=...) needs the names of the layers that read the input.")
+        self.consumers, self.sequence_dim = tuple(consumers), sequence_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        missing = [name for name in self.consumers if not _has_submodule(module, name)]
+        if missing:
+            raise ValueError(f"PrepareFP8ModuleInput: {type(module).__name__} has no submodule(s) {missing}.")
+        torch_hook = super()._prepare_input_fn
+
+        def hook(mod, inputs):
+            layers = [mod.get_submodule(name) for name in self.consumers]
+            if not (inputs and torch.is_tensor(inputs[0]) and all(_fp8_sharded(m) for m in layers)):
+                return torch_hook(inputs, device_mesh)
+            x = _local(inputs[0])
+            return (gather_sequence(layers, x, self.sequence_dim, device_mesh.get_group()), *inputs[1:])
+
+        module.register_forward_pre_hook(hook)
+        return module
+
+
