@@ -81,9 +81,12 @@ class LayerScaling:
             for state in self.operands.values():
                 state.move_to(device)
 
-    def step_boundary_passed(self, weight: torch.Tensor) -> bool:
-        """True when the weight changed in place (an optimizer step) since the cached cast."""
-        return self._weight_key is not None and self._weight_key[:2] != (weight._version, weight.data_ptr())
+    def step_boundary_passed(self, weight: torch.Tensor, parameter: torch.Tensor | None = None) -> bool:
+        """True when the weight changed in place (an optimizer step) since the cached cast. ``parameter``: whose
+        version counter tells, where ``weight`` is its local shard (a DTensor's in-place updates do not bump the
+        shard's own counter)."""
+        version = (weight if parameter is None else parameter)._version
+        return self._weight_key is not None and self._weight_key[:2] != (version, weight.data_ptr())
 
     # -- casts ------------------------------------------------------------------------------------------------
 
@@ -99,13 +102,14 @@ class LayerScaling:
         return self.recipe.cast(role, x, dtype, columnwise, columnwise_f32, self.operands.get(role), record)
 
     def weight_operands(
-        self, weight: torch.Tensor, record: bool, regathered: bool = False
+        self, weight: torch.Tensor, record: bool, regathered: bool = False, parameter: torch.Tensor | None = None
     ) -> tuple[Quantized, Quantized | None]:
         """(rowwise W, columnwise W where the recipe makes one): in training cast once per weight version and scale
         generation, in evaluation (``record=False``) cast afresh.
 
         ``regathered``: the weight was just all-gathered into a reused buffer (FSDP2 in high precision), which
         keeps its version counter: the cache cannot tell a new step's weight from the last one, so cast afresh.
+        ``parameter``: as for :meth:`step_boundary_passed`.
         """
         provided = getattr(weight, "fp8_weight_operands", None)  # already FP8 (e.g. gathered in FP8 by FSDP2)
         if provided is not None:
@@ -115,7 +119,8 @@ class LayerScaling:
         if not record:  # evaluation and inference: cast afresh, keep nothing (see the class docstring)
             return self.cast("weight", weight.detach(), False, columnwise=True)
         w_state = self.operands.get("weight")
-        key = (weight._version, weight.data_ptr(), w_state.generation if w_state else 0, weight.device)
+        version = (weight if parameter is None else parameter)._version
+        key = (version, weight.data_ptr(), w_state.generation if w_state else 0, weight.device)
         if self._weight_cache is None or key != self._weight_key:
             self._weight_cache = self.cast("weight", weight.detach(), record, columnwise=True)
             self._weight_key = key
@@ -333,7 +338,7 @@ class FP8Linear(nn.Linear):
         scaling = self._fp8_scalings.get(recipe) or self.fp8_scaling(recipe)
         weight, bias = (self.fp8_gemm_weight, self.bias) if weight is None else (weight, bias)
         record = records_amax(self.training)
-        if record and scaling.step_boundary_passed(weight) and scaling.booked:
+        if record and scaling.step_boundary_passed(weight, self.weight) and scaling.booked:
             scaling.update()  # no one called update_scales() after the optimizer step: advance locally
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         operands = self._eager_operands(x, x2d, weight, scaling, record)
@@ -355,7 +360,8 @@ class FP8Linear(nn.Linear):
         else:
             x, x_col = scaling.cast("input", x2d.detach(), record, columnwise=True, columnwise_f32=False)
         # FSDP2 marks the modules it manages; it refills their gathered weights in place at every forward
-        w, w_col = scaling.weight_operands(weight, record, self.__dict__.get("_is_fsdp_managed_module", False))
+        fsdp_managed = self.__dict__.get("_is_fsdp_managed_module", False)
+        w, w_col = scaling.weight_operands(weight, record, fsdp_managed, self.weight)
         observer = self.__dict__.get("fp8_observer")  # read where set: a module's missing-attribute path is slow
         if observer is not None:
             observer(self, "input", x2d, x)

@@ -57,6 +57,7 @@ class ShardedLinear:
     mesh: DeviceMesh
     output_layout: Placement
     sequence_input: bool = False  # colwise: the input arrives sharded along its tokens
+    fp8_all_gather: bool = True  # colwise, sequence_input: all-gather the input in FP8
 
     @property
     def group(self):
@@ -110,14 +111,27 @@ def _fp8_sharded(module: nn.Module) -> bool:
     return isinstance(module, FP8Linear) and "fp8_tensor_parallel" in module.__dict__
 
 
-def gather_sequence(consumers: list[FP8Linear], x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def gather_sequence(
+    consumers: list[FP8Linear], x: torch.Tensor, dim: int, group, fp8: bool = True
+) -> torch.Tensor:
     """All-gather this rank's tokens ``x`` (sharded along ``dim``) for ``consumers``, colwise layers that read the
-    gathered tensor: in FP8 when the first consumer runs FP8 now and the shard holds whole scale blocks of its recipe
-    (the codes and scales of one cast travel; each consumer with that recipe multiplies them), else in high
-    precision. The result's backward reduce-scatters the gradient."""
+    gathered tensor.
+
+    Args:
+        consumers: the layers that read the gathered tensor (FP8 layers split by :class:`FP8ColwiseParallel`).
+        x: this rank's shard of the activation.
+        dim: its token dimension.
+        group: the tensor-parallel process group.
+        fp8: gather in FP8 when the first consumer runs FP8 now and the shard holds whole scale blocks of its
+            recipe (the codes and scales of one cast travel, and each consumer with that recipe multiplies them);
+            False, or otherwise: in high precision.
+
+    Returns:
+        The gathered activation, whose backward reduce-scatters the gradient (in high precision).
+    """
     dim = dim % x.dim()
     layer = consumers[0]
-    recipe = layer.fp8_runs(x, _local(layer.fp8_gemm_weight))
+    recipe = layer.fp8_runs(x, _local(layer.fp8_gemm_weight)) if fp8 else None
     tokens_per_run = math.prod(x.shape[dim:-1])
     copies = None
     if recipe is not None and tokens_per_run % recipe.sequence_block() == 0:
@@ -148,7 +162,8 @@ def _colwise_input(torch_fn, input_layouts, mod, inputs, mesh):
         return x
     layout = x.placements[0] if isinstance(x, DTensor) else input_layouts[0]
     if isinstance(layout, Shard):
-        return gather_sequence([mod], _local(x), layout.dim, mesh.get_group())
+        fp8 = mod.fp8_tensor_parallel.fp8_all_gather
+        return gather_sequence([mod], _local(x), layout.dim, mesh.get_group(), fp8)
     if isinstance(x, DTensor):  # each rank's input gradient is a partial sum; DTensor reduces it upstream
         return _local(x.redistribute(placements=[Replicate()]), grad_placements=[Partial()])
     return GradientAllReduce.apply(x, mesh.get_group())
@@ -199,7 +214,16 @@ def _check_layer(parallel: ShardedLinear, module: nn.Module) -> None:
 
 class FP8ColwiseParallel(ColwiseParallel):
     """torch's ``ColwiseParallel`` for FP8 layers: the weight's rows are split; with ``input_layouts=Shard(1)`` (a
-    sequence-parallel input) the input is all-gathered in FP8. Same arguments as ``ColwiseParallel``."""
+    sequence-parallel input) the input is all-gathered in FP8.
+
+    Args:
+        fp8_all_gather: all-gather a sequence-sharded input in FP8 (False: in high precision, as torch does).
+        **kwargs: ``ColwiseParallel``'s (``input_layouts``, ``output_layouts``, ``use_local_output``).
+    """
+
+    def __init__(self, *, fp8_all_gather: bool = True, **kwargs):
+        super().__init__(**kwargs)
+        self.fp8_all_gather = fp8_all_gather
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_module(type(self).__name__, module)
@@ -209,7 +233,7 @@ class FP8ColwiseParallel(ColwiseParallel):
         if isinstance(layout, Shard) and layout.dim == -1:
             raise ValueError(f"{type(self).__name__}(input_layouts=Shard(-1)) would split the features a colwise "
                              "layer reduces over: use RowwiseParallel for that input, or Shard(1) for a sequence.")
-        parallel = ShardedLinear("colwise", device_mesh, Shard(-1), isinstance(layout, Shard))
+        parallel = ShardedLinear("colwise", device_mesh, Shard(-1), isinstance(layout, Shard), self.fp8_all_gather)
         _check_layer(parallel, module)
         torch_in = partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)
         torch_out = partial(self._prepare_output_fn, self.output_layouts, self.use_local_output)
@@ -248,17 +272,18 @@ class PrepareFP8ModuleInput(PrepareModuleInput):
     Args:
         consumers: the submodules that read the gathered input; they share one cast of it.
         sequence_dim: the token dimension the input arrives sharded along (``Shard(sequence_dim)``).
+        fp8_all_gather: all-gather in FP8 (False: in high precision, once for every consumer).
         **kwargs: ``PrepareModuleInput``'s (``input_layouts``, ``desired_input_layouts``, ...), used where a
             consumer is not an FP8 layer.
     """
 
-    def __init__(self, *, consumers: tuple[str, ...], sequence_dim: int = 1, **kwargs):
+    def __init__(self, *, consumers: tuple[str, ...], sequence_dim: int = 1, fp8_all_gather: bool = True, **kwargs):
         kwargs.setdefault("input_layouts", (Shard(sequence_dim),))
         kwargs.setdefault("desired_input_layouts", (Replicate(),))
         super().__init__(**kwargs)
         if not consumers:
             raise ValueError("PrepareFP8ModuleInput(consumers=...) needs the names of the layers that read the input.")
-        self.consumers, self.sequence_dim = tuple(consumers), sequence_dim
+        self.consumers, self.sequence_dim, self.fp8_all_gather = tuple(consumers), sequence_dim, fp8_all_gather
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         missing = [name for name in self.consumers if not _has_submodule(module, name)]
@@ -271,7 +296,8 @@ class PrepareFP8ModuleInput(PrepareModuleInput):
             if not (inputs and torch.is_tensor(inputs[0]) and all(_fp8_sharded(m) for m in layers)):
                 return torch_hook(inputs, device_mesh)
             x = _local(inputs[0])
-            return (gather_sequence(layers, x, self.sequence_dim, device_mesh.get_group()), *inputs[1:])
+            gathered = gather_sequence(layers, x, self.sequence_dim, device_mesh.get_group(), self.fp8_all_gather)
+            return (gathered, *inputs[1:])
 
         module.register_forward_pre_hook(hook)
         return module
