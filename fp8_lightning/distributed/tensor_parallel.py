@@ -135,10 +135,11 @@ def gather_sequence(
     tokens_per_run = math.prod(x.shape[dim:-1])
     copies = None
     if recipe is not None and tokens_per_run % recipe.sequence_block() == 0:
-        layer.fp8_tensor_parallel.bind(layer)
         scaling = layer.fp8_scaling(recipe)
         x2d = x.reshape(-1, x.shape[-1])
         state = scaling.operands.get("input")
+        if hasattr(state, "amax_group"):  # a per-tensor scale: the one of the gathered tensor
+            state.amax_group = group
         copies = recipe.sequence_cast(x2d, scaling.forward_dtype, state, records_amax(layer.training), group)
     if copies is None:
         out = GatherTokens.apply(x, dim, group)
