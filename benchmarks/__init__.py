@@ -50,6 +50,8 @@ SUITES: dict[str, Suite] = {
                          "bandwidth and TFLOP/s do they reach?"),
     "gpu-check": Suite("gpu_check", "Do the CUDA paths of the FP8 core match the CPU reference (casts bit for bit, "
                        "GEMMs)?"),
+    "grouped-gpu-check": Suite("grouped_gpu_check", "Does the native grouped FP8 GEMM (rowwise, "
+                               "torch._scaled_grouped_mm) match the CPU emulation on a GPU, with one launch per GEMM?"),
     "fsdp-gpu-check": Suite("fsdp_gpu_check", "Does FP8 all-gather under FSDP2 on NCCL run its hooks, move the "
                             "expected bytes and match unsharded?"),
     "tried-with": Suite("tried_with", "Do Hugging Face model families train through Trainer(precision='fp8-...') "

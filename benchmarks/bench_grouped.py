@@ -53,7 +53,7 @@ def projections(model: str, shrink: int, experts: int | None) -> tuple[list[tupl
     return [("gate_up", hidden, 2 * inner), ("down", inner, hidden)], experts or total, top_k
 
 
-def configurations(a, b, offs, counts, dtype):
+def configurations(a, b, offs, counts, dtype, recipes=RECIPES):
     """name -> a function that runs one forward + backward."""
     g = torch.randn(a.shape[0], b.shape[2], dtype=dtype, device=a.device)
 
@@ -71,7 +71,7 @@ def configurations(a, b, offs, counts, dtype):
         "fp32 grouped": step(lambda x, w: torch._grouped_mm(x.float(), w.float(), offs)),
         "bf16 per-expert loop": step(lambda x, w: loop(x.bfloat16(), w.bfloat16())),
     }
-    for recipe in RECIPES:
+    for recipe in recipes:
         fns[f"fp8 {recipe}"] = step(lambda x, w, r=recipe: fp8_grouped_mm(x, w, offs, recipe=r, out_dtype=dtype))
     return fns
 
@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--experts", type=int, help="experts to run (default: the model's on GPU)")
     parser.add_argument("--skew", type=float, default=1.0)
     parser.add_argument("--empty", type=float, default=0.125, help="fraction of experts routed no token")
+    parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=RECIPES, help="FP8 recipes to time")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--out", help="output folder (default benchmarks/results/perf-grouped-<device>-<date>)")
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
             torch.manual_seed(0)
             a = torch.randn(int(counts.sum()), k, dtype=dtype, device=device)
             b = torch.randn(experts, n, k, dtype=dtype, device=device).transpose(-2, -1) / k**0.5  # (E, K, N)
-            times = interleaved_medians(configurations(a, b, offs, counts, dtype), device, args.warmup, args.rounds)
+            times = interleaved_medians(configurations(a, b, offs, counts, dtype, args.recipes), device, args.warmup, args.rounds)
             label = f"{model} {name}"
             groups.append(label)
             for config, seconds in times.items():

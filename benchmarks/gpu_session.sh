@@ -9,7 +9,9 @@
 #   bash benchmarks/gpu_session.sh gpt      # 350M GPT step, same configurations, compiled (ROUNDS=8 by default)
 #   bash benchmarks/gpu_session.sh stack    # four Llama-3-8B-shaped decoder layers, 8 x 1024 tokens, the same
 #   bash benchmarks/gpu_session.sh lease    # one ~9-minute call for a 15-minute lease: the checks, then compiled linear
-#   bash benchmarks/gpu_session.sh grouped  # MoE grouped GEMM fwd+bwd at DeepSeek-V3 / Qwen3-30B-A3B expert shapes
+#   bash benchmarks/gpu_session.sh grouped  # native grouped FP8 (rowwise) vs the CPU emulation, then MoE grouped GEMM
+#                                           # fwd+bwd (rowwise FP8 vs bf16 torch._grouped_mm) at DeepSeek-V3 and
+#                                           # Qwen3-30B-A3B expert shapes with token skew (~4 minutes on an H200)
 #   bash benchmarks/gpu_session.sh dry-run  # on any machine: list each call's steps, install the wheels offline
 #
 # Everything a call writes lands in one archive, $OUT/gpu-<mode>.tar.gz (OUT defaults to ./gpu-results), holding one
@@ -89,7 +91,11 @@ case "$mode" in
       --out "$work/perf-llama-stack-gpu"
     ;;
   grouped)
-    step grouped "$python" -m benchmarks grouped --suite gpu --out "$work/perf-grouped-gpu"
+    STEP_TIMEOUT=90 step grouped_check "$python" -m benchmarks grouped-gpu-check --out "$work/grouped_gpu_check.md"
+    STEP_TIMEOUT=60 step pytest_grouped "$python" -m pytest -q -p no:cacheprovider -m gpu \
+      tests/core/test_grouped_native.py tests/core/test_grouped_mm.py
+    STEP_TIMEOUT=150 step grouped "$python" -m benchmarks grouped --suite gpu --recipes rowwise --rounds 5 \
+      --out "$work/perf-grouped-gpu"
     ;;
   lease)  # everything that fits one call: each step capped so the whole call ends inside ~9 minutes
     STEP_TIMEOUT=140 step gpu_check "$python" -m benchmarks gpu-check

@@ -5,6 +5,7 @@ from it (``python -m fp8_lightning.capability_table --matrix``), and a test keep
 
     python -m fp8_lightning.capability_table            # this machine's table
     python -m fp8_lightning.capability_table --matrix   # every recipe x sm_89/sm_90/sm_100/sm_120, as in the README
+    python -m fp8_lightning.capability_table --matrix --grouped   # the same for the expert (grouped) GEMMs
 """
 
 from __future__ import annotations
@@ -50,6 +51,33 @@ def route_on(recipe: Recipe, capability: tuple[int, int], cuda: CudaVersion, has
         return recipe.gemm_route(capability, cuda, has_v2)
     except NotImplementedError as missing:  # a user's recipe that does not say: assume its GEMMs run natively
         return GemmRoute(UNKNOWN, "the recipe's own GEMMs", str(missing), NATIVE_FP8_RATE)
+
+
+def grouped_route_on(recipe: Recipe, capability: tuple[int, int], cuda: CudaVersion, has_grouped: bool) -> GemmRoute:
+    """The route of ``recipe``'s grouped (expert) GEMMs on a simulated CUDA device: refused below sm_89, else the
+    recipe's own answer (:meth:`~fp8_lightning.recipes.base.Recipe.grouped_gemm_route`)."""
+    if capability < FP8_MIN_CAPABILITY:
+        return route_on(recipe, capability, cuda, False)
+    return recipe.grouped_gemm_route(capability, cuda, has_grouped)
+
+
+def recipe_grouped_route(recipe: Recipe, device: torch.device | str | None = None) -> GemmRoute:
+    """The route of ``recipe``'s grouped GEMMs on ``device`` (default: the current CUDA device, else the CPU)."""
+    device = _default_device(device)
+    if device.type != "cuda":
+        return CPU_ROUTE
+    capability, cuda, _ = device_facts(device)
+    return grouped_route_on(recipe, capability, cuda, hasattr(torch, "_scaled_grouped_mm"))
+
+
+def grouped_support_matrix(cuda: CudaVersion = MATRIX_CUDA) -> str:
+    """Every recipe's grouped (expert) GEMMs x :data:`MATRIX_ARCHS`, with ``cuda`` and torch 2.11's API."""
+    header = "| recipe | " + " | ".join(arch_name(a) for a in MATRIX_ARCHS) + " |"
+    lines = [header, "|---|" + "---|" * len(MATRIX_ARCHS)]
+    for name, cls in built_in_recipes().items():
+        cells = [_cell(grouped_route_on(cls(), arch, cuda, True)) for arch in MATRIX_ARCHS]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def device_facts(device: torch.device) -> tuple[tuple[int, int], CudaVersion, bool]:
@@ -137,11 +165,12 @@ def device_table(device: torch.device | str | None = None) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Which GEMM serves each FP8 recipe, natively or not, and why.")
     parser.add_argument("--matrix", action="store_true", help="every recipe x sm_89/sm_90/sm_100/sm_120 (Markdown)")
+    parser.add_argument("--grouped", action="store_true", help="with --matrix: the grouped (expert) GEMMs")
     parser.add_argument("--recipe", help="one recipe by name (default: all)")
     parser.add_argument("--device", help="a torch device (default: cuda if available, else cpu)")
     args = parser.parse_args(argv)
     if args.matrix:
-        print(support_matrix())
+        print(grouped_support_matrix() if args.grouped else support_matrix())
         return 0
     if args.recipe:
         recipe = recipe_from(args.recipe)

@@ -170,7 +170,7 @@ def _convert_experts(
     else:
         reason = experts_skip_reason(child, recipe)
     if reason is None and gate is not None and not isinstance(child, FP8ExpertsMixin):
-        reason = gate.experts_skip_reason(next(child.parameters()).device)
+        reason = gate.experts_skip_reason(next(child.parameters()).device, recipe_from(recipe))
     if reason is not None:
         if isinstance(child, FP8ExpertsMixin):
             reason = f"left in FP8 as an earlier conversion made it ({child.fp8_recipe.name}); {reason}"

@@ -111,6 +111,11 @@ PRIVATES: tuple[Private, ...] = (
         "experts call; the emulated FP8 grouped GEMM runs its float32 products through it on CPU.",
     ),
     Private(
+        "torch:_scaled_grouped_mm", ("rowwise_grouped.py", "cuda_contract/rules_grouped.py"),
+        "The FP8 grouped GEMM (rowwise float32 scales, int32 group ends; CUTLASS on sm_90): one launch per expert "
+        "GEMM. torch.nn.functional.scaled_grouped_mm is public in newer torch but absent from torch 2.11.",
+    ),
+    Private(
         "torch:Tensor._version", ("linear.py", "distributed/amax.py", "grouped/gemm.py"),
         "The in-place version counter: a cached FP8 weight is reused until the weight changes; no public reader.",
     ),

@@ -32,7 +32,7 @@ from typing import Iterator, Union
 import torch
 import torch.nn as nn
 
-from fp8_lightning.capability_table import recipe_route
+from fp8_lightning.capability_table import recipe_grouped_route, recipe_route
 from fp8_lightning.gemm_routes import NATIVE
 from fp8_lightning.recipes import Recipe
 from fp8_lightning.settings import settings
@@ -213,15 +213,21 @@ class ProfitabilityGate:
         )
 
 
-    def experts_skip_reason(self, device: torch.device) -> str | None:
-        """Why fused experts on ``device`` should stay in high precision: their grouped GEMMs have no FP8 kernel on
-        a GPU yet and run emulated in float32, slower than bf16."""
+    def experts_skip_reason(self, device: torch.device, recipe: Recipe | None = None) -> str | None:
+        """Why fused experts on ``device`` should stay in high precision under ``recipe``: None where the recipe's
+        grouped GEMMs run natively there (:func:`~fp8_lightning.capability_table.recipe_grouped_route`: rowwise on
+        sm_90), else the reason (emulated in float32, slower than bf16)."""
         device = torch.device(self.device) if self.device is not None else device
         if not self.applies_to(device):
             return f"FP8 is emulated on {device.type} (never faster than float32 there); profitability gate forced on"
+        known = recipe is not None and device.type == "cuda" and torch.cuda.is_available()  # a device to ask
+        route = recipe_grouped_route(recipe, device) if known else None
+        if route is not None and route.verdict == NATIVE:
+            return None
+        why = route.why if route is not None else "no FP8 grouped kernel was named for it"
         return (
-            f"its grouped GEMMs would run emulated in float32 on {device.type} (no FP8 grouped kernel runs on a GPU "
-            "yet), slower than bf16; pass profitability=False to convert it anyway (FP8 numerics)"
+            f"its grouped GEMMs would run emulated in float32 on {device.type} ({why}), slower than bf16; pass "
+            "profitability=False to convert it anyway (FP8 numerics)"
         )
 
 
@@ -263,9 +269,9 @@ def resolve_gate(value: ProfitabilityLike, device: torch.device | str | None = N
 class _AutoGate(ProfitabilityGate):
     """``"auto"``: the gate on CUDA, every layer kept on other devices (see the module docstring)."""
 
-    def experts_skip_reason(self, device: torch.device) -> str | None:
+    def experts_skip_reason(self, device: torch.device, recipe: Recipe | None = None) -> str | None:
         device = torch.device(self.device) if self.device is not None else device
-        return super().experts_skip_reason(device) if device.type == "cuda" else None
+        return super().experts_skip_reason(device, recipe) if device.type == "cuda" else None
 
     def skip_reason(self, layer: nn.Linear, recipe: Recipe) -> str | None:
         device = torch.device(self.device) if self.device is not None else layer.weight.device

@@ -3,6 +3,7 @@ simulated device; exits 1 on any violation.
 
     python -m fp8_lightning.cuda_contract --arch sm_90 --cuda 12.9 --torch 2.11 --recipe blockwise --shape 64,768,3072
     python -m fp8_lightning.cuda_contract --arch all --recipe all --grid
+    python -m fp8_lightning.cuda_contract --arch all --recipe all --experts    # the grouped (expert) GEMMs
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from fp8_lightning.cuda_contract.check import (
     grid_shapes,
     recipe_names,
 )
+from fp8_lightning.cuda_contract.grouped import EXPERT_MODELS, check_experts, expert_shapes
 from fp8_lightning.cuda_contract.rules import Target
 from fp8_lightning.cuda_contract.simulate import MODES
 from fp8_lightning.recipes import recipe_from
@@ -44,10 +46,29 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-bias", action="store_true", help="a layer without bias")
     parser.add_argument("--no-triton", action="store_true", help="the device has no usable Triton")
     parser.add_argument("--quiet", action="store_true", help="print violations and the summary only")
+    parser.add_argument("--experts", action="store_true",
+                        help=f"the grouped GEMMs of experts layers: {', '.join(EXPERT_MODELS)}, skewed tokens")
     args = parser.parse_args(argv)
-    if not args.grid and not args.shape:
-        parser.error("give --shape M,K,N or --grid")
+    if not args.grid and not args.shape and not args.experts:
+        parser.error("give --shape M,K,N, --grid or --experts")
     return args
+
+
+def _experts(args, counts: dict[str, int]) -> None:
+    for arch in arch_names(args.arch):
+        target = Target.parse(arch, args.cuda, args.torch)
+        for name in recipe_names(args.recipe):
+            for model, sizes, k, n in expert_shapes():
+                for v in check_experts(target, recipe_from(name), sizes, k, n):
+                    counts[v.status] = counts.get(v.status, 0) + 1
+                    if args.quiet and v.status != VIOLATION:
+                        continue
+                    print(f"[{target}] {name} {model} experts={len(sizes)} M={sum(sizes)} K={k} N={n} "
+                          f"{v.record.role}: {v.status} ({v.kernel})")
+                    for call in v.record.calls:
+                        print(f"    {describe_call(call)}")
+                    for line in v.reasons:
+                        print(f"    {line}")
 
 
 def _shapes(args) -> list[tuple[str, int, int, int]]:
@@ -61,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     modes = MODES if args.mode == "all" else (args.mode,)
     counts: dict[str, int] = {}
-    for arch in arch_names(args.arch):
+    if args.experts:
+        _experts(args, counts)
+    for arch in arch_names(args.arch) if (args.shape or args.grid) else ():
         target = Target.parse(arch, args.cuda, args.torch)
         for name in recipe_names(args.recipe):
             recipe = recipe_from(name)

@@ -13,9 +13,11 @@ All three multiply FP8 operands cast by the recipe (:meth:`~fp8_lightning.recipe
 :meth:`~fp8_lightning.recipes.base.Recipe.grouped_weight_operands`): scales never cross an expert boundary, a weight's
 scales cover one expert, and the wgrad copies are quantized along each expert's tokens (MX blocks padded per group).
 
-The products are computed from the operands' exact values (codes times scales) in float32, as one
-``torch._grouped_mm`` per GEMM where the device runs it in float32 (the CPU), else one float32 GEMM per non-empty
-group: FP8 numerics, emulated; on CUDA the first call warns once that no FP8 grouped kernel runs.
+Where the recipe has a native grouped kernel for the device (:meth:`~fp8_lightning.recipes.base.Recipe.grouped_native`:
+rowwise on sm_90, ``torch._scaled_grouped_mm``) each GEMM is one grouped launch. Elsewhere the products are computed
+from the operands' exact values (codes times scales) in float32, as one ``torch._grouped_mm`` per GEMM where the
+device runs it in float32 (the CPU), else one float32 GEMM per non-empty group: FP8 numerics, emulated; on CUDA the
+first call warns once that no FP8 grouped kernel runs.
 """
 
 from __future__ import annotations
@@ -154,12 +156,13 @@ def _values(q: Quantized, width: int | None = None) -> torch.Tensor:
 class GroupedStep:
     """What one call needs besides its tensors: the recipe's state, the groups and the output dtype."""
 
-    __slots__ = ("scaling", "bounds", "offs", "out_dtype", "record", "regathered", "observer")
+    __slots__ = ("scaling", "bounds", "offs", "out_dtype", "record", "regathered", "observer", "native")
 
     def __init__(self, scaling: GroupedScaling, bounds, offs: torch.Tensor, out_dtype: torch.dtype, record: bool,
-                 regathered: bool = False, observer: Callable | None = None):  # fmt: skip
+                 regathered: bool = False, observer: Callable | None = None, native=None):  # fmt: skip
         self.scaling, self.bounds, self.offs, self.out_dtype, self.record = scaling, bounds, offs, out_dtype, record
         self.regathered, self.observer = regathered, observer
+        self.native = native  # the recipe's grouped kernels (Recipe.grouped_native), or None: emulated
 
 
 class FP8GroupedMMFunction(torch.autograd.Function):
@@ -184,10 +187,13 @@ class FP8GroupedMMFunction(torch.autograd.Function):
             for e, (w, _) in enumerate(w_operands):
                 step.observer(f"weight[{e}]", weight[e], w)
         # ------------------------------------------------ fprop ------------------------------------------------
-        w_kn = torch.stack([_values(w).t() for w, _ in w_operands])  # (E, K, N)
-        y = grouped_product(_values(x_row), w_kn, offs, bounds)
+        if step.native is not None:
+            y = step.native.fprop(x_row, w_operands, offs, step.out_dtype)
+        else:
+            w_kn = torch.stack([_values(w).t() for w, _ in w_operands])  # (E, K, N)
+            y = grouped_product(_values(x_row), w_kn, offs, bounds)
         scaling.gemms["fprop"] += 1
-        ctx.saved = (x_columns, [w_t for _, w_t in w_operands])
+        ctx.saved = (x_columns, w_operands)
         return y.to(step.out_dtype)
 
     @staticmethod
@@ -198,7 +204,8 @@ class FP8GroupedMMFunction(torch.autograd.Function):
             grad_w = grad_y.new_zeros(ctx.weight_shape, dtype=w_dtype) if needs_w else None
             return grad_y.new_zeros(0, ctx.weight_shape[2], dtype=a_dtype), grad_w, None
         scaling, bounds, offs = step.scaling, step.bounds, step.offs
-        x_columns, w_t = ctx.saved
+        x_columns, w_operands = ctx.saved
+        native = step.native
         g_row, g_columns = scaling.recipe.grouped_operands(
             "grad_output", grad_y.contiguous(), bounds, scaling.backward_dtype, needs_w,
             scaling.operands.get("grad_output"), True,
@@ -208,11 +215,17 @@ class FP8GroupedMMFunction(torch.autograd.Function):
         grad_a = grad_w = None
         # ------------------------------------------------ dgrad ------------------------------------------------
         if needs_a:
-            w_nk = torch.stack([_values(w).t() for w in w_t])  # (E, N, K): W_e as the product's right operand
-            grad_a = grouped_product(_values(g_row), w_nk, offs, bounds).to(a_dtype)
+            if native is not None:
+                grad_a = native.dgrad(g_row, w_operands, offs, a_dtype)
+            else:
+                w_nk = torch.stack([_values(w_t).t() for _, w_t in w_operands])  # (E, N, K): W_e as right operand
+                grad_a = grouped_product(_values(g_row), w_nk, offs, bounds).to(a_dtype)
             scaling.gemms["dgrad"] += 1
         # ------------------------------------------------ wgrad ------------------------------------------------
-        if needs_w:
+        if needs_w and native is not None:
+            grad_w = native.wgrad(g_columns, x_columns, w_dtype)  # (E, N, K), zero for empty experts
+            scaling.gemms["wgrad"] += 1
+        elif needs_w:
             sizes = [end - start for start, end in bounds]
             g_t = torch.cat([_values(q, m) for q, m in zip(g_columns, sizes) if q is not None], dim=1)  # (N, M)
             x_t = torch.cat([_values(q, m) for q, m in zip(x_columns, sizes) if q is not None], dim=1)  # (K, M)
@@ -275,6 +288,8 @@ def fp8_grouped_mm(
         scaling = GroupedScaling(recipe, experts)
     elif scaling.experts != experts:
         raise ValueError(f"fp8_grouped_mm: scaling holds {scaling.experts} experts but b holds {experts}.")
-    warn_once(a.device)
-    step = GroupedStep(scaling, bounds, offs, out_dtype or a.dtype, training, regathered, observer)
+    native = recipe.grouped_native(a.device, experts)
+    if native is None:
+        warn_once(a.device)
+    step = GroupedStep(scaling, bounds, offs, out_dtype or a.dtype, training, regathered, observer, native)
     return FP8GroupedMMFunction.apply(a, b.transpose(1, 2), step).contiguous()

@@ -11,7 +11,8 @@ Recipe/Quantizer split:
   dequantization and scale statistics, :class:`~fp8_lightning.quantize.OperandKind`) the recipe's module implements;
 * FSDP2: :meth:`Recipe.fsdp_unsupported_reason`, :meth:`Recipe.fsdp_pack`, :meth:`Recipe.fsdp_unpack`,
   :meth:`Recipe.fsdp_operands`, :attr:`Recipe.global_weight_amax`;
-* grouped GEMMs of mixtures of experts: :meth:`Recipe.grouped_operands`, :meth:`Recipe.grouped_weight_operands`;
+* grouped GEMMs of mixtures of experts: :meth:`Recipe.grouped_operands`, :meth:`Recipe.grouped_weight_operands`,
+  :meth:`Recipe.grouped_native`, :meth:`Recipe.grouped_gemm_route`;
 * tensor and sequence parallelism: :meth:`Recipe.tensor_parallel_unsupported_reason`, :meth:`Recipe.sequence_cast`,
   :meth:`Recipe.sequence_gather`;
 * the cost model: :meth:`Recipe.cast_bytes_per_element`, :meth:`Recipe.fp8_gemms`.
@@ -28,7 +29,7 @@ from typing import Any, ClassVar, Mapping, Union
 import torch
 
 from fp8_lightning.formats import Format
-from fp8_lightning.gemm_routes import Capability, CudaVersion, GemmRoute
+from fp8_lightning.gemm_routes import Capability, CudaVersion, GemmRoute, emulated_on_gpu
 from fp8_lightning.quantize import LAYOUT_MULTIPLE, OperandKind, Quantized
 from fp8_lightning.traced import TracedPlan, plan_for
 
@@ -155,6 +156,20 @@ class Recipe:
             row, column = self.cast("weight", expert, dtype, True, True, state, record)
             operands.append((row, self.transposed(row, column)))
         return operands
+
+    def grouped_native(self, device: torch.device, experts: int) -> Any:
+        """The native grouped GEMMs of this recipe on ``device`` for ``experts`` experts: an object with
+        ``fprop(x, weights, offs, out_dtype)``, ``dgrad(g, weights, offs, out_dtype)`` and
+        ``wgrad(g_columns, x_columns, out_dtype)`` taking the operands :meth:`grouped_operands` and
+        :meth:`grouped_weight_operands` made, one grouped launch each; None (the default) where the grouped GEMMs
+        are emulated from the operands' exact values."""
+        return None
+
+    def grouped_gemm_route(self, capability: Capability, cuda: CudaVersion, has_grouped_api: bool) -> GemmRoute:
+        """Which GEMM serves this recipe's grouped (expert) GEMMs on a CUDA device of ``capability`` with ``cuda``;
+        ``has_grouped_api``: whether torch has ``torch._scaled_grouped_mm``. By default they are emulated in
+        float32 from the FP8 operands."""
+        return emulated_on_gpu(f"no FP8 grouped kernel serves {type(self).__name__}: grouped GEMMs emulated")
 
     # -- tensor and sequence parallelism ---------------------------------------------------------------------
 

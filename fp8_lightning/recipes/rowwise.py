@@ -14,7 +14,14 @@ import torch
 
 from fp8_lightning.fine_grained import SCALE_BYTES, fine_operands, high_precision_gemm, pack_shard, row_mm
 from fp8_lightning.formats import Format, fp8_dtype
-from fp8_lightning.gemm_routes import CUBLAS_ROWWISE_MIN_CUDA, GemmRoute, arch_name, cuda_name, native
+from fp8_lightning.gemm_routes import (
+    CUBLAS_ROWWISE_MIN_CUDA,
+    GemmRoute,
+    arch_name,
+    cuda_name,
+    emulated_on_gpu,
+    native,
+)
 from fp8_lightning.kernels.fine_grained_layout import ROWWISE_TILES
 from fp8_lightning.ops import dispatch
 from fp8_lightning.quantize import HIGH_PRECISION, ROW, Quantized
@@ -28,6 +35,13 @@ from fp8_lightning.rowwise import (
     rowwise_scale,
     tensorwise_column_operand,
 )
+from fp8_lightning.rowwise_grouped import (
+    RowwiseGroupedGemm,
+    StackedWeights,
+    grouped_columnwise,
+    native_unavailable_reason,
+)
+from fp8_lightning.settings import settings
 from fp8_lightning.traced import plan_for
 
 
@@ -82,6 +96,19 @@ class RowwiseScaling(FineGrainedRecipe):
             return row, tensorwise_column_operand(x, dtype, self.eps, self.power_of_2_scales)
         return row, high_precision_operand(x)
 
+    # -- grouped GEMMs (mixtures of experts) ----------------------------------------------------------------
+
+    def grouped_operands(self, role, x, bounds, dtype, columnwise, state, record):
+        """The rowwise copy is one cast of ``x``; the columnwise copies of every group come from one grouped cast
+        (:func:`~fp8_lightning.rowwise_grouped.grouped_columnwise`: the bits of casting each group on its own, laid
+        out as the 2-D x 2-D grouped GEMM reads them). With a high-precision weight gradient, as every recipe."""
+        if self.high_precision_wgrad:
+            return super().grouped_operands(role, x, bounds, dtype, columnwise, state, record)
+        row = self.cast(role, x, dtype, False, True, state, record)[0]
+        if not columnwise:
+            return row, None
+        return row, grouped_columnwise(x, bounds, dtype, self.eps, self.power_of_2_scales)
+
     def grouped_weight_operands(self, weight, dtype, states, record):
         """Every expert's operands from two casts, whatever the number of experts: ``weight`` (E, N, K) as E*N rows,
         and its transpose as E*K rows (a scale per column of an expert's weight is a scale per row of its
@@ -93,7 +120,37 @@ class RowwiseScaling(FineGrainedRecipe):
         rows = self.cast("weight", weight.reshape(experts * n, k), dtype, False, True, None, record)[0]
         flipped = weight.transpose(1, 2).reshape(experts * k, n)
         columns = self.cast("weight", flipped, dtype, False, True, None, record)[0]
-        return [(_rows_of(rows, e * n, n), _rows_of(columns, e * k, k)) for e in range(experts)]
+        pairs = [(_rows_of(rows, e * n, n), _rows_of(columns, e * k, k)) for e in range(experts)]
+        return StackedWeights(pairs, rows, columns, experts)
+
+    def grouped_native(self, device, experts):
+        """``torch._scaled_grouped_mm`` (one launch per GEMM) where it takes this recipe's operands on ``device``."""
+        if self._grouped_unsupported_reason() or settings().gemm == "emulate" or settings().emulate:
+            return None
+        if native_unavailable_reason(device, experts) is not None:
+            return None
+        return RowwiseGroupedGemm(self.fprop_fast_accum, self.grad_fast_accum)
+
+    def grouped_gemm_route(self, capability, cuda, has_grouped_api) -> GemmRoute:
+        # GroupedBlas.cpp (_scaled_grouped_mm_cuda): e4m3 x e4m3 with float32 rowwise scales; CUTLASS's grouped kernel
+        # is built for sm_90 in torch 2.11 (sm_100 arrived with PR #188063, after 2.11)
+        reason = self._grouped_unsupported_reason()
+        where = arch_name(capability)
+        if reason is None and not has_grouped_api:
+            reason = "torch has no torch._scaled_grouped_mm"
+        if reason is None and capability[0] != 9:
+            reason = f"{where}: torch 2.11's rowwise grouped kernel is built for sm_90 only"
+        if reason is not None:
+            return emulated_on_gpu(f"grouped GEMMs emulated: {reason}")
+        return native("CUTLASS rowwise grouped GEMM (torch._scaled_grouped_mm)", f"{where}, {cuda_name(cuda)}")
+
+    def _grouped_unsupported_reason(self) -> str | None:
+        if self.high_precision_wgrad:
+            return "high_precision_wgrad=True scales dgrad's weight per tensor (the native route is rowwise only)"
+        if self.fp8_format is not Format.E4M3:
+            return (f"fp8_format={self.fp8_format.name}: the grouped kernel multiplies e4m3 operands only (E5M2 "
+                    "gradients); use fp8_format='E4M3'")
+        return None
 
     def traced_plan(self, device, out_dtype, emulate):
         wgrad_kind = HIGH_PRECISION if self.high_precision_wgrad else ROW

@@ -210,6 +210,8 @@ def test_on_cuda_the_grouped_gemms_match_the_cpu_run(recipe, monkeypatch):
     match the CPU run within float32 rounding of the products."""
     from fp8_lightning.grouped import gemm
 
+    if recipe.grouped_native(torch.device("cuda"), len(SIZES)) is not None:
+        pytest.skip("the native grouped kernel serves this recipe here (tests/core/test_grouped_native.py checks it)")
     monkeypatch.setattr(gemm, "_WARNED", set())
     a, b, offs, g = _inputs()
     cpu = _run(recipe, a, b, offs, g)

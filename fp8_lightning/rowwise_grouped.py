@@ -1,0 +1,166 @@
+"""Rowwise grouped GEMMs on CUDA: the arguments of ``torch._scaled_grouped_mm`` for the three expert GEMMs, as pure
+functions of the operands the rowwise recipe casts, and the one grouped launch per GEMM that takes them.
+
+torch 2.11's rules (``_scaled_grouped_mm_cuda`` in ``aten/src/ATen/native/cuda/GroupedBlas.cpp``, the layout checks
+of ``GroupedMMUtils.h`` and the per-group checks of ``prepare_grouped_gemm_data`` in ``GroupMMCommon.cuh``):
+``mat_a`` row-major and ``mat_b`` column-major in their last two dimensions, both ``float8_e4m3fn``, strides and
+``K``, ``N`` multiples of 16 bytes; ``offs`` 1-D int32; float32 scales that multiply the product (``1 / scale``);
+bf16 output only; fewer than 1024 groups; CUTLASS's sm_90 kernel. Two cases serve the expert GEMMs:
+
+* 2-D x 3-D (fprop, dgrad): ``mat_a`` (M, K) with a scale per row (M,), ``mat_b`` (E, K, N) with a scale per
+  expert and column (E, N); any group size, 0 included (only the 2-D x 2-D case checks group sizes);
+* 2-D x 2-D (wgrad): ``mat_a`` (N, M) and ``mat_b`` (M, K) split along M by ``offs``; scales per group and row,
+  (E * N,) and (E * K,); out (E, N, K). Each group must be non-empty and, except the last, a multiple of 16 tokens:
+  the columnwise copies are laid out with each group zero-padded to a multiple of 16 (an empty group to 16 zero
+  tokens, whose product is exactly zero), as torchao pads token groups for the same kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from fp8_lightning.quantize import ROW, Quantized, to_fp8_saturated, wide
+from fp8_lightning.rowwise import rowwise_scale
+
+GROUP_ALIGN = 16  # tokens: 16 one-byte codes, the TMA's 16-byte alignment of each group's start
+MAX_GROUPS = 1023  # "Can't process more than 1024 groups" (group_count < 1024)
+
+
+def padded_group_sizes(bounds: list[tuple[int, int]]) -> list[int]:
+    """Each group's token count rounded up to :data:`GROUP_ALIGN`, an empty group taking one aligned slot."""
+    return [-(-max(end - start, 1) // GROUP_ALIGN) * GROUP_ALIGN for start, end in bounds]
+
+
+class GroupedColumns(list):
+    """The columnwise copies of a 2-D ``x`` whose rows are sorted into groups, each group's columns scaled along its
+    own rows: a list of per-group operands (``x[start:end].T``, views; None for an empty group), as
+    :meth:`~fp8_lightning.recipes.base.Recipe.grouped_operands` returns them, that also holds the whole layout the
+    2-D x 2-D grouped GEMM reads: ``codes_t`` (K, M_pad), each group's tokens at its padded offset and zeros between;
+    ``scale`` (E, K) float32 quantization multipliers; ``offs`` the padded cumulative ends (int32, on the device)."""
+
+    def __init__(self, views, codes_t: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor):
+        super().__init__(views)
+        self.codes_t, self.scale, self.offs = codes_t, scale, offs
+
+
+def grouped_columnwise(
+    x: torch.Tensor, bounds: list[tuple[int, int]], dtype: torch.dtype, eps: float, power_of_2: bool
+) -> GroupedColumns:
+    """Every group's columnwise copy of ``x`` (M, K) from a fixed number of launches, whatever the number of groups:
+    the amax of each (group, column) by one scatter, the scales by the rowwise rule, one cast of the padded rows. The
+    bits are those of casting each group's ``x[start:end]`` column by column on its own (the same scale rule and
+    saturating cast)."""
+    sizes = [end - start for start, end in bounds]
+    padded = padded_group_sizes(bounds)
+    experts, (rows, k), device = len(bounds), x.shape, x.device
+    starts = [0]
+    for p in padded[:-1]:
+        starts.append(starts[-1] + p)
+    total = starts[-1] + padded[-1] if padded else 0
+    group = torch.repeat_interleave(torch.arange(experts, device=device), torch.tensor(sizes, device=device))
+    shift = torch.tensor([s - start for s, (start, _) in zip(starts, bounds)], device=device)
+    dest = torch.arange(rows, device=device) + shift[group]  # each row's place in the padded layout
+    magnitude = x.detach().abs().float()
+    amax = magnitude.new_zeros(experts, k).scatter_reduce_(0, group.unsqueeze(1).expand(rows, k), magnitude, "amax")
+    scale = rowwise_scale(amax, dtype, eps, power_of_2)  # (E, K)
+    codes = to_fp8_saturated(wide(x.detach()) * scale[group], dtype)
+    padded_codes = torch.zeros(total, k, dtype=dtype, device=device)
+    padded_codes.view(torch.uint8).index_copy_(0, dest, codes.view(torch.uint8))
+    codes_t = padded_codes.t().contiguous()  # (K, M_pad)
+    views = [
+        Quantized(codes_t[:, s : s + m], scale[e].reshape(k, 1), ROW) if m else None
+        for e, (s, m) in enumerate(zip(starts, sizes))
+    ]
+    ends = torch.tensor([s + p for s, p in zip(starts, padded)], dtype=torch.int32, device=device)
+    return GroupedColumns(views, codes_t, scale, ends)
+
+
+class StackedWeights(list):
+    """Each expert's (W_e, W_e.T) operands (views), as
+    :meth:`~fp8_lightning.recipes.base.Recipe.grouped_weight_operands` returns them, that also holds the two stacked
+    casts they are views of: ``rows`` (E * N, K) and ``columns`` (E * K, N)."""
+
+    def __init__(self, pairs, rows: Quantized, columns: Quantized, experts: int):
+        super().__init__(pairs)
+        self.rows, self.columns, self.experts = rows, columns, experts
+
+
+def _inverse(q: Quantized) -> torch.Tensor:
+    return q.inverse_scale().reshape(-1).contiguous()
+
+
+def fprop_args(x: Quantized, weights: StackedWeights):
+    """``(mat_a, mat_b, scale_a, scale_b)`` of ``y_e = x_e @ W_e.T``: ``mat_a`` the (M, K) codes with a scale per
+    token, ``mat_b`` the (E, K, N) column-major view of the stacked (E * N, K) codes with a scale per (expert, n)."""
+    rows, experts = weights.rows, weights.experts
+    n = rows.data.shape[0] // experts
+    mat_b = rows.data.reshape(experts, n, -1).transpose(1, 2)
+    return x.data, mat_b, _inverse(x), _inverse(rows).reshape(experts, n)
+
+
+def dgrad_args(g: Quantized, weights: StackedWeights):
+    """``(mat_a, mat_b, scale_a, scale_b)`` of ``dx_e = g_e @ W_e``: ``mat_a`` the (M, N) gradient codes, ``mat_b``
+    the (E, N, K) column-major view of the stacked transposed weights (E * K, N), a scale per (expert, k)."""
+    columns, experts = weights.columns, weights.experts
+    k = columns.data.shape[0] // experts
+    mat_b = columns.data.reshape(experts, k, -1).transpose(1, 2)
+    return g.data, mat_b, _inverse(g), _inverse(columns).reshape(experts, k)
+
+
+def wgrad_args(g_columns: GroupedColumns, x_columns: GroupedColumns):
+    """``(mat_a, mat_b, scale_a, scale_b, offs)`` of ``dW_e = g_e.T @ x_e``: ``mat_a`` the (N, M_pad) gradient
+    codes, ``mat_b`` the (M_pad, K) column-major view of the input's (K, M_pad) codes, scales per group and row
+    flattened to (E * N,) and (E * K,), and the padded group ends."""
+    scale_a = g_columns.scale.reciprocal().reshape(-1)
+    scale_b = x_columns.scale.reciprocal().reshape(-1)
+    return g_columns.codes_t, x_columns.codes_t.t(), scale_a, scale_b, g_columns.offs
+
+
+class RowwiseGroupedGemm:
+    """The three expert GEMMs of the rowwise recipe as one ``torch._scaled_grouped_mm`` launch each (bf16 out, the
+    kernel's only output dtype, converted to the requested one). ``fprop_fast_accum`` / ``grad_fast_accum``: the
+    recipe's fast accumulation per GEMM."""
+
+    def __init__(self, fprop_fast_accum: bool, grad_fast_accum: bool):
+        self.fprop_fast_accum, self.grad_fast_accum = fprop_fast_accum, grad_fast_accum
+
+    def fprop(self, x: Quantized, weights: StackedWeights, offs: torch.Tensor, out_dtype: torch.dtype):
+        mat_a, mat_b, scale_a, scale_b = fprop_args(x, weights)
+        return _launch(mat_a, mat_b, scale_a, scale_b, offs, self.fprop_fast_accum).to(out_dtype)
+
+    def dgrad(self, g: Quantized, weights: StackedWeights, offs: torch.Tensor, out_dtype: torch.dtype):
+        mat_a, mat_b, scale_a, scale_b = dgrad_args(g, weights)
+        return _launch(mat_a, mat_b, scale_a, scale_b, offs, self.grad_fast_accum).to(out_dtype)
+
+    def wgrad(self, g_columns: GroupedColumns, x_columns: GroupedColumns, out_dtype: torch.dtype):
+        mat_a, mat_b, scale_a, scale_b, offs = wgrad_args(g_columns, x_columns)
+        return _launch(mat_a, mat_b, scale_a, scale_b, offs, self.grad_fast_accum).to(out_dtype)
+
+
+def _launch(mat_a, mat_b, scale_a, scale_b, offs, fast_accum: bool) -> torch.Tensor:
+    return torch._scaled_grouped_mm(
+        mat_a, mat_b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=fast_accum
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _device_reason(device: torch.device) -> str | None:
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._scaled_grouped_mm"
+    capability = torch.cuda.get_device_capability(device)
+    if capability[0] != 9:
+        return (f"sm_{capability[0]}{capability[1]}: torch 2.11's rowwise grouped kernel (CUTLASS) is built for sm_90 "
+                "only (sm_100 came with torch PR #188063)")
+    return None
+
+
+def native_unavailable_reason(device: torch.device, experts: int) -> str | None:
+    """Why the rowwise grouped GEMMs cannot run as ``torch._scaled_grouped_mm`` on ``device``, or None."""
+    if device.type != "cuda":
+        return f"{device.type}: the grouped FP8 kernel is CUDA's"
+    if experts > MAX_GROUPS:
+        return f"{experts} experts: torch's grouped kernel takes fewer than 1024 groups"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _device_reason(torch.device("cuda", index))
