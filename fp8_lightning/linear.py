@@ -131,6 +131,11 @@ class LayerScaling:
         state["_weight_cache"] = state["_weight_key"] = None
         return state
 
+    def forget_weight(self) -> None:
+        """Drop the cached FP8 weight: the next training forward casts the weight afresh (for a weight updated in
+        place behind a tensor whose version counter does not move, e.g. a tensor-parallel shard)."""
+        self._weight_cache = self._weight_key = None
+
     def state_dict(self) -> dict:
         return {"recipe": self.recipe.to_dict(), "operands": {k: s.state_dict() for k, s in self.operands.items()}}
 

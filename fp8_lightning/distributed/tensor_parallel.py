@@ -57,6 +57,7 @@ class ShardedLinear:
     mesh: DeviceMesh
     output_layout: Placement
     sequence_input: bool = False  # colwise: the input arrives sharded along its tokens
+    weight_version: int = dataclasses.field(default=-1, repr=False)  # the DTensor weight's, at the last forward
 
     @property
     def group(self):
@@ -90,7 +91,14 @@ class ShardedLinear:
     def forward(self, layer: FP8Linear, x: torch.Tensor) -> torch.Tensor:
         """The layer on this rank: ``x`` is the local input the style's input hook made (plain tensor)."""
         self.bind(layer)
-        weight = _local(layer.fp8_gemm_weight)
+        weight = layer.fp8_gemm_weight
+        if isinstance(weight, DTensor) and weight._version != self.weight_version:
+            # an optimizer step updates the shard through the DTensor, whose local tensor keeps its version
+            # counter: the layer's cached FP8 weight (keyed on that counter) would be the previous step's
+            self.weight_version = weight._version
+            for _, scaling in layer.fp8_scalings():
+                scaling.forget_weight()
+        weight = _local(weight)
         if self.style == "colwise":
             return layer.fp8_forward(x, weight, _local(layer.bias))
         y = layer.fp8_forward(x, weight, None)  # a partial sum of the output

@@ -1,0 +1,171 @@
+"""LightningModules and process bodies of the tensor-parallel tests (importable by spawned children).
+
+Two models, sized so that every recipe's scale blocks fit a rank's shard under TP=2 (blockwise needs 128): the
+project's GPT (``fused_qkv=False``) and a random-init transformers Llama with grouped-query attention. Both train a
+few SGD steps on a fixed global batch; :func:`fit` returns the per-step losses (averaged over the data-parallel
+replicas) and every rank's FP8 scaling state.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+RECIPES = ("delayed", "tensorwise", "rowwise", "blockwise", "mxfp8")
+STEPS, ROWS, SEQ, VOCAB, LR = 3, 8, 32, 256, 2.0
+GPT_SIZE = dict(vocab_size=VOCAB, block_size=SEQ, n_layer=1, n_head=2, n_embd=256, mlp_ratio=2, fused_qkv=False)
+LLAMA_SIZE = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=SEQ)
+
+
+def tokens(rows: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (rows, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+
+
+def train_loader(dp_rank: int = 0, dp: int = 1) -> DataLoader:
+    """This data-parallel rank's share of each global batch of ROWS sequences (all of it for dp=1)."""
+    data = tokens(STEPS * ROWS, seed=3).view(STEPS, dp, ROWS // dp, SEQ + 1)[:, dp_rank].flatten(0, 1)
+    return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=ROWS // dp)
+
+
+HELD_OUT = tokens(ROWS, seed=7)
+
+
+def make_gpt():
+    from fp8_lightning.models.gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(functools.partial(torch.optim.SGD, lr=LR), **GPT_SIZE)
+    model.step_losses = []
+    return model
+
+
+def make_llama():
+    import lightning.pytorch as pl
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    class LlamaLM(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = LlamaForCausalLM(LlamaConfig(**LLAMA_SIZE, attn_implementation="sdpa"))
+            self.step_losses = []
+
+        def forward(self, idx):
+            return self.model(input_ids=idx).logits
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.cross_entropy(self(x).float().flatten(0, 1), y.flatten())
+            self.log("train/loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=LR)
+
+        def configure_model(self):
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            from fp8_lightning.distributed.tp_plans import transformers_tp_plan
+
+            mesh = self.device_mesh
+            if mesh is not None and mesh["tensor_parallel"].size() > 1:
+                tp = mesh["tensor_parallel"]
+                parallelize_module(self.model, tp, transformers_tp_plan(self.model, tp.size()))
+
+    return LlamaLM()
+
+
+MODELS = {"gpt": make_gpt, "llama": make_llama}
+
+
+class RecordLoss:
+    """A callback that keeps each training step's loss on the module (the logged value, this rank's)."""
+
+    def __new__(cls):
+        import lightning.pytorch as pl
+
+        class _Record(pl.Callback):
+            def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+                module.step_losses.append(float(outputs["loss"]))
+
+        return _Record()
+
+
+def held_out_loss(module) -> float:
+    from fp8_lightning import fp8_autocast
+
+    module.eval()
+    with torch.no_grad(), fp8_autocast():
+        logits = module(HELD_OUT[:, :-1])
+    return float(F.cross_entropy(logits.float().flatten(0, 1), HELD_OUT[:, 1:].flatten()))
+
+
+def fit(kind: str, recipe: str, strategy, devices: int, dp: int = 1):
+    """Train ``kind`` under ``recipe`` for STEPS steps; returns (module, trainer, losses)."""
+    import lightning.pytorch as pl
+
+    from fp8_lightning import FP8Precision
+
+    module = MODELS[kind]()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, plugins=[FP8Precision(recipe=recipe)],
+        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[RecordLoss()], num_sanity_val_steps=0, use_distributed_sampler=False,
+    )
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    trainer.fit(module, train_loader(rank // (devices // dp), dp))  # ranks are (data_parallel, tensor_parallel)
+    return module, trainer, module.step_losses
+
+
+def single_process_losses(kinds=("gpt", "llama"), recipes=RECIPES) -> dict:
+    """The reference: one process, the whole global batch per step."""
+    out = {}
+    for kind in kinds:
+        for recipe in recipes:
+            _, _, out[kind, recipe] = fit(kind, recipe, "auto", 1)
+    return out
+
+
+def tp_worker(rank: int, world: int, port: int, tmpdir: str, out: dict) -> None:
+    """TP=2 (2 processes: ModelParallelStrategy) or TP=2 x DP=2 (4 processes: fp8_fsdp along DP), every recipe and
+    both models; then a distributed checkpoint of the GPT under the delayed recipe."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from fp8_lightning.convert import fp8_state_dict
+    from fp8_lightning.lightning.fsdp import FP8FSDPStrategy
+    from fp8_lightning.testing import end_worker
+
+    dp = world // 2
+
+    def strategy():
+        if dp == 1:
+            return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)
+        return FP8FSDPStrategy(data_parallel_size=dp, tensor_parallel_size=2)
+
+    res = {}
+    for kind in MODELS:
+        for recipe in RECIPES:
+            module, trainer, losses = fit(kind, recipe, strategy(), world, dp)
+            mean = torch.tensor(losses)
+            dist.all_reduce(mean)
+            states = [None] * world
+            dist.all_gather_object(states, fp8_state_dict(module))
+            res[kind, recipe] = {"losses": (mean / world).tolist(), "states": states}
+    module, trainer, _ = fit("gpt", "delayed", strategy(), world, dp)
+    path = os.path.join(tmpdir, "ckpt")
+    trainer.save_checkpoint(path)
+    res["ckpt"] = {"path": path, "held_out": held_out_loss(module), "state": fp8_state_dict(module)}
+    if rank == 0:
+        out.update(res)
+    end_worker()
