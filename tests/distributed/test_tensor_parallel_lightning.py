@@ -113,3 +113,20 @@ def test_fp8_plan_without_model_parallel_strategy_is_refused(tmp_path):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallelism.tensor_parallel_size=2"], "needs model.fused_qkv=false"),
+    (["parallelism.tensor_parallel_size=2", "model.fused_qkv=false", "strategy=ddp"], "strategy=auto"),
+    (["parallelism.tensor_parallel_size=2", "model.fused_qkv=false", "trainer.gradient_clip_val=1.0"],
+     "gradient_clip_val=null"),
+])
+def test_hydra_tensor_parallel_option_refuses_what_does_not_work(overrides, message):
+    from hydra import compose, initialize_config_dir
+
+    from fp8_lightning.train import CHECKOUT_CONF, ConfigError, check_config
+
+    with initialize_config_dir(str(CHECKOUT_CONF), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    with pytest.raises(ConfigError, match=message):
+        check_config(cfg)
