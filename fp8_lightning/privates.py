@@ -168,6 +168,12 @@ PRIVATES: tuple[Private, ...] = (
         attribute="_data_parallel_size",
     ),
     Private(
+        "lightning.pytorch.strategies:ModelParallelStrategy", ("lightning/fsdp.py",),
+        "The tensor-parallel size as given, read to resolve data_parallel_size='auto' before Lightning builds the "
+        "device mesh (no public getter before then; tensor_parallel_size).",
+        attribute="_tensor_parallel_size",
+    ),
+    Private(
         "lightning.fabric.utilities.init:_materialize_distributed_module", ("lightning/fsdp.py",),
         "The meta-device materialization ModelParallelStrategy.setup runs, reused by the FP8 FSDP2 strategy's "
         "setup for a module it sharded itself.",
@@ -231,6 +237,11 @@ def parallel_devices(connector: Any) -> list:
 def data_parallel_size(strategy: Any) -> Any:
     """``ModelParallelStrategy``'s data-parallel size as given (an int or ``"auto"``)."""
     return strategy._data_parallel_size
+
+
+def tensor_parallel_size(strategy: Any) -> Any:
+    """``ModelParallelStrategy``'s tensor-parallel size as given (an int or ``"auto"``)."""
+    return strategy._tensor_parallel_size
 
 
 def set_data_parallel_size(strategy: Any, size: int) -> None:

@@ -64,10 +64,42 @@ class ConfigError(ValueError):
 
 
 def check_config(cfg: DictConfig) -> None:
+    check_parallelism(cfg)
     check_recipe(cfg)
     check_precision_choice(cfg)
     check_trainer_accelerator(cfg)
     check_data_root(cfg)
+
+
+def configured_tp_size(cfg: DictConfig) -> int:
+    return int((cfg.get("parallelism") or {}).get("tensor_parallel_size", 1) or 1)
+
+
+def check_parallelism(cfg: DictConfig) -> None:
+    tp = configured_tp_size(cfg)
+    if tp < 1:
+        raise ConfigError(f"parallelism.tensor_parallel_size={tp} must be >= 1 (1: no tensor parallelism).")
+    if tp == 1:
+        return
+    if cfg.model.get("fused_qkv", False):
+        raise ConfigError(
+            f"parallelism.tensor_parallel_size={tp} needs model.fused_qkv=false: a colwise split of the fused qkv "
+            "weight would not keep a rank's q, k and v heads together. Add model.fused_qkv=false."
+        )
+    strategy = cfg.get("strategy")
+    target = str(strategy.get("_target_", strategy.get("name", "auto"))) if isinstance(strategy, DictConfig) else str(
+        strategy or "auto")
+    if not (target == "auto" or target.endswith("FP8FSDPStrategy")):
+        raise ConfigError(
+            f"parallelism.tensor_parallel_size={tp} works with strategy=auto (Lightning's ModelParallelStrategy) or "
+            f"strategy=fp8_fsdp (TP x FSDP2); got strategy {target}. Pick one of those."
+        )
+    if cfg.trainer.get("gradient_clip_val"):
+        raise ConfigError(
+            f"parallelism.tensor_parallel_size={tp} cannot clip gradients yet (trainer.gradient_clip_val="
+            f"{cfg.trainer.gradient_clip_val}): torch's total norm refuses gradients on different device meshes (the "
+            "split layers' and the rest). Set trainer.gradient_clip_val=null."
+        )
 
 
 def check_recipe(cfg: DictConfig) -> None:
@@ -210,6 +242,25 @@ def plugin_dtype(name: str) -> torch.dtype:
 
 def build_strategy(cfg: DictConfig) -> Any:
     node = cfg.get("strategy")
+    tp = configured_tp_size(cfg)
+    if tp > 1:  # check_parallelism allowed only auto and fp8_fsdp
+        dp = cfg.parallelism.get("data_parallel_size", "auto")
+        dp = "auto" if str(dp) == "auto" else int(dp)
+        if has_target(node):
+            return instantiate(node, "strategy", tensor_parallel_size=tp, data_parallel_size=dp)
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        if dp == "auto":
+            devices = cfg.trainer.get("devices", 1)
+            world = int(cfg.trainer.get("num_nodes", 1) or 1) * (int(devices) if str(devices).isdigit() else 1)
+            dp = max(1, world // tp)
+        if dp > 1:
+            raise ConfigError(
+                f"parallelism.tensor_parallel_size={tp} with data_parallel_size={dp} under strategy=auto: Lightning's "
+                "ModelParallelStrategy leaves data-parallel sharding to the model. Use strategy=fp8_fsdp for "
+                "TP x FSDP2, or trainer.devices equal to the tensor-parallel size."
+            )
+        return ModelParallelStrategy(tensor_parallel_size=tp, data_parallel_size=1)
     if node is None:
         return "auto"
     if isinstance(node, str):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from functools import partial
 
 import torch
@@ -91,7 +92,7 @@ class ShardedLinear:
     def forward(self, layer: FP8Linear, x: torch.Tensor) -> torch.Tensor:
         """The layer on this rank: ``x`` is the local input the style's input hook made (plain tensor)."""
         self.bind(layer)
-        weight = _local(layer.fp8_gemm_weight)
+        weight = _local(layer.fp8_gemm_weight)  # the layer's weight cache keys on the DTensor's version counter
         if self.style == "colwise":
             return layer.fp8_forward(x, weight, _local(layer.bias))
         y = layer.fp8_forward(x, weight, None)  # a partial sum of the output
@@ -134,7 +135,11 @@ def gather_sequence(
     recipe = layer.fp8_runs(x, _local(layer.fp8_gemm_weight)) if fp8 else None
     tokens_per_run = math.prod(x.shape[dim:-1])
     copies = None
-    if recipe is not None and tokens_per_run % recipe.sequence_block() == 0:
+    if recipe is not None and tokens_per_run % recipe.sequence_block() != 0:
+        _warn_once(layer, f"the sequence-parallel input is all-gathered in high precision: each rank's run of "
+                          f"{tokens_per_run} tokens is not a whole number of {type(recipe).__name__}'s "
+                          f"{recipe.sequence_block()}-token blocks (make the sequence length per rank a multiple)")
+    elif recipe is not None:
         scaling = layer.fp8_scaling(recipe)
         x2d = x.reshape(-1, x.shape[-1])
         state = scaling.operands.get("input")
@@ -155,6 +160,12 @@ def gather_sequence(
     return out
 
 
+def _warn_once(layer: FP8Linear, message: str) -> None:
+    if message not in layer._fp8_warned:
+        layer._fp8_warned.add(message)
+        warnings.warn(message)
+
+
 def _colwise_input(torch_fn, input_layouts, mod, inputs, mesh):
     if not _fp8_sharded(mod):
         return torch_fn(mod, inputs, mesh)
@@ -170,13 +181,15 @@ def _colwise_input(torch_fn, input_layouts, mod, inputs, mesh):
     return GradientAllReduce.apply(x, mesh.get_group())
 
 
-def _rowwise_input(torch_fn, mod, inputs, mesh):
+def _rowwise_input(torch_fn, input_layouts, mod, inputs, mesh):
     if not _fp8_sharded(mod):
         return torch_fn(mod, inputs, mesh)
     x = inputs[0]
-    if isinstance(x, DTensor):
-        return _local(x.redistribute(placements=[Shard(-1)]))
-    return x
+    if not isinstance(x, DTensor):
+        if isinstance(input_layouts[0], Shard) and input_layouts[0].dim % x.dim() == x.dim() - 1:
+            return x  # this rank's features already
+        x = DTensor.from_local(x, mesh, input_layouts, run_check=False)
+    return _local(x.redistribute(placements=[Shard(-1)]))
 
 
 def _output(torch_fn, local_layout, output_layouts, use_local_output, mod, outputs, mesh):
@@ -259,9 +272,10 @@ class FP8RowwiseParallel(RowwiseParallel):
         _check_layer(parallel, module)
         torch_in = partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)
         torch_out = partial(self._prepare_output_fn, self.output_layouts, self.use_local_output)
-        module = distribute_module(module, device_mesh, self._partition_linear_fn, partial(_rowwise_input, torch_in),
-                             partial(_output, torch_out, self.output_layouts[0], self.output_layouts,
-                                     self.use_local_output))
+        module = distribute_module(module, device_mesh, self._partition_linear_fn,
+                                   partial(_rowwise_input, torch_in, self.input_layouts),
+                                   partial(_output, torch_out, self.output_layouts[0], self.output_layouts,
+                                           self.use_local_output))
         module.fp8_tensor_parallel = parallel
         return module
 

@@ -31,7 +31,7 @@ from fp8_lightning.distributed.sharding import (
     shard_model,
 )
 from fp8_lightning.lightning.plugin_base import parse_dtype, strict_bool
-from fp8_lightning.privates import data_parallel_size, set_data_parallel_size
+from fp8_lightning.privates import data_parallel_size, set_data_parallel_size, tensor_parallel_size
 from fp8_lightning.recipes import RecipeLike, recipe_from
 
 
@@ -99,6 +99,20 @@ class FP8FSDPStrategy(ModelParallelStrategy):
         shard_over_every_rank_by_default(self)
         super().setup_environment()
         self._ensure_fp8_precision()
+        self._check_tensor_data_parallel()
+
+    def _check_tensor_data_parallel(self) -> None:
+        mesh = self.device_mesh
+        if mesh["tensor_parallel"].size() == 1 or mesh["data_parallel"].size() == 1:
+            return
+        recipe = self.precision_plugin.recipe
+        reason = recipe.tensor_data_parallel_unsupported_reason()
+        if reason is not None:
+            raise ValueError(
+                f"FP8FSDPStrategy(tensor_parallel_size={mesh['tensor_parallel'].size()}, data_parallel_size="
+                f"{mesh['data_parallel'].size()}) with {type(recipe).__name__}: {reason}. Use tensorwise, rowwise, "
+                "blockwise or mxfp8 scaling for 2-D parallelism, or tensor_parallel_size=1 (FSDP only)."
+            )
 
     @contextmanager
     @override
@@ -149,7 +163,8 @@ class FP8FSDPStrategy(ModelParallelStrategy):
 
     def _prepare_fp8(self, module: nn.Module) -> None:
         self.precision_plugin.convert_module(module)
-        if self.fp8_all_gather:
+        # with a tensor-parallel mesh, configure_model splits layers next: FP8 gather weights are made after it
+        if self.fp8_all_gather and self.device_mesh["tensor_parallel"].size() == 1:
             self.all_gather_report = enable_fp8_all_gather(module, self.device_mesh["data_parallel"].size())
 
     def _mp_policy(self):
@@ -217,7 +232,8 @@ def default_roots(module: nn.Module) -> list[nn.Module]:
 
 
 def shard_over_every_rank_by_default(strategy: ModelParallelStrategy) -> None:
-    """Resolve ``data_parallel_size="auto"`` to every rank (nodes x processes per node): FSDP over all of them.
+    """Resolve ``data_parallel_size="auto"`` to every rank (nodes x processes per node) over the tensor-parallel
+    size: FSDP over all the data-parallel replicas.
 
     ``ModelParallelStrategy`` reads the size from its ``_data_parallel_size`` attribute in ``setup_environment``
     and resolves ``"auto"`` to the number of nodes (tensor parallelism taking the processes of a node). The number
@@ -226,7 +242,14 @@ def shard_over_every_rank_by_default(strategy: ModelParallelStrategy) -> None:
     (``tests/distributed/test_strategy_options.py`` fails if Lightning renames it or stops reading it there).
     """
     if data_parallel_size(strategy) == "auto":
-        set_data_parallel_size(strategy, strategy.num_nodes * strategy.num_processes)
+        world = strategy.num_nodes * strategy.num_processes
+        tp = tensor_parallel_size(strategy)
+        if tp != "auto" and world % int(tp):
+            raise ValueError(
+                f"{type(strategy).__name__}(tensor_parallel_size={tp}) does not divide the {world} processes "
+                f"({strategy.num_nodes} node(s) x {strategy.num_processes}); pick a tensor-parallel size that does."
+            )
+        set_data_parallel_size(strategy, world // (1 if tp == "auto" else int(tp)))
 
 
 def setup_as_strategy(strategy: ModelParallelStrategy, trainer: Any) -> None:

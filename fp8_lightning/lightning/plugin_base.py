@@ -157,6 +157,7 @@ class FP8PrecisionMixin:
                 "and why."
             )
         self.conversion_report = report
+        check_tensor_parallel_strategy(module)
         self._warn_skipped(report)
         self._track(module)
         if self.divergence_guard is not None:
@@ -330,6 +331,28 @@ class FP8PrecisionMixin:
         state = self.__dict__.copy()
         state["_modules"] = []  # weak references do not pickle (spawned processes convert their own copy)
         return state
+
+
+def check_tensor_parallel_strategy(module: nn.Module) -> None:
+    """Refuse layers split by an FP8 tensor-parallel plan in a Trainer whose strategy is not Lightning's
+    ``ModelParallelStrategy`` (or ``fp8_fsdp``): other strategies neither build the tensor-parallel mesh nor keep
+    the data-parallel replicas apart from it."""
+    trainer = getattr(module, "_trainer", None)
+    if trainer is None:
+        return
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from fp8_lightning.distributed.tp_plans import tensor_parallel_layers
+
+    split = tensor_parallel_layers(module)
+    if split and not isinstance(trainer.strategy, ModelParallelStrategy):
+        raise ValueError(
+            f"{len(split)} layer(s) were split by an FP8 tensor-parallel plan ({', '.join(split[:3])}...) but the "
+            f"Trainer's strategy is {type(trainer.strategy).__name__}. Tensor parallelism needs "
+            "strategy=ModelParallelStrategy(tensor_parallel_size=..., data_parallel_size=...) or "
+            "strategy=FP8FSDPStrategy(tensor_parallel_size=...), whose device_mesh['tensor_parallel'] the plan "
+            "must use in configure_model."
+        )
 
 
 def drop_gradients(optimizer: Any) -> None:

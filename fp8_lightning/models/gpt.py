@@ -48,21 +48,32 @@ def check_gpt_dims(vocab_size: int, n_embd: int, n_head: int, mlp_ratio: int) ->
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool):
+    """Causal self-attention. ``fused_qkv``: one ``qkv`` projection (the default); else ``q``, ``k``, ``v`` layers,
+    which tensor parallelism can split by heads (a colwise split of the fused weight would not keep a rank's q, k
+    and v heads together). Heads are counted from the projection's width, so a rank holding a head-aligned shard
+    of the projections attends over its own heads."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool, fused_qkv: bool = True):
         super().__init__()
-        self.n_head = n_head
-        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.n_head, self.head_dim = n_head, n_embd // n_head
+        if fused_qkv:
+            self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        else:
+            self.q, self.k, self.v = (nn.Linear(n_embd, n_embd, bias=bias) for _ in range(3))
         self.proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.dropout = dropout
         self.resid_dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        if hasattr(self, "qkv"):
+            q, k, v = self.qkv(x).split(c, dim=2)
+        else:
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
 
 
 class MLP(nn.Module):
@@ -79,10 +90,10 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LN transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
 
-    def __init__(self, n_embd: int, n_head: int, mlp_ratio: int, dropout: float, bias: bool):
+    def __init__(self, n_embd: int, n_head: int, mlp_ratio: int, dropout: float, bias: bool, fused_qkv: bool = True):
         super().__init__()
         self.ln_1 = nn.LayerNorm(n_embd, bias=bias)
-        self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias, fused_qkv)
         self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
         self.mlp = MLP(n_embd, mlp_ratio, dropout, bias)
 
@@ -111,6 +122,7 @@ class GPT(pl.LightningModule):
         dropout: float = 0.0,
         bias: bool = True,
         tie_weights: bool = True,
+        fused_qkv: bool = True,
     ):
         super().__init__()
         check_gpt_dims(vocab_size, n_embd, n_head, mlp_ratio)
@@ -120,7 +132,7 @@ class GPT(pl.LightningModule):
         self.wte = nn.Embedding(vocab_size, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, mlp_ratio, dropout, bias) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, mlp_ratio, dropout, bias, fused_qkv) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd, bias=bias)
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         if tie_weights:
@@ -139,6 +151,20 @@ class GPT(pl.LightningModule):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy`` with a tensor-parallel mesh of more than one rank, split the blocks by
+        :func:`~fp8_lightning.distributed.tp_plans.gpt_tp_plan` (the strategy's data-parallel sharding follows);
+        elsewhere nothing."""
+        mesh = self.device_mesh
+        if mesh is None or "tensor_parallel" not in (mesh.mesh_dim_names or ()) or mesh["tensor_parallel"].size() < 2:
+            return
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from fp8_lightning.distributed.tp_plans import gpt_tp_plan
+
+        tp_mesh = mesh["tensor_parallel"]
+        parallelize_module(self, tp_mesh, gpt_tp_plan(self, tp_mesh.size()))
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

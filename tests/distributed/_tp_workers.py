@@ -1,178 +1,192 @@
-"""Workers of the tensor-parallel tests: every case in one spawn (process start-up dominates the cost)."""
+"""LightningModules and process bodies of the tensor-parallel tests (importable by spawned children).
+
+Two models, sized so that every recipe's scale blocks fit a rank's shard under TP=2 (blockwise needs 128): the
+project's GPT (``fused_qkv=False``) and a random-init transformers Llama with grouped-query attention. Both train a
+few SGD steps on a fixed global batch; :func:`fit` returns the per-step losses (averaged over the data-parallel
+replicas) and every rank's FP8 scaling state.
+"""
 
 from __future__ import annotations
 
-import copy
+import functools
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
-from torch.distributed.tensor.parallel import parallelize_module
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
-from fp8_lightning import convert_to_fp8, fp8_autocast
-from fp8_lightning.convert import fp8_state_dict
-from fp8_lightning.distributed import FP8ColwiseParallel, FP8RowwiseParallel, PrepareFP8ModuleInput
-from fp8_lightning.distributed import sequence
+from fp8_lightning.testing import markov_tokens
 
-RECIPES = ["delayed", "tensorwise", "rowwise", "blockwise", "mxfp8"]
-STEPS = 3
-HIDDEN, FFN = 256, 512
+RECIPES = ("delayed", "tensorwise", "rowwise", "blockwise", "mxfp8")
+STEPS, ROWS, SEQ, VOCAB, LR = 3, 8, 32, 256, 0.5
+GPT_SIZE = dict(vocab_size=VOCAB, block_size=SEQ, n_layer=1, n_head=2, n_embd=256, mlp_ratio=2, fused_qkv=False)
+LLAMA_SIZE = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=SEQ)
 
 
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w1, self.w2 = nn.Linear(HIDDEN, FFN), nn.Linear(FFN, HIDDEN)
-
-    def forward(self, x):
-        return self.w2(torch.relu(self.w1(x)))
+def tokens(rows: int, seed: int) -> torch.Tensor:
+    """Learnable sequences (a fixed Markov chain over 64 of the 256 ids), SEQ + 1 long."""
+    return markov_tokens(rows, seed)
 
 
-class Mixer(nn.Module):
-    """Three colwise projections of one input (attention's q, k, v) and a rowwise output projection."""
-
-    def __init__(self):
-        super().__init__()
-        self.q, self.k, self.v, self.o = (nn.Linear(HIDDEN, HIDDEN, bias=False) for _ in range(4))
-
-    def forward(self, x):
-        return self.o(torch.tanh(self.q(x)) * self.k(x) + self.v(x))
+def train_loader(dp_rank: int = 0, dp: int = 1) -> DataLoader:
+    """This data-parallel rank's share of each global batch of ROWS sequences (all of it for dp=1)."""
+    data = tokens(STEPS * ROWS, seed=3).view(STEPS, dp, ROWS // dp, SEQ + 1)[:, dp_rank].flatten(0, 1)
+    return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=ROWS // dp)
 
 
-def _plan(sequence_parallel: bool, fp8_all_gather: bool = True) -> dict:
-    if not sequence_parallel:
-        return {"w1": FP8ColwiseParallel(), "w2": FP8RowwiseParallel()}
-    return {"w1": FP8ColwiseParallel(input_layouts=Shard(1), fp8_all_gather=fp8_all_gather),
-            "w2": FP8RowwiseParallel(output_layouts=Shard(1))}
+HELD_OUT = tokens(ROWS, seed=7)
 
 
-def _full(t: torch.Tensor, dim: int) -> torch.Tensor:
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t.detach().contiguous())
-    return torch.cat(parts, dim)
+def make_gpt():
+    from fp8_lightning.models.gpt import GPT
 
-
-class GatherBytes:
-    """Counts the bytes this rank puts into all-gathers (``dist.all_gather_into_tensor``)."""
-
-    def __init__(self):
-        self.bytes, self.calls, self._real = 0, 0, dist.all_gather_into_tensor
-
-    def __enter__(self):
-        def counted(out, inp, group=None, async_op=False):
-            self.bytes += inp.numel() * inp.element_size()
-            self.calls += 1
-            return self._real(out, inp, group=group, async_op=async_op)
-
-        sequence.dist.all_gather_into_tensor = counted
-        return self
-
-    def __exit__(self, *exc):
-        sequence.dist.all_gather_into_tensor = self._real
-
-
-def _train(model, recipe_batches, rank, world, sequence_parallel: bool):
-    """SGD steps; returns (losses, output of the first step (whole), grads of the first step (whole))."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    losses, first = [], None
-    for x in recipe_batches:
-        local = x.chunk(world, 1)[rank] if sequence_parallel else x
-        with fp8_autocast():
-            y = model(local)
-        loss = y.float().square().sum() / x.numel()
-        loss.backward()
-        total = loss.detach().clone()
-        if sequence_parallel:
-            dist.all_reduce(total)
-        losses.append(total.item())
-        if first is None:
-            out = _full(y, 1) if sequence_parallel else y.detach()
-            grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-                     for n, p in model.named_parameters()}
-            first = (out, grads)
-        opt.step()
-        opt.zero_grad()
-    return losses, first
-
-
-def _single(model, batches):
-    return _train(model, batches, 0, 1, False)
-
-
-def _errors(mesh) -> dict:
-    errors = {}
-    for label, build in (
-        ("mxfp8_split_block", lambda: (nn.Sequential(nn.Linear(64, 96)), "mxfp8")),
-        ("nvfp4", lambda: (nn.Sequential(nn.Linear(64, 64)), "nvfp4")),
-    ):
-        model, recipe = build()
-        parallelize_module(model, mesh, {"0": FP8ColwiseParallel()})
-        try:
-            convert_to_fp8(model, recipe)
-        except ValueError as err:
-            errors[label] = str(err)
-    try:
-        parallelize_module(nn.Sequential(nn.Conv1d(4, 4, 1)), mesh, {"0": FP8ColwiseParallel()})
-    except TypeError as err:
-        errors["conv"] = str(err)
-    return errors
-
-
-def tp_worker(rank: int, world: int, port: int, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (world,))
-    batches = [torch.randn(2, 64, HIDDEN) for _ in range(STEPS)]
-    result = {"errors": _errors(mesh)}
-    for recipe in RECIPES:
-        torch.manual_seed(1)
-        base = MLP()
-        single = copy.deepcopy(base)
-        convert_to_fp8(single, recipe)
-        runs = {"single": _single(single, batches)}
-        for name, sp, fp8_gather in (("tp", False, True), ("sp_fp8", True, True), ("sp_hp", True, False)):
-            model = copy.deepcopy(base)
-            parallelize_module(model, mesh, _plan(sp, fp8_gather))
-            convert_to_fp8(model, recipe)
-            with GatherBytes() as counter:
-                runs[name] = _train(model, batches, rank, world, sp)
-            runs[name + "_bytes"] = counter.bytes
-            runs[name + "_scales"] = fp8_state_dict(model)
-            if name == "tp":
-                model.eval()
-                single.eval()
-                with fp8_autocast():
-                    runs["eval"] = (model(batches[0]) - single(batches[0])).abs().max().item()
-        result[recipe] = runs
-    result["mixer"] = _mixer(mesh, rank, world, batches[0])
-    out[rank] = result
-    dist.destroy_process_group()
+    model = GPT(functools.partial(torch.optim.SGD, lr=LR), **GPT_SIZE)
+    model.step_losses = []
+    return model
 
 
-def _mixer(mesh, rank, world, x) -> dict:
-    torch.manual_seed(2)
-    base = Mixer()
-    single = copy.deepcopy(base)
-    convert_to_fp8(single, "tensorwise")
-    model = copy.deepcopy(base)
-    plan = {"": PrepareFP8ModuleInput(consumers=("q", "k", "v")), "q": FP8ColwiseParallel(),
-            "k": FP8ColwiseParallel(), "v": FP8ColwiseParallel(), "o": FP8RowwiseParallel(output_layouts=Shard(1))}
-    parallelize_module(model, mesh, plan)
-    convert_to_fp8(model, "tensorwise")
-    with fp8_autocast():
-        expected = single(x)
-        expected.square().sum().backward()
-        with GatherBytes() as counter:
-            y = model(x.chunk(world, 1)[rank])
-        y.square().sum().backward()
-    grad_q = model.q.weight.grad.full_tensor()
-    return {
-        "out": (_full(y, 1) - expected.detach()).abs().max().item() / expected.abs().max().item(),
-        "grad_q": (grad_q - single.q.weight.grad).abs().max().item() / single.q.weight.grad.abs().max().item(),
-        "gathers": counter.calls,
-        "gather_bytes": counter.bytes,
-    }
+def make_llama():
+    import lightning.pytorch as pl
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    class LlamaLM(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = LlamaForCausalLM(LlamaConfig(**LLAMA_SIZE, attn_implementation="sdpa"))
+            self.step_losses = []
+
+        def forward(self, idx):
+            return self.model(input_ids=idx).logits
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.cross_entropy(self(x).float().flatten(0, 1), y.flatten())
+            self.log("train/loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=LR)
+
+        def configure_model(self):
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            from fp8_lightning.distributed.tp_plans import transformers_tp_plan
+
+            mesh = self.device_mesh
+            if mesh is not None and mesh["tensor_parallel"].size() > 1:
+                tp = mesh["tensor_parallel"]
+                parallelize_module(self.model, tp, transformers_tp_plan(self.model, tp.size()))
+
+    return LlamaLM()
+
+
+MODELS = {"gpt": make_gpt, "llama": make_llama}
+
+
+class RecordLoss:
+    """A callback that keeps each training step's loss on the module (the logged value, this rank's)."""
+
+    def __new__(cls):
+        import lightning.pytorch as pl
+
+        class _Record(pl.Callback):
+            def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+                module.step_losses.append(float(outputs["loss"]))
+
+        return _Record()
+
+
+def held_out_loss(module) -> float:
+    from fp8_lightning import fp8_autocast
+
+    module.eval()
+    with torch.no_grad(), fp8_autocast():
+        logits = module(HELD_OUT[:, :-1])
+    return float(F.cross_entropy(logits.float().flatten(0, 1), HELD_OUT[:, 1:].flatten()))
+
+
+def fit(kind: str, recipe: str, strategy, devices: int, dp: int = 1):
+    """Train ``kind`` under ``recipe`` for STEPS steps; returns (module, trainer, losses)."""
+    import lightning.pytorch as pl
+
+    from fp8_lightning import FP8Precision
+
+    module = MODELS[kind]()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, plugins=[FP8Precision(recipe=recipe)],
+        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[RecordLoss()], num_sanity_val_steps=0, use_distributed_sampler=False,
+    )
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    trainer.fit(module, train_loader(rank // (devices // dp), dp))  # ranks are (data_parallel, tensor_parallel)
+    return module, trainer, module.step_losses
+
+
+def single_process_losses(kinds=("gpt", "llama"), recipes=RECIPES) -> dict:
+    """The reference: one process, the whole global batch per step."""
+    out = {}
+    for kind in kinds:
+        for recipe in recipes:
+            _, _, out[kind, recipe] = fit(kind, recipe, "auto", 1)
+    return out
+
+
+def same_state(a, b) -> bool:
+    """Two FP8 scaling states (nested dicts of tensors) hold equal values."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.shape == b.shape and bool(torch.equal(a, b))
+    return bool(a == b)
+
+
+def tp_worker(rank: int, world: int, port: int, tmpdir: str, out: dict) -> None:
+    """TP=2 (2 processes: ModelParallelStrategy) or TP=2 x DP=2 (4 processes: fp8_fsdp along DP), every recipe and
+    both models; then a distributed checkpoint of the GPT."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from fp8_lightning.convert import fp8_state_dict
+    from fp8_lightning.lightning.fsdp import FP8FSDPStrategy
+    from fp8_lightning.testing import end_worker
+
+    dp = world // 2
+
+    def strategy():
+        if dp == 1:
+            return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)
+        return FP8FSDPStrategy(data_parallel_size=dp, tensor_parallel_size=2)
+
+    res = {}
+    for kind in MODELS:
+        for recipe in RECIPES:
+            try:
+                module, trainer, losses = fit(kind, recipe, strategy(), world, dp)
+            except ValueError as err:  # refused at set-up
+                res[kind, recipe] = {"error": str(err)}
+                continue
+            mean = torch.tensor(losses)
+            dist.all_reduce(mean)
+            states = [None] * world
+            dist.all_gather_object(states, fp8_state_dict(module))
+            tp_peers = [states[r] for r in range(world) if r // 2 == rank // 2]  # this rank's tensor-parallel group
+            res[kind, recipe] = {"losses": (mean / world).tolist(), "tp_states_equal": same_state(*tp_peers),
+                                 "all_states_equal": all(same_state(states[0], s) for s in states)}
+    recipe = "delayed" if dp == 1 else "rowwise"
+    module, trainer, _ = fit("gpt", recipe, strategy(), world, dp)
+    path = os.path.join(tmpdir, f"ckpt{world}")
+    trainer.save_checkpoint(path)
+    res["ckpt"] = {"path": path, "recipe": recipe, "held_out": held_out_loss(module), "state": fp8_state_dict(module)}
+    if rank == 0:
+        out.update(res)
+    end_worker()
