@@ -111,7 +111,7 @@ PRIVATES: tuple[Private, ...] = (
         "experts call; the emulated FP8 grouped GEMM runs its float32 products through it on CPU.",
     ),
     Private(
-        "torch:Tensor._version", ("linear.py", "distributed/amax.py", "grouped/gemm.py"),
+        "torch:Tensor._version", ("linear.py", "distributed/amax.py"),
         "The in-place version counter: a cached FP8 weight is reused until the weight changes; no public reader.",
     ),
     Private(
