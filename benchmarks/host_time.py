@@ -6,13 +6,17 @@ with a faster GPU and that a model of a hundred FP8 layers pays a hundred times.
 forward + backward; between steps the weight is changed in place (as an optimizer does, so the eager layer casts it
 again) and ``sync_scales`` advances the delayed histories, outside the step's timing: it runs once per optimizer
 step for the whole model (one batched update for all its layers), not once per layer, and its own median time is
-reported next to the step ("sync_scales us", measured on this one layer). "compiled" is
+reported next to the step ("sync_scales us", measured on this one layer). ``--accumulate N`` changes the weight
+every N steps only (N micro-batches of one optimizer step: the eager layer reuses its cast N - 1 times, after
+checking the weight's bits). ``--checksum-off-rows`` adds each recipe again with that check off
+(``FP8_LIGHTNING_WEIGHT_CHECKSUM=0``), timed in the same rounds. "compiled" is
 ``torch.compile(layer, fullgraph=True)`` with inductor; the FP8 layers then run the traced step
 (:mod:`fp8_lightning.traced`). All rows of one run are interleaved (``bench_common.interleaved_medians``).
 
 Usage::
 
-    python -m benchmarks host-time [--tokens 16] [--features 64] [--rounds 300] [--out FILE.md]  # rows in FILE.json
+    python -m benchmarks host-time [--tokens 16] [--features 64] [--rounds 300] [--accumulate 1]
+                                   [--checksum-off-rows] [--out FILE.md]  # rows in FILE.json
 """
 
 from __future__ import annotations
@@ -38,15 +42,20 @@ from fp8_lightning import fp8_autocast, sync_scales
 RECIPES = [DelayedScaling(), TensorwiseScaling(), MXFP8BlockScaling(), RowwiseScaling(), BlockwiseScaling()]
 
 
-def _step(layer: nn.Module, run: nn.Module, x: torch.Tensor, fp8: bool, sync_times: list[float]):
+def _step(layer: nn.Module, run: nn.Module, x: torch.Tensor, fp8: bool, sync_times: list[float], accumulate: int = 1):
     """One timed training step of ``run`` (``layer`` or its compiled form) and the untimed work between steps,
-    which appends the time ``sync_scales`` took to ``sync_times``."""
+    which appends the time ``sync_scales`` took to ``sync_times``; the weight changes after every ``accumulate``
+    steps."""
+    calls = [0]
 
     def step():
         with fp8_autocast(enabled=fp8):
             run(x).sum().backward()
 
     def between():
+        calls[0] += 1
+        if calls[0] % accumulate:
+            return  # another micro-batch of the same optimizer step
         with torch.no_grad():
             layer.weight.mul_(1.0)  # an in-place update: a new weight version, as after an optimizer step
         layer.weight.grad = None
@@ -99,16 +108,19 @@ def _torchao_layer(base: nn.Linear) -> nn.Module | None:
 
 
 def measure(
-    tokens: int, features: int, rounds: int, device: torch.device, modes: tuple[str, ...] = ("eager", "compiled")
+    tokens: int, features: int, rounds: int, device: torch.device, modes: tuple[str, ...] = ("eager", "compiled"),
+    accumulate: int = 1, checksum_off_rows: bool = False,
 ) -> list[dict]:
     torch.manual_seed(0)
     base = nn.Linear(features, features).to(device)
     x = torch.randn(tokens, features, device=device, requires_grad=True)
     layers: dict[str, tuple[nn.Module, bool]] = {"nn.Linear": (copy.deepcopy(base), False)}
     for recipe in RECIPES:
-        layer = copy.deepcopy(base)
-        convert_to_fp8(layer, recipe)  # in place (returns a report)
-        layers[f"ours {recipe.name}"] = (layer, True)
+        for checksum in (True, False) if checksum_off_rows else (True,):
+            layer = copy.deepcopy(base)
+            convert_to_fp8(layer, recipe)  # in place (returns a report)
+            layer.fp8_scaling(recipe).check_weight_bits = checksum
+            layers[f"ours {recipe.name}" + ("" if checksum else " (checksum off)")] = (layer, True)
     torchao = _torchao_layer(base)
     if torchao is not None:
         layers["torchao.float8 tensorwise"] = (torchao, False)
@@ -118,7 +130,9 @@ def measure(
             run = torch.compile(layer, fullgraph=True) if mode == "compiled" else layer
             module = layer if isinstance(layer, nn.Linear) else next(m for m in layer.modules() if isinstance(m, nn.Linear))
             sync_times[(name, mode)] = []
-            fns[(name, mode)], between[(name, mode)] = _step(module, run, x, fp8, sync_times[(name, mode)])
+            fns[(name, mode)], between[(name, mode)] = _step(
+                module, run, x, fp8, sync_times[(name, mode)], accumulate
+            )
 
     medians = interleaved_medians(fns, device, warmup=5, rounds=rounds, after=between)
     linear = medians[("nn.Linear", "eager")]
@@ -140,6 +154,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--features", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=300)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--accumulate", type=int, default=1,
+                        help="steps per weight change (micro-batches per optimizer step; default 1)")
+    parser.add_argument("--checksum-off-rows", action="store_true",
+                        help="add each recipe with the weight checksum off (FP8_LIGHTNING_WEIGHT_CHECKSUM=0)")
     parser.add_argument("--modes", default="eager,compiled", help="comma-separated: eager, compiled")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's); 1 keeps a busy shared machine from stalling the "
@@ -159,14 +177,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     modes = tuple(m for m in args.modes.split(",") if m)
     if not modes or set(modes) - {"eager", "compiled"}:
         parser.error(f"--modes {args.modes!r}: use eager, compiled or both (comma-separated)")
-    rows = measure(args.tokens, args.features, args.rounds, device, modes)
+    if args.accumulate < 1:
+        parser.error(f"--accumulate {args.accumulate}: use a positive number of steps per weight change")
+    rows = measure(args.tokens, args.features, args.rounds, device, modes, args.accumulate, args.checksum_off_rows)
     columns = [("layer", "layer step", "{}")]
     for mode in modes:
         against = "nn.Linear" if mode == "eager" else "nn.Linear eager"
         columns += [(f"{mode}_us", f"{mode} us", "{:.0f}"), (f"{mode}_x", f"{mode} / {against}", "{:.2f}")]
     columns.append(("sync_us", f"sync_scales us ({modes[0]})", "{:.0f}"))
     text = (f"One layer's forward + backward, {args.tokens} tokens, {args.features} x {args.features}, on "
-            f"{device.type}{' on the CUDA branch with stubbed kernels (--cuda-branch)' if args.cuda_branch else ''}; "
+            f"{device.type}{' on the CUDA branch with stubbed kernels (--cuda-branch)' if args.cuda_branch else ''}"
+            f"{f', the weight changed every {args.accumulate} steps' if args.accumulate > 1 else ''}; "
             f"medians of {args.rounds} interleaved rounds.\n\n{markdown_table(columns, rows)}\n")
     print(text)
     if args.out:

@@ -14,7 +14,8 @@ reduction dimension.
 Only FP8 copies of ``x`` and ``W`` are saved for backward (about half the bytes of a bf16 layer). The bias, the
 output and everything outside the GEMMs stay in high precision (the autocast dtype, or the input dtype).
 Within one optimizer step the FP8 weight is cast once and reused across micro-batches: the cache is keyed on
-the parameter's version counter, which every in-place optimizer update bumps.
+the parameter's version counter, which every in-place optimizer update bumps, and on a checksum of its bits, which
+catches edits through ``weight.data``.
 
 The design in full: ``docs/design/notes.md``, section ``fp8_lightning.linear``.
 """
@@ -35,6 +36,7 @@ from fp8_lightning.layer_step import FP8LinearFunction
 from fp8_lightning.quantize import OperandKind, Quantized
 from fp8_lightning.recipes import Recipe
 from fp8_lightning.scaling import OperandScaling, advance_histories, records_amax
+from fp8_lightning.settings import settings
 from fp8_lightning.traced import make_plan, traced_linear
 
 Observer = Callable[[nn.Module, str, torch.Tensor, Quantized], None]
@@ -49,10 +51,15 @@ class LayerScaling:
     """Everything one layer keeps for one recipe: operand scaling states and the per-step FP8 weight cache.
 
     A training forward casts the weight once per optimizer step and reuses the cast across micro-batches (keyed on
-    the parameter's version counter, which in-place updates of the parameter bump). Evaluation and inference never
-    keep or reuse a cast: an edit through ``weight.data`` (an EMA swap, ``p.data.copy_``) leaves the version counter
-    and the data pointer as they were, and inference tensors have no version counter at all.
+    the parameter's version counter, which in-place updates of the parameter bump). An edit through ``weight.data``
+    (an EMA swap, ``p.data.copy_``) leaves the version counter and the data pointer as they were, so a reuse first
+    compares a checksum of the weight's bits with the one taken at the cast (:meth:`bits_checksum`; off with
+    ``FP8_LIGHTNING_WEIGHT_CHECKSUM=0``). A layer takes checksums only once it has reused a cast: the first reuse
+    casts again instead, so training without accumulation pays nothing. Evaluation and inference never keep or
+    reuse a cast (inference tensors have no version counter at all).
     """
+
+    _SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # bits_checksum's integer views
 
     def __init__(self, recipe: Recipe):
         self.recipe = recipe
@@ -61,6 +68,9 @@ class LayerScaling:
         self.operands: dict[str, OperandScaling] = recipe.operand_states(self.forward_dtype, self.backward_dtype)
         self._weight_key: tuple | None = None
         self._weight_cache: tuple[Quantized, Quantized | None] | None = None
+        self._weight_checksum: tuple | None = None
+        self.check_weight_bits = settings().weight_checksum  # False: trust the version counter alone
+        self._reuses_casts = False  # a cast was once reused (gradient accumulation): casts take checksums
         self.weight_casts = 0
 
     @property
@@ -119,13 +129,65 @@ class LayerScaling:
         if not record:  # evaluation and inference: cast afresh, keep nothing (see the class docstring)
             return self.cast("weight", weight.detach(), False, columnwise=True)
         w_state = self.operands.get("weight")
+        generation = w_state.generation if w_state else 0
+        cast = lambda: self.cast("weight", weight.detach(), record, True)  # noqa: E731
+        return self.cached_weight(weight, generation, cast, parameter)
+
+    def cached_weight(
+        self, weight: torch.Tensor, generation, cast: Callable[[], tuple], parameter: torch.Tensor | None = None
+    ) -> tuple:
+        """The training cast of ``weight``: the cached one while nothing changed the weight or its scale since, else
+        ``cast()``, kept as the new cache.
+
+        Args:
+            weight: the high-precision weight the GEMMs read.
+            generation: the weight scales' generation (anything comparable; a new one means new scales).
+            cast: makes the FP8 operands of ``weight``.
+            parameter: the parameter whose version counter tells of in-place updates, where ``weight`` is its local
+                shard (as for :meth:`step_boundary_passed`).
+
+        Returns:
+            What ``cast()`` returned, now or for the cached cast.
+        """
         version = (weight if parameter is None else parameter)._version
-        key = (version, weight.data_ptr(), w_state.generation if w_state else 0, weight.device)
-        if self._weight_cache is None or key != self._weight_key:
-            self._weight_cache = self.cast("weight", weight.detach(), record, columnwise=True)
-            self._weight_key = key
-            self.weight_casts += 1
+        key = (version, weight.data_ptr(), generation, weight.device)
+        if self._weight_cache is not None and key == self._weight_key:
+            if not self.check_weight_bits:
+                return self._weight_cache
+            check = self._weight_checksum
+            if check is not None:  # (the weight, its integer view, and their sums at the cast)
+                w, bits, int_sum, float_sum = check
+                if torch.equal(bits.sum(dtype=bits.dtype), int_sum) and torch.equal(w.sum(), float_sum):
+                    return self._weight_cache
+            else:  # the first reuse: nothing to compare with, so cast again; checksum every cast from now on
+                self._reuses_casts = True
+        self._weight_checksum = None
+        if self._reuses_casts and self.check_weight_bits:
+            w = weight.detach()
+            bits = w.view(LayerScaling._SAME_WIDTH_INT[w.element_size()])
+            self._weight_checksum = (w, bits, *self.bits_checksum(weight))
+        self._weight_cache = cast()
+        self._weight_key = key
+        self.weight_casts += 1
         return self._weight_cache
+
+    @staticmethod
+    def bits_checksum(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two sums of ``weight``, each a single read in the weight's own width: its bit patterns added as integers
+        (wrapping), which any change of one element moves, and its float sum, which scaling every element moves
+        where the integer sum can wrap back. What neither sees is an edit that
+        only permutes elements or whose changes cancel exactly in both sums.
+
+        Args:
+            weight: a floating-point tensor of 2, 4 or 8 bytes per element.
+
+        Returns:
+            The two sums, 0-d tensors on the weight's device (a NaN in the weight makes the float sum NaN, which
+            equals nothing: such a weight is cast at every forward).
+        """
+        w = weight.detach()
+        bits = w.view(LayerScaling._SAME_WIDTH_INT[w.element_size()])
+        return bits.sum(dtype=bits.dtype), w.sum()
 
     # -- persistence ------------------------------------------------------------------------------------------
 
@@ -133,7 +195,7 @@ class LayerScaling:
         """For pickle and deepcopy: the FP8 weight caches stay behind (float8 tensors do not unpickle; the next
         forward casts again)."""
         state = self.__dict__.copy()
-        state["_weight_cache"] = state["_weight_key"] = None
+        state["_weight_cache"] = state["_weight_key"] = state["_weight_checksum"] = None
         return state
 
     def state_dict(self) -> dict:
@@ -142,7 +204,7 @@ class LayerScaling:
     def load_state_dict(self, state: dict) -> None:
         for role, s in self.operands.items():
             s.load_state_dict(state["operands"][role])
-        self._weight_cache = self._weight_key = None
+        self._weight_cache = self._weight_key = self._weight_checksum = None
 
 
 class _SavedOperand(NamedTuple):

@@ -41,7 +41,8 @@ def mx_shared_exponent(block_amax: torch.Tensor, dtype: torch.dtype, scale_round
 
     ``floor``: ``floor(log2(amax)) - emax`` (OCP MX v1.0); values up to ``2**(emax+1)`` then saturate.
     ``rceil``: the smallest ``e`` with ``amax / 2**e <= fp8_max`` (no value of the block saturates).
-    A block whose amax is 0 gets the smallest scale, 2**-127.
+    A block whose amax is 0 gets the smallest scale, 2**-127; one whose amax is inf gets 2**0 (its infinities
+    saturate to +-fp8_max, the rule of every scale whose amax is not finite); a NaN amax is marked by the caller.
 
     Both come exactly from ``frexp`` (amax = f * 2**E, f in [0.5, 1)): floor is ``E - 1 - emax``, and amax / 2**floor
     = 2f * 2**emax exceeds fp8_max exactly when f > fp8_max / 2**(emax+1) (0.875 for E4M3 and E5M2), where rceil
@@ -55,6 +56,7 @@ def mx_shared_exponent(block_amax: torch.Tensor, dtype: torch.dtype, scale_round
     exp = exponent - (1 + fp8_emax(dtype))
     if scale_rounding == "rceil":
         exp += fraction > fp8_max(dtype) / 2.0 ** (fp8_emax(dtype) + 1)
+    exp = torch.where(torch.isinf(block_amax), 0, exp)
     return exp.clamp_(E8M0_MIN_EXP, E8M0_MAX_EXP)
 
 

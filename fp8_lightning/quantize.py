@@ -79,6 +79,25 @@ def tensorwise_scale(
     return round_scale_to_power_of_2(scale) if power_of_2 else scale
 
 
+def current_scale(
+    amax_value: torch.Tensor, dtype: torch.dtype, eps: float = 1e-12, power_of_2: bool = False
+) -> torch.Tensor:
+    """The scale a stateless cast takes from its own amax: :func:`tensorwise_scale`, and 1 where the amax is inf or
+    NaN (TransformerEngine's rule): infinities saturate to +-fp8_max, NaN stays NaN, finite values keep scale 1.
+
+    Args:
+        amax_value: the amax (any shape: one scale per element).
+        dtype: the float8 dtype cast to.
+        eps: the smallest amax a scale is computed from.
+        power_of_2: round each scale down to a power of two.
+
+    Returns:
+        float32 scales shaped like ``amax_value``.
+    """
+    scale = tensorwise_scale(amax_value, dtype, eps, power_of_2)
+    return torch.where(torch.isfinite(amax_value), scale, torch.ones_like(scale))
+
+
 def tensorwise_scale_value(
     amax_value: float, dtype: torch.dtype, eps: float = 1e-12, power_of_2: bool = False
 ) -> float:
@@ -126,11 +145,12 @@ def quantize_tensorwise(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-tensor current scaling. Returns ``(data, scale)`` with ``data = saturate(x * scale)``.
 
-    ``fp8_format`` is a float8 dtype or a :class:`Format` (HYBRID means its forward dtype, E4M3).
+    ``fp8_format`` is a float8 dtype or a :class:`Format` (HYBRID means its forward dtype, E4M3). An input holding
+    inf or NaN gets scale 1 (:func:`current_scale`).
     """
     _check_floating(x, "quantize_tensorwise")
     dtype = fp8_dtype(fp8_format)
-    scale = tensorwise_scale(amax(x), dtype, eps)
+    scale = current_scale(amax(x), dtype, eps)
     return quantize_with_scale(x, scale, dtype), scale
 
 

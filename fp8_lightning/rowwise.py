@@ -30,7 +30,7 @@ from fp8_lightning.quantize import (
     ROW,
     fp8_to_float32,
     scaled_mm_layout,
-    tensorwise_scale,
+    current_scale,
     to_fp8_saturated,
     wide,
 )
@@ -40,8 +40,7 @@ from fp8_lightning.quantize import (
 def rowwise_scale(row_amax: torch.Tensor, dtype: torch.dtype, eps: float, power_of_2: bool) -> torch.Tensor:
     """The scale of each row from its amax: :func:`~fp8_lightning.quantize.tensorwise_scale` per element, and 1
     where the amax is inf or NaN."""
-    scale = tensorwise_scale(row_amax.float(), dtype, eps, power_of_2)
-    return torch.where(torch.isfinite(row_amax), scale, torch.ones_like(scale))
+    return current_scale(row_amax.float(), dtype, eps, power_of_2)
 
 
 def quantize_rowwise(

@@ -36,6 +36,9 @@ VARIABLES = (
     (PREFIX + "DISABLE_CPU_CODEC", "0", "`1`: CPU tensors take the pure-PyTorch path instead of the C codec"),
     (PREFIX + "GLUON_MX_GEMM", "0", "`1`: on Hopper (capability 9.x) the MX GEMM runs the Gluon kernel whose wgmma "
      "overlaps the scale math instead of the shipped Triton kernel"),
+    (PREFIX + "WEIGHT_CHECKSUM", "1", "`0`: a training forward reuses the step's FP8 weight on the version counter "
+     "alone, without the checksum that catches edits through `weight.data` between micro-batches (two reads of "
+     "the weight per cast and per reuse, and on a GPU one device sync per reused micro-batch)"),
     (PREFIX + "CACHE", "~/.cache/fp8_lightning", "where the C codec is built and the measured GPU roofline is kept "
      "(`FP8_LIGHTNING_CACHE_DIR`, its older name, is still read)"),
 )
@@ -58,6 +61,7 @@ class Settings:
     disable_cpu_codec: bool = False
     cache: Path = Path.home() / ".cache" / "fp8_lightning"
     gluon_mx_gemm: bool = False
+    weight_checksum: bool = True
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> "Settings":
@@ -77,11 +81,12 @@ class Settings:
             disable_cpu_codec=_flag(environ, "DISABLE_CPU_CODEC"),
             cache=Path(cache).expanduser() if cache else cls.cache,
             gluon_mx_gemm=_flag(environ, "GLUON_MX_GEMM"),
+            weight_checksum=_flag(environ, "WEIGHT_CHECKSUM", "1"),
         )
 
 
-def _flag(environ: Mapping[str, str], name: str) -> bool:
-    value = environ.get(PREFIX + name, "0").strip().lower()
+def _flag(environ: Mapping[str, str], name: str, default: str = "0") -> bool:
+    value = environ.get(PREFIX + name, default).strip().lower()
     if value not in _TRUE + _FALSE:
         raise ValueError(
             f"{PREFIX}{name}={environ[PREFIX + name]!r} is not a boolean; use 1 or 0 (true/false, yes/no, on/off)."

@@ -111,14 +111,15 @@ void fp8_cast(const void *x, int dtype, int64_t begin, int64_t end, float scale,
 }
 
 /* The E8M0 exponent of a block whose max |x| has the bits `top`: floor(log2 amax) - emax, plus one when rceil
- * and amax / 2**that exceeds the format's max, clamped to [-127, 127]; as torch computes it from frexp (which
- * gives infinity the exponent 0). The bits tell it directly: for a normal amax = 1.m * 2**(E - 127),
+ * and amax / 2**that exceeds the format's max, clamped to [-127, 127]; 0 (scale 1) where the amax is inf, so the
+ * infinities saturate and the block's finite values keep scale 1. The bits tell it directly: for a normal amax = 1.m * 2**(E - 127),
  * floor(log2 amax) = E - 127 and amax / 2**floor > fp8_max / 2**emax = 1.75 exactly when m > 0.75. Zero,
  * subnormal and NaN-holding blocks (torch counts NaN as the smallest subnormal) all clamp to -127. */
 INLINE int mx_exponent(uint32_t top, const Format *f, int rceil) {
     if (top < 0x00800000u || top > 0x7F800000u) return -127;
-    int rounds_up = rceil && (top == 0x7F800000u || (top & 0x7FFFFFu) > 0x600000u);
-    int exp = (top == 0x7F800000u ? -1 : (int)(top >> 23) - 127) - f->emax + rounds_up;
+    if (top == 0x7F800000u) return 0;
+    int rounds_up = rceil && (top & 0x7FFFFFu) > 0x600000u;
+    int exp = (int)(top >> 23) - 127 - f->emax + rounds_up;
     return exp < -127 ? -127 : (exp > 127 ? 127 : exp);
 }
 

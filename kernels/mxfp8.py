@@ -41,12 +41,11 @@ def _mx_tile(
     amax_bits = _reduce_max(_abs_bits(blocks), 2)
     is_nan = amax_bits > 0x7F800000
     is_inf = amax_bits == 0x7F800000
-    floor_log2 = tl.where(is_inf, -1, ((amax_bits >> 23) & 0xFF) - 127)
-    e = floor_log2 - EMAX
+    e = ((amax_bits >> 23) & 0xFF) - 127 - EMAX
     if RCEIL:
-        e += (((amax_bits & 0x7FFFFF) > 0x600000) | is_inf).to(tl.int32)
+        e += ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
     e = tl.minimum(tl.maximum(e, -127), 127)
-    e = tl.where(is_nan, -127, e)
+    e = tl.where(is_nan, -127, tl.where(is_inf, 0, e))  # an inf block: scale 1 (its infinities saturate)
     multiplier = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2**-e, e in [-127, 119]: a normal float
     y = _to_fp8_values(
         blocks * multiplier[:, :, None], FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, NAN_BITS, EXPLICIT_ROUNDING

@@ -227,8 +227,8 @@ def _tensorwise_cast_kernel(
         finite = amax_bits < 0x7F800000
         clean = tl.where(finite, amax, 0.0)
         scale = tl.where(clean > 0, _tensorwise_scale(clean, eps, FP8_MAX, POWER_OF_2), tl.load(prev_scale_ptr))
-    else:
-        scale = _tensorwise_scale(amax, eps, FP8_MAX, POWER_OF_2)
+    else:  # a stateless cast: an inf or NaN amax gives scale 1 (quantize.current_scale)
+        scale = tl.where(amax_bits < 0x7F800000, _tensorwise_scale(amax, eps, FP8_MAX, POWER_OF_2), 1.0)
     _cast_part(x_ptr, out_ptr, out_t_ptr, M, K, scale, FP8_MAX, MANTISSA_BITS, MIN_NORMAL_EXP, NAN_BITS,
                EXPLICIT_ROUNDING, TRANSPOSE, BLOCK, TILE)  # fmt: skip
     if tl.program_id(0) + tl.program_id(1) == 0:

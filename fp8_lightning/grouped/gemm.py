@@ -53,21 +53,19 @@ class GroupedScaling(LayerScaling):
         self.gemms = collections.Counter()  # grouped FP8 GEMMs run, by kind ("fprop", "dgrad", "wgrad")
 
     def weight_operands(self, weight: torch.Tensor, record: bool, regathered: bool = False):
-        """Each expert's (W_e, W_e.T) operands: in training cast once per weight version and scale generation, in
-        evaluation cast afresh (see :class:`~fp8_lightning.linear.LayerScaling`)."""
+        """Each expert's (W_e, W_e.T) operands: in training cast once per weight version and scale generation (and
+        again after an edit through ``weight.data``), in evaluation cast afresh (see
+        :class:`~fp8_lightning.linear.LayerScaling`)."""
         if regathered:
             self._weight_cache = None
         if not record:
             return self.recipe.grouped_weight_operands(weight.detach(), self.forward_dtype, self.expert_states, False)
         generations = tuple(s.generation for s in self.expert_states if s is not None)
-        key = (weight._version, weight.data_ptr(), generations, weight.device)
-        if self._weight_cache is None or key != self._weight_key:
-            self._weight_cache = self.recipe.grouped_weight_operands(
-                weight.detach(), self.forward_dtype, self.expert_states, True
-            )
-            self._weight_key = key
-            self.weight_casts += 1
-        return self._weight_cache
+        return self.cached_weight(
+            weight,
+            generations,
+            lambda: self.recipe.grouped_weight_operands(weight.detach(), self.forward_dtype, self.expert_states, True),
+        )
 
 
 def group_bounds(offs: torch.Tensor, rows: int, experts: int) -> list[tuple[int, int]]:

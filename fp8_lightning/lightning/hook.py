@@ -22,6 +22,7 @@ import warnings
 from typing import Any, Callable, Iterator
 
 PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric")
+CLI_MODULES = ("lightning.pytorch.cli", "pytorch_lightning.cli")  # their parsers report FP8 errors first
 
 
 def lazy_names(namespace: dict[str, Any], table: dict[str, str]) -> tuple[Callable, Callable]:
@@ -43,7 +44,7 @@ def lazy_names(namespace: dict[str, Any], table: dict[str, str]) -> tuple[Callab
 
 def install() -> None:
     """Register with the Lightning packages imported so far; register with the others when they are imported."""
-    for package in PACKAGES:
+    for package in PACKAGES + CLI_MODULES:
         if _imported(package):
             register(package)
         else:
@@ -79,6 +80,11 @@ def _flush() -> None:
 
 
 def _register_now(package: str) -> None:
+    if package in CLI_MODULES:
+        from fp8_lightning.lightning.cli import report_fp8_errors_first
+
+        report_fp8_errors_first(sys.modules[package])
+        return
     from fp8_lightning.lightning.registration import RegistrationError, register_package
 
     try:

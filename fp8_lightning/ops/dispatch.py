@@ -186,7 +186,7 @@ def fast_quantize_tensorwise(
     kernels = cuda_kernels(x)
     if kernels is not None:
         return kernels.triton_tensorwise_cast(x.detach(), dtype, eps)
-    scale = quantize.tensorwise_scale(fast_amax(x), dtype, eps)
+    scale = quantize.current_scale(fast_amax(x), dtype, eps)
     return fast_quantize_with_scale(x, scale, dtype), scale
 
 

@@ -17,15 +17,17 @@ def test_defaults_when_nothing_is_set():
     assert parsed == Settings()
     assert (parsed.gemm, parsed.emulate, parsed.disable_triton, parsed.disable_cpu_codec) == ("auto", False, False, False)
     assert parsed.cache == Path.home() / ".cache" / "fp8_lightning"
+    assert parsed.weight_checksum and not parsed.gluon_mx_gemm
 
 
 def test_every_variable_is_parsed():
     parsed = Settings.from_environ({
         "FP8_LIGHTNING_GEMM": " Scaled_MM ", "FP8_LIGHTNING_EMULATE": "yes", "FP8_LIGHTNING_DISABLE_TRITON": "ON",
         "FP8_LIGHTNING_TRITON_EXPLICIT_ROUNDING": "true", "FP8_LIGHTNING_DISABLE_CPU_CODEC": "1",
-        "FP8_LIGHTNING_CACHE": "/tmp/fp8-cache",
+        "FP8_LIGHTNING_CACHE": "/tmp/fp8-cache", "FP8_LIGHTNING_GLUON_MX_GEMM": "1",
+        "FP8_LIGHTNING_WEIGHT_CHECKSUM": "off",
     })  # fmt: skip
-    assert parsed == Settings("scaled_mm", True, True, True, True, Path("/tmp/fp8-cache"))
+    assert parsed == Settings("scaled_mm", True, True, True, True, Path("/tmp/fp8-cache"), True, False)
 
 
 def test_the_older_cache_name_is_still_read_and_the_new_one_wins():

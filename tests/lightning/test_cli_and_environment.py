@@ -99,3 +99,25 @@ def test_registration_names_the_plugins_route_when_lightning_moved(monkeypatch):
     renamed = registration._Family("fake_lightning_connector:Connector", *registration.dataclasses.astuple(family)[1:])
     with pytest.raises(registration.RegistrationError, match=r"no argument\(s\) \['precision'\]"):
         registration._register(renamed)
+
+
+def _cli_error(args: list[str], capsys) -> list[str]:
+    from tests.lightning.cli_app import LightningCLI, Model
+    from lightning.pytorch.demos.boring_classes import BoringDataModule
+
+    with pytest.raises(SystemExit):
+        LightningCLI(Model, BoringDataModule, args=["fit", *args, "--trainer.accelerator", "cpu"],
+                     save_config_callback=None)
+    return capsys.readouterr().err.splitlines()
+
+
+def test_lightning_cli_reports_a_mistyped_fp8_precision_in_its_first_line(capsys):
+    lines = _cli_error(["--trainer.precision", "fp8-hybridd"], capsys)
+    assert "--trainer.precision='fp8-hybridd'" in lines[0] and "did you mean 'fp8-hybrid'?" in lines[0]
+    assert any(line.startswith("usage:") for line in lines[1:])  # the parser's own report follows
+
+
+def test_lightning_cli_reports_a_bad_fp8_plugin_argument_in_its_first_line(capsys):
+    lines = _cli_error(["--trainer.plugins", "fp8_lightning.FP8Precision", "--trainer.plugins.recipe", "bogus"], capsys)
+    assert lines[0].startswith("error: fp8_lightning.FP8Precision(recipe='bogus'")
+    assert "recipe name 'bogus' is unknown; allowed:" in lines[0]
