@@ -40,6 +40,8 @@ SUITES: dict[str, Suite] = {
                        "converge like float32?"),
     "grad-bytes": Suite("grad_bytes", "How many bytes does gradient communication put on the wire: float32, bf16, "
                         "FP8?"),
+    "tp-bytes": Suite("tp_bytes", "How many bytes do the sequence-parallel all-gathers move per step with FP8 "
+                      "tensor-parallel styles vs the same plan in bf16?"),
     "allgather-bytes": Suite("allgather_bytes", "How many bytes do FSDP2 weight all-gathers move with FP8 vs "
                              "fp32 and bf16?"),
     "aot": Suite("aot_compile", "Does every Triton kernel configuration compile for sm_89/sm_90a/sm_100a, with how "

@@ -8,7 +8,9 @@ are GEMM throughput relative to a bf16 GEMM on the same device, used by the prof
 * the Triton MX GEMM on Hopper, which has no MX tensor cores, ran at 213 TFLOP/s against bf16's 683 at 8192 cubed
   on an H100 (``benchmarks/results/gpu-h100-20261126/kernels_gpu.md``);
 * a GEMM emulated in float32 runs at the float32 rate: 63.9 ms against bf16's 4.31 ms for an 8192 linear layer on
-  the same H100 (``benchmarks/results/gpu-h100-20261126/linear-eager``).
+  the same H100 (``benchmarks/results/gpu-h100-20261126/linear-eager``);
+* the rowwise grouped expert step through ``torch._scaled_grouped_mm`` ran at best at 0.19x of bf16 grouped GEMMs on
+  an H200, its casts and copies costing more than the GEMMs (``benchmarks/results/gpu-h200-grouped-20261126.md``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ CUBLAS_ROWWISE_MIN_CUDA = (12, 9)
 NATIVE_FP8_RATE = 2.0
 TRITON_MX_RATE = 213 / 683
 FLOAT32_RATE = 4.31 / 63.9
+ROWWISE_GROUPED_STEP_RATE = 19.30 / 101.15  # the best of the four expert shapes measured
 
 Capability = tuple[int, int]
 CudaVersion = tuple[int, int] | None
@@ -50,6 +53,12 @@ class GemmRoute(NamedTuple):
 
 def native(gemm: str, why: str) -> GemmRoute:
     return GemmRoute(NATIVE, gemm, why, NATIVE_FP8_RATE)
+
+
+def native_grouped_rowwise(why: str) -> GemmRoute:
+    """torch's CUTLASS rowwise grouped GEMM: native tensor cores, but the grouped step around it measured slower than
+    bf16 (the rate the profitability gate reads)."""
+    return GemmRoute(NATIVE, "CUTLASS rowwise grouped GEMM (torch._scaled_grouped_mm)", why, ROWWISE_GROUPED_STEP_RATE)
 
 
 def emulated_on_gpu(why: str) -> GemmRoute:

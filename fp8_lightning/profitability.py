@@ -215,15 +215,19 @@ class ProfitabilityGate:
 
     def experts_skip_reason(self, device: torch.device, recipe: Recipe | None = None) -> str | None:
         """Why fused experts on ``device`` should stay in high precision under ``recipe``: None where the recipe's
-        grouped GEMMs run natively there (:func:`~fp8_lightning.capability_table.recipe_grouped_route`: rowwise on
-        sm_90), else the reason (emulated in float32, slower than bf16)."""
+        grouped step runs natively there faster than bf16
+        (:func:`~fp8_lightning.capability_table.recipe_grouped_route`), else the reason (emulated in float32, or a
+        native route measured slower than bf16: rowwise on sm_90)."""
         device = torch.device(self.device) if self.device is not None else device
         if not self.applies_to(device):
             return f"FP8 is emulated on {device.type} (never faster than float32 there); profitability gate forced on"
         known = recipe is not None and device.type == "cuda" and torch.cuda.is_available()  # a device to ask
         route = recipe_grouped_route(recipe, device) if known else None
-        if route is not None and route.verdict == NATIVE:
+        if route is not None and route.verdict == NATIVE and route.rate_vs_bf16 > 1:
             return None
+        if route is not None and route.verdict == NATIVE:
+            return (f"its grouped FP8 step ({route.gemm}) measured {route.rate_vs_bf16:.2f}x the speed of bf16 grouped "
+                    "GEMMs; pass profitability=False to convert it anyway (FP8 numerics)")
         why = route.why if route is not None else "no FP8 grouped kernel was named for it"
         return (
             f"its grouped GEMMs would run emulated in float32 on {device.type} ({why}), slower than bf16; pass "

@@ -21,13 +21,13 @@ from fp8_lightning.gemm_routes import (
     cuda_name,
     emulated_on_gpu,
     native,
+    native_grouped_rowwise,
 )
 from fp8_lightning.kernels.fine_grained_layout import ROWWISE_TILES
 from fp8_lightning.ops import dispatch
-from fp8_lightning.quantize import HIGH_PRECISION, ROW, Quantized
+from fp8_lightning.quantize import HIGH_PRECISION, ROW, Quantized, to_fp8_saturated, wide
 from fp8_lightning.recipes.base import check_flags, invalid
 from fp8_lightning.recipes.fine_grained import FineGrainedRecipe
-from fp8_lightning.quantize import to_fp8_saturated, wide
 from fp8_lightning.rowwise import (
     dequantize_rowwise,
     high_precision_operand,
@@ -142,7 +142,7 @@ class RowwiseScaling(FineGrainedRecipe):
             reason = f"{where}: torch 2.11's rowwise grouped kernel is built for sm_90 only"
         if reason is not None:
             return emulated_on_gpu(f"grouped GEMMs emulated: {reason}")
-        return native("CUTLASS rowwise grouped GEMM (torch._scaled_grouped_mm)", f"{where}, {cuda_name(cuda)}")
+        return native_grouped_rowwise(f"{where}, {cuda_name(cuda)}")
 
     def _grouped_unsupported_reason(self) -> str | None:
         if self.high_precision_wgrad:

@@ -201,16 +201,19 @@ def test_grouped_native_asks_the_device(monkeypatch):
         rowwise_grouped._device_reason.cache_clear()
 
 
-def test_the_gate_converts_experts_where_their_grouped_gemms_are_native(monkeypatch):
-    """On a (simulated) sm_90 the profitability gate lets rowwise experts convert (one grouped FP8 launch per GEMM)
-    and keeps tensorwise experts in bf16, naming the emulated route."""
+def test_the_gate_keeps_experts_in_bf16_while_the_native_grouped_step_measures_slower(monkeypatch):
+    """On a (simulated) sm_90 the rowwise grouped route is native but its step measured 0.19x of bf16 on an H200:
+    the gate keeps rowwise experts in bf16 with that reason, converts them with profitability=False, and keeps
+    tensorwise experts in bf16, naming the emulated route."""
     from fp8_lightning import GroupedExperts, ProfitabilityGate, capability_table, convert_to_fp8
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(capability_table, "device_facts", lambda device: ((9, 0), (12, 9), True))
     gate = ProfitabilityGate(device="cuda")
     experts = lambda: GroupedExperts(dim=64, hidden_dim=64, num_experts=2)  # noqa: E731
-    assert convert_to_fp8(experts(), "rowwise", profitability=gate).experts == ["<root>"]
+    report = convert_to_fp8(experts(), "rowwise", profitability=gate)
+    assert report.experts == [] and "measured 0.19x the speed of bf16" in report.experts_skipped["<root>"]
+    assert convert_to_fp8(experts(), "rowwise", profitability=False).experts == ["<root>"]
     report = convert_to_fp8(experts(), "tensorwise", profitability=gate)
     assert report.experts == [] and "no FP8 grouped kernel serves TensorwiseScaling" in report.experts_skipped["<root>"]
 
