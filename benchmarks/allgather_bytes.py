@@ -23,10 +23,7 @@ Writes a Markdown table (with the command, machine and date) and a JSON file nex
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import sys
 from pathlib import Path
 
@@ -35,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from benchmarks import command as front_door_command
+from benchmarks.bench_common import write_gloo_result
 from fp8_lightning.testing import CollectiveCounter, free_port
 
 WORLD = 2
@@ -141,23 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     out = mp.Manager().dict()
     mp.spawn(worker, args=(free_port(), args.width, args.depth, out), nprocs=WORLD)
     rows = out["rows"]
-    command = front_door_command("allgather_bytes", argv)
-    machine = f"{platform.node() or 'unknown host'}: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}"
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    header = (
-        "# FSDP2 weight all-gather bytes per training step (measured)\n\n"
-        f"- command: `{command}`\n- machine: {machine}\n- torch {torch.__version__}, backend gloo, "
-        f"{WORLD} processes\n- date: {when}\n\n"
+    notes = (
         "Bytes this rank contributes to all-gathers in one training step (forward gathers + backward re-gathers),\n"
         "counted at the torch.distributed call FSDP2 makes. All-reduce bytes: FP8 scale agreement (weight amaxes\n"
         "once per step; input/gradient amaxes of delayed scaling). Reduce-scatter: gradients, in param_dtype.\n"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(header + table(rows) + "\n")
-    args.out.with_suffix(".json").write_text(
-        json.dumps({"command": command, "machine": machine, "date": when, "torch": torch.__version__, "rows": rows}, indent=1)
-    )
-    print(header + table(rows))
+    write_gloo_result(args.out, "allgather_bytes", argv, "FSDP2 weight all-gather bytes per training step (measured)",
+                      f"backend gloo, {WORLD} processes", notes, table(rows), rows)
     weights = {r["config"]: r["bytes"]["all_gather"] for r in rows if r["model"] == "weights"}
     ok = all(
         weights[name] <= 0.52 * weights["bf16"] and weights[name] <= 0.26 * weights["fp32"]

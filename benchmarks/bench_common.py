@@ -131,6 +131,22 @@ def markdown_table(columns: list[tuple[str, str, str]], rows: list[dict]) -> str
     return "\n".join(lines)
 
 
+def write_gloo_result(out: Path, suite: str, argv, title: str, setting: str, notes: str, table: str, rows) -> str:
+    """Write a gloo byte-count result: ``out`` (Markdown: title, command, machine, torch, date, notes, table) and
+    the same with ``rows`` as JSON next to it; returns the Markdown."""
+    command = front_door_command(suite, argv)
+    machine = f"{platform.node() or 'unknown host'}: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}"  # noqa: E501
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    text = (f"# {title}\n\n- command: `{command}`\n- machine: {machine}\n- torch {torch.__version__}, {setting}\n"
+            f"- date: {when}\n\n{notes}\n{table}\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    out.with_suffix(".json").write_text(json.dumps(
+        {"command": command, "machine": machine, "date": when, "torch": torch.__version__, "rows": rows}, indent=1))
+    print(text)
+    return text
+
+
 def write_results(folder: Path, head: dict, rows: list[dict], table: str, notes: str = "") -> None:
     (folder / "results.json").write_text(json.dumps({**head, "rows": rows}, indent=1, default=str))
     text = (

@@ -18,10 +18,7 @@ Writes a Markdown table (with the command, machine and date) and a JSON file nex
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import sys
 from pathlib import Path
 
@@ -30,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from benchmarks import command as front_door_command
+from benchmarks.bench_common import write_gloo_result
 from fp8_lightning.testing import CollectiveCounter, free_port
 
 WORLD = 2
@@ -130,23 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     out = mp.Manager().dict()
     mp.spawn(worker, args=(free_port(), args.width, args.sequence, args.depth, out), nprocs=WORLD)
     rows = out["rows"]
-    command = front_door_command("tp_bytes", argv)
-    machine = f"{platform.node() or 'unknown host'}: {platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}"
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    header = (
-        "# Sequence-parallel all-gather bytes per training step (measured)\n\n"
-        f"- command: `{command}`\n- machine: {machine}\n- torch {torch.__version__}, backend gloo, "
-        f"{WORLD} processes, bf16 model\n- date: {when}\n\n"
-        "Bytes this rank contributes to all-gathers: forward (activations entering colwise regions) and backward\n"
-        "(bf16 gradients leaving rowwise regions). All-reduce bytes: the agreed amaxes of per-tensor scales (and\n"
-        "rowwise's column amaxes).\n\n"
-    )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(header + table(rows) + "\n")
-    args.out.with_suffix(".json").write_text(
-        json.dumps({"command": command, "machine": machine, "date": when, "torch": torch.__version__, "rows": rows},
-                   indent=1))
-    print(header + table(rows))
+    notes = ("Bytes this rank contributes to all-gathers: forward (activations entering colwise regions) and backward\n"
+             "(bf16 gradients leaving rowwise regions). All-reduce bytes: the agreed amaxes of per-tensor scales (and\n"
+             "rowwise's column amaxes).\n")
+    write_gloo_result(args.out, "tp_bytes", argv, "Sequence-parallel all-gather bytes per training step (measured)",
+                      f"backend gloo, {WORLD} processes, bf16 model", notes, table(rows), rows)
     base = rows[0]["forward"]["all_gather"]
     met = [r["config"] for r in rows[1:] if r["forward"]["all_gather"] <= TARGET * base]
     print(f"FP8 forward all-gather <= {TARGET}x bf16: {', '.join(met) or 'none'}")

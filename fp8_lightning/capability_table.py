@@ -72,12 +72,7 @@ def recipe_grouped_route(recipe: Recipe, device: torch.device | str | None = Non
 
 def grouped_support_matrix(cuda: CudaVersion = MATRIX_CUDA) -> str:
     """Every recipe's grouped (expert) GEMMs x :data:`MATRIX_ARCHS`, with ``cuda`` and torch 2.11's API."""
-    header = "| recipe | " + " | ".join(arch_name(a) for a in MATRIX_ARCHS) + " |"
-    lines = [header, "|---|" + "---|" * len(MATRIX_ARCHS)]
-    for name, cls in built_in_recipes().items():
-        cells = [_cell(grouped_route_on(cls(), arch, cuda, True)) for arch in MATRIX_ARCHS]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return _matrix(lambda recipe, arch: grouped_route_on(recipe, arch, cuda, True))
 
 
 def device_facts(device: torch.device) -> tuple[tuple[int, int], CudaVersion, bool]:
@@ -136,17 +131,22 @@ def warn_if_not_native(recipe: Recipe, device: torch.device | str | None) -> Gem
 
 
 def _cell(route: GemmRoute) -> str:
-    rate = f" ({route.rate_vs_bf16:.2f}x bf16)" if route.verdict not in (NATIVE, REFUSED, EMULATED) else ""
+    slower = route.verdict == NATIVE and route.rate_vs_bf16 < 1  # a native kernel measured slower than bf16
+    rate = f" ({route.rate_vs_bf16:.2f}x bf16)" if slower or route.verdict not in (NATIVE, REFUSED, EMULATED) else ""
     return f"{route.verdict}: {route.gemm}{rate}"
 
 
 def support_matrix(cuda: CudaVersion = MATRIX_CUDA, has_v2: bool = True) -> str:
     """The README's support matrix: every recipe x :data:`MATRIX_ARCHS`, with ``cuda`` and torch 2.11's API."""
+    return _matrix(lambda recipe, arch: route_on(recipe, arch, cuda, has_v2))
+
+
+def _matrix(route_of) -> str:
+    """A Markdown table of ``route_of(recipe, arch)`` for every built-in recipe x :data:`MATRIX_ARCHS`."""
     header = "| recipe | " + " | ".join(arch_name(a) for a in MATRIX_ARCHS) + " |"
     lines = [header, "|---|" + "---|" * len(MATRIX_ARCHS)]
     for name, cls in built_in_recipes().items():
-        cells = [_cell(route_on(cls(), arch, cuda, has_v2)) for arch in MATRIX_ARCHS]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | " + " | ".join(_cell(route_of(cls(), arch)) for arch in MATRIX_ARCHS) + " |")
     return "\n".join(lines)
 
 
