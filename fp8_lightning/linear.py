@@ -443,7 +443,8 @@ class FP8Linear(nn.Linear):
         if x.dim() == 0 or x.shape[-1] != in_features:
             raise ValueError(
                 f"{type(self).__name__}(in_features={self.in_features}, out_features={self.out_features}) got an "
-                f"input of shape {tuple(x.shape)}; its last dimension must be {in_features}. "
+                f"input of shape {tuple(x.shape)}; its last dimension must be in_features={self.in_features}"
+                f"{'' if in_features == self.in_features else f' split over tensor-parallel ranks: {in_features}'}. "
                 "Reshape the input, or check which layer it was meant for."
             )
         if x.numel() == 0:  # no tokens (an empty micro-batch): nothing to cast; the plain GEMM gives the empty

@@ -3,7 +3,7 @@
 An MLP (colwise ``w1``, rowwise ``w2``) trains 3 SGD steps; one spawn runs every case. What each test shows:
 
 * TP=2 trains the losses of one process (the split GEMMs sum the same products; per-tensor recipes agree one
-  scale per split operand), evaluation included;
+  scale per split operand), and an evaluation forward gives its output;
 * sequence parallel with the input all-gathered in FP8 gives the bits of the same plan gathering in high precision
   (outputs and every gradient), so the FP8 wire format changes nothing, and within rounding of one process;
 * the FP8 all-gather sends fewer bytes: per-tensor recipes the codes only (1 byte per element against 4 for the
