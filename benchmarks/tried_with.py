@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 import fp8_lightning  # noqa: F401
 from fp8_lightning import fp8_modules
 from fp8_lightning.lightning.strings import PRECISION_RECIPES
+from fp8_lightning.lightning.testing import CausalLM
 from fp8_lightning.testing import VOCAB, loader, trainer_kwargs
 
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -37,24 +38,6 @@ FAMILIES = {
         vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
         attn_pdrop=0.0)),
 }  # fmt: skip
-
-
-class CausalLM(L.LightningModule):
-    """A Hugging Face causal LM in a LightningModule: its own loss on the batch's tokens, AdamW at 3e-3."""
-
-    def __init__(self, factory):
-        super().__init__()
-        self.model = factory()
-        self.losses: list[float] = []
-
-    def training_step(self, batch, batch_idx):
-        (seq,) = batch
-        loss = self.model(input_ids=seq, labels=seq).loss
-        self.losses.append(loss.item())
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.0)
 
 
 def train(factory, precision: str, steps: int, ranks: int = 1, **trainer_overrides) -> tuple[CausalLM, L.Trainer]:

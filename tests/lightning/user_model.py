@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fp8_lightning.lightning.testing import CausalLM  # noqa: F401 - re-exported
 from fp8_lightning.testing import SEQ, VOCAB, loader, markov_tokens, trainer_kwargs  # noqa: F401 - re-exported
 
 
@@ -102,21 +103,3 @@ def final_loss(losses: list[float], last: int = 5) -> float:
     tail = losses[-last:]
     assert all(math.isfinite(x) for x in tail), tail
     return sum(tail) / len(tail)
-
-
-class CausalLM(L.LightningModule):
-    """A transformers causal LM (built by ``factory``) trained on its own next-token loss, losses recorded."""
-
-    def __init__(self, factory):
-        super().__init__()
-        self.model = factory()
-        self.losses: list[float] = []
-
-    def training_step(self, batch, batch_idx):
-        (seq,) = batch
-        loss = self.model(input_ids=seq, labels=seq).loss
-        self.losses.append(loss.item())
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.0)
