@@ -11,7 +11,7 @@ from fp8_lightning.conv1d import FP8Conv1D
 from fp8_lightning.lightning.strings import PRECISION_RECIPES
 from fp8_lightning.policy import POLICY_SKIP
 
-from .user_model import VOCAB, CausalLM, loader, trainer_kwargs
+from .user_model import VOCAB, CausalLM, fit_causal_lm
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (dev extras)")
 STEPS = 6
@@ -34,11 +34,7 @@ MODELS = {"llama": (llama, FP8Linear, 2 * 7 + 1), "gpt2": (gpt2, FP8Conv1D, 2 * 
 
 
 def _fit(name: str, precision: str) -> tuple[CausalLM, L.Trainer]:
-    L.seed_everything(0, verbose=False)
-    module = CausalLM(MODELS[name][0])
-    trainer = L.Trainer(max_steps=STEPS, precision=precision, **trainer_kwargs())
-    trainer.fit(module, loader(n=STEPS * 16, batch_size=16))
-    return module, trainer
+    return fit_causal_lm(MODELS[name][0], precision, STEPS)
 
 
 @pytest.fixture(scope="module")

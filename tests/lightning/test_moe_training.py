@@ -8,7 +8,7 @@ import torch
 
 from fp8_lightning.lightning.strings import PRECISION_RECIPES
 
-from .user_model import CausalLM, loader, trainer_kwargs
+from .user_model import CausalLM, fit_causal_lm, loader, trainer_kwargs
 
 pytest.importorskip("transformers", reason="needs transformers (dev extras)")
 from tests.helpers.moe import tiny_moe  # noqa: E402
@@ -22,11 +22,7 @@ def moe_lm(family: str) -> CausalLM:
 
 
 def _fit(family: str, precision: str, **kwargs) -> tuple[CausalLM, L.Trainer]:
-    L.seed_everything(0, verbose=False)
-    module = moe_lm(family)
-    trainer = L.Trainer(max_steps=STEPS, precision=precision, **trainer_kwargs(**kwargs))
-    trainer.fit(module, loader(n=STEPS * 16, batch_size=16))
-    return module, trainer
+    return fit_causal_lm(lambda: tiny_moe(family), precision, STEPS, **kwargs)
 
 
 @pytest.fixture(scope="module")

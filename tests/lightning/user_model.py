@@ -103,3 +103,12 @@ def final_loss(losses: list[float], last: int = 5) -> float:
     tail = losses[-last:]
     assert all(math.isfinite(x) for x in tail), tail
     return sum(tail) / len(tail)
+
+
+def fit_causal_lm(factory, precision: str, steps: int, **kwargs) -> tuple[CausalLM, L.Trainer]:
+    """``steps`` steps of ``CausalLM(factory)`` from seed 0 under ``precision``, 16 sequences per step."""
+    L.seed_everything(0, verbose=False)
+    module = CausalLM(factory)
+    trainer = L.Trainer(max_steps=steps, precision=precision, **trainer_kwargs(**kwargs))
+    trainer.fit(module, loader(n=steps * 16, batch_size=16))
+    return module, trainer
