@@ -133,9 +133,8 @@ def convert_to_fp8(
             report.skipped[name or "<root>"] = reason
             continue
         parallel = child.__dict__.get("fp8_tensor_parallel")  # split by an FP8 tensor-parallel style
-        refused = None if parallel is None else parallel.unsupported_reason(child, layer_recipe)
-        if refused is not None:
-            raise ValueError(parallel.refusal(layer_recipe, refused, name))
+        if parallel is not None:
+            parallel.check(child, layer_recipe, name)
         if is_conv1d(child) or isinstance(child, FP8Conv1D):
             FP8Conv1D.from_conv1d(child, layer_recipe, emulate)
         else:

@@ -44,15 +44,18 @@ def rowwise_scale(row_amax: torch.Tensor, dtype: torch.dtype, eps: float, power_
 
 
 def quantize_rowwise(
-    x: torch.Tensor, dtype: torch.dtype, dim: int = -1, eps: float = 1e-12, power_of_2: bool = True
+    x: torch.Tensor, dtype: torch.dtype, dim: int = -1, eps: float = 1e-12, power_of_2: bool = True,
+    amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(data, scale)`` of a 2-D ``x`` with one scale per slice along ``dim`` (-1: per row, 0: per column); the
-    scale keeps the reduced dimension (shape (M, 1) or (1, K)) so that ``data = saturate(x * scale)``."""
+    scale keeps the reduced dimension (shape (M, 1) or (1, K)) so that ``data = saturate(x * scale)``. ``amax``:
+    each slice's amax where it is known already (agreed across the ranks that hold parts of the slices)."""
     if x.dim() != 2 or x.shape[dim] == 0:
         raise ValueError(
             f"quantize_rowwise expects a 2-D tensor with a non-empty dimension {dim}; got shape {tuple(x.shape)}."
         )
-    amax = x.detach().abs().amax(dim=dim, keepdim=True).float()
+    if amax is None:
+        amax = x.detach().abs().amax(dim=dim, keepdim=True).float()
     scale = rowwise_scale(amax, dtype, eps, power_of_2)
     return to_fp8_saturated(wide(x.detach()) * scale, dtype), scale
 

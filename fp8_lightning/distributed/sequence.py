@@ -60,11 +60,6 @@ def reduce_scatter_tokens(t: torch.Tensor, dim: int, group: dist.ProcessGroup) -
     return out.view(stacked.shape[1:])
 
 
-def all_gather_along(t: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """Every rank's ``t`` concatenated along ``dim`` in rank order."""
-    return torch.cat(all_gather_stacked(t, group).unbind(0), dim=dim)
-
-
 class GradientAllReduce(torch.autograd.Function):
     """Identity forward; the gradient is summed over ``group``."""
 
@@ -100,7 +95,7 @@ class GatherTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
-        return all_gather_along(x, dim, group)
+        return gather_tokens(x, dim, 1, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -117,7 +112,7 @@ class ReduceScatterTokens(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather_along(grad.contiguous(), ctx.dim, ctx.group), None, None
+        return gather_tokens(grad, ctx.dim, 1, ctx.group), None, None
 
 
 class SequenceGathered(torch.autograd.Function):

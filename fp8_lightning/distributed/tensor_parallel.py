@@ -73,12 +73,14 @@ class ShardedLinear:
         sharded = "out_features" if self.style == "colwise" else "in_features"
         return recipe.tensor_parallel_unsupported_reason(layer.in_features, layer.out_features, sharded, self.size)
 
-    def refusal(self, recipe: Recipe, reason: str, name: str = "") -> str:
-        """The set-up error of a layer whose shards ``recipe`` cannot scale."""
-        where = f"Layer '{name}'" if name else "This layer"
-        return (f"{where} is split {self.style} over {self.size} tensor-parallel ranks, and under "
-                f"{type(recipe).__name__} {reason}. Use another tensor-parallel size, another recipe for this layer "
-                "(layers={...}), or leave the layer out of the plan.")
+    def check(self, layer: nn.Module, recipe: Recipe, name: str = "") -> None:
+        """Raise the set-up error of a layer whose shards ``recipe`` cannot scale (ValueError naming the fix)."""
+        reason = self.unsupported_reason(layer, recipe)
+        if reason is not None:
+            where = f"Layer '{name}'" if name else "This layer"
+            raise ValueError(f"{where} is split {self.style} over {self.size} tensor-parallel ranks, and under "
+                             f"{type(recipe).__name__} {reason}. Use another tensor-parallel size, another recipe "
+                             "for this layer (layers={...}), or leave the layer out of the plan.")
 
     def bind(self, layer: FP8Linear) -> None:
         """Point the per-tensor scaling states of the split operands at the group (each recipe's, once)."""
@@ -221,9 +223,7 @@ def _check_module(style: str, module: nn.Module) -> None:
 
 def _check_layer(parallel: ShardedLinear, module: nn.Module) -> None:
     if isinstance(module, FP8Linear):
-        reason = parallel.unsupported_reason(module, module.fp8_recipe)
-        if reason is not None:
-            raise ValueError(parallel.refusal(module.fp8_recipe, reason))
+        parallel.check(module, module.fp8_recipe)
 
 
 class FP8ColwiseParallel(ColwiseParallel):

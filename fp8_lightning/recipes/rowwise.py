@@ -25,14 +25,13 @@ from fp8_lightning.gemm_routes import (
 )
 from fp8_lightning.kernels.fine_grained_layout import ROWWISE_TILES
 from fp8_lightning.ops import dispatch
-from fp8_lightning.quantize import HIGH_PRECISION, ROW, Quantized, to_fp8_saturated, wide
+from fp8_lightning.quantize import HIGH_PRECISION, ROW, Quantized
 from fp8_lightning.recipes.base import check_flags, invalid
 from fp8_lightning.recipes.fine_grained import FineGrainedRecipe
 from fp8_lightning.rowwise import (
     dequantize_rowwise,
     high_precision_operand,
     quantize_rowwise,
-    rowwise_scale,
     tensorwise_column_operand,
 )
 from fp8_lightning.rowwise_grouped import (
@@ -169,8 +168,7 @@ class RowwiseScaling(FineGrainedRecipe):
         column_amax = torch.nan_to_num(column_amax, nan=float("inf"))  # MAX carries inf; NaN compares false
         if torch.distributed.get_world_size(group) > 1:
             torch.distributed.all_reduce(column_amax, op=torch.distributed.ReduceOp.MAX, group=group)
-        scale = rowwise_scale(column_amax, dtype, self.eps, self.power_of_2_scales)
-        data = to_fp8_saturated(wide(x.detach()) * scale, dtype)
+        data, scale = quantize_rowwise(x, dtype, 0, self.eps, self.power_of_2_scales, column_amax)
         return row, Quantized(data.t(), scale.t(), ROW)
 
     def sequence_gather(self, row, column, gather):
