@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import socket
 import sys
@@ -27,11 +28,36 @@ from torch.utils.data import DataLoader, TensorDataset
 # --- two-process runs ---------------------------------------------------------------------------------------------
 
 
+
+def _rendezvous_ports() -> tuple[int, int]:
+    """Ports from 20000 up to the start of the kernel's ephemeral range (Linux's default starts at 32768)."""
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return (20000, low) if low > 21000 else (10000, 20000)
+
+
+_RENDEZVOUS_PORTS = _rendezvous_ports()
+
+
 def free_port() -> int:
-    """A free TCP port on the loopback interface, for a rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port on the loopback interface for a rendezvous, drawn below the kernel's ephemeral range.
+
+    A port the kernel hands out for ``bind(0)`` can be handed out again, between this call and the rendezvous, to a
+    gloo connection or a store of another process running at the same time; the rendezvous then joins the wrong
+    store and waits forever. Ports below the ephemeral range are never handed out that way.
+    """
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(_RENDEZVOUS_PORTS[0], _RENDEZVOUS_PORTS[1])
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port in {_RENDEZVOUS_PORTS} on 127.0.0.1 after 200 tries")
 
 
 def init_gloo(rank: int, world: int, port: int) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from fp8_lightning.lightning.optimizer_callback import FP8OptimizerStates
 from fp8_lightning.optim import FP8Optimizer
+from fp8_lightning.testing import free_port
 from tests.optim.lightning_app import UserLM, loader, trainer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,7 +74,9 @@ def test_resumed_fit_reproduces_the_uninterrupted_losses(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ddp_two_gloo_processes(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # Lightning would draw its rendezvous port from the ephemeral range, where a gloo test running beside this one
+    # can take it first; the rendezvous then waits on the other test's store until the timeout
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     result = subprocess.run([sys.executable, "tests/optim/lightning_app.py", str(tmp_path)], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
