@@ -53,8 +53,11 @@ def projections(model: str, shrink: int, experts: int | None) -> tuple[list[tupl
     return [("gate_up", hidden, 2 * inner), ("down", inner, hidden)], experts or total, top_k
 
 
-def configurations(a, b, offs, counts, dtype, recipes=RECIPES):
-    """name -> a function that runs one forward + backward."""
+BASELINES = ["bf16 grouped", "fp32 grouped", "bf16 per-expert loop"]
+
+
+def configurations(a, b, offs, counts, dtype, recipes=RECIPES, baselines=BASELINES):
+    """name -> a function that runs one forward + backward ("bf16 grouped", the reference, always runs)."""
     g = torch.randn(a.shape[0], b.shape[2], dtype=dtype, device=a.device)
 
     def step(fn):
@@ -71,9 +74,28 @@ def configurations(a, b, offs, counts, dtype, recipes=RECIPES):
         "fp32 grouped": step(lambda x, w: torch._grouped_mm(x.float(), w.float(), offs)),
         "bf16 per-expert loop": step(lambda x, w: loop(x.bfloat16(), w.bfloat16())),
     }
+    fns = {name: fn for name, fn in fns.items() if name == "bf16 grouped" or name in baselines}
     for recipe in recipes:
         fns[f"fp8 {recipe}"] = step(lambda x, w, r=recipe: fp8_grouped_mm(x, w, offs, recipe=r, out_dtype=dtype))
     return fns
+
+
+def profile_table(fn, device: torch.device, steps: int = 3) -> str:
+    """torch.profiler's table of the kernels of ``steps`` calls of ``fn`` (device time, then host time), and the
+    host-device copies (each a wait of the host on the device where they read a device tensor)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    fn()
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    averages = prof.key_averages()
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return (f"{steps} calls\n\n" + averages.table(sort_by=key, row_limit=25, max_name_column_width=60) + "\n"
+            + averages.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,6 +108,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skew", type=float, default=1.0)
     parser.add_argument("--empty", type=float, default=0.125, help="fraction of experts routed no token")
     parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=RECIPES, help="FP8 recipes to time")
+    parser.add_argument("--baselines", nargs="*", choices=BASELINES, default=BASELINES,
+                        help="high-precision rows to time besides bf16 grouped (the per-expert loop is slow)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also write a torch.profiler kernel table of each FP8 row (profile-<shape>-<row>.txt)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--out", help="output folder (default benchmarks/results/perf-grouped-<device>-<date>)")
@@ -94,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     tokens, shrink = args.tokens or preset["tokens"], args.shrink or preset["shrink"]
     device = torch.device("cuda" if args.suite == "gpu" else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    rows, groups, series = [], [], {}
+    rows, groups, series, profiles = [], [], {}, {}
     for model in args.models:
         shapes, experts, top_k = projections(model, shrink, args.experts or preset["experts"])
         counts = skewed_counts(tokens, experts, top_k, args.skew, args.empty)
@@ -103,8 +129,12 @@ def main(argv: list[str] | None = None) -> None:
             torch.manual_seed(0)
             a = torch.randn(int(counts.sum()), k, dtype=dtype, device=device)
             b = torch.randn(experts, n, k, dtype=dtype, device=device).transpose(-2, -1) / k**0.5  # (E, K, N)
-            times = interleaved_medians(configurations(a, b, offs, counts, dtype, args.recipes), device, args.warmup, args.rounds)
+            fns = configurations(a, b, offs, counts, dtype, args.recipes, args.baselines)
+            times = interleaved_medians(fns, device, args.warmup, args.rounds)
             label = f"{model} {name}"
+            if args.profile:
+                for config in (c for c in fns if c.startswith("fp8 ")):
+                    profiles[f"profile-{model}-{name}-{config[4:]}.txt"] = profile_table(fns[config], device)
             groups.append(label)
             for config, seconds in times.items():
                 ratio = times["bf16 grouped"] / seconds
@@ -121,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     notes = (f"Suite {args.suite}: {tokens} tokens, top-k routing with skew {args.skew} and {args.empty:.0%} of the "
              f"experts empty, hidden sizes divided by {shrink}. Goal on a GPU: FP8 >= {TARGET}x bf16 grouped.")
     write_results(folder, head, rows, markdown_table(columns, rows), notes)
+    for file, table in profiles.items():
+        (folder / file).write_text(table)
     bar_plot(folder / "grouped.png", groups, series, "speed vs bf16 grouped GEMM",
              "MoE grouped GEMM forward+backward", target=TARGET if device.type == "cuda" else None)
 

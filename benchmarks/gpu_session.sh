@@ -10,8 +10,9 @@
 #   bash benchmarks/gpu_session.sh stack    # four Llama-3-8B-shaped decoder layers, 8 x 1024 tokens, the same
 #   bash benchmarks/gpu_session.sh lease    # one ~9-minute call for a 15-minute lease: the checks, then compiled linear
 #   bash benchmarks/gpu_session.sh grouped  # native grouped FP8 (rowwise) vs the CPU emulation, then MoE grouped GEMM
-#                                           # fwd+bwd (rowwise FP8 vs bf16 torch._grouped_mm) at DeepSeek-V3 and
-#                                           # Qwen3-30B-A3B expert shapes with token skew (~4 minutes on an H200)
+#                                           # fwd+bwd (rowwise FP8 vs bf16 torch._grouped_mm, with profiles) at
+#                                           # DeepSeek-V3 and Qwen3-30B-A3B expert shapes with token skew, and the
+#                                           # weight cache's host time with accumulation (~4 minutes on an H200)
 #   bash benchmarks/gpu_session.sh dry-run  # on any machine: list each call's steps, install the wheels offline
 #
 # Everything a call writes lands in one archive, $OUT/gpu-<mode>.tar.gz (OUT defaults to ./gpu-results), holding one
@@ -90,12 +91,15 @@ case "$mode" in
     step stack "$python" -m benchmarks llama-stack --compile --rounds "${ROUNDS:-8}" \
       --out "$work/perf-llama-stack-gpu"
     ;;
-  grouped)
-    STEP_TIMEOUT=90 step grouped_check "$python" -m benchmarks grouped-gpu-check --out "$work/grouped_gpu_check.md"
+  grouped)  # also the weight cache's GPU rule (a reuse casts again, no device sync) and its host time
+    STEP_TIMEOUT=60 step grouped_check "$python" -m benchmarks grouped-gpu-check --out "$work/grouped_gpu_check.md"
     STEP_TIMEOUT=60 step pytest_grouped "$python" -m pytest -q -p no:cacheprovider -m gpu \
-      tests/core/test_grouped_native.py tests/core/test_grouped_mm.py
-    STEP_TIMEOUT=150 step grouped "$python" -m benchmarks grouped --suite gpu --recipes rowwise --rounds 5 \
-      --out "$work/perf-grouped-gpu"
+      tests/core/test_grouped_native.py tests/core/test_grouped_mm.py tests/kernels/test_grouped_cast.py \
+      tests/core/test_weight_cache.py
+    STEP_TIMEOUT=120 step grouped "$python" -m benchmarks grouped --suite gpu --recipes rowwise --baselines \
+      --rounds 3 --profile --out "$work/perf-grouped-gpu"
+    STEP_TIMEOUT=40 step host_time_accumulate "$python" -m benchmarks host-time --device cuda --modes eager \
+      --rounds 100 --accumulate 4 --checksum-off-rows --out "$work/host_time_accumulate.md"
     ;;
   lease)  # everything that fits one call: each step capped so the whole call ends inside ~9 minutes
     STEP_TIMEOUT=140 step gpu_check "$python" -m benchmarks gpu-check

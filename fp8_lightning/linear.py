@@ -15,7 +15,7 @@ Only FP8 copies of ``x`` and ``W`` are saved for backward (about half the bytes 
 output and everything outside the GEMMs stay in high precision (the autocast dtype, or the input dtype).
 Within one optimizer step the FP8 weight is cast once and reused across micro-batches: the cache is keyed on
 the parameter's version counter, which every in-place optimizer update bumps, and on a checksum of its bits, which
-catches edits through ``weight.data``.
+catches edits through ``weight.data`` (on a GPU, where the comparison would stall the host, a reuse casts again).
 
 The design in full: ``docs/design/notes.md``, section ``fp8_lightning.linear``.
 """
@@ -55,8 +55,9 @@ class LayerScaling:
     (an EMA swap, ``p.data.copy_``) leaves the version counter and the data pointer as they were, so a reuse first
     compares a checksum of the weight's bits with the one taken at the cast (:meth:`bits_checksum`; off with
     ``FP8_LIGHTNING_WEIGHT_CHECKSUM=0``). A layer takes checksums only once it has reused a cast: the first reuse
-    casts again instead, so training without accumulation pays nothing. Evaluation and inference never keep or
-    reuse a cast (inference tensors have no version counter at all).
+    casts again instead, so training without accumulation pays nothing. On a GPU, where comparing would make the
+    host wait for the device, a reuse casts again instead (a cast reads the weight about as often as the checksum
+    does). Evaluation and inference never keep or reuse a cast (inference tensors have no version counter at all).
     """
 
     _SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # bits_checksum's integer views
@@ -162,7 +163,7 @@ class LayerScaling:
             else:  # the first reuse: nothing to compare with, so cast again; checksum every cast from now on
                 self._reuses_casts = True
         self._weight_checksum = None
-        if self._reuses_casts and self.check_weight_bits:
+        if self._reuses_casts and self.check_weight_bits and weight.is_cpu:
             w = weight.detach()
             bits = w.view(LayerScaling._SAME_WIDTH_INT[w.element_size()])
             self._weight_checksum = (w, bits, *self.bits_checksum(weight))

@@ -21,16 +21,12 @@ import functools
 
 import torch
 
+from fp8_lightning.groups import GroupBounds, device_layout, padded_group_sizes, padded_starts, uniform_layout
 from fp8_lightning.quantize import ROW, Quantized, to_fp8_saturated, wide
 from fp8_lightning.rowwise import rowwise_scale
 
 GROUP_ALIGN = 16  # tokens: 16 one-byte codes, the TMA's 16-byte alignment of each group's start
 MAX_GROUPS = 1023  # "Can't process more than 1024 groups" (group_count < 1024)
-
-
-def padded_group_sizes(bounds: list[tuple[int, int]]) -> list[int]:
-    """Each group's token count rounded up to :data:`GROUP_ALIGN`, an empty group taking one aligned slot."""
-    return [-(-max(end - start, 1) // GROUP_ALIGN) * GROUP_ALIGN for start, end in bounds]
 
 
 class GroupedColumns(list):
@@ -46,19 +42,38 @@ class GroupedColumns(list):
 
 
 def grouped_columnwise(
-    x: torch.Tensor, bounds: list[tuple[int, int]], dtype: torch.dtype, eps: float, power_of_2: bool
+    x: torch.Tensor, bounds: GroupBounds, dtype: torch.dtype, eps: float, power_of_2: bool, cast=None
 ) -> GroupedColumns:
-    """Every group's columnwise copy of ``x`` (M, K) from a fixed number of launches, whatever the number of groups:
-    the amax of each (group, column) by one scatter, the scales by the rowwise rule, one cast of the padded rows. The
-    bits are those of casting each group's ``x[start:end]`` column by column on its own (the same scale rule and
-    saturating cast)."""
+    """Every group's columnwise copy of ``x`` (M, K), whatever the number of groups: the bits of casting each group's
+    ``x[start:end]`` column by column on its own (the rowwise scale rule and saturating cast), laid out padded and
+    transposed for the grouped GEMM. ``cast``: the one-launch kernel with
+    :func:`~fp8_lightning.ops.triton_ops.triton_grouped_column_cast`'s signature (group bounds read on the device),
+    or None for pure torch: the amax of each (group, column) by one scatter, one cast, one copy into the padded
+    rows and one transpose."""
     sizes = [end - start for start, end in bounds]
-    padded = padded_group_sizes(bounds)
+    starts = padded_starts(bounds, GROUP_ALIGN)
+    padded = padded_group_sizes(bounds, GROUP_ALIGN)
+    k, total = x.shape[1], sum(padded)
+    offs = getattr(bounds, "offs", None)
+    if cast is not None and offs is not None:
+        first, counts, out_starts, ends = device_layout(offs, GROUP_ALIGN)
+        codes, scale, _ = cast(x.detach(), first, counts, out_starts, k * total, total, dtype, power_of_2, eps,
+                               GROUP_ALIGN)  # fmt: skip
+        codes_t = codes.view(k, total)
+    else:
+        codes_t, scale = _columnwise_torch(x, bounds, starts, total, dtype, eps, power_of_2)
+        ends = torch.tensor([s + p for s, p in zip(starts, padded)], dtype=torch.int32, device=x.device)
+    views = [
+        Quantized(codes_t[:, s : s + m], scale[e].reshape(k, 1), ROW) if m else None
+        for e, (s, m) in enumerate(zip(starts, sizes))
+    ]
+    return GroupedColumns(views, codes_t, scale, ends)
+
+
+def _columnwise_torch(x, bounds, starts, total, dtype, eps, power_of_2) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes_t (K, M_pad), scale (E, K)) of :func:`grouped_columnwise` in pure torch."""
+    sizes = [end - start for start, end in bounds]
     experts, (rows, k), device = len(bounds), x.shape, x.device
-    starts = [0]
-    for p in padded[:-1]:
-        starts.append(starts[-1] + p)
-    total = starts[-1] + padded[-1] if padded else 0
     group = torch.repeat_interleave(torch.arange(experts, device=device), torch.tensor(sizes, device=device))
     shift = torch.tensor([s - start for s, (start, _) in zip(starts, bounds)], device=device)
     dest = torch.arange(rows, device=device) + shift[group]  # each row's place in the padded layout
@@ -68,13 +83,17 @@ def grouped_columnwise(
     codes = to_fp8_saturated(wide(x.detach()) * scale[group], dtype)
     padded_codes = torch.zeros(total, k, dtype=dtype, device=device)
     padded_codes.view(torch.uint8).index_copy_(0, dest, codes.view(torch.uint8))
-    codes_t = padded_codes.t().contiguous()  # (K, M_pad)
-    views = [
-        Quantized(codes_t[:, s : s + m], scale[e].reshape(k, 1), ROW) if m else None
-        for e, (s, m) in enumerate(zip(starts, sizes))
-    ]
-    ends = torch.tensor([s + p for s, p in zip(starts, padded)], dtype=torch.int32, device=device)
-    return GroupedColumns(views, codes_t, scale, ends)
+    return padded_codes.t().contiguous(), scale
+
+
+def stacked_columns(weight: torch.Tensor, dtype: torch.dtype, eps: float, power_of_2: bool, cast) -> Quantized:
+    """The operand of every expert's ``W_e.T`` from a stacked (E, N, K) ``weight`` in one launch of ``cast`` (see
+    :func:`grouped_columnwise`): codes (E * K, N), a scale per row, i.e. per column of each expert's weight."""
+    experts, n, k = weight.shape
+    first, counts, out_starts = uniform_layout(experts, n, k * n, weight.device)
+    codes, scale, inverse = cast(weight.reshape(experts * n, k), first, counts, out_starts, experts * k * n, n, dtype,
+                                 power_of_2, eps, 1)  # fmt: skip
+    return Quantized(codes.view(experts * k, n), scale.reshape(-1, 1), ROW, inverse=inverse.reshape(-1, 1))
 
 
 class StackedWeights(list):

@@ -37,8 +37,9 @@ VARIABLES = (
     (PREFIX + "GLUON_MX_GEMM", "0", "`1`: on Hopper (capability 9.x) the MX GEMM runs the Gluon kernel whose wgmma "
      "overlaps the scale math instead of the shipped Triton kernel"),
     (PREFIX + "WEIGHT_CHECKSUM", "1", "`0`: a training forward reuses the step's FP8 weight on the version counter "
-     "alone, without the checksum that catches edits through `weight.data` between micro-batches (two reads of "
-     "the weight per cast and per reuse, and on a GPU one device sync per reused micro-batch)"),
+     "alone. By default a reuse between micro-batches first checks that no edit through `weight.data` changed the "
+     "weight: by a checksum on a CPU (two reads of the weight per cast and per reuse), by casting again on a GPU "
+     "(no device sync)"),
     (PREFIX + "CACHE", "~/.cache/fp8_lightning", "where the C codec is built and the measured GPU roofline is kept "
      "(`FP8_LIGHTNING_CACHE_DIR`, its older name, is still read)"),
 )

@@ -73,11 +73,11 @@ class Report:
 def _kernel_fn(name: str):
     import importlib
 
-    from fp8_lightning.kernels import block_gemm, fine_grained_cast, fp8_adam, mxfp8, per_tensor
+    from fp8_lightning.kernels import block_gemm, fine_grained_cast, fp8_adam, grouped_cast, mxfp8, per_tensor
     from fp8_lightning.kernels.availability import gluon_status
 
     gluon = [importlib.import_module("fp8_lightning.kernels.block_gemm_gluon")] if gluon_status()[0] else []
-    for module in (per_tensor, mxfp8, block_gemm, fp8_adam, fine_grained_cast, *gluon):
+    for module in (per_tensor, mxfp8, block_gemm, fp8_adam, fine_grained_cast, grouped_cast, *gluon):
         if hasattr(module, name):
             return getattr(module, name)
     raise KeyError(f"no kernel named {name!r} in fp8_lightning.kernels")
@@ -254,11 +254,28 @@ def _fine_cast_variants() -> list[Variant]:
     return out
 
 
+def _grouped_cast_variants() -> list[Variant]:
+    """The grouped columnwise casts: tokens (groups padded to 16) and stacked weights (unpadded), contiguous x."""
+    from fp8_lightning.kernels.grouped_cast import BLOCK_COLUMNS, CHUNK, NUM_WARPS
+    from fp8_lightning.kernels.per_tensor import format_constants
+
+    out = []
+    for x, q, align, pow2, rounding in itertools.product(INPUT_DTYPES, FP8, (1, 16), (False, True), (False, True)):
+        out.append(Variant("_grouped_column_cast_kernel", (
+            f"x={short(x)} out={short(q)} align={align} power_of_2={int(pow2)} explicit_rounding={int(rounding)}"), (
+            ("x_ptr", ptr(x)), ("data_ptr", ptr(q)), ("scale_ptr", "*fp32"), ("inverse_ptr", "*fp32"),
+            ("starts_ptr", "*i32"), ("rows_ptr", "*i32"), ("out_starts_ptr", "*i64"), ("COLUMNS", "i32"),
+            ("stride_row", "i32"), ("stride_column", 1), ("out_line_stride", "i32"), ("eps", "fp32"),
+            *{**format_constants(q), "EXPLICIT_ROUNDING": rounding}.items(), ("POWER_OF_2", pow2),
+            ("ALIGN", align), ("BLOCK", BLOCK_COLUMNS), ("CHUNK", CHUNK)), num_warps=NUM_WARPS))  # fmt: skip
+    return out
+
+
 def launch_space() -> list[Variant]:
     """Every configuration the wrappers can launch (dtypes, constexprs, every autotune config)."""
     return (
         _per_tensor_variants() + _mx_quantize_variants() + _mx_gemm_variants() + _gluon_mx_gemm_variants()
-        + _fp8_adam_variants() + _fine_cast_variants()
+        + _fp8_adam_variants() + _fine_cast_variants() + _grouped_cast_variants()
     )
 
 

@@ -16,13 +16,14 @@ from fp8_lightning.cuda_contract.rules import Facts, Target
 from fp8_lightning.cuda_contract.rules_grouped import meta_error, scaled_grouped_mm
 from fp8_lightning.cuda_contract.simulate import Call, GemmRecord
 from fp8_lightning.gemm_routes import NATIVE as NATIVE_ROUTE
+from fp8_lightning.groups import padded_group_sizes
 from fp8_lightning.quantize import ROW, Quantized
 from fp8_lightning.rowwise_grouped import (
+    GROUP_ALIGN,
     GroupedColumns,
     StackedWeights,
     dgrad_args,
     fprop_args,
-    padded_group_sizes,
     wgrad_args,
 )
 
@@ -63,7 +64,7 @@ def _row_operand(rows: int, k: int) -> Quantized:
 def _columns(sizes: list[int], k: int) -> GroupedColumns:
     """:func:`~fp8_lightning.rowwise_grouped.grouped_columnwise`'s layout for ``sizes``: (K, M_pad) codes,
     (E, K) scales, (E,) int32 padded ends."""
-    padded = sum(padded_group_sizes([(0, s) for s in sizes]))
+    padded = sum(padded_group_sizes([(0, s) for s in sizes], GROUP_ALIGN))
     return GroupedColumns([], _meta((k, padded), E4M3), _meta((len(sizes), k), torch.float32),
                           _meta((len(sizes),), torch.int32))
 
@@ -78,7 +79,7 @@ def expert_calls(sizes: list[int], k: int, n: int) -> list[tuple[str, dict, list
                        ("dgrad", dgrad_args(_row_operand(m, n), weights))):
         calls.append((role, dict(zip(("mat_a", "mat_b", "scale_a", "scale_b"), args), offs=offs), None))
     wgrad = wgrad_args(_columns(sizes, n), _columns(sizes, k))
-    padded = padded_group_sizes([(0, s) for s in sizes])
+    padded = padded_group_sizes([(0, s) for s in sizes], GROUP_ALIGN)
     calls.append(("wgrad", dict(zip(("mat_a", "mat_b", "scale_a", "scale_b", "offs"), wgrad)), padded))
     return calls
 

@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from fp8_lightning.groups import group_bounds
 from fp8_lightning.linear import LayerScaling
 from fp8_lightning.ops.dispatch import dequantize_operand
 from fp8_lightning.quantize import Quantized
@@ -66,35 +67,6 @@ class GroupedScaling(LayerScaling):
             generations,
             lambda: self.recipe.grouped_weight_operands(weight.detach(), self.forward_dtype, self.expert_states, True),
         )
-
-
-def group_bounds(offs: torch.Tensor, rows: int, experts: int) -> list[tuple[int, int]]:
-    """Each group's (start, end) row from ``offs``, checked: int32, 1-D, one entry per expert, non-decreasing, ending
-    at the number of rows."""
-    if not torch.is_tensor(offs) or offs.dtype != torch.int32 or offs.dim() != 1:
-        got = f"{offs.dtype} tensor of shape {tuple(offs.shape)}" if torch.is_tensor(offs) else type(offs).__name__
-        raise TypeError(
-            f"fp8_grouped_mm: offs must be a 1-D int32 tensor of cumulative group ends (torch._grouped_mm's "
-            f"convention); got a {got}. Build it with torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)."
-        )
-    if offs.numel() != experts:
-        raise ValueError(
-            f"fp8_grouped_mm: offs has {offs.numel()} entries but b holds {experts} experts; pass one cumulative "
-            "end per expert (0 tokens for an expert repeats the previous end)."
-        )
-    ends = offs.tolist()
-    starts = [0] + ends[:-1]
-    if any(end < start for start, end in zip(starts, ends)) or (ends and ends[0] < 0):
-        raise ValueError(
-            f"fp8_grouped_mm: offs={ends} is not non-decreasing from 0; it must hold cumulative token counts, with "
-            "the tokens of a sorted by expert."
-        )
-    if (ends[-1] if ends else 0) != rows:
-        raise ValueError(
-            f"fp8_grouped_mm: offs ends at {ends[-1] if ends else 0} but a has {rows} rows; the groups must cover "
-            "every row of a (drop unrouted rows from a, or add them to a group)."
-        )
-    return list(zip(starts, ends))
 
 
 def check_grouped_shapes(a: torch.Tensor, b: torch.Tensor, recipe: Recipe) -> tuple[int, int, int]:

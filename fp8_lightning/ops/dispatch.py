@@ -373,6 +373,14 @@ def fine_caster(x: torch.Tensor):
     return codec_fine_cast if cpu_codec(x) is not None else None
 
 
+def grouped_column_caster(x: torch.Tensor):
+    """The one-launch cast of every group's columnwise copy of ``x`` (rows sorted into groups):
+    ``triton_ops.triton_grouped_column_cast`` where the Triton kernels run on ``x``, else None (pure torch)."""
+    if x.dim() != 2 or x.numel() == 0 or cuda_kernels(x) is None:
+        return None
+    return triton_ops.triton_grouped_column_cast
+
+
 def codec_fine_cast(
     x: torch.Tensor, dtype: torch.dtype, tile: tuple[int, int], power_of_2: bool, eps: float = 1e-12,
     transpose: bool = False,

@@ -14,6 +14,8 @@ op (``torch.ops.fp8_lightning.*``)   what it does                               
 ``mx_gemm``                          block-scaled FP8 GEMM for MX operands           ``gemm`` emulation
 ``fine_cast``                        rowwise / blockwise copy, scales in cuBLAS's    ``rowwise.quantize_rowwise``,
                                      layout, one launch                              ``blockwise.quantize_blockwise``
+``grouped_column_cast``              every group's columnwise rowwise copy, padded   ``rowwise_grouped.``
+                                     and transposed for the grouped GEMM             ``grouped_columnwise``
 ===================================  ==============================================  ================================
 
 The ``triton_*`` functions are explicit requests: they raise a clear error when the kernels cannot run (no Triton,
@@ -382,5 +384,53 @@ def triton_fine_cast(
     return row, (Quantized(data_t, scale_t, kind, inverse=inverse_t) if transpose else None)
 
 
+def _grouped_column_cast_fake(x, starts, rows, out_starts, out_numel, out_line_stride, dtype, power_of_2, eps, align):
+    scale = x.new_empty(starts.numel(), x.shape[1], dtype=torch.float32)
+    return x.new_empty(out_numel, dtype=dtype), scale, torch.empty_like(scale)
+
+
+@hot_op("grouped_column_cast", fake=_grouped_column_cast_fake)
+def _grouped_column_cast(
+    x: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor, out_starts: torch.Tensor, out_numel: int,
+    out_line_stride: int, dtype: torch.dtype, power_of_2: bool, eps: float, align: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _launchers("grouped_cast", x).grouped_column_cast(
+        x, starts, rows, out_starts, out_numel, out_line_stride, dtype, power_of_2, eps, align
+    )
+
+
+def triton_grouped_column_cast(
+    x: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor, out_starts: torch.Tensor, out_numel: int,
+    out_line_stride: int, fp8_format="E4M3", power_of_2: bool = True, eps: float = 1e-12, align: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every group's columnwise rowwise-scaled copy of a 2-D ``x`` whose rows are sorted into groups, in one launch
+    (:mod:`fp8_lightning.kernels.grouped_cast`): ``(data, scale, inverse)``, ``data`` the flat codes with group
+    ``g``'s column ``k`` at ``out_starts[g] + k * out_line_stride``, each group zero-padded to a multiple of
+    ``align`` positions; ``scale`` (groups, K) float32 by :func:`fp8_lightning.rowwise.rowwise_scale`.
+
+    ``starts``, ``rows``: int32 (groups,), each group's first row and row count; ``out_starts``: int64 (groups,).
+    The groups' padded extents must tile the ``out_numel`` codes. Values equal
+    :func:`fp8_lightning.rowwise_grouped.grouped_columnwise` bit for bit."""
+    _check_input(x, "triton_grouped_column_cast")
+    if x.dim() != 2:
+        raise ValueError(
+            f"fp8_lightning.ops.triton_ops.triton_grouped_column_cast needs a 2-D tensor; got shape {tuple(x.shape)}."
+        )
+    bounds = {"starts": (starts, torch.int32), "rows": (rows, torch.int32), "out_starts": (out_starts, torch.int64)}
+    for name, (t, dtype) in bounds.items():
+        if t.dtype != dtype or t.dim() != 1 or t.numel() != starts.numel() or t.device != x.device:
+            raise ValueError(
+                f"triton_grouped_column_cast: {name} must be a 1-D {dtype} tensor with one entry per group on "
+                f"{x.device}; got {t.dtype} of shape {tuple(t.shape)} on {t.device}."
+            )
+    if align < 1:
+        raise ValueError(f"triton_grouped_column_cast: align must be a positive number of positions; got {align}.")
+    return _grouped_column_cast.for_tensor(x)(
+        x, starts, rows, out_starts, int(out_numel), int(out_line_stride), fp8_dtype(fp8_format), power_of_2,
+        float(eps), int(align),
+    )
+
+
+# the ops whose implementation is a Triton launch
 TRITON_OPS = (_amax, _cast, _cast_transpose, _tensorwise_cast, _tensorwise_operand_cast, _delayed_operand_cast,
-              _mx_quantize, _mx_gemm, _fine_cast)  # the ops whose implementation is a Triton launch
+              _mx_quantize, _mx_gemm, _fine_cast, _grouped_column_cast)

@@ -39,6 +39,7 @@ from fp8_lightning.rowwise_grouped import (
     StackedWeights,
     grouped_columnwise,
     native_unavailable_reason,
+    stacked_columns,
 )
 from fp8_lightning.settings import settings
 from fp8_lightning.traced import plan_for
@@ -106,7 +107,8 @@ class RowwiseScaling(FineGrainedRecipe):
         row = self.cast(role, x, dtype, False, True, state, record)[0]
         if not columnwise:
             return row, None
-        return row, grouped_columnwise(x, bounds, dtype, self.eps, self.power_of_2_scales)
+        cast = dispatch.grouped_column_caster(x)
+        return row, grouped_columnwise(x, bounds, dtype, self.eps, self.power_of_2_scales, cast)
 
     def grouped_weight_operands(self, weight, dtype, states, record):
         """Every expert's operands from two casts, whatever the number of experts: ``weight`` (E, N, K) as E*N rows,
@@ -117,8 +119,12 @@ class RowwiseScaling(FineGrainedRecipe):
             return super().grouped_weight_operands(weight, dtype, states, record)
         experts, n, k = weight.shape
         rows = self.cast("weight", weight.reshape(experts * n, k), dtype, False, True, None, record)[0]
-        flipped = weight.transpose(1, 2).reshape(experts * k, n)
-        columns = self.cast("weight", flipped, dtype, False, True, None, record)[0]
+        cast = dispatch.grouped_column_caster(weight.reshape(experts * n, k))
+        if cast is not None:  # one launch, the codes written transposed: no transposed copy of the weight
+            columns = stacked_columns(weight, dtype, self.eps, self.power_of_2_scales, cast)
+        else:
+            flipped = weight.transpose(1, 2).reshape(experts * k, n)
+            columns = self.cast("weight", flipped, dtype, False, True, None, record)[0]
         pairs = [(_rows_of(rows, e * n, n), _rows_of(columns, e * k, k)) for e in range(experts)]
         return StackedWeights(pairs, rows, columns, experts)
 

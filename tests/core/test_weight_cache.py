@@ -203,3 +203,29 @@ def test_without_the_checksum_the_version_counter_alone_keys_the_cache():
         layer.weight.data.mul_(0.5)
         assert torch.equal(layer(x), before)
     assert layer.fp8_weight_casts == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the device-sync check of the reuse path")
+@pytest.mark.parametrize("recipe", EVERY_RECIPE, ids=lambda r: r.name)
+def test_on_a_gpu_a_reuse_casts_again_without_a_device_sync(recipe):
+    """On CUDA the accumulation window's reuse makes no host-device sync (torch's sync debug mode raises on one):
+    each micro-batch casts again, so an edit through ``weight.data`` reaches the next micro-batch."""
+    layer, x = fp8_layer(recipe).cuda(), torch.randn(8, 64, device="cuda")
+    with fp8_autocast():
+        layer(x).square().sum().backward()  # warm-up: kernels compiled, states on the device
+    casts = layer.fp8_weight_casts
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            with fp8_autocast():
+                layer(x).square().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert layer.fp8_weight_casts == casts + 3
+    layer.weight.data.mul_(0.5)
+    with fp8_autocast():
+        edited = layer(x)
+    twin = copy.deepcopy(layer)
+    with fp8_autocast():
+        assert torch.equal(edited, twin(x))

@@ -1,0 +1,87 @@
+"""Rows sorted into groups (each expert's tokens): their bounds on the host, and the padded layout of the grouped
+GEMMs as device tensors derived from the same ``offs``, so that a kernel can read them without the host waiting.
+
+``offs`` follows ``torch._grouped_mm``: int32, the cumulative end row of each group. A layout that pads each group to
+a multiple of ``align`` positions gives an empty group ``align`` positions (zeros), as the grouped kernel needs each
+group non-empty.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class GroupBounds(list):
+    """Each group's (start, end) row, a list of pairs on the host, with ``offs`` the int32 cumulative ends (on the
+    tensors' device) they were read from."""
+
+    def __init__(self, pairs, offs: torch.Tensor | None = None):
+        super().__init__(pairs)
+        self.offs = offs
+
+
+def padded_group_sizes(bounds: list[tuple[int, int]], align: int) -> list[int]:
+    """Each group's row count rounded up to ``align``, an empty group taking one aligned slot."""
+    return [-(-max(end - start, 1) // align) * align for start, end in bounds]
+
+
+def padded_starts(bounds: list[tuple[int, int]], align: int) -> list[int]:
+    """Where each group begins in the padded layout (host integers)."""
+    starts, at = [], 0
+    for size in padded_group_sizes(bounds, align):
+        starts.append(at)
+        at += size
+    return starts
+
+
+def device_layout(
+    offs: torch.Tensor, align: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(starts, rows, out_starts, out_ends)`` on ``offs``' device: each group's first row and row count (int32),
+    and its first position (int64) and end (int32) in the layout padded to ``align``, from ``offs`` by device
+    operations only."""
+    ends = offs.to(torch.int64)
+    starts = F.pad(ends[:-1], (1, 0))
+    rows = ends - starts
+    sizes = (rows.clamp(min=1) + align - 1) // align * align
+    out_ends = torch.cumsum(sizes, 0)
+    return starts.to(torch.int32), rows.to(torch.int32), out_ends - sizes, out_ends.to(torch.int32)
+
+
+def uniform_layout(
+    groups: int, rows: int, out_stride: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`device_layout`'s tensors for ``groups`` groups of ``rows`` rows each (the rows of stacked expert
+    weights), group ``g`` written from ``g * out_stride``."""
+    index = torch.arange(groups, device=device)
+    return (index * rows).to(torch.int32), torch.full_like(index, rows, dtype=torch.int32), index * out_stride
+
+
+def group_bounds(offs: torch.Tensor, rows: int, experts: int) -> GroupBounds:
+    """Each group's (start, end) row from ``offs``, checked: int32, 1-D, one entry per expert, non-decreasing, ending
+    at the number of rows. The one read of ``offs`` on the host."""
+    if not torch.is_tensor(offs) or offs.dtype != torch.int32 or offs.dim() != 1:
+        got = f"{offs.dtype} tensor of shape {tuple(offs.shape)}" if torch.is_tensor(offs) else type(offs).__name__
+        raise TypeError(
+            f"fp8_grouped_mm: offs must be a 1-D int32 tensor of cumulative group ends (torch._grouped_mm's "
+            f"convention); got a {got}. Build it with torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)."
+        )
+    if offs.numel() != experts:
+        raise ValueError(
+            f"fp8_grouped_mm: offs has {offs.numel()} entries but b holds {experts} experts; pass one cumulative "
+            "end per expert (0 tokens for an expert repeats the previous end)."
+        )
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    if any(end < start for start, end in zip(starts, ends)) or (ends and ends[0] < 0):
+        raise ValueError(
+            f"fp8_grouped_mm: offs={ends} is not non-decreasing from 0; it must hold cumulative token counts, with "
+            "the tokens of a sorted by expert."
+        )
+    if (ends[-1] if ends else 0) != rows:
+        raise ValueError(
+            f"fp8_grouped_mm: offs ends at {ends[-1] if ends else 0} but a has {rows} rows; the groups must cover "
+            "every row of a (drop unrouted rows from a, or add them to a group)."
+        )
+    return GroupBounds(zip(starts, ends), offs)
