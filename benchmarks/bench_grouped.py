@@ -56,8 +56,9 @@ def projections(model: str, shrink: int, experts: int | None) -> tuple[list[tupl
 BASELINES = ["bf16 grouped", "fp32 grouped", "bf16 per-expert loop"]
 
 
-def configurations(a, b, offs, counts, dtype, recipes=RECIPES, baselines=BASELINES):
-    """name -> a function that runs one forward + backward ("bf16 grouped", the reference, always runs)."""
+def configurations(a, b, offs, counts, dtype, recipes=RECIPES, baselines=BASELINES, grad_fast_accum=False):
+    """name -> a function that runs one forward + backward ("bf16 grouped", the reference, always runs);
+    ``grad_fast_accum``: each recipe also with fast accumulation in its two gradient GEMMs."""
     g = torch.randn(a.shape[0], b.shape[2], dtype=dtype, device=a.device)
 
     def step(fn):
@@ -75,8 +76,11 @@ def configurations(a, b, offs, counts, dtype, recipes=RECIPES, baselines=BASELIN
         "bf16 per-expert loop": step(lambda x, w: loop(x.bfloat16(), w.bfloat16())),
     }
     fns = {name: fn for name, fn in fns.items() if name == "bf16 grouped" or name in baselines}
-    for recipe in recipes:
-        fns[f"fp8 {recipe}"] = step(lambda x, w, r=recipe: fp8_grouped_mm(x, w, offs, recipe=r, out_dtype=dtype))
+    variants = {f"fp8 {name}": name for name in recipes}
+    if grad_fast_accum:
+        variants.update({f"fp8 {name} grad-fast-accum": {"name": name, "grad_fast_accum": True} for name in recipes})
+    for label, recipe in variants.items():
+        fns[label] = step(lambda x, w, r=recipe: fp8_grouped_mm(x, w, offs, recipe=r, out_dtype=dtype))
     return fns
 
 
@@ -112,6 +116,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="high-precision rows to time besides bf16 grouped (the per-expert loop is slow)")
     parser.add_argument("--profile", action="store_true",
                         help="also write a torch.profiler kernel table of each FP8 row (profile-<shape>-<row>.txt)")
+    parser.add_argument("--grad-fast-accum", action="store_true",
+                        help="also time each recipe with fast accumulation in the gradient GEMMs")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--out", help="output folder (default benchmarks/results/perf-grouped-<device>-<date>)")
@@ -129,12 +135,13 @@ def main(argv: list[str] | None = None) -> None:
             torch.manual_seed(0)
             a = torch.randn(int(counts.sum()), k, dtype=dtype, device=device)
             b = torch.randn(experts, n, k, dtype=dtype, device=device).transpose(-2, -1) / k**0.5  # (E, K, N)
-            fns = configurations(a, b, offs, counts, dtype, args.recipes, args.baselines)
+            fns = configurations(a, b, offs, counts, dtype, args.recipes, args.baselines, args.grad_fast_accum)
             times = interleaved_medians(fns, device, args.warmup, args.rounds)
             label = f"{model} {name}"
             if args.profile:
                 for config in (c for c in fns if c.startswith("fp8 ")):
-                    profiles[f"profile-{model}-{name}-{config[4:]}.txt"] = profile_table(fns[config], device)
+                    tag = config[4:].replace(" ", "-")
+                    profiles[f"profile-{model}-{name}-{tag}-{tokens}.txt"] = profile_table(fns[config], device)
             groups.append(label)
             for config, seconds in times.items():
                 ratio = times["bf16 grouped"] / seconds

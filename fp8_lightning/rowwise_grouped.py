@@ -17,6 +17,7 @@ bf16 output only; fewer than 1024 groups; CUTLASS's sm_90 kernel. Two cases serv
 
 from __future__ import annotations
 
+import collections.abc
 import functools
 
 import torch
@@ -29,16 +30,28 @@ GROUP_ALIGN = 16  # tokens: 16 one-byte codes, the TMA's 16-byte alignment of ea
 MAX_GROUPS = 1023  # "Can't process more than 1024 groups" (group_count < 1024)
 
 
-class GroupedColumns(list):
+class GroupedColumns(collections.abc.Sequence):
     """The columnwise copies of a 2-D ``x`` whose rows are sorted into groups, each group's columns scaled along its
-    own rows: a list of per-group operands (``x[start:end].T``, views; None for an empty group), as
-    :meth:`~fp8_lightning.recipes.base.Recipe.grouped_operands` returns them, that also holds the whole layout the
-    2-D x 2-D grouped GEMM reads: ``codes_t`` (K, M_pad), each group's tokens at its padded offset and zeros between;
-    ``scale`` (E, K) float32 quantization multipliers; ``offs`` the padded cumulative ends (int32, on the device)."""
+    own rows: a sequence of per-group operands (``x[start:end].T``, views; None for an empty group), as
+    :meth:`~fp8_lightning.recipes.base.Recipe.grouped_operands` returns them, made on first use (the grouped kernel
+    reads only the whole layout), and the whole layout the 2-D x 2-D grouped GEMM reads: ``codes_t`` (K, M_pad),
+    each group's tokens at its padded offset (``starts``) and zeros between; ``scale`` (E, K) float32 quantization
+    multipliers; ``offs`` the padded cumulative ends (int32, on the device)."""
 
-    def __init__(self, views, codes_t: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor):
-        super().__init__(views)
-        self.codes_t, self.scale, self.offs = codes_t, scale, offs
+    def __init__(self, codes_t: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor, starts=(), sizes=()):
+        self.codes_t, self.scale, self.offs, self.starts, self.sizes = codes_t, scale, offs, starts, sizes
+
+    @functools.cached_property
+    def _views(self) -> list[Quantized | None]:
+        k = self.codes_t.shape[0]
+        return [Quantized(self.codes_t[:, s : s + m], self.scale[e].reshape(k, 1), ROW) if m else None
+                for e, (s, m) in enumerate(zip(self.starts, self.sizes))]  # fmt: skip
+
+    def __getitem__(self, index):
+        return self._views[index]
+
+    def __len__(self) -> int:
+        return len(self.sizes)
 
 
 def grouped_columnwise(
@@ -63,11 +76,7 @@ def grouped_columnwise(
     else:
         codes_t, scale = _columnwise_torch(x, bounds, starts, total, dtype, eps, power_of_2)
         ends = torch.tensor([s + p for s, p in zip(starts, padded)], dtype=torch.int32, device=x.device)
-    views = [
-        Quantized(codes_t[:, s : s + m], scale[e].reshape(k, 1), ROW) if m else None
-        for e, (s, m) in enumerate(zip(starts, sizes))
-    ]
-    return GroupedColumns(views, codes_t, scale, ends)
+    return GroupedColumns(codes_t, scale, ends, starts, sizes)
 
 
 def _columnwise_torch(x, bounds, starts, total, dtype, eps, power_of_2) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,14 +105,30 @@ def stacked_columns(weight: torch.Tensor, dtype: torch.dtype, eps: float, power_
     return Quantized(codes.view(experts * k, n), scale.reshape(-1, 1), ROW, inverse=inverse.reshape(-1, 1))
 
 
-class StackedWeights(list):
+class StackedWeights(collections.abc.Sequence):
     """Each expert's (W_e, W_e.T) operands (views), as
-    :meth:`~fp8_lightning.recipes.base.Recipe.grouped_weight_operands` returns them, that also holds the two stacked
-    casts they are views of: ``rows`` (E * N, K) and ``columns`` (E * K, N)."""
+    :meth:`~fp8_lightning.recipes.base.Recipe.grouped_weight_operands` returns them, made on first use (the grouped
+    kernel reads only the stacked casts), and the two stacked casts they are views of: ``rows`` (E * N, K) and
+    ``columns`` (E * K, N)."""
 
-    def __init__(self, pairs, rows: Quantized, columns: Quantized, experts: int):
-        super().__init__(pairs)
+    def __init__(self, rows: Quantized, columns: Quantized, experts: int):
         self.rows, self.columns, self.experts = rows, columns, experts
+
+    @functools.cached_property
+    def _pairs(self) -> list[tuple[Quantized, Quantized]]:
+        n, k = self.rows.data.shape[0] // self.experts, self.columns.data.shape[0] // self.experts
+        return [(_rows_of(self.rows, e * n, n), _rows_of(self.columns, e * k, k)) for e in range(self.experts)]
+
+    def __getitem__(self, index):
+        return self._pairs[index]
+
+    def __len__(self) -> int:
+        return self.experts
+
+
+def _rows_of(q: Quantized, start: int, count: int) -> Quantized:
+    """Rows ``start`` to ``start + count`` of a rowwise operand (views): one expert's part of a stacked cast."""
+    return Quantized(q.data[start : start + count], q.scale[start : start + count], ROW)
 
 
 def _inverse(q: Quantized) -> torch.Tensor:

@@ -65,14 +65,14 @@ def _columns(sizes: list[int], k: int) -> GroupedColumns:
     """:func:`~fp8_lightning.rowwise_grouped.grouped_columnwise`'s layout for ``sizes``: (K, M_pad) codes,
     (E, K) scales, (E,) int32 padded ends."""
     padded = sum(padded_group_sizes([(0, s) for s in sizes], GROUP_ALIGN))
-    return GroupedColumns([], _meta((k, padded), E4M3), _meta((len(sizes), k), torch.float32),
+    return GroupedColumns(_meta((k, padded), E4M3), _meta((len(sizes), k), torch.float32),
                           _meta((len(sizes),), torch.int32))
 
 
 def expert_calls(sizes: list[int], k: int, n: int) -> list[tuple[str, dict, list[int] | None]]:
     """(role, arguments, ragged group sizes) of the three grouped calls of one (E, K -> N) expert projection."""
     experts, m = len(sizes), sum(sizes)
-    weights = StackedWeights([], _row_operand(experts * n, k), _row_operand(experts * k, n), experts)
+    weights = StackedWeights(_row_operand(experts * n, k), _row_operand(experts * k, n), experts)
     offs = _meta((experts,), torch.int32)
     calls = []
     for role, args in (("fprop", fprop_args(_row_operand(m, k), weights)),

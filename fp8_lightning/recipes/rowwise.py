@@ -125,8 +125,7 @@ class RowwiseScaling(FineGrainedRecipe):
         else:
             flipped = weight.transpose(1, 2).reshape(experts * k, n)
             columns = self.cast("weight", flipped, dtype, False, True, None, record)[0]
-        pairs = [(_rows_of(rows, e * n, n), _rows_of(columns, e * k, k)) for e in range(experts)]
-        return StackedWeights(pairs, rows, columns, experts)
+        return StackedWeights(rows, columns, experts)
 
     def grouped_native(self, device, experts):
         """``torch._scaled_grouped_mm`` (one launch per GEMM) where it takes this recipe's operands on ``device``."""
@@ -213,11 +212,6 @@ class RowwiseScaling(FineGrainedRecipe):
             return native("cuBLAS rowwise-scaled GEMM (torch._scaled_mm)", where)
         return native("torch's CUTLASS rowwise kernel (torch._scaled_mm)",
                       f"{where}: cuBLAS's rowwise GEMM needs sm_90 and CUDA 12.9+")
-
-
-def _rows_of(q: Quantized, start: int, count: int) -> Quantized:
-    """Rows ``start`` to ``start + count`` of a rowwise operand (views): one expert's part of a stacked cast."""
-    return Quantized(q.data[start : start + count], q.scale[start : start + count], ROW)
 
 
 ROW.implement(
