@@ -2,7 +2,8 @@
 transformers Llama (grouped-query attention) trained 3 SGD steps.
 
 * TP=2 (2 processes, ``ModelParallelStrategy``) and TP=2 x DP=2 (4 processes, ``fp8_fsdp`` along DP): each step's
-  loss within 1% of a single-process FP8 run on the same global batches (the reference);
+  loss within 1% of a single-process FP8 run on the same global batches (the reference), every rank having trained
+  on its data-parallel replica's share of each batch;
 * the ranks of a tensor-parallel group end with identical FP8 scaling state (all ranks, under TP only);
 * delayed scaling under TP x DP is refused at set-up with the reason;
 * a distributed checkpoint written under TP (x DP) loads strictly into a plain single-process model, scaling
@@ -46,6 +47,7 @@ def tp2_dp2(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("recipe", w.RECIPES)
 def test_tp2_matches_single_process(tp2, reference, kind, recipe):
     run = tp2[kind, recipe]
+    assert run["data_as_planned"]
     assert run["losses"] == pytest.approx(reference[kind, recipe], rel=1e-2)
     assert run["losses"][-1] < run["losses"][0]  # it trains
     assert run["all_states_equal"]
@@ -59,6 +61,7 @@ def test_tp2_dp2_matches_single_process(tp2_dp2, reference, kind, recipe):
         assert "FP8FSDPStrategy(tensor_parallel_size=2, data_parallel_size=2)" in run["error"]
         assert "DelayedScaling" in run["error"] and "tensorwise, rowwise" in run["error"]
         return
+    assert run["data_as_planned"]  # each replica trained on its own share, TP peers on the same one
     assert run["losses"] == pytest.approx(reference[kind, recipe], rel=1e-2)
     assert run["tp_states_equal"]
 
