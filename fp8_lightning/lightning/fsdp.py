@@ -99,20 +99,6 @@ class FP8FSDPStrategy(ModelParallelStrategy):
         shard_over_every_rank_by_default(self)
         super().setup_environment()
         self._ensure_fp8_precision()
-        self._check_tensor_data_parallel()
-
-    def _check_tensor_data_parallel(self) -> None:
-        mesh = self.device_mesh
-        if mesh["tensor_parallel"].size() == 1 or mesh["data_parallel"].size() == 1:
-            return
-        recipe = self.precision_plugin.recipe
-        reason = recipe.tensor_data_parallel_unsupported_reason()
-        if reason is not None:
-            raise ValueError(
-                f"FP8FSDPStrategy(tensor_parallel_size={mesh['tensor_parallel'].size()}, data_parallel_size="
-                f"{mesh['data_parallel'].size()}) with {type(recipe).__name__}: {reason}. Use tensorwise, rowwise, "
-                "blockwise or mxfp8 scaling for 2-D parallelism, or tensor_parallel_size=1 (FSDP only)."
-            )
 
     @contextmanager
     @override

@@ -173,11 +173,6 @@ class Recipe:
 
     # -- tensor and sequence parallelism ---------------------------------------------------------------------
 
-    def tensor_data_parallel_unsupported_reason(self) -> str | None:
-        """Why this recipe cannot yet train under tensor parallelism combined with data-parallel sharding (2-D),
-        or None."""
-        return None
-
     def tensor_parallel_block(self) -> int:
         """The extent of a scale block along either dimension of a weight: a tensor-parallel shard must hold whole
         blocks (and the FP8 GEMM layouts take multiples of 16)."""

@@ -50,10 +50,6 @@ class DelayedScaling(PerTensorRecipe):
     power_of_2_scales: bool = False
     reduce_amax: bool = True
 
-    def tensor_data_parallel_unsupported_reason(self) -> str | None:
-        return ("its amax histories under tensor x data parallelism are not yet agreed as one run's (losses drift "
-                "from the single-process run)")
-
     def __post_init__(self) -> None:
         super().__post_init__()
         cls = type(self).__name__

@@ -45,7 +45,7 @@ def make_gpt():
 
     torch.manual_seed(0)
     model = GPT(functools.partial(torch.optim.SGD, lr=LR), **GPT_SIZE)
-    model.step_losses = []
+    model.step_losses, model.step_batches = [], []
     return model
 
 
@@ -58,7 +58,7 @@ def make_llama():
             super().__init__()
             torch.manual_seed(0)
             self.model = LlamaForCausalLM(LlamaConfig(**LLAMA_SIZE, attn_implementation="sdpa"))
-            self.step_losses = []
+            self.step_losses, self.step_batches = [], []
 
         def forward(self, idx):
             return self.model(input_ids=idx).logits
@@ -89,7 +89,8 @@ MODELS = {"gpt": make_gpt, "llama": make_llama}
 
 
 class RecordLoss:
-    """A callback that keeps each training step's loss on the module (the logged value, this rank's)."""
+    """A callback that keeps each training step's loss on the module (the logged value, this rank's) and a checksum
+    of the batch it trained on (which data-parallel replica's share it was)."""
 
     def __new__(cls):
         import lightning.pytorch as pl
@@ -97,6 +98,7 @@ class RecordLoss:
         class _Record(pl.Callback):
             def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
                 module.step_losses.append(float(outputs["loss"]))
+                module.step_batches.append(int(batch[0].sum()))
 
         return _Record()
 
@@ -110,8 +112,13 @@ def held_out_loss(module) -> float:
     return float(F.cross_entropy(logits.float().flatten(0, 1), HELD_OUT[:, 1:].flatten()))
 
 
-def fit(kind: str, recipe: str, strategy, devices: int, dp: int = 1):
-    """Train ``kind`` under ``recipe`` for STEPS steps; returns (module, trainer, losses)."""
+def fit(kind: str, recipe: str, strategy, devices: int, dp: int = 1, rank: int = 0):
+    """Train ``kind`` under ``recipe`` for STEPS steps as global rank ``rank``; returns (module, trainer, losses).
+
+    The rank is the caller's (the spawned process index): the process group does not exist before the first
+    ``trainer.fit`` of a process, so it cannot be asked here, and asking would give every rank of a first run
+    data-parallel replica 0's batches.
+    """
     import lightning.pytorch as pl
 
     from fp8_lightning import FP8Precision
@@ -122,7 +129,6 @@ def fit(kind: str, recipe: str, strategy, devices: int, dp: int = 1):
         max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[RecordLoss()], num_sanity_val_steps=0, use_distributed_sampler=False,
     )
-    rank = dist.get_rank() if dist.is_initialized() else 0
     trainer.fit(module, train_loader(rank // (devices // dp), dp))  # ranks are (data_parallel, tensor_parallel)
     return module, trainer, module.step_losses
 
@@ -171,19 +177,22 @@ def tp_worker(rank: int, world: int, port: int, tmpdir: str, out: dict) -> None:
     for kind in MODELS:
         for recipe in RECIPES:
             try:
-                module, trainer, losses = fit(kind, recipe, strategy(), world, dp)
+                module, trainer, losses = fit(kind, recipe, strategy(), world, dp, rank)
             except ValueError as err:  # refused at set-up
                 res[kind, recipe] = {"error": str(err)}
                 continue
             mean = torch.tensor(losses)
             dist.all_reduce(mean)
-            states = [None] * world
+            states, fed = [None] * world, [None] * world
             dist.all_gather_object(states, fp8_state_dict(module))
+            planned = [int(x.sum()) for x, _ in train_loader(dist.get_rank() // 2, dp)]  # the process group's rank
+            dist.all_gather_object(fed, module.step_batches == planned)
             tp_peers = [states[r] for r in range(world) if r // 2 == rank // 2]  # this rank's tensor-parallel group
             res[kind, recipe] = {"losses": (mean / world).tolist(), "tp_states_equal": same_state(*tp_peers),
-                                 "all_states_equal": all(same_state(states[0], s) for s in states)}
+                                 "all_states_equal": all(same_state(states[0], s) for s in states),
+                                 "data_as_planned": all(fed)}
     recipe = "delayed" if dp == 1 else "rowwise"
-    module, trainer, _ = fit("gpt", recipe, strategy(), world, dp)
+    module, trainer, _ = fit("gpt", recipe, strategy(), world, dp, rank)
     path = os.path.join(tmpdir, f"ckpt{world}")
     trainer.save_checkpoint(path)
     res["ckpt"] = {"path": path, "recipe": recipe, "held_out": held_out_loss(module), "state": fp8_state_dict(module)}
