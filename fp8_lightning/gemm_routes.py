@@ -9,8 +9,10 @@ are GEMM throughput relative to a bf16 GEMM on the same device, used by the prof
   on an H100 (``benchmarks/results/gpu-h100-20261126/kernels_gpu.md``);
 * a GEMM emulated in float32 runs at the float32 rate: 63.9 ms against bf16's 4.31 ms for an 8192 linear layer on
   the same H100 (``benchmarks/results/gpu-h100-20261126/linear-eager``);
-* the rowwise grouped expert step through ``torch._scaled_grouped_mm`` ran at best at 0.19x of bf16 grouped GEMMs on
-  an H200, its casts and copies costing more than the GEMMs (``benchmarks/results/gpu-h200-grouped-20261126.md``).
+* the rowwise grouped expert step through ``torch._scaled_grouped_mm`` ran at 0.37x of bf16 grouped GEMMs for
+  DeepSeek-V3's gate_up experts at 32768 routed rows on an H200 (0.18x-0.40x over the measured shapes): the casts of
+  every expert's weight and torch 2.11's FP8 grouped kernel, barely faster than bf16, cost more than the saving
+  (``benchmarks/results/gpu-h200-grouped-20261126.md``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ CUBLAS_ROWWISE_MIN_CUDA = (12, 9)
 NATIVE_FP8_RATE = 2.0
 TRITON_MX_RATE = 213 / 683
 FLOAT32_RATE = 4.31 / 63.9
-ROWWISE_GROUPED_STEP_RATE = 19.30 / 101.15  # the best of the four expert shapes measured
+ROWWISE_GROUPED_STEP_RATE = 19.34 / 51.83  # DeepSeek-V3 gate_up at 32768 rows on an H200 (rowwise defaults)
 
 Capability = tuple[int, int]
 CudaVersion = tuple[int, int] | None
