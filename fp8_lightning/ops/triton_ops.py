@@ -14,8 +14,7 @@ op (``torch.ops.fp8_lightning.*``)   what it does                               
 ``mx_gemm``                          block-scaled FP8 GEMM for MX operands           ``gemm`` emulation
 ``fine_cast``                        rowwise / blockwise copy, scales in cuBLAS's    ``rowwise.quantize_rowwise``,
                                      layout, one launch                              ``blockwise.quantize_blockwise``
-``grouped_column_cast``              every group's columnwise rowwise copy, padded   ``rowwise_grouped.``
-                                     and transposed for the grouped GEMM             ``grouped_columnwise``
+``grouped_column_cast``              every group's columnwise copy, in one launch    ``grouped_columnwise``
 ===================================  ==============================================  ================================
 
 The ``triton_*`` functions are explicit requests: they raise a clear error when the kernels cannot run (no Triton,
