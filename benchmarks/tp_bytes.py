@@ -12,6 +12,9 @@ Usage::
 
     python -m benchmarks tp-bytes [--width 256] [--sequence 256] [--depth 2] [--out benchmarks/results/tp_bytes.md]
 
+Block recipes (rowwise, blockwise, MXFP8) are measured twice: sending both FP8 copies (the default) and with
+``fp8_all_gather="fprop"`` (the forward copy alone).
+
 Writes a Markdown table (with the command, machine and date) and a JSON file next to it.
 """
 
@@ -32,6 +35,7 @@ from fp8_lightning.testing import CollectiveCounter, free_port
 
 WORLD = 2
 RECIPES = ["tensorwise", "delayed", "rowwise", "blockwise", "mxfp8"]
+BLOCK_RECIPES = ["rowwise", "blockwise", "mxfp8"]  # two copies travel by default; "fprop" sends one
 TARGET = 0.55  # forward bytes of the FP8 plan over the bf16 plan's
 
 
@@ -58,22 +62,22 @@ class Block(nn.Module):
         return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
 
 
-def plan(depth: int) -> dict:
+def plan(depth: int, gather: bool | str = True) -> dict:
     from torch.distributed.tensor import Shard
 
     from fp8_lightning.distributed import FP8ColwiseParallel, FP8RowwiseParallel, PrepareFP8ModuleInput
 
     styles = {}
     for i in range(depth):
-        styles[f"{i}.mixer"] = PrepareFP8ModuleInput(consumers=("q", "k", "v"))
+        styles[f"{i}.mixer"] = PrepareFP8ModuleInput(consumers=("q", "k", "v"), fp8_all_gather=gather)
         styles.update({f"{i}.mixer.{n}": FP8ColwiseParallel() for n in ("q", "k", "v")})
         styles[f"{i}.mixer.o"] = FP8RowwiseParallel(output_layouts=Shard(1))
-        styles[f"{i}.up"] = FP8ColwiseParallel(input_layouts=Shard(1))
+        styles[f"{i}.up"] = FP8ColwiseParallel(input_layouts=Shard(1), fp8_all_gather=gather)
         styles[f"{i}.down"] = FP8RowwiseParallel(output_layouts=Shard(1))
     return styles
 
 
-def one_step(recipe: str | None, rank: int, width: int, sequence: int, depth: int) -> dict:
+def one_step(recipe: str | None, rank: int, width: int, sequence: int, depth: int, gather: bool | str = True) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -82,7 +86,7 @@ def one_step(recipe: str | None, rank: int, width: int, sequence: int, depth: in
     torch.manual_seed(0)
     model = nn.Sequential(*[Block(width) for _ in range(depth)]).to(torch.bfloat16)
     mesh = init_device_mesh("cpu", (WORLD,))
-    parallelize_module(model, mesh, plan(depth))
+    parallelize_module(model, mesh, plan(depth, gather))
     convert_to_fp8(model, recipe or "tensorwise")
     x = torch.randn(2, sequence, width, dtype=torch.bfloat16).chunk(WORLD, 1)[rank]
     with fp8_autocast(enabled=recipe is not None):  # warm-up: first-use scales
@@ -91,7 +95,8 @@ def one_step(recipe: str | None, rank: int, width: int, sequence: int, depth: in
         y = model(x)
     with CollectiveCounter() as backward:
         y.float().square().mean().backward()
-    return {"config": recipe or "bf16", "forward": forward.bytes, "backward": backward.bytes,
+    config = (recipe or "bf16") + (' (fp8_all_gather="fprop")' if gather == "fprop" else "")
+    return {"config": config, "forward": forward.bytes, "backward": backward.bytes,
             "activation_elements": 2 * sequence // WORLD * width}
 
 
@@ -100,6 +105,7 @@ def worker(rank: int, port: int, width: int, sequence: int, depth: int, out: dic
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     rows = [one_step(recipe, rank, width, sequence, depth) for recipe in [None, *RECIPES]]
+    rows += [one_step(recipe, rank, width, sequence, depth, "fprop") for recipe in BLOCK_RECIPES]
     if rank == 0:
         out["rows"] = rows
     dist.destroy_process_group()
@@ -129,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = out["rows"]
     notes = ("Bytes this rank contributes to all-gathers: forward (activations entering colwise regions) and backward\n"
              "(bf16 gradients leaving rowwise regions). All-reduce bytes: the agreed amaxes of per-tensor scales (and\n"
-             "rowwise's column amaxes).\n")
+             "rowwise's column amaxes). By default block recipes send both FP8 copies (the bits of gathering in high\n"
+             'precision); with fp8_all_gather="fprop" the forward copy alone, the weight-gradient copy re-quantized\n'
+             "from it after the gather.\n")
     write_gloo_result(args.out, "tp_bytes", argv, "Sequence-parallel all-gather bytes per training step (measured)",
                       f"backend gloo, {WORLD} processes, bf16 model", notes, table(rows), rows)
     base = rows[0]["forward"]["all_gather"]

@@ -8,7 +8,8 @@ see the usual layout), and run an FP8 layer's GEMMs on its local shards between 
   shards' amaxes are agreed across the tensor-parallel group (the weight and, colwise, the output gradient;
   rowwise, the input). Rowwise, blockwise and MXFP8 scale blocks that lie inside a shard, which set-up checks;
 * a sequence-sharded input entering a colwise layer (``input_layouts=Shard(1)``) is cast once and its FP8 codes
-  and scales are all-gathered (:func:`gather_sequence`); its gradient is reduce-scattered in high precision;
+  and scales are all-gathered (:func:`gather_sequence`; ``fp8_all_gather="fprop"`` sends the forward copy alone);
+  its gradient is reduce-scattered in high precision;
 * :class:`PrepareFP8ModuleInput` does that gather once for several colwise consumers (attention's q, k, v).
 
 A layer the recipe leaves in high precision, or a plain ``nn.Linear``, behaves as under torch's own styles.
@@ -58,7 +59,7 @@ class ShardedLinear:
     mesh: DeviceMesh
     output_layout: Placement
     sequence_input: bool = False  # colwise: the input arrives sharded along its tokens
-    fp8_all_gather: bool = True  # colwise, sequence_input: all-gather the input in FP8
+    fp8_all_gather: bool | str = True  # colwise, sequence_input: all-gather the input in FP8 (see SEQUENCE_GATHERS)
 
     @property
     def group(self):
@@ -110,12 +111,28 @@ class ShardedLinear:
         return y + bias.to(y.dtype)
 
 
+SEQUENCE_GATHERS = (True, "fprop", False)
+
+
+def sequence_gather_mode(value, where: str) -> bool | str:
+    """``value`` checked as a sequence-parallel all-gather mode: True (every FP8 copy the layer multiplies: the
+    bits of the cast of the gathered tensor), ``"fprop"`` (only the forward GEMM's copy; the weight gradient's copy
+    is re-quantized from it after the gather), or False (high precision)."""
+    if value is True or value is False or (isinstance(value, str) and value == "fprop"):
+        return value
+    raise ValueError(
+        f"{where}(fp8_all_gather={value!r}): use True (every FP8 copy the layer multiplies, bit for bit with "
+        "gathering in high precision), 'fprop' (only the forward copy: half of bf16's bytes for every recipe, the "
+        "weight-gradient copy re-quantized from it, one more rounding) or False (high precision, as torch does)."
+    )
+
+
 def _fp8_sharded(module: nn.Module) -> bool:
     return isinstance(module, FP8Linear) and "fp8_tensor_parallel" in module.__dict__
 
 
 def gather_sequence(
-    consumers: list[FP8Linear], x: torch.Tensor, dim: int, group, fp8: bool = True
+    consumers: list[FP8Linear], x: torch.Tensor, dim: int, group, fp8: bool | str = True
 ) -> torch.Tensor:
     """All-gather this rank's tokens ``x`` (sharded along ``dim``) for ``consumers``, colwise layers that read the
     gathered tensor.
@@ -127,7 +144,9 @@ def gather_sequence(
         group: the tensor-parallel process group.
         fp8: gather in FP8 when the first consumer runs FP8 now and the shard holds whole scale blocks of its
             recipe (the codes and scales of one cast travel, and each consumer with that recipe multiplies them);
-            False, or otherwise: in high precision.
+            ``"fprop"``: only the forward copy travels, and the weight gradient's copy is re-quantized from the
+            gathered one (:meth:`~fp8_lightning.recipes.base.Recipe.sequence_columns`); False, or otherwise: in
+            high precision.
 
     Returns:
         The gathered activation, whose backward reduce-scatters the gradient (in high precision).
@@ -147,12 +166,15 @@ def gather_sequence(
         state = scaling.operands.get("input")
         if hasattr(state, "amax_group"):  # a per-tensor scale: the one of the gathered tensor
             state.amax_group = group
-        copies = recipe.sequence_cast(x2d, scaling.forward_dtype, state, records_amax(layer.training), group)
+        copies = recipe.sequence_cast(x2d, scaling.forward_dtype, state, records_amax(layer.training), group,
+                                      columnwise=fp8 is True)  # fmt: skip
     if copies is None:
         out = GatherTokens.apply(x, dim, group)
     else:
         outer = math.prod(x.shape[:dim])
         row, column = recipe.sequence_gather(*copies, lambda t, d: gather_tokens(t, d, outer, group))
+        if fp8 == "fprop":
+            column = recipe.sequence_columns(row, scaling.forward_dtype)
         shape = list(x.shape)
         shape[dim] *= torch.distributed.get_world_size(group)
         values = row.kind.dequantize(row, x.dtype).reshape(shape)  # what any other reader of the input sees
@@ -231,13 +253,15 @@ class FP8ColwiseParallel(ColwiseParallel):
     sequence-parallel input) the input is all-gathered in FP8.
 
     Args:
-        fp8_all_gather: all-gather a sequence-sharded input in FP8 (False: in high precision, as torch does).
+        fp8_all_gather: all-gather a sequence-sharded input in FP8: True (every copy the layer multiplies),
+            ``"fprop"`` (the forward copy only, the weight gradient's re-quantized from it) or False (in high
+            precision, as torch does).
         **kwargs: ``ColwiseParallel``'s (``input_layouts``, ``output_layouts``, ``use_local_output``).
     """
 
-    def __init__(self, *, fp8_all_gather: bool = True, **kwargs):
+    def __init__(self, *, fp8_all_gather: bool | str = True, **kwargs):
         super().__init__(**kwargs)
-        self.fp8_all_gather = fp8_all_gather
+        self.fp8_all_gather = sequence_gather_mode(fp8_all_gather, type(self).__name__)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_module(type(self).__name__, module)
@@ -287,18 +311,21 @@ class PrepareFP8ModuleInput(PrepareModuleInput):
     Args:
         consumers: the submodules that read the gathered input; they share one cast of it.
         sequence_dim: the token dimension the input arrives sharded along (``Shard(sequence_dim)``).
-        fp8_all_gather: all-gather in FP8 (False: in high precision, once for every consumer).
+        fp8_all_gather: all-gather in FP8 (True, or ``"fprop"``: the forward copy only, see
+            :class:`FP8ColwiseParallel`) or in high precision (False), once for every consumer.
         **kwargs: ``PrepareModuleInput``'s (``input_layouts``, ``desired_input_layouts``, ...), used where a
             consumer is not an FP8 layer.
     """
 
-    def __init__(self, *, consumers: tuple[str, ...], sequence_dim: int = 1, fp8_all_gather: bool = True, **kwargs):
+    def __init__(self, *, consumers: tuple[str, ...], sequence_dim: int = 1, fp8_all_gather: bool | str = True,
+                 **kwargs):  # fmt: skip
         kwargs.setdefault("input_layouts", (Shard(sequence_dim),))
         kwargs.setdefault("desired_input_layouts", (Replicate(),))
         super().__init__(**kwargs)
         if not consumers:
             raise ValueError("PrepareFP8ModuleInput(consumers=...) needs the names of the layers that read the input.")
-        self.consumers, self.sequence_dim, self.fp8_all_gather = tuple(consumers), sequence_dim, fp8_all_gather
+        self.consumers, self.sequence_dim = tuple(consumers), sequence_dim
+        self.fp8_all_gather = sequence_gather_mode(fp8_all_gather, type(self).__name__)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         missing = [name for name in self.consumers if not _has_submodule(module, name)]

@@ -199,12 +199,13 @@ class Recipe:
         return 1
 
     def sequence_cast(
-        self, x: torch.Tensor, dtype: torch.dtype, state: Any, record: bool, group: Any
+        self, x: torch.Tensor, dtype: torch.dtype, state: Any, record: bool, group: Any, columnwise: bool = True
     ) -> tuple[Quantized, Quantized | None] | None:
         """This rank's tokens ``x`` (2-D) cast for a sequence-parallel FP8 all-gather: (the fprop operand, the copy
-        quantized along the tokens or None where :meth:`transposed` derives it), each scale what the cast of the
-        gathered tensor would give (agreed across ``group`` where a scale spans ranks); None: not in FP8."""
-        return self.cast("input", x, dtype, True, True, state, record)
+        quantized along the tokens or None where :meth:`transposed` derives it or ``columnwise`` is False), each
+        scale what the cast of the gathered tensor would give (agreed across ``group`` where a scale spans ranks);
+        None: not in FP8."""
+        return self.cast("input", x, dtype, columnwise, True, state, record)
 
     def sequence_gather(self, row: Quantized, column: Quantized | None, gather) -> tuple[Quantized, Quantized | None]:
         """The operands of the gathered tokens from every rank's :meth:`sequence_cast`; ``gather(t, dim)`` gathers
@@ -213,6 +214,11 @@ class Recipe:
         if column is not None:
             gathered_column = Quantized(gather(column.data, 1), gather(column.scale, 1), column.kind)
         return Quantized(gather(row.data, 0), gather(row.scale, 0), row.kind), gathered_column
+
+    def sequence_columns(self, row: Quantized, dtype: torch.dtype) -> Quantized | None:
+        """The wgrad copy of gathered tokens re-quantized from their gathered fprop copy ``row`` (a gather that
+        carries the fprop copy alone): the values ``row`` holds, cast along the tokens (one more rounding)."""
+        return self.cast("input", row.kind.dequantize(row, torch.float32), dtype, True, True, None, False)[1]
 
     # -- FSDP2 all-gather of the weight ---------------------------------------------------------------------
 

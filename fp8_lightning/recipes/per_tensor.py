@@ -116,6 +116,10 @@ class PerTensorRecipe(Recipe):
         """One scale, agreed before the cast: only the codes travel; ``x.T`` is their transpose."""
         return Quantized(gather(row.data, 0), row.scale, TENSOR, nan_free=row.nan_free), None
 
+    def sequence_columns(self, row, dtype):
+        """``x.T`` is the transpose of the gathered codes (:meth:`transposed`): nothing to re-quantize."""
+        return None
+
     # -- FSDP2 ----------------------------------------------------------------------------------------------
 
     def fsdp_pack(self, shard, module, global_amax):

@@ -162,13 +162,15 @@ class RowwiseScaling(FineGrainedRecipe):
 
     # -- sequence parallelism -------------------------------------------------------------------------------
 
-    def sequence_cast(self, x, dtype, state, record, group):
+    def sequence_cast(self, x, dtype, state, record, group, columnwise=True):
         """The fprop copy scales rows (whole on each rank); the wgrad copy scales columns, which span every rank's
         tokens, so its column amaxes are agreed first (one MAX all-reduce of K values). With a high-precision weight
         gradient ``x.T`` stays unquantized: None (gathered in high precision)."""
         if self.high_precision_wgrad:
             return None
         row = self.cast("input", x, dtype, False, True, state, record)[0]
+        if not columnwise:
+            return row, None
         column_amax = x.detach().abs().amax(dim=0, keepdim=True).float()
         column_amax = torch.nan_to_num(column_amax, nan=float("inf"))  # MAX carries inf; NaN compares false
         if torch.distributed.get_world_size(group) > 1:
@@ -179,7 +181,7 @@ class RowwiseScaling(FineGrainedRecipe):
     def sequence_gather(self, row, column, gather):
         """The column scales were agreed before the cast: the columnwise codes travel without them."""
         gathered_row = Quantized(gather(row.data, 0), gather(row.scale, 0), ROW)
-        return gathered_row, Quantized(gather(column.data, 1), column.scale, ROW)
+        return gathered_row, None if column is None else Quantized(gather(column.data, 1), column.scale, ROW)
 
     # -- FSDP2 ----------------------------------------------------------------------------------------------
 

@@ -43,7 +43,7 @@ class Mixer(nn.Module):
         return self.o(torch.tanh(self.q(x)) * self.k(x) + self.v(x))
 
 
-def _plan(sequence_parallel: bool, fp8_all_gather: bool = True) -> dict:
+def _plan(sequence_parallel: bool, fp8_all_gather: bool | str = True) -> dict:
     if not sequence_parallel:
         return {"w1": FP8ColwiseParallel(), "w2": FP8RowwiseParallel()}
     return {"w1": FP8ColwiseParallel(input_layouts=Shard(1), fp8_all_gather=fp8_all_gather),
@@ -136,7 +136,8 @@ def tp_worker(rank: int, world: int, port: int, out: dict) -> None:
         convert_to_fp8(single, recipe)
         runs = {"eval": _evaluation_difference(base, single, mesh, recipe, batches[0])}
         runs["single"] = _single(single, batches)
-        for name, sp, fp8_gather in (("tp", False, True), ("sp_fp8", True, True), ("sp_hp", True, False)):
+        for name, sp, fp8_gather in (("tp", False, True), ("sp_fp8", True, True), ("sp_hp", True, False),
+                                     ("sp_fprop", True, "fprop")):
             model = copy.deepcopy(base)
             parallelize_module(model, mesh, _plan(sp, fp8_gather))
             convert_to_fp8(model, recipe)

@@ -7,7 +7,8 @@ An MLP (colwise ``w1``, rowwise ``w2``) trains 3 SGD steps; one spawn runs every
 * sequence parallel with the input all-gathered in FP8 gives the bits of the same plan gathering in high precision
   (outputs and every gradient), so the FP8 wire format changes nothing, and within rounding of one process;
 * the FP8 all-gather sends fewer bytes: per-tensor recipes the codes only (1 byte per element against 4 for the
-  float32 activation here), block recipes both of their copies with scales; a shard that holds no whole scale
+  float32 activation here), block recipes both of their copies with scales, or with ``fp8_all_gather="fprop"`` the
+  forward copy alone (same output, the weight gradient within FP8 rounding); a shard that holds no whole scale
   block (32 tokens per rank, blockwise's 128-token tiles) is gathered in high precision, with a warning;
 * all ranks end with identical scaling state;
 * ``PrepareFP8ModuleInput`` gathers once for three consumers;
@@ -51,16 +52,34 @@ def test_fp8_sequence_gather_equals_high_precision_gather(results, recipe):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
+def test_the_fprop_only_gather_keeps_the_output_and_rounds_the_weight_gradient_once_more(results, recipe):
+    """``fp8_all_gather="fprop"`` sends the forward copy alone: the output and the input gradient are the bits of
+    the full FP8 gather; the weight gradient of the gathering layer, from the re-quantized copy, stays within FP8
+    rounding of it (per-tensor recipes: the same bits, their wgrad copy is the transpose of the gathered codes)."""
+    runs = results[0][recipe]
+    (out, grads), (out_full, grads_full) = runs["sp_fprop"][1], runs["sp_fp8"][1]
+    assert torch.equal(out, out_full)
+    for name in grads_full:
+        if recipe in ("delayed", "tensorwise") or name != "w1.weight":
+            assert torch.equal(grads[name], grads_full[name]), name
+    error = (grads["w1.weight"] - grads_full["w1.weight"]).norm() / grads_full["w1.weight"].norm()
+    assert error < 2**-4, error
+    assert runs["sp_fprop"][0] == pytest.approx(runs["single"][0], rel=1e-3)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_fp8_sequence_gather_sends_fewer_bytes(results, recipe):
     runs = results[0][recipe]
     # both runs also all-gather the rowwise layer's output gradient (float32) in backward: the same bytes
     backward = STEPS * TOKENS // 2 * HIDDEN * 4
     fp8, high = runs["sp_fp8_bytes"] - backward, runs["sp_hp_bytes"] - backward
     assert high == STEPS * TOKENS // 2 * HIDDEN * 4
+    fprop = runs["sp_fprop_bytes"] - backward
     if recipe in ("delayed", "tensorwise"):
-        assert fp8 == high // 4  # the codes only: the scale was agreed before the cast
+        assert fp8 == fprop == high // 4  # the codes only: the scale was agreed before the cast
     else:
         assert fp8 < high // 1.9  # two FP8 copies with their scales
+        assert fprop < high // 3.8  # the forward copy and its scales
 
 
 def test_a_shard_without_whole_blocks_is_gathered_in_high_precision_with_a_warning(results):
@@ -99,3 +118,13 @@ def _flat(state, prefix=""):
     if isinstance(state, dict):
         return {k: v for key, value in state.items() for k, v in _flat(value, f"{prefix}{key}/").items()}
     return {prefix: state} if torch.is_tensor(state) else {prefix: torch.tensor(float(hash(str(state))))}
+
+
+@pytest.mark.parametrize("value", ["false", "True", 1, None, "fprop "])
+def test_fp8_all_gather_takes_true_fprop_or_false_and_names_them(value):
+    from fp8_lightning.distributed import FP8ColwiseParallel, PrepareFP8ModuleInput
+
+    for build in (lambda: FP8ColwiseParallel(fp8_all_gather=value),
+                  lambda: PrepareFP8ModuleInput(consumers=("q",), fp8_all_gather=value)):
+        with pytest.raises(ValueError, match=r"fp8_all_gather=.*use True .*'fprop' .*or False"):
+            build()
