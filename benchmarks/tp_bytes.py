@@ -31,23 +31,12 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from benchmarks.bench_common import write_gloo_result
-from fp8_lightning.testing import CollectiveCounter, free_port
+from fp8_lightning.testing import CollectiveCounter, Mixer, free_port
 
 WORLD = 2
 RECIPES = ["tensorwise", "delayed", "rowwise", "blockwise", "mxfp8"]
 BLOCK_RECIPES = ["rowwise", "blockwise", "mxfp8"]  # two copies travel by default; "fprop" sends one
 TARGET = 0.55  # forward bytes of the FP8 plan over the bf16 plan's
-
-
-class Mixer(nn.Module):
-    """Attention's projections without the attention: q, k, v read one input, o writes the output."""
-
-    def __init__(self, width: int):
-        super().__init__()
-        self.q, self.k, self.v, self.o = (nn.Linear(width, width, bias=False) for _ in range(4))
-
-    def forward(self, h):
-        return self.o(torch.tanh(self.q(h)) * self.k(h) + self.v(h))
 
 
 class Block(nn.Module):

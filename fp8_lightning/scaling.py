@@ -313,13 +313,20 @@ class OperandScaling:
 # --------------------------------------------------------------------------------------------------------
 
 
+def max_across(amax: torch.Tensor, group: "dist.ProcessGroup | None" = None) -> tuple[torch.Tensor, bool]:
+    """(the elementwise max of ``amax`` over the ranks of ``group``, whether a collective ran): one MAX all-reduce,
+    none without a process group of several ranks. A NaN is sent as inf, so that MAX carries it to every rank (NaN
+    compares false)."""
+    amax = torch.nan_to_num(amax, nan=float("inf"))
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        return amax, True
+    return amax, False
+
+
 def agreed_amax(x: torch.Tensor, group: "dist.ProcessGroup") -> torch.Tensor:
-    """max |x| over the shards of a tensor held by the ranks of ``group`` (float32 scalar): one MAX all-reduce of
-    the local amaxes. A NaN is sent as inf, so that MAX carries it to every rank (NaN compares false)."""
-    local = torch.nan_to_num(dispatch.fast_amax(x), nan=float("inf"))
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-    return local
+    """max |x| over the shards of a tensor held by the ranks of ``group`` (float32 scalar), NaN carried as inf."""
+    return max_across(dispatch.fast_amax(x), group)[0]
 
 
 def records_amax(training: bool) -> bool:

@@ -207,6 +207,18 @@ def bf16_hook(state, bucket):
     return _done(buffer)
 
 
+class Mixer(nn.Module):
+    """Attention's projections without the attention: q, k, v read one input (colwise under tensor parallelism, one
+    sequence all-gather for the three), o writes the output (rowwise)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        return self.o(torch.tanh(self.q(x)) * self.k(x) + self.v(x))
+
+
 # --- a small language-modelling task ------------------------------------------------------------------------------
 
 VOCAB, SEQ = 64, 32

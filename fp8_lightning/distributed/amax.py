@@ -26,6 +26,7 @@ from fp8_lightning.ops.dispatch import fast_amax
 from fp8_lightning.distributed.weight import FP8ShardedWeight
 from fp8_lightning.linear import FP8Linear
 from fp8_lightning.privates import local_shard
+from fp8_lightning.scaling import max_across
 
 
 class WeightAmaxSync:
@@ -72,11 +73,8 @@ class WeightAmaxSync:
             self.bind()
         key = tuple((p._version, s._version) for p, s in zip(self._params, self._shards))
         if key != self._key:
-            local = torch.stack([fast_amax(s._hp) for s in self._shards])
-            local = torch.nan_to_num(local, nan=float("inf"))
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-                self.reductions += 1
+            local, reduced = max_across(torch.stack([fast_amax(s._hp) for s in self._shards]), group)
+            self.reductions += reduced
             self._amax = {id(m): local[i] for i, m in enumerate(self._layers)}
             self._key = key
         return self._amax[id(layer)]

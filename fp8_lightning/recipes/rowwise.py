@@ -34,6 +34,7 @@ from fp8_lightning.rowwise import (
     quantize_rowwise,
     tensorwise_column_operand,
 )
+from fp8_lightning.scaling import max_across
 from fp8_lightning.rowwise_grouped import (
     RowwiseGroupedGemm,
     StackedWeights,
@@ -171,10 +172,7 @@ class RowwiseScaling(FineGrainedRecipe):
         row = self.cast("input", x, dtype, False, True, state, record)[0]
         if not columnwise:
             return row, None
-        column_amax = x.detach().abs().amax(dim=0, keepdim=True).float()
-        column_amax = torch.nan_to_num(column_amax, nan=float("inf"))  # MAX carries inf; NaN compares false
-        if torch.distributed.get_world_size(group) > 1:
-            torch.distributed.all_reduce(column_amax, op=torch.distributed.ReduceOp.MAX, group=group)
+        column_amax = max_across(x.detach().abs().amax(dim=0, keepdim=True).float(), group)[0]
         data, scale = quantize_rowwise(x, dtype, 0, self.eps, self.power_of_2_scales, column_amax)
         return row, Quantized(data.t(), scale.t(), ROW)
 

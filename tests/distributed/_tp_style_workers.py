@@ -17,6 +17,7 @@ from fp8_lightning import convert_to_fp8, fp8_autocast
 from fp8_lightning.convert import fp8_state_dict
 from fp8_lightning.distributed import FP8ColwiseParallel, FP8RowwiseParallel, PrepareFP8ModuleInput
 from fp8_lightning.distributed import sequence
+from fp8_lightning.testing import Mixer
 
 RECIPES = ["delayed", "tensorwise", "rowwise", "blockwise", "mxfp8"]
 STEPS = 3
@@ -30,17 +31,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.w2(torch.relu(self.w1(x)))
-
-
-class Mixer(nn.Module):
-    """Three colwise projections of one input (attention's q, k, v) and a rowwise output projection."""
-
-    def __init__(self):
-        super().__init__()
-        self.q, self.k, self.v, self.o = (nn.Linear(HIDDEN, HIDDEN, bias=False) for _ in range(4))
-
-    def forward(self, x):
-        return self.o(torch.tanh(self.q(x)) * self.k(x) + self.v(x))
 
 
 def _plan(sequence_parallel: bool, fp8_all_gather: bool | str = True) -> dict:
@@ -182,7 +172,7 @@ def _short_sequence(mesh, rank, world) -> dict:
 
 def _mixer(mesh, rank, world, x) -> dict:
     torch.manual_seed(2)
-    base = Mixer()
+    base = Mixer(HIDDEN)
     single = copy.deepcopy(base)
     convert_to_fp8(single, "tensorwise")
     model = copy.deepcopy(base)
