@@ -13,7 +13,9 @@ invasive hook is the constructor of its accelerator connector (``_AcceleratorCon
   strategy already carries the very same FP8 precision, accepted);
 * combinations that cannot work fail early with what to use instead: FSDP1 (``FSDPStrategy``) and DeepSpeed
   with FP8, and a CUDA device without FP8 support (the core's ``check_device`` message). These checks also
-  cover ``plugins=[FP8Precision(...)]``, the documented route that needs no registration.
+  cover ``plugins=[FP8Precision(...)]``, the documented route that needs no registration;
+* with an FP8 plugin, the strategy checks a checkpoint file before loading it (one clear message for a truncated
+  or corrupted file: :func:`fp8_lightning.lightning.checkpoint.check_before_loading`).
 
 The wrapping is idempotent and covers ``lightning.pytorch``, ``lightning.fabric`` and the standalone
 ``pytorch_lightning`` and ``lightning_fabric`` packages when the program imports them (before or after this
@@ -38,6 +40,7 @@ from typing import Any, Callable, Iterator, Literal, Union
 import torch
 
 from fp8_lightning.gemm import check_device
+from fp8_lightning.lightning.checkpoint import check_before_loading
 from fp8_lightning.lightning.plugin_base import FP8PrecisionMixin
 from fp8_lightning.lightning.strings import ACCEPTED_PRECISION_STRINGS, is_fp8_precision, recipe_for_precision
 from fp8_lightning.privates import carried_precision, parallel_devices
@@ -178,6 +181,7 @@ def _wrap_init(original: Callable, family: _Family) -> Callable:
         with _env_hidden(FABRIC_CLI_PRECISION) if from_env else contextlib.nullcontext():
             original(*bound.args, **bound.kwargs)
         check_accelerator(self, family)
+        check_checkpoints_before_loading(self, family)
 
     setattr(__init__, _MARK, True)
     return __init__
@@ -291,6 +295,13 @@ def check_strategy(arguments: dict, family: _Family) -> None:
                 "be bypassed. For sharded training use ModelParallelStrategy with torch's fully_shard (FSDP2) "
                 "or fp8_lightning's FP8 FSDP2 strategy; for data parallelism use strategy='ddp'."
             )
+
+
+def check_checkpoints_before_loading(connector: Any, family: _Family) -> None:
+    """With an FP8 precision plugin, the strategy checks a checkpoint file before loading it (a truncated or
+    corrupted file is named in one message instead of resuming into NaN: ``checkpoint.check_before_loading``)."""
+    if isinstance(getattr(connector, family.result_attr, None), FP8PrecisionMixin):
+        check_before_loading(getattr(connector, "strategy", None))
 
 
 def check_accelerator(connector: Any, family: _Family) -> None:
