@@ -265,19 +265,41 @@ def _fp8_plugin(arguments: dict) -> FP8PrecisionMixin | None:
 def _strategy_class(strategy: Any, family: _Family) -> type | None:
     if not isinstance(strategy, str):
         return type(strategy)
-    registry_path = family.connector.split(".trainer.")[0] + ".strategies:StrategyRegistry"
-    if "fabric" in family.connector:
-        registry_path = family.connector.split(".connector")[0] + ".strategies:STRATEGY_REGISTRY"
-    try:
-        registry = _load(registry_path)
-    except (ImportError, AttributeError):
+    registry = _strategy_registry(family)
+    if registry is None:
         return None
     entry = dict.get(registry, strategy.lower())  # the registry's own get() raises for unknown names
     return entry["strategy"] if entry else None
 
 
+def _strategy_registry(family: _Family) -> Any:
+    registry_path = family.connector.split(".trainer.")[0] + ".strategies:StrategyRegistry"
+    if "fabric" in family.connector:
+        registry_path = family.connector.split(".connector")[0] + ".strategies:STRATEGY_REGISTRY"
+    try:
+        return _load(registry_path)
+    except (ImportError, AttributeError):
+        return None
+
+
+def check_fp8_strategy_name(arguments: dict, family: _Family) -> None:
+    """An ``"fp8..."`` strategy name that is not registered (``strategy="FP8DDPStrategy"``, ``"fp8-ddp"``) gets the
+    registered FP8 names, where Lightning's own error lists only its examples."""
+    strategy = arguments.get("strategy")
+    registry = _strategy_registry(family)
+    if not isinstance(strategy, str) or not strategy.strip().lower().startswith("fp8") or registry is None:
+        return
+    names = sorted(name for name in dict.keys(registry) if name.startswith("fp8"))
+    if strategy.lower() not in names and names:
+        raise ValueError(
+            f"strategy={strategy!r} is not a registered strategy name; the FP8 ones are {', '.join(names)}. Pass "
+            f"one of them (strategy={names[0]!r}), or an instance such as strategy=FP8DDPStrategy(...)."
+        )
+
+
 def check_strategy(arguments: dict, family: _Family) -> None:
     """Refuse FP8 with strategies that cannot run it (FSDP1, DeepSpeed), saying what to use instead."""
+    check_fp8_strategy_name(arguments, family)
     if _fp8_plugin(arguments) is None:
         return
     cls = _strategy_class(arguments.get("strategy", "auto"), family)
