@@ -176,7 +176,7 @@ def _wrap_init(original: Callable, family: _Family) -> Callable:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         bound = signature.bind(self, *args, **kwargs)
         from_env = precision_from_fabric_cli(bound.arguments, family)
-        translate_precision(bound.arguments, family)
+        translate_precision(bound.arguments, family, from_env)
         check_strategy(bound.arguments, family)
         with _env_hidden(FABRIC_CLI_PRECISION) if from_env else contextlib.nullcontext():
             original(*bound.args, **bound.kwargs)
@@ -226,20 +226,29 @@ def _as_list(plugins: Any) -> list:
     return list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
 
 
-def translate_precision(arguments: dict, family: _Family) -> None:
-    """Turn ``precision="fp8-..."`` into ``plugins=[<FP8 plugin>]`` in the connector's bound arguments."""
+def translate_precision(arguments: dict, family: _Family, from_env: bool = False) -> None:
+    """Turn ``precision="fp8-..."`` into ``plugins=[<FP8 plugin>]`` in the connector's bound arguments
+    (``from_env``: the string came from ``LT_PRECISION``, which errors then name)."""
     precision = arguments.get("precision")
     if not is_fp8_precision(precision):
         return
     name = precision.strip().lower()
-    recipe_for_precision(name)  # unknown strings fail here, listing the valid ones
+    given_as = f"{FABRIC_CLI_PRECISION}={precision!r} (the environment variable)" if from_env else (
+        f"precision={precision!r}")
+    try:
+        recipe_for_precision(name)  # unknown strings fail here, listing the valid ones
+    except ValueError as err:
+        if not from_env:
+            raise
+        raise ValueError(f"{given_as}: {err} Or unset {FABRIC_CLI_PRECISION}.") from None
     plugins = _as_list(arguments.get("plugins"))
     base = _load(family.precision_base)
     given = [p for p in plugins if isinstance(p, base)]
     if given:
+        fix = f"unset {FABRIC_CLI_PRECISION}" if from_env else f"precision={precision!r} alone"
         raise ValueError(
-            f"precision={precision!r} and plugins=[{given[0]!r}] both choose the precision; pass only one "
-            f"(precision={precision!r} alone, or plugins=[FP8Precision(...)] to customise the recipe)."
+            f"{given_as} and plugins=[{given[0]!r}] both choose the precision; pass only one "
+            f"({fix}, or plugins=[FP8Precision(...)] to customise the recipe)."
         )
     carried = carried_precision(arguments.get("strategy"))
     if carried is not None:

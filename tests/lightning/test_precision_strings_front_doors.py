@@ -136,3 +136,15 @@ def test_the_fabric_resume_warning_only_when_state_was_lost(tmp_path, plugin, ex
     assert warnings_seen == expect
     if expect == 0:
         assert all(torch.equal(a, b) for a, b in zip(uninterrupted, resumed)), "nothing of the plugin was needed"
+
+
+def test_errors_about_an_lt_precision_string_name_the_variable(monkeypatch):
+    """Guards against messages that blamed a precision= the program never passed when the FP8 string came from
+    LT_PRECISION (an unknown string, or one next to a precision plugin in plugins=)."""
+    monkeypatch.setenv("LT_PRECISION", "fp8-bogus")
+    with pytest.raises(ValueError, match=r"LT_PRECISION='fp8-bogus' \(the environment variable\): .* Or unset"):
+        L.Fabric(accelerator="cpu", devices=1, precision="32-true")
+    monkeypatch.setenv("LT_PRECISION", "fp8-hybrid")
+    with pytest.raises(ValueError, match=r"LT_PRECISION='fp8-hybrid' \(the environment variable\) and plugins=.*"
+                                         r"unset LT_PRECISION"):
+        L.Fabric(accelerator="cpu", devices=1, plugins=[FP8FabricPrecision(recipe="mxfp8")])
