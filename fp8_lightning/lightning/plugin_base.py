@@ -110,8 +110,8 @@ class FP8PrecisionMixin:
         self.layers = layers
         self.module_filter_fn = module_filter_fn
         self.dtype = parse_dtype(dtype)
-        self.replace_layers = bool(replace_layers)
-        self.emulate = bool(emulate)
+        self.replace_layers = strict_bool(replace_layers, type(self).__name__, "replace_layers")
+        self.emulate = strict_bool(emulate, type(self).__name__, "emulate")
         self.divergence_guard = DivergenceGuard.from_arg(divergence_guard)
         self.guard_state = GuardState(self.divergence_guard) if self.divergence_guard else None
         self.precision = precision_for_recipe(self.recipe)

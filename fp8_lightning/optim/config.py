@@ -48,6 +48,10 @@ class FP8OptimizerConfig:
                 f"exp_avg transform={self.exp_avg.transform!r}: the first moment can be negative, so it cannot be "
                 "stored through a square root; use transform='none'."
             )
+        if not isinstance(self.use_triton, bool):  # bool("false") is True: a string must not turn the kernel on
+            raise ValueError(f"use_triton={self.use_triton!r} is invalid; allowed: True or False.")
+        if isinstance(self.min_quantize_numel, bool) or not isinstance(self.min_quantize_numel, int):
+            raise ValueError(f"min_quantize_numel={self.min_quantize_numel!r} is invalid; allowed: an integer >= 0.")
         if self.min_quantize_numel < 0:
             raise ValueError(f"min_quantize_numel={self.min_quantize_numel} must be >= 0.")
 
