@@ -102,7 +102,7 @@ def config_from(preset: "str | FP8OptimizerConfig | dict | None" = "default", **
         for name in ("exp_avg", "exp_avg_sq"):
             fmt = StateFormat.parse(overrides.get(name, getattr(config, name)))
             if fmt.scaled:
-                overrides[name] = dataclasses.replace(fmt, block_size=int(block_size))
+                overrides[name] = dataclasses.replace(fmt, block_size=block_size)  # StateFormat checks it
     unknown = set(overrides) - {f.name for f in dataclasses.fields(FP8OptimizerConfig)}
     if unknown:
         allowed = [f.name for f in dataclasses.fields(FP8OptimizerConfig)] + ["block_size"]
