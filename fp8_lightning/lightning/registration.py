@@ -14,8 +14,7 @@ invasive hook is the constructor of its accelerator connector (``_AcceleratorCon
 * combinations that cannot work fail early with what to use instead: FSDP1 (``FSDPStrategy``) and DeepSpeed
   with FP8, and a CUDA device without FP8 support (the core's ``check_device`` message). These checks also
   cover ``plugins=[FP8Precision(...)]``, the documented route that needs no registration;
-* with an FP8 plugin, the strategy checks a checkpoint file before loading it (one clear message for a truncated
-  or corrupted file: :func:`fp8_lightning.lightning.checkpoint.check_before_loading`).
+* with an FP8 plugin, the strategy checks a checkpoint file before loading it (``checkpoint.check_before_loading``).
 
 The wrapping is idempotent and covers ``lightning.pytorch``, ``lightning.fabric`` and the standalone
 ``pytorch_lightning`` and ``lightning_fabric`` packages when the program imports them (before or after this
