@@ -98,9 +98,12 @@ def convert_to_fp8(
         reason (``print(report)`` lists them).
 
     Raises:
-        ValueError: an invalid recipe or ``profitability`` value (the message names what is allowed), or a layer
-            split by a tensor-parallel style into shards its recipe cannot scale (the message names the fix).
+        ValueError: an invalid recipe, ``emulate`` or ``profitability`` value (the message names what is allowed), or a
+            layer split by a tensor-parallel style into shards its recipe cannot scale (the message names the fix).
     """
+    if not isinstance(emulate, bool):  # bool("false") is True: a string must not turn emulation on
+        raise ValueError(f"convert_to_fp8(emulate={emulate!r}): emulate takes True or False; got a "
+                         f"{type(emulate).__name__}. Pass emulate=True or emulate=False.")
     recipe = recipe_from(recipe)
     gate = resolve_gate(profitability)
     report = ConversionReport()

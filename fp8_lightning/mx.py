@@ -112,17 +112,23 @@ def quantize_mxfp8(
     Returns ``(data, scale)``: ``data`` in the float8 dtype with ``x``'s shape, ``scale`` in
     ``torch.float8_e8m0fnu`` with shape ``(..., K // block_size)``, such that ``x ~= data * scale`` per block.
     """
-    k = check_mx_input(x, block_size, "quantize_mxfp8")
+    k = check_mx_input(x, block_size, "quantize_mxfp8", scale_rounding)
     dtype = fp8_dtype(fp8_format)
     blocks = x.float().reshape(*x.shape[:-1], k // block_size, block_size)
     data, scale = _quantize_blocks(blocks, -1, scale_rounding, dtype)
     return data.reshape(x.shape), scale
 
 
-def check_mx_input(x: torch.Tensor, block_size: int, what: str) -> int:
+def check_mx_input(x: torch.Tensor, block_size: int, what: str, scale_rounding: str = "rceil") -> int:
     """The size K of ``x``'s last dimension, after checking ``x`` is floating point with K a whole number of
-    blocks."""
+    blocks, and ``scale_rounding`` is exactly ``"rceil"`` or ``"floor"`` (checked here, before any backend: the C
+    codec and the Triton kernel would read anything but "rceil" as floor)."""
     _check_floating(x, what)
+    if not isinstance(scale_rounding, str) or scale_rounding not in ("rceil", "floor"):
+        raise ValueError(
+            f"{what}: scale_rounding={scale_rounding!r} is invalid; allowed: rceil or floor, in lower case (rceil, "
+            "the default, is cuBLAS's and TransformerEngine's rule; floor is OCP MX v1.0's). Pass one of them."
+        )
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(
             f"{what}: block_size={block_size!r} is invalid; it must be a positive integer (MX uses 32): the number "

@@ -190,6 +190,19 @@ class ProfitabilityGate:
     device: torch.device | str | None = None
     roofline: DeviceRoofline | None = None
 
+    def __post_init__(self) -> None:
+        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1:
+            raise ValueError(
+                f"ProfitabilityGate.tokens={self.tokens!r} is invalid; allowed: an integer >= 1, the tokens per "
+                "micro-batch (batch size x sequence length) the model trains with."
+            )
+        speedup = self.min_speedup
+        if isinstance(speedup, bool) or not isinstance(speedup, (int, float)) or not 0 < speedup < float("inf"):
+            raise ValueError(
+                f"ProfitabilityGate.min_speedup={speedup!r} is invalid; allowed: a finite number > 0 (1.0: FP8 must "
+                "not be modelled slower than bf16; 1.2: at least 20% faster)."
+            )
+
     def applies_to(self, device: torch.device) -> bool:
         return self.roofline is not None or device.type == "cuda"
 

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +71,29 @@ def check_config(cfg: DictConfig) -> None:
     check_precision_choice(cfg)
     check_trainer_accelerator(cfg)
     check_data_root(cfg)
+    check_run_folder(cfg)
+
+
+def check_run_folder(cfg: DictConfig) -> None:
+    """Under torchrun or SLURM every rank composes the configuration itself, so the default run folder (named by
+    the time to the microsecond and the process id, unique per run) is a different folder on every rank: warn once
+    (rank 0) that ``hydra.run.dir=`` should name one folder for all of them. Lightning's own launcher
+    (``trainer.devices=2`` without torchrun) hands its folder to the processes it starts, so it is not affected."""
+    world = int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
+    rank = int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
+    if world <= 1 or rank != 0:
+        return
+    try:
+        folder = str(cfg.paths.output_dir)
+    except Exception:  # noqa: BLE001 - no Hydra runtime (a composed config): nothing to check
+        return
+    if folder.endswith(f"_{os.getpid()}"):
+        warnings.warn(
+            f"fp8-train runs as one of {world} processes started by torchrun or SLURM, and the run folder {folder} is "
+            "named by this process's clock and id: every rank writes .hydra/ and its logs into a folder of its own. "
+            "Pass one folder for all ranks: hydra.run.dir=outputs/<name> (examples/multinode/ does).",
+            stacklevel=2,
+        )
 
 
 def configured_tp_size(cfg: DictConfig) -> int:

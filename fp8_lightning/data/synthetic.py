@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from fp8_lightning.data.resumable import ResumableDataLoader
-from fp8_lightning.data.text import FixedWindows, RandomWindows
+from fp8_lightning.data.text import FixedWindows, RandomWindows, check_counts
 
 
 def markov_stream(length: int, vocab_size: int, branching: int, seed: int) -> torch.Tensor:
@@ -49,6 +49,8 @@ class SyntheticDataModule(pl.LightningDataModule):
         seed: int = 1234,
     ):
         super().__init__()
+        check_counts(type(self).__name__, vocab_size=vocab_size, block_size=block_size, batch_size=batch_size,
+                     branching=branching, train_tokens=train_tokens, val_tokens=val_tokens, train_samples=train_samples)
         self.save_hyperparameters(logger=False)
         self.vocab_size = vocab_size
         self.entropy_floor = math.log(branching)

@@ -30,6 +30,19 @@ from fp8_lightning.data.resumable import ResumableDataLoader
 EXCLUDED_DIRS = ("site-packages", "dist-packages", "__pycache__")
 
 
+def check_counts(owner: str, **values: object) -> None:
+    """Refuse sizes and counts that are not positive integers (``block_size=0`` divided by zero deep in the model,
+    ``batch_size=0`` failed inside the DataLoader), naming the argument and the ``data.`` override that sets it."""
+    for name, value in values.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(
+                f"{owner}: {name}={value!r} is invalid; allowed: a positive integer. Set it to 1 or more (in "
+                f"fp8-train: data.{name}=...)."
+            )
+
+
 def stdlib_dir() -> Path:
     """Directory of the running interpreter's standard library."""
     return Path(sysconfig.get_paths()["stdlib"])
@@ -127,6 +140,8 @@ class ByteTextDataModule(pl.LightningDataModule):
         num_workers: int = 0,
     ):
         super().__init__()
+        check_counts(type(self).__name__, block_size=block_size, batch_size=batch_size, max_files=max_files,
+                     train_samples=train_samples, max_val_windows=max_val_windows)
         self.save_hyperparameters(logger=False)
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None

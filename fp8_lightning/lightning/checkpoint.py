@@ -10,8 +10,10 @@ the file, a fraction of what loading it costs)::
     from fp8_lightning.lightning.checkpoint import check_checkpoint_file
     check_checkpoint_file(ckpt_path)              # before trainer.fit(model, ckpt_path=ckpt_path)
 
-``fp8-train`` runs it for ``ckpt_path=...``. The FP8 plugin's own entry in the checkpoint carries a checksum of its
-own and is checked when it is loaded (:mod:`fp8_lightning.lightning.plugin_base`).
+``fp8-train`` runs it for ``ckpt_path=...``, and every ``Trainer`` or ``Fabric`` with an FP8 precision plugin runs
+it before its strategy loads a checkpoint file (:func:`check_before_loading`, installed by the registration):
+``trainer.fit(model, ckpt_path=...)``, ``fabric.load(path, state)``. The FP8 plugin's own entry in the checkpoint
+carries a checksum of its own and is checked when it is loaded (:mod:`fp8_lightning.lightning.plugin_base`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from __future__ import annotations
 import os
 import zipfile
 from pathlib import Path
+from typing import Any
+
+_VERIFIED: dict[str, tuple[int, int]] = {}  # path -> (size, mtime_ns) of the last file that passed the full check
 
 
 class CheckpointFileError(ValueError):
@@ -34,6 +39,8 @@ def check_checkpoint_file(path: str | os.PathLike, verify_contents: bool = True)
     path = Path(path)
     if path.is_dir():
         return
+    if verify_contents and path.is_file() and _VERIFIED.get(str(path)) == _signature(path):
+        return  # checked already (fp8-train checks before Trainer.fit loads it): one read of the file is enough
     if not path.exists():
         raise CheckpointFileError(
             f"Checkpoint {path} does not exist. Check the path (ckpt_path), or start without one to train from "
@@ -62,6 +69,44 @@ def check_checkpoint_file(path: str | os.PathLike, verify_contents: bool = True)
             f"Checkpoint {path} is corrupted: record {bad!r} fails its CRC-32 check (bytes changed after it was "
             f"written). Resume from another checkpoint{others} or start without ckpt_path."
         )
+    if verify_contents:
+        _VERIFIED[str(path)] = _signature(path)
+
+
+def _signature(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
+
+
+class _CheckedLoad:
+    """``strategy.load_checkpoint`` that runs :func:`check_checkpoint_file` on a local checkpoint file first.
+
+    A class rather than a closure so that the strategy still pickles (``ddp_spawn`` sends the Trainer to its
+    processes); it calls the class's own ``load_checkpoint``, whatever the instance attribute says."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Trainer strategies name the argument checkpoint_path, Fabric strategies path
+        path = args[0] if args else kwargs.get("checkpoint_path", kwargs.get("path"))
+        if isinstance(path, (str, os.PathLike)) and "://" not in str(path) and Path(path).is_file():
+            check_checkpoint_file(path)  # a missing file or a remote URL stays the strategy's business
+        return type(self.strategy).load_checkpoint(self.strategy, *args, **kwargs)
+
+
+def check_before_loading(strategy: Any) -> None:
+    """Make ``strategy`` check a checkpoint file with :func:`check_checkpoint_file` before it loads it, so that a
+    truncated, empty or byte-flipped file gives one :class:`CheckpointFileError` naming it (not ``EOFError``, a
+    miniz error, or a resume that trains into NaN). Idempotent; folders (sharded checkpoints), missing files and
+    remote URLs are left to the strategy.
+
+    Args:
+        strategy: a ``lightning.pytorch`` or ``lightning.fabric`` strategy.
+    """
+    if strategy is None or isinstance(strategy.__dict__.get("load_checkpoint"), _CheckedLoad):
+        return
+    strategy.load_checkpoint = _CheckedLoad(strategy)
 
 
 def _others(path: Path) -> str:

@@ -5,7 +5,8 @@ classes named by ``--trainer.plugins`` or ``--trainer.strategy`` by trying every
 mistake there ends in the parser's usage (some 45 lines) and one error per type tried, with the FP8 message
 somewhere among them, or in a traceback. :func:`report_fp8_errors_first` wraps the CLI's parser class so that such
 a report starts with the FP8 message: a precision string that neither Lightning nor fp8_lightning knows (with the
-nearest FP8 string), or the error an fp8_lightning class named in the configuration raises when built with the
+nearest FP8 string), an argument of an fp8_lightning class that fails the parser's type check (or the class named
+without its module), or the error an fp8_lightning class named in the configuration raises when built with the
 arguments given. The parser's own report follows unchanged; every other error is reported as before.
 """
 
@@ -60,6 +61,46 @@ def precision_hint(message: str) -> str | None:
             f"strings are {', '.join(strings)}: {fix}")
 
 
+_PUBLIC_CLASSES = ("FP8Precision", "FP8FabricPrecision", "FP8DDPStrategy", "FP8FSDPStrategy", "FP8StatsMonitor",
+                   "FP8OptimizerStates", "DivergenceGuard")
+
+
+def class_argument_hint(message: str) -> str | None:
+    """The FP8 line for a parser error about an fp8_lightning class named in the configuration, else None: an
+    argument of the wrong type (``--trainer.strategy.fp8_gradients maybe``), or the class named without its module
+    (``--trainer.plugins FP8Precision``, which the parser cannot import).
+
+    Args:
+        message: the parser's error message.
+
+    Returns:
+        What is wrong and how to fix it, or None when the message is about something else.
+    """
+    outer = re.search(r'Parser key "([\w.]+)"', message)
+    option = f"--{outer.group(1)}" if outer else "the option"
+    lines = message.splitlines()
+    for i, line in enumerate(lines):
+        found = re.search(r"Problem with given class_path '(fp8_lightning\.[\w.]+)'", line)
+        if found is None:
+            continue
+        depth = len(line) - len(line.lstrip())
+        detail = []
+        for inner in lines[i + 1:]:
+            if inner.strip() and len(inner) - len(inner.lstrip()) <= depth:
+                break
+            detail.append(inner.strip())
+        key = re.match(r'Parser key "([\w.]+)":', detail[0]) if detail else None
+        what = " ".join(detail[1:] if key else detail).strip() or "its arguments do not validate"
+        argument = f"{option}.{key.group(1)}" if key else option
+        return f"error: {argument} is invalid for {found.group(1)}: {what}"
+    given = re.search(r"^\s*Given value: (\w+)\s*$", message, re.MULTILINE)
+    if given and given.group(1) in _PUBLIC_CLASSES:
+        name = given.group(1)
+        return (f"error: {option} {name}: the parser cannot import a class by its bare name here; give its path: "
+                f"{option} fp8_lightning.{name}")
+    return None
+
+
 def fp8_class_error(config: Any) -> str | None:
     """Build each fp8_lightning class named in ``config`` with its arguments and return the first one's error.
 
@@ -81,7 +122,7 @@ def fp8_class_error(config: Any) -> str | None:
 def _wrap_error(original: Callable) -> Callable:
     @functools.wraps(original)
     def error(self: Any, message: str, *args: Any, **kwargs: Any) -> Any:
-        hint = precision_hint(str(message))
+        hint = precision_hint(str(message)) or class_argument_hint(str(message))
         if hint is not None:
             print(hint, "\n(LightningCLI's own report follows.)", file=sys.stderr)
         return original(self, message, *args, **kwargs)

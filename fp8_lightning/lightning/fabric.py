@@ -44,13 +44,15 @@ class FP8FabricHooks(FP8PrecisionMixin):
 def warn_if_resumed_without_fp8_state(plugin: FP8PrecisionMixin, optimizer: Any) -> bool:
     """Warn (once per plugin, at its first optimizer step) when the program resumed from a checkpoint without the
     FP8 state: the optimizer already holds state (it was loaded: torch optimizers create it at their first step),
-    yet this plugin has taken no step and loaded no state. Returns whether it warned."""
+    yet this plugin has taken no step and loaded no state, and it has state that a resumed run needs
+    (:meth:`~fp8_lightning.lightning.plugin_base.FP8PrecisionMixin.carries_state`: not for MXFP8, rowwise or
+    blockwise layers without a divergence guard). Returns whether it warned."""
     resumed = any(bool(state) for state in getattr(optimizer, "state", {}).values())
-    if not resumed or plugin.optimizer_steps or plugin._loaded_fp8_state:
+    if not resumed or plugin.optimizer_steps or plugin._loaded_fp8_state or not plugin.carries_state():
         return False
     rank_zero_warn(
         "The optimizer state was restored from a checkpoint, but the FP8 scaling state was not: amax histories, "
-        "scales and divergence-guard decisions restart from scratch, so the resumed run differs from an "
+        "scales and divergence-guard decisions restart from scratch, so the resumed run can differ from an "
         "uninterrupted one. Save and load the precision plugin with the rest of the state: fabric.save(path, "
         "{..., 'fp8': fabric.strategy.precision}) and fabric.load(path, {..., 'fp8': fabric.strategy.precision})."
     )

@@ -25,6 +25,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from fp8_lightning.lightning.plugin_base import strict_bool
 from fp8_lightning.optim import FP8Optimizer, config_from
 
 
@@ -43,8 +44,8 @@ class FP8OptimizerStates(Callback):
     def __init__(self, preset: str = "default", strict: bool = False, release_gradients: bool = False,
                  **options: Any) -> None:
         self.config = config_from(preset, **options)  # fail at construction on a bad option, not mid-fit
-        self.strict = strict
-        self.release_gradients = release_gradients
+        self.strict = strict_bool(strict, type(self).__name__, "strict")
+        self.release_gradients = strict_bool(release_gradients, type(self).__name__, "release_gradients")
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

@@ -25,6 +25,7 @@ from fp8_lightning.convert import (
     fp8_state_dict,
     load_fp8_state_dict,
     ModuleFilter,
+    operand_states,
     sync_scales,
 )
 from fp8_lightning.guard import DivergenceGuard, GuardEvent, GuardState
@@ -109,8 +110,8 @@ class FP8PrecisionMixin:
         self.layers = layers
         self.module_filter_fn = module_filter_fn
         self.dtype = parse_dtype(dtype)
-        self.replace_layers = bool(replace_layers)
-        self.emulate = bool(emulate)
+        self.replace_layers = strict_bool(replace_layers, type(self).__name__, "replace_layers")
+        self.emulate = strict_bool(emulate, type(self).__name__, "emulate")
         self.divergence_guard = DivergenceGuard.from_arg(divergence_guard)
         self.guard_state = GuardState(self.divergence_guard) if self.divergence_guard else None
         self.precision = precision_for_recipe(self.recipe)
@@ -195,6 +196,13 @@ class FP8PrecisionMixin:
     def fp8_tracked_modules(self) -> list[nn.Module]:
         """The modules this plugin converted (still alive), in conversion order."""
         return [m for m in (ref() for ref in self._modules) if m is not None]
+
+    def carries_state(self) -> bool:
+        """True when a checkpoint without this plugin's state would change a resumed run: a converted layer keeps
+        scaling state between steps (amax histories and scales, NVFP4's random signs and rounding counter), or the
+        divergence guard keeps its decisions. MXFP8, rowwise and blockwise layers compute every scale from the
+        tensor being cast: without a guard, nothing of theirs needs saving."""
+        return self.guard_state is not None or any(operand_states(m) for m in self.fp8_tracked_modules())
 
     # -- forward --------------------------------------------------------------------------------------------
 

@@ -13,7 +13,8 @@ invasive hook is the constructor of its accelerator connector (``_AcceleratorCon
   strategy already carries the very same FP8 precision, accepted);
 * combinations that cannot work fail early with what to use instead: FSDP1 (``FSDPStrategy``) and DeepSpeed
   with FP8, and a CUDA device without FP8 support (the core's ``check_device`` message). These checks also
-  cover ``plugins=[FP8Precision(...)]``, the documented route that needs no registration.
+  cover ``plugins=[FP8Precision(...)]``, the documented route that needs no registration;
+* with an FP8 plugin, the strategy checks a checkpoint file before loading it (``checkpoint.check_before_loading``).
 
 The wrapping is idempotent and covers ``lightning.pytorch``, ``lightning.fabric`` and the standalone
 ``pytorch_lightning`` and ``lightning_fabric`` packages when the program imports them (before or after this
@@ -38,6 +39,7 @@ from typing import Any, Callable, Iterator, Literal, Union
 import torch
 
 from fp8_lightning.gemm import check_device
+from fp8_lightning.lightning.checkpoint import check_before_loading
 from fp8_lightning.lightning.plugin_base import FP8PrecisionMixin
 from fp8_lightning.lightning.strings import ACCEPTED_PRECISION_STRINGS, is_fp8_precision, recipe_for_precision
 from fp8_lightning.privates import carried_precision, parallel_devices
@@ -173,11 +175,12 @@ def _wrap_init(original: Callable, family: _Family) -> Callable:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         bound = signature.bind(self, *args, **kwargs)
         from_env = precision_from_fabric_cli(bound.arguments, family)
-        translate_precision(bound.arguments, family)
+        translate_precision(bound.arguments, family, from_env)
         check_strategy(bound.arguments, family)
         with _env_hidden(FABRIC_CLI_PRECISION) if from_env else contextlib.nullcontext():
             original(*bound.args, **bound.kwargs)
         check_accelerator(self, family)
+        check_checkpoints_before_loading(self, family)
 
     setattr(__init__, _MARK, True)
     return __init__
@@ -222,20 +225,29 @@ def _as_list(plugins: Any) -> list:
     return list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
 
 
-def translate_precision(arguments: dict, family: _Family) -> None:
-    """Turn ``precision="fp8-..."`` into ``plugins=[<FP8 plugin>]`` in the connector's bound arguments."""
+def translate_precision(arguments: dict, family: _Family, from_env: bool = False) -> None:
+    """Turn ``precision="fp8-..."`` into ``plugins=[<FP8 plugin>]`` in the connector's bound arguments
+    (``from_env``: the string came from ``LT_PRECISION``, which errors then name)."""
     precision = arguments.get("precision")
     if not is_fp8_precision(precision):
         return
     name = precision.strip().lower()
-    recipe_for_precision(name)  # unknown strings fail here, listing the valid ones
+    given_as = f"{FABRIC_CLI_PRECISION}={precision!r} (the environment variable)" if from_env else (
+        f"precision={precision!r}")
+    try:
+        recipe_for_precision(name)  # unknown strings fail here, listing the valid ones
+    except ValueError as err:
+        if not from_env:
+            raise
+        raise ValueError(f"{given_as}: {err} Or unset {FABRIC_CLI_PRECISION}.") from None
     plugins = _as_list(arguments.get("plugins"))
     base = _load(family.precision_base)
     given = [p for p in plugins if isinstance(p, base)]
     if given:
+        fix = f"unset {FABRIC_CLI_PRECISION}" if from_env else f"precision={precision!r} alone"
         raise ValueError(
-            f"precision={precision!r} and plugins=[{given[0]!r}] both choose the precision; pass only one "
-            f"(precision={precision!r} alone, or plugins=[FP8Precision(...)] to customise the recipe)."
+            f"{given_as} and plugins=[{given[0]!r}] both choose the precision; pass only one "
+            f"({fix}, or plugins=[FP8Precision(...)] to customise the recipe)."
         )
     carried = carried_precision(arguments.get("strategy"))
     if carried is not None:
@@ -261,19 +273,41 @@ def _fp8_plugin(arguments: dict) -> FP8PrecisionMixin | None:
 def _strategy_class(strategy: Any, family: _Family) -> type | None:
     if not isinstance(strategy, str):
         return type(strategy)
-    registry_path = family.connector.split(".trainer.")[0] + ".strategies:StrategyRegistry"
-    if "fabric" in family.connector:
-        registry_path = family.connector.split(".connector")[0] + ".strategies:STRATEGY_REGISTRY"
-    try:
-        registry = _load(registry_path)
-    except (ImportError, AttributeError):
+    registry = _strategy_registry(family)
+    if registry is None:
         return None
     entry = dict.get(registry, strategy.lower())  # the registry's own get() raises for unknown names
     return entry["strategy"] if entry else None
 
 
+def _strategy_registry(family: _Family) -> Any:
+    registry_path = family.connector.split(".trainer.")[0] + ".strategies:StrategyRegistry"
+    if "fabric" in family.connector:
+        registry_path = family.connector.split(".connector")[0] + ".strategies:STRATEGY_REGISTRY"
+    try:
+        return _load(registry_path)
+    except (ImportError, AttributeError):
+        return None
+
+
+def check_fp8_strategy_name(arguments: dict, family: _Family) -> None:
+    """An ``"fp8..."`` strategy name that is not registered (``strategy="FP8DDPStrategy"``, ``"fp8-ddp"``) gets the
+    registered FP8 names, where Lightning's own error lists only its examples."""
+    strategy = arguments.get("strategy")
+    registry = _strategy_registry(family)
+    if not isinstance(strategy, str) or not strategy.strip().lower().startswith("fp8") or registry is None:
+        return
+    names = sorted(name for name in dict.keys(registry) if name.startswith("fp8"))
+    if strategy.lower() not in names and names:
+        raise ValueError(
+            f"strategy={strategy!r} is not a registered strategy name; the FP8 ones are {', '.join(names)}. Pass "
+            f"one of them (strategy={names[0]!r}), or an instance such as strategy=FP8DDPStrategy(...)."
+        )
+
+
 def check_strategy(arguments: dict, family: _Family) -> None:
     """Refuse FP8 with strategies that cannot run it (FSDP1, DeepSpeed), saying what to use instead."""
+    check_fp8_strategy_name(arguments, family)
     if _fp8_plugin(arguments) is None:
         return
     cls = _strategy_class(arguments.get("strategy", "auto"), family)
@@ -291,6 +325,13 @@ def check_strategy(arguments: dict, family: _Family) -> None:
                 "be bypassed. For sharded training use ModelParallelStrategy with torch's fully_shard (FSDP2) "
                 "or fp8_lightning's FP8 FSDP2 strategy; for data parallelism use strategy='ddp'."
             )
+
+
+def check_checkpoints_before_loading(connector: Any, family: _Family) -> None:
+    """With an FP8 precision plugin, the strategy checks a checkpoint file before loading it (a truncated or
+    corrupted file is named in one message instead of resuming into NaN: ``checkpoint.check_before_loading``)."""
+    if isinstance(getattr(connector, family.result_attr, None), FP8PrecisionMixin):
+        check_before_loading(getattr(connector, "strategy", None))
 
 
 def check_accelerator(connector: Any, family: _Family) -> None:

@@ -282,7 +282,7 @@ def fast_quantize_mxfp8(
     fp8_format: "Format | str | torch.dtype" = Format.E4M3,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`fp8_lightning.mx.quantize_mxfp8` (``(data, scale)``)."""
-    k = mx.check_mx_input(x, block_size, "quantize_mxfp8")
+    k = mx.check_mx_input(x, block_size, "quantize_mxfp8", scale_rounding)
     dtype = fp8_dtype(fp8_format)
     kernels, codec = _mx_kernels(x, block_size), cpu_codec(x)
     if kernels is not None:

@@ -48,6 +48,10 @@ class FP8OptimizerConfig:
                 f"exp_avg transform={self.exp_avg.transform!r}: the first moment can be negative, so it cannot be "
                 "stored through a square root; use transform='none'."
             )
+        if not isinstance(self.use_triton, bool):  # bool("false") is True: a string must not turn the kernel on
+            raise ValueError(f"use_triton={self.use_triton!r} is invalid; allowed: True or False.")
+        if isinstance(self.min_quantize_numel, bool) or not isinstance(self.min_quantize_numel, int):
+            raise ValueError(f"min_quantize_numel={self.min_quantize_numel!r} is invalid; allowed: an integer >= 0.")
         if self.min_quantize_numel < 0:
             raise ValueError(f"min_quantize_numel={self.min_quantize_numel} must be >= 0.")
 
@@ -98,7 +102,7 @@ def config_from(preset: "str | FP8OptimizerConfig | dict | None" = "default", **
         for name in ("exp_avg", "exp_avg_sq"):
             fmt = StateFormat.parse(overrides.get(name, getattr(config, name)))
             if fmt.scaled:
-                overrides[name] = dataclasses.replace(fmt, block_size=int(block_size))
+                overrides[name] = dataclasses.replace(fmt, block_size=block_size)  # StateFormat checks it
     unknown = set(overrides) - {f.name for f in dataclasses.fields(FP8OptimizerConfig)}
     if unknown:
         allowed = [f.name for f in dataclasses.fields(FP8OptimizerConfig)] + ["block_size"]

@@ -73,8 +73,11 @@ class StateFormat:
         object.__setattr__(self, "dtype", canonical_dtype_name(self.dtype))
         if self.transform not in _TRANSFORMS:
             raise ValueError(f"transform={self.transform!r} is invalid; allowed: {_TRANSFORMS}.")
-        if self.block_size < 0:
-            raise ValueError(f"block_size={self.block_size} must be >= 0 (0 means one cast without a scale).")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 0:
+            raise ValueError(
+                f"block_size={self.block_size!r} is invalid; allowed: an integer >= 0 (the elements that share one "
+                "scale, e.g. 128; 0 means one cast without a scale)."
+            )
         if self.dtype in _FP8 and self.block_size == 0:
             raise ValueError(
                 f"An FP8 state ({self.dtype}) needs per-block scales: set block_size (e.g. 128); got block_size=0."

@@ -177,3 +177,17 @@ def test_the_reference_refuses_a_block_size_that_is_not_a_positive_integer(block
 
     with pytest.raises(ValueError, match="block_size=.* must be a positive integer"):
         mx.quantize_mxfp8(torch.randn(4, 64), block_size=block_size)
+
+
+@pytest.mark.parametrize("rounding", ["up", "RCEIL", None])
+@pytest.mark.parametrize("rows", [4, 0], ids=["rows", "empty"])
+def test_quantize_mxfp8_checks_the_rounding_before_choosing_a_backend(monkeypatch, rounding, rows):
+    """Guards the paths that never reach the codec's own check: the Triton kernel (CUDA), which also reads anything
+    but "rceil" as floor, and an empty tensor; the message names the public function, not a backend."""
+
+    def no_backend(*_):
+        raise AssertionError("a backend was chosen before the arguments were checked")
+
+    monkeypatch.setattr(dispatch, "_mx_kernels", no_backend)
+    with pytest.raises(ValueError, match=r"^quantize_mxfp8: scale_rounding=.* is invalid; allowed: rceil or floor"):
+        dispatch.fast_quantize_mxfp8(torch.randn(rows, 64), scale_rounding=rounding)

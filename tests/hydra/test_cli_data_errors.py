@@ -39,3 +39,18 @@ def test_an_unknown_plugin_dtype_is_a_configuration_error(tmp_path, monkeypatch,
     """Guards against AttributeError for precision.plugin.dtype=foo."""
     proc = run_in_process(["precision.plugin.dtype=foo"], tmp_path, monkeypatch, capfd)
     assert_fails(proc, 2, "precision.plugin.dtype='foo' is not a dtype", "allowed: float32, bfloat16, float16")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["data.block_size=0"], ["data.batch_size=0"], ["data=synthetic", "data.block_size=-5"],
+     ["data=synthetic", "data.batch_size=0"]],
+    ids=["block-0", "batch-0", "synthetic-block-negative", "synthetic-batch-0"],
+)
+def test_a_size_that_is_not_a_positive_integer_is_a_configuration_error(tmp_path, monkeypatch, capfd, overrides):
+    """Guards against a ZeroDivisionError (block_size=0), a negative-dimension error from the model (block_size=-5)
+    and the DataLoader's traceback (batch_size=0)."""
+    key, value = overrides[-1].split("=")
+    proc = run_in_process(overrides, tmp_path, monkeypatch, capfd)
+    assert_fails(proc, 2, "fp8-train: configuration error: data could not be built",
+                 f"{key.split('.')[1]}={value} is invalid; allowed: a positive integer", f"{key}=")

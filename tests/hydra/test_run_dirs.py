@@ -48,3 +48,28 @@ def test_two_processes_started_together_get_different_run_folders():
     (run_a, sweep_a), (run_b, sweep_b) = outs
     assert run_a != run_b and sweep_a != sweep_b
     assert {run_a.rsplit("_", 1)[1], run_b.rsplit("_", 1)[1]} == {str(p.pid) for p in procs}
+
+
+def test_ranks_started_by_torchrun_without_a_run_folder_are_warned(monkeypatch):
+    """Guards the other side of unique folders: under torchrun every rank composes its own, so without
+    hydra.run.dir each rank writes a folder of its own; rank 0 warns once and names the fix."""
+    import warnings
+
+    import pytest
+
+    from fp8_lightning.train import check_run_folder
+
+    default = OmegaConf.create({"paths": {"output_dir": f"outputs/train/2026-11-27_10-00-00.123456_{os.getpid()}"}})
+    chosen = OmegaConf.create({"paths": {"output_dir": "outputs/torchrun/job42"}})
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.warns(UserWarning, match=r"one of 2 processes .* hydra.run.dir=outputs/<name>"):
+        check_run_folder(default)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_run_folder(chosen)  # one folder named for all ranks
+        monkeypatch.setenv("RANK", "1")
+        check_run_folder(default)  # rank 0 speaks for all
+        monkeypatch.delenv("WORLD_SIZE")
+        monkeypatch.setenv("RANK", "0")
+        check_run_folder(default)  # one process

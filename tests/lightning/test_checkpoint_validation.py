@@ -133,3 +133,33 @@ def test_fp8_train_refuses_a_truncated_checkpoint_with_a_config_error(saved, tmp
         prepare_resume(str(broken), [plugin])
     assert prepare_resume(str(saved), [plugin]) == str(saved) and plugin.checkpoint_path == str(saved)
     assert os.path.exists(saved)
+
+
+@pytest.mark.parametrize("damage", ["flipped", "empty", "truncated"])
+def test_trainer_fit_refuses_a_damaged_checkpoint_before_loading_it(saved, tmp_path, damage):
+    """Guards the plain Trainer route (not fp8-train): Trainer(precision="fp8-hybrid").fit(ckpt_path=...) with 8
+    flipped bytes resumed and its second loss was NaN; an empty file gave a bare EOFError."""
+    data = bytearray(saved.read_bytes())
+    if damage == "flipped":
+        middle = len(data) // 2
+        data[middle : middle + 8] = bytes(b ^ 0xFF for b in data[middle : middle + 8])
+    broken = tmp_path / f"{damage}.ckpt"
+    broken.write_bytes({"flipped": bytes(data), "empty": b"", "truncated": bytes(data[:-10])}[damage])
+    with pytest.raises(CheckpointFileError, match=rf"{damage}\.ckpt (is corrupted|is empty|.*is truncated)"):
+        _fit(2, ckpt_in=broken)
+
+
+def test_fabric_load_refuses_a_damaged_checkpoint(tmp_path):
+    """Guards the Fabric route: fabric.load of a byte-flipped file names it instead of loading damaged tensors."""
+    import pickle
+
+    fabric = L.Fabric(accelerator="cpu", devices=1, precision="fp8-hybrid")
+    model = fabric.setup(torch.nn.Sequential(torch.nn.Linear(32, 32)))
+    path = tmp_path / "fabric.ckpt"
+    fabric.save(path, {"model": model})
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointFileError, match=r"fabric\.ckpt is corrupted"):
+        fabric.load(path, {"model": model})
+    pickle.loads(pickle.dumps(fabric.strategy))  # ddp_spawn sends the strategy to its processes

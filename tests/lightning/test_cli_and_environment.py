@@ -135,3 +135,48 @@ def test_lightning_cli_reports_a_bad_fp8_plugin_argument_in_its_first_line(capsy
     lines = _cli_error(["--trainer.plugins", "fp8_lightning.FP8Precision", "--trainer.plugins.recipe", "bogus"], capsys)
     assert lines[0].startswith("error: fp8_lightning.FP8Precision(recipe='bogus'")
     assert "recipe name 'bogus' is unknown; allowed:" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "first"),
+    [
+        (["--trainer.strategy", "fp8_lightning.FP8DDPStrategy", "--trainer.strategy.fp8_gradients", "maybe"],
+         "error: --trainer.strategy.fp8_gradients is invalid for fp8_lightning.FP8DDPStrategy: Expected a <class "
+         "'bool'>. Got value: maybe"),
+        (["--trainer.plugins", "fp8_lightning.FP8Precision", "--trainer.plugins.replace_layers", "maybe"],
+         "error: --trainer.plugins.replace_layers is invalid for fp8_lightning.FP8Precision: Expected a <class "
+         "'bool'>. Got value: maybe"),
+    ],
+    ids=["strategy-flag-type", "plugin-flag-type"],
+)
+def test_lightning_cli_reports_a_bad_fp8_class_argument_type_in_its_first_line(capsys, args, first):
+    """Guards against the parser's type check of an fp8_lightning class's argument being buried in ~55 lines."""
+    lines = _cli_error(args, capsys)
+    assert lines[0].strip() == first
+    assert any(line.startswith("usage:") for line in lines[1:])  # the parser's own report follows
+
+
+def test_a_bare_fp8_class_name_the_parser_cannot_import_gets_its_path():
+    """The parser resolves a bare class name only once it has seen the class (so this is checked on its message:
+    jsonargparse's report for ``--trainer.plugins FP8Precision`` in a fresh process)."""
+    from fp8_lightning.lightning.cli import class_argument_hint
+
+    message = (
+        'Parser key "trainer.plugins":\n\n  - Expected a path but FP8Precision either not accessible or invalid\n'
+        "  - Does not validate against any of the Union subtypes\n  Errors:\n"
+        "    - Expected a dot import path string: FP8Precision\n  Given value type: <class 'str'>\n"
+        "  Given value: FP8Precision"
+    )
+    assert class_argument_hint(message) == (
+        "error: --trainer.plugins FP8Precision: the parser cannot import a class by its bare name here; give its "
+        "path: --trainer.plugins fp8_lightning.FP8Precision"
+    )
+    assert class_argument_hint(message.replace("FP8Precision", "MixedPrecision")) is None
+
+
+@pytest.mark.parametrize("name", ["FP8DDPStrategy", "fp8-ddp"])
+def test_an_unregistered_fp8_strategy_name_lists_the_registered_ones(name):
+    """Guards against Lightning's error listing only its own examples for strategy='FP8DDPStrategy'."""
+    with pytest.raises(ValueError, match=rf"strategy='{name}' is not a registered strategy name; the FP8 ones are "
+                                         r"fp8_ddp, fp8_fsdp\. Pass one of them"):
+        L.Trainer(strategy=name, accelerator="cpu", devices=1, logger=False)

@@ -35,3 +35,32 @@ def test_the_string_false_turns_off_the_fsdp_flags():
     assert strategy.fp8_all_gather is False and strategy.fp8_reduce_scatter is False
     with pytest.raises(ValueError, match="fp8_reduce_scatter takes True or False"):
         FP8FSDPStrategy(fp8_reduce_scatter="yes please")
+
+
+def test_the_string_false_turns_off_the_precision_plugins_flags():
+    """Guards FP8Precision / FP8FabricPrecision(replace_layers='false', emulate='false') and the optimizer callback's
+    flags, which bool() read as True."""
+    from fp8_lightning import FP8FabricPrecision, FP8OptimizerStates, FP8Precision
+
+    for cls in (FP8Precision, FP8FabricPrecision):
+        plugin = cls(replace_layers="false", emulate="false")
+        assert plugin.replace_layers is False and plugin.emulate is False
+        with pytest.raises(ValueError, match="emulate takes True or False"):
+            cls(emulate="sometimes")
+    callback = FP8OptimizerStates(strict="false", release_gradients="false")
+    assert callback.strict is False and callback.release_gradients is False
+
+
+def test_core_flags_refuse_strings():
+    """Guards convert_to_fp8(emulate='false') and FP8Optimizer(use_triton='false'), which read the string as True
+    (the core takes Python booleans; the Lightning adapters above parse YAML's strings)."""
+    import torch
+
+    from fp8_lightning import convert_to_fp8
+    from fp8_lightning.optim import FP8Optimizer
+
+    with pytest.raises(ValueError, match=r"convert_to_fp8\(emulate='false'\): emulate takes True or False"):
+        convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(32, 32)), emulate="false")
+    parameter = torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(ValueError, match=r"use_triton='false' is invalid; allowed: True or False"):
+        FP8Optimizer(torch.optim.AdamW([parameter]), "default", use_triton="false")

@@ -98,3 +98,53 @@ def test_a_fabric_resume_without_the_fp8_state_warns_once(tmp_path):
         warnings.simplefilter("always")
         _fabric_steps(fabric, model, optimizer, 2)
     assert not [w for w in caught if "FP8 scaling state was not" in str(w.message)]
+
+
+@pytest.mark.parametrize(
+    "plugin, expect",
+    [({"recipe": "mxfp8"}, 0), ({"recipe": "rowwise"}, 0), ({"recipe": "mxfp8", "divergence_guard": True}, 1),
+     ({"recipe": "nvfp4"}, 1)],
+    ids=["mxfp8", "rowwise", "mxfp8-guard", "nvfp4"],
+)
+def test_the_fabric_resume_warning_only_when_state_was_lost(tmp_path, plugin, expect):
+    """Guards against a false alarm: MXFP8 and rowwise layers compute every scale from the tensor being cast, so a
+    resume without the plugin's state is exact (checked here) and must not warn; a divergence guard's decisions and
+    NVFP4's signs and rounding counter are state that was lost, and do."""
+
+    def run(first: int, last: int, load: bool):
+        torch.manual_seed(0)
+        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[FP8FabricPrecision(**plugin)])
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+        model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        if load:
+            fabric.load(tmp_path / "state.ckpt", {"model": model, "optimizer": optimizer})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(first, last):
+                x = torch.randn(4, 32, generator=torch.Generator().manual_seed(step)) * (1 + step)
+                fabric.backward(model(x).square().mean())
+                optimizer.step()
+                optimizer.zero_grad()
+        if not load:
+            fabric.save(tmp_path / "state.ckpt", {"model": model, "optimizer": optimizer})
+        warned = [w for w in caught if "FP8 scaling state was not" in str(w.message)]
+        return [p.detach().clone() for p in model.parameters()], len(warned)
+
+    uninterrupted, _ = run(0, 4, load=False)
+    run(0, 2, load=False)
+    resumed, warnings_seen = run(2, 4, load=True)
+    assert warnings_seen == expect
+    if expect == 0:
+        assert all(torch.equal(a, b) for a, b in zip(uninterrupted, resumed)), "nothing of the plugin was needed"
+
+
+def test_errors_about_an_lt_precision_string_name_the_variable(monkeypatch):
+    """Guards against messages that blamed a precision= the program never passed when the FP8 string came from
+    LT_PRECISION (an unknown string, or one next to a precision plugin in plugins=)."""
+    monkeypatch.setenv("LT_PRECISION", "fp8-bogus")
+    with pytest.raises(ValueError, match=r"LT_PRECISION='fp8-bogus' \(the environment variable\): .* Or unset"):
+        L.Fabric(accelerator="cpu", devices=1, precision="32-true")
+    monkeypatch.setenv("LT_PRECISION", "fp8-hybrid")
+    with pytest.raises(ValueError, match=r"LT_PRECISION='fp8-hybrid' \(the environment variable\) and plugins=.*"
+                                         r"unset LT_PRECISION"):
+        L.Fabric(accelerator="cpu", devices=1, plugins=[FP8FabricPrecision(recipe="mxfp8")])

@@ -225,3 +225,13 @@ def test_stochastic_rounding_accumulates_updates_below_half_a_bf16_ulp():
     expected = 0.5 + 200 * 2.0**-11
     assert abs(param.double().mean().item() - expected) < 0.002 * expected
     assert mw.resolve_master_kind("bf16_stochastic", torch.float16) == "none"
+
+
+@pytest.mark.parametrize("block_size", [1.5, "128", True, -1])
+def test_a_block_size_that_is_not_an_integer_is_refused(block_size):
+    """Guards against block_size=1.5 silently becoming 1 (int()) and a string being taken."""
+    from fp8_lightning.optim import FP8Optimizer
+
+    parameter = torch.nn.Parameter(torch.zeros(8))
+    with pytest.raises(ValueError, match=r"block_size=.* is invalid; allowed: an integer >= 0"):
+        FP8Optimizer(torch.optim.AdamW([parameter]), "default", block_size=block_size)

@@ -108,3 +108,13 @@ def test_cuda_auto_gate_uses_the_device_numbers():
     layer = nn.Linear(8192, 8192, device="cuda")
     assert resolve_gate("auto").skip_reason(layer, TensorwiseScaling()) is None
     assert resolve_gate("auto").skip_reason(nn.Linear(64, 64, device="cuda"), TensorwiseScaling()) is not None
+
+
+@pytest.mark.parametrize(("field", "value"), [("tokens", 0), ("tokens", -5), ("tokens", 8.5), ("min_speedup", 0),
+                                              ("min_speedup", float("nan")), ("min_speedup", float("inf"))])
+def test_gate_fields_that_cannot_mean_anything_are_refused(field, value):
+    """Guards against ProfitabilityGate(tokens=0) or min_speedup=nan being taken and modelling nonsense."""
+    from fp8_lightning import ProfitabilityGate
+
+    with pytest.raises(ValueError, match=rf"ProfitabilityGate.{field}=.* is invalid; allowed:"):
+        ProfitabilityGate(**{field: value})
