@@ -34,7 +34,7 @@ from fp8_lightning.autocast import autocast_state
 from fp8_lightning.gemm import check_device, fp8_mm
 from fp8_lightning.layer_step import FP8LinearFunction
 from fp8_lightning.quantize import OperandKind, Quantized
-from fp8_lightning.recipes import Recipe
+from fp8_lightning.recipes import Recipe, RecipeLike, recipe_from
 from fp8_lightning.scaling import OperandScaling, advance_histories, records_amax
 from fp8_lightning.settings import settings
 from fp8_lightning.traced import make_plan, traced_linear
@@ -281,8 +281,9 @@ class FP8Linear(nn.Linear):
     fp8_disabled_reason: str | None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe: Recipe, emulate: bool = False) -> "FP8Linear":
-        """Turn ``linear`` into an FP8Linear in place (same object, same parameters) and return it."""
+    def from_linear(cls, linear: nn.Linear, recipe: RecipeLike = None, emulate: bool = False) -> "FP8Linear":
+        """Turn ``linear`` into an FP8Linear in place (same object, same parameters) and return it. ``recipe``: a
+        recipe, its name or a dict (``DelayedScaling()`` by default)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"FP8Linear.from_linear expects an nn.Linear; got {type(linear).__name__}.")
         if type(linear) is not nn.Linear and not isinstance(linear, FP8Linear):
@@ -290,7 +291,7 @@ class FP8Linear(nn.Linear):
                 f"{type(linear).__name__} subclasses nn.Linear; converting it would drop its own forward. "
                 "Exclude it with a module filter."
             )
-        return cls._adopt(linear, recipe, emulate)
+        return cls._adopt(linear, recipe_from(recipe), emulate)
 
     @classmethod
     def _adopt(cls, linear: nn.Module, recipe: Recipe, emulate: bool) -> "FP8Linear":

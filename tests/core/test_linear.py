@@ -199,3 +199,11 @@ def test_a_layer_that_has_run_pickles_and_computes_the_same_after(recipe):
     with fp8_autocast():
         assert torch.equal(clone(x), layer(x))
     assert clone.fp8_scaling().state_dict().keys() == layer.fp8_scaling().state_dict().keys()
+
+
+def test_from_linear_takes_a_recipe_name_and_names_a_bad_one():
+    layer = FP8Linear.from_linear(nn.Linear(64, 32), "tensorwise")
+    assert type(layer.fp8_recipe) is TensorwiseScaling
+    assert type(FP8Linear.from_linear(nn.Linear(64, 32)).fp8_recipe).__name__ == "DelayedScaling"
+    with pytest.raises(ValueError, match="no-such-recipe"):
+        FP8Linear.from_linear(nn.Linear(64, 32), "no-such-recipe")
