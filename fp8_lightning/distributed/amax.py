@@ -39,6 +39,7 @@ class WeightAmaxSync:
         self._shards: list[torch.Tensor] = []
         self._key: tuple | None = None
         self._amax: dict[int, torch.Tensor] = {}
+        self._every_rank = False
         self.reductions = 0  # collectives issued (tests and benchmarks read it)
 
     def bind(self) -> None:
@@ -61,6 +62,10 @@ class WeightAmaxSync:
                     "(it binds itself at the first all-gather)."
                 )
         self._layers, self._params, self._shards, self._key = layers, params, shards, None
+        # a weight split by tensor parallelism has parts on the other ranks of its tensor-parallel group too: the
+        # amaxes are then agreed over every rank (a weight only sharded along data parallelism is the same on its
+        # tensor-parallel peers, so the wider reduction changes nothing for it)
+        self._every_rank = any("fp8_tensor_parallel" in m.__dict__ for m in layers)
 
     def unbind(self) -> None:
         """Forget the weights found by :meth:`bind` (the model's FP8-gathered weights changed): the next gather
@@ -68,12 +73,14 @@ class WeightAmaxSync:
         self._layers = None
 
     def global_amax(self, layer: nn.Module, group: "dist.ProcessGroup | None") -> torch.Tensor:
-        """The amax of ``layer``'s whole weight, agreed by all ranks of ``group`` (float32 scalar)."""
+        """The amax of ``layer``'s whole weight, agreed by all ranks of ``group`` (float32 scalar), or of every
+        rank where the model has tensor-parallel FP8 layers."""
         if self._layers is None or not any(layer is m for m in self._layers):
             self.bind()
         key = tuple((p._version, s._version) for p, s in zip(self._params, self._shards))
         if key != self._key:
-            local, reduced = max_across(torch.stack([fast_amax(s._hp) for s in self._shards]), group)
+            local, reduced = max_across(torch.stack([fast_amax(s._hp) for s in self._shards]),
+                                        None if self._every_rank else group)
             self.reductions += reduced
             self._amax = {id(m): local[i] for i, m in enumerate(self._layers)}
             self._key = key

@@ -22,6 +22,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fp8_lightning.ops.dispatch import dequantize_operand
+from fp8_lightning.privates import local_shard
 from fp8_lightning.quantize import Quantized
 from fp8_lightning.recipes import Recipe
 
@@ -137,6 +138,7 @@ class FP8ShardedWeight(torch.Tensor):
         (gathered,) = outputs
         q = recipe.fsdp_unpack(gathered, self._hp.shape[0], self.shape[-1], meta)
         if out is not None:
+            out = local_shard(out)  # under tensor parallelism FSDP2 refills the local part of a DTensor
             if not isinstance(out, FP8GatheredWeight):
                 raise TypeError(
                     f"fsdp_post_all_gather(out=...) expects an FP8GatheredWeight; got {type(out).__name__}."

@@ -149,9 +149,17 @@ class FP8FSDPStrategy(ModelParallelStrategy):
 
     def _prepare_fp8(self, module: nn.Module) -> None:
         self.precision_plugin.convert_module(module)
-        # with a tensor-parallel mesh, configure_model splits layers next: FP8 gather weights are made after it
-        if self.fp8_all_gather and self.device_mesh["tensor_parallel"].size() == 1:
-            self.all_gather_report = enable_fp8_all_gather(module, self.device_mesh["data_parallel"].size())
+        if self.fp8_all_gather:  # before configure_model: the FP8 tensor-parallel styles keep the FP8 gather
+            mesh = self.device_mesh
+            self._report(enable_fp8_all_gather(module, mesh["data_parallel"].size(), mesh["tensor_parallel"].size()))
+
+    def _report(self, report: AllGatherReport) -> None:
+        """Keep ``report``, with the first reason found for each layer left in high precision (a layer refused
+        before ``configure_model`` is reported later only as sharded without the FP8 gather)."""
+        if self.all_gather_report is not None:
+            hp = report.high_precision
+            hp.update({name: why for name, why in self.all_gather_report.high_precision.items() if name in hp})
+        self.all_gather_report = report
 
     def _mp_policy(self):
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -177,7 +185,7 @@ class FP8FSDPStrategy(ModelParallelStrategy):
         if left:
             rank_zero_warn(f"FP8FSDPStrategy: {len(left)} FP8 layer(s) were not sharded and stay replicated: {left}.")
         if self.fp8_all_gather:
-            self.all_gather_report = enable_fp8_all_gather(module, self.device_mesh["data_parallel"].size())
+            self._report(enable_fp8_all_gather(module, self.device_mesh["data_parallel"].size()))
             if self.all_gather_report.high_precision:
                 rank_zero_info(str(self.all_gather_report))
         if self.fp8_reduce_scatter:

@@ -188,7 +188,9 @@ def tp_worker(rank: int, world: int, port: int, tmpdir: str, out: dict) -> None:
             planned = [int(x.sum()) for x, _ in train_loader(dist.get_rank() // 2, dp)]  # the process group's rank
             dist.all_gather_object(fed, module.step_batches == planned)
             tp_peers = [states[r] for r in range(world) if r // 2 == rank // 2]  # this rank's tensor-parallel group
+            report = getattr(trainer.strategy, "all_gather_report", None)
             res[kind, recipe] = {"losses": (mean / world).tolist(), "tp_states_equal": same_state(*tp_peers),
+                                 "fp8_gathered": None if report is None else sorted(report.fp8),
                                  "all_states_equal": all(same_state(states[0], s) for s in states),
                                  "data_as_planned": all(fed)}
     recipe = "delayed" if dp == 1 else "rowwise"

@@ -59,6 +59,10 @@ def test_tp2_dp2_matches_single_process(tp2_dp2, reference, kind, recipe):
     assert run["data_as_planned"]  # each replica trained on its own share, TP peers on the same one
     assert run["losses"] == pytest.approx(reference[kind, recipe], rel=1e-2)
     assert run["tp_states_equal"]
+    # the tensor-parallel parts of the weights all-gather in FP8 along data parallelism (blockwise: where a shard
+    # of a part holds whole 128-row blocks, the GPT's MLP input projection)
+    gathered = run["fp8_gathered"]
+    assert ("blocks.0.mlp.fc" in gathered) if kind == "gpt" else len(gathered) >= (1 if recipe == "blockwise" else 4)
 
 
 def _plain_gpt_from(ckpt: dict, tmp_path):
