@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
-import multiprocessing
 import subprocess
 import sys
 import time
@@ -26,16 +25,7 @@ import traceback
 from pathlib import Path
 
 from benchmarks import command as front_door_command
-from fp8_lightning.kernels.aot import TARGETS, compile_variant, launch_space, pairwise_cover
-
-
-def _compile(job):
-    variant, target = job
-    try:
-        report = compile_variant(variant, target)
-        return variant, target, (report.registers, report.spill_bytes, report.shared_bytes), None
-    except Exception:  # a kernel that does not compile is a row of the table, not the end of the sweep
-        return variant, target, None, traceback.format_exc(limit=2)
+from fp8_lightning.kernels.aot import TARGETS, Compiler, launch_space, pairwise_cover
 
 
 def _cell(result) -> list[str]:
@@ -101,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", action="append", choices=sorted(TARGETS),
                         help="only this GPU (repeatable; default: every one)")
     parser.add_argument("--cover", action="store_true", help="only the test suite's pairwise covering")
-    parser.add_argument("--jobs", type=int, default=1, help="compile processes (default 1)")
+    parser.add_argument("--jobs", type=int, default=1, help="compile worker processes (default 1)")
     parser.add_argument("--out", type=Path, help="write the markdown table here (default: print the summary)")
     args = parser.parse_args(argv)
     variants = [v for v in launch_space() if not args.kernel or v.kernel in args.kernel]
@@ -117,13 +107,15 @@ def main(argv: list[str] | None = None) -> int:
         results.setdefault(variant, {})[target] = None
     start = time.perf_counter()
     failures = []
-    with multiprocessing.get_context("fork").Pool(args.jobs) if args.jobs > 1 else _Serial() as pool:
-        for done, (variant, target, result, error) in enumerate(pool.imap_unordered(_compile, jobs), start=1):
-            results[variant][target] = result
+    with Compiler(args.jobs) as compiler:  # worker processes, whose exit messages stay out of this output
+        for done, (variant, target, outcome) in enumerate(compiler.results(jobs), start=1):
+            if isinstance(outcome, Exception):  # a kernel that does not compile is a row of the table
+                failures.append(f"{variant.kernel} [{variant.config}] {target}:\n"
+                                + "".join(traceback.format_exception_only(outcome)))
+            else:
+                results[variant][target] = (outcome.registers, outcome.spill_bytes, outcome.shared_bytes)
             if done % 200 == 0:
                 print(f"{done}/{len(jobs)} compiled, {time.perf_counter() - start:.0f} s", flush=True)
-            if error:
-                failures.append(f"{variant.kernel} [{variant.config}] {target}:\n{error}")
     seconds = time.perf_counter() - start
     command = front_door_command("aot_compile", argv)
     text = render(results, command, seconds, args.cover, targets)
@@ -135,19 +127,6 @@ def main(argv: list[str] | None = None) -> int:
     for line in failures + [f"spills: {s}" for s in spilling]:
         print(line)
     return 1 if failures or spilling else 0
-
-
-class _Serial:
-    """The Pool interface, in this process (no fork for one job)."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def imap_unordered(self, fn, items):
-        return map(fn, items)
 
 
 if __name__ == "__main__":

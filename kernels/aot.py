@@ -9,22 +9,35 @@ memory Triton allocates.
 :func:`launch_space` lists the configurations the wrappers launch, built from the wrappers' own constants (tile
 sizes, block sizes, autotune configs), with the arguments typed and specialized the way a launch on contiguous
 tensors specializes them (pointers 16-byte aligned, unit strides constant). :func:`compile_variant` compiles one
-and returns a :class:`Report`. ``benchmarks/aot_compile.py`` writes the table; ``tests/kernels/test_aot_compile.py``
-fails when a configuration does not compile or spills.
+and returns a :class:`Report`; a :class:`Compiler` compiles a batch in several processes. ``benchmarks/aot_compile.py``
+writes the table; ``tests/kernels/test_aot_compile.py`` fails when a configuration does not compile or spills.
+
+The compiles run in worker processes started for them (:class:`Compiler`): Triton's Gluon bindings leave IR objects
+alive once a Gluon kernel has compiled, and the process that compiled it prints nanobind's leak report (hundreds of
+lines on stderr) when it exits. A worker's own output goes to a temporary file, so the report never reaches the
+caller's terminal; reports and errors come back as values.
 """
 
 from __future__ import annotations
 
+import atexit
+import concurrent.futures
 import contextlib
 import dataclasses
 import io
 import itertools
+import multiprocessing
+import os
+import pickle
 import re
 import tempfile
+import traceback
+from collections.abc import Iterable, Iterator
 
 import torch
 
 from fp8_lightning.formats import fp8_emax
+from fp8_lightning.kernels.availability import INTERPRET_ENV
 from fp8_lightning.kernels.availability import SUPPORTED_INPUT_DTYPES as INPUT_DTYPES
 
 # Ada (L4, L40, RTX 4090: FP8 mma.sync, no wgmma or TMA), Hopper, Blackwell.
@@ -60,6 +73,8 @@ class Variant:
 
 @dataclasses.dataclass(frozen=True)
 class Report:
+    """ptxas's report on one compiled variant, and its PTX (plain values: it travels back from a worker process)."""
+
     variant: Variant
     target: str
     registers: int
@@ -363,17 +378,32 @@ def _source(variant: Variant, fn=None):
 
 
 def compile_variant(variant: Variant, target: str, fn=None) -> Report:
-    """Compile ``variant`` for ``target`` (a key of :data:`TARGETS`) and read ptxas's report. ``fn``: compile this
-    ``@triton.jit`` function, with the variant's arguments, instead of the kernel the variant names.
+    """Compile ``variant`` for ``target`` (a key of :data:`TARGETS`) and read ptxas's report.
 
-    ptxas only runs when Triton's cache misses, so each call compiles into a fresh cache directory.
+    The compile runs in a worker process that every call shares (a :class:`Compiler`, started on the first call and
+    stopped at exit), so that no Gluon leak report reaches this process's stderr. ``fn``: compile this
+    ``@triton.jit`` function, with the variant's arguments, instead of the kernel the variant names; that compile
+    runs in this process, since the worker finds kernels by name in the kernel modules.
     """
+    _check_target(target)
+    if fn is not None:
+        return _compile_here(variant, target, fn)
+    return _shared_compiler().compile(variant, target)
+
+
+def _check_target(target: str) -> None:
+    if target not in TARGETS:
+        raise ValueError(f"target={target!r} is not one of {sorted(TARGETS)}")
+
+
+def _compile_here(variant: Variant, target: str, fn=None) -> Report:
+    """Compile in this process. ptxas only runs when Triton's cache misses, so each call compiles into a fresh cache
+    directory."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
 
-    if target not in TARGETS:
-        raise ValueError(f"target={target!r} is not one of {sorted(TARGETS)}")
+    _check_target(target)
     log = io.StringIO()
     with tempfile.TemporaryDirectory() as cache, knobs.cache.scope(), knobs.nvidia.scope():
         knobs.cache.dir = cache
@@ -386,3 +416,141 @@ def compile_variant(variant: Variant, target: str, fn=None) -> Report:
     registers, spilled = parse_ptxas_log(log.getvalue())
     return Report(variant, target, registers, spilled, kernel.metadata.shared, kernel.asm["ptx"],
                   wgmma_serialized=WGMMA_SERIALIZED in log.getvalue())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Compiling in worker processes
+# ----------------------------------------------------------------------------------------------------------
+
+
+class CompileError(RuntimeError):
+    """A compile that failed in a worker with an exception that could not be sent back as it was: its type and
+    message (the worker's traceback is in the chained cause)."""
+
+
+class Compiler:
+    """Compiles variants in ``processes`` worker processes, reused for every job until :meth:`close` (or the end of a
+    ``with`` block).
+
+    Why separate processes: once a Gluon kernel has compiled, Triton's Gluon bindings (``gluon_ir``) keep IR objects
+    alive, and nanobind prints a leak report of hundreds of lines on stderr when that process exits. Each worker points
+    its stdout and stderr (file descriptors 1 and 2, so C++ output too) at a temporary file, which is deleted on close;
+    reports and exceptions come back as values, and the end of the file explains a worker that died. Workers are
+    started with ``spawn``, not ``fork``: callers have threads (pytest, the executor's own), and a fresh interpreter
+    imports the kernels compiled whatever ``TRITON_INTERPRET`` says here.
+    """
+
+    def __init__(self, processes: int = 1):
+        if processes < 1:
+            raise ValueError(f"processes={processes} must be at least 1")
+        self.processes = processes
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._log: str | None = None
+
+    def __enter__(self) -> Compiler:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the workers (what they print as they exit goes to the file), then delete the file."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        if self._log is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._log)
+            self._log = None
+
+    def submit(self, variant: Variant, target: str) -> concurrent.futures.Future:
+        """Queue one compile; the future's result is its :class:`Report` (read it with :meth:`result`)."""
+        _check_target(target)
+        try:
+            return self._executor().submit(_compile_in_worker, variant, target)
+        except concurrent.futures.process.BrokenProcessPool:  # a worker died on an earlier job: start afresh
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+            return self._executor().submit(_compile_in_worker, variant, target)
+
+    def result(self, future: concurrent.futures.Future) -> Report:
+        """A submitted compile's report; raises the compile's exception, or a RuntimeError with the end of the
+        workers' output when a worker died."""
+        try:
+            return future.result()
+        except concurrent.futures.process.BrokenProcessPool as err:
+            raise RuntimeError(f"an ahead-of-time compile worker died; the end of its output:\n{self._tail()}") from err
+
+    def compile(self, variant: Variant, target: str) -> Report:
+        """Compile ``variant`` for ``target`` in a worker and return ptxas's report."""
+        return self.result(self.submit(variant, target))
+
+    def results(self, jobs: Iterable[tuple[Variant, str]]) -> Iterator[tuple[Variant, str, Report | Exception]]:
+        """Compile every ``(variant, target)`` job; yield ``(variant, target, report or exception)`` as each ends."""
+        futures = {self.submit(variant, target): (variant, target) for variant, target in jobs}
+        for future in concurrent.futures.as_completed(futures):
+            variant, target = futures.pop(future)  # drop the report (its PTX) once it is handed over
+            try:
+                outcome = self.result(future)
+            except Exception as err:  # a kernel that does not compile is an outcome, not the end of the batch
+                outcome = err
+            yield variant, target, outcome
+
+    def _executor(self) -> concurrent.futures.ProcessPoolExecutor:
+        if self._log is None:
+            fd, self._log = tempfile.mkstemp(prefix="fp8-lightning-aot-worker-", suffix=".log")
+            os.close(fd)
+        if self._pool is None:
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                self.processes, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
+                initargs=(self._log,),
+            )
+        return self._pool
+
+    def _tail(self, chars: int = 4000) -> str:
+        try:
+            with open(self._log, errors="replace") as log:
+                return log.read()[-chars:] or "(none: it died before its set-up, so its stderr is this process's)"
+        except (OSError, TypeError):
+            return "(none kept)"
+
+
+_SHARED: Compiler | None = None
+
+
+def _shared_compiler() -> Compiler:
+    """The one-worker :class:`Compiler` behind :func:`compile_variant`: started once, stopped at exit."""
+    global _SHARED
+    if _SHARED is None:
+        _SHARED = Compiler(1)
+        atexit.register(_SHARED.close)
+    return _SHARED
+
+
+def _start_worker(log: str) -> None:
+    """A worker's set-up: its stdout and stderr go to ``log``, and it compiles the kernels, never interprets them."""
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.pop(INTERPRET_ENV, None)  # read when the kernel modules are imported, which has not happened yet
+
+
+def _compile_in_worker(variant: Variant, target: str) -> Report:
+    try:
+        return _compile_here(variant, target)
+    except Exception as err:
+        returned = sendable(err)
+        if returned is err:
+            raise
+        raise returned from err
+
+
+def sendable(err: Exception) -> Exception:
+    """``err`` when it survives pickling (the way it returns from a worker), else a :class:`CompileError` with its
+    type and message: an exception the caller's process could not rebuild would break the whole worker pool."""
+    try:
+        pickle.loads(pickle.dumps(err))
+    except Exception:
+        return CompileError("".join(traceback.format_exception_only(err)).strip())
+    return err

@@ -9,6 +9,8 @@ about 100 compiles); ``python -m benchmarks aot`` sweeps all of it and writes th
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import re
 from collections import Counter
 
@@ -153,6 +155,36 @@ def test_ada_mx_gemm_multiplies_fp8_on_mma_sync_without_tma():
 def test_compile_refuses_an_unknown_target():
     with pytest.raises(ValueError, match="sm_90a"):
         aot.compile_variant(aot.launch_space()[0], "sm_80")
+
+
+def test_a_compile_error_in_the_worker_comes_back_as_itself():
+    variant = aot.launch_space()[0]
+    with pytest.raises(ValueError, match=r"arguments \['x_ptr'\] untyped"):
+        aot.compile_variant(dataclasses.replace(variant, args=variant.args[1:]), "sm_90a")
+
+
+class _Unpicklable(Exception):
+    def __init__(self, message, node):  # pickling keeps args=(message,): rebuilding it fails
+        super().__init__(message)
+        self.node = node
+
+
+def test_an_exception_the_caller_cannot_rebuild_is_sent_as_its_type_and_message():
+    assert isinstance(aot.sendable(err := ValueError("bad")), ValueError) and aot.sendable(err) is err
+    sent = aot.sendable(_Unpicklable("no register left", node=None))
+    assert isinstance(sent, aot.CompileError) and str(sent).endswith("._Unpicklable: no register left")
+
+
+@needs_gluon
+def test_the_gluon_leak_report_of_a_compile_worker_stays_out_of_stderr(capfd):
+    """Triton's Gluon bindings leave IR objects alive after a Gluon compile; nanobind lists them on stderr when the
+    process exits. The worker, started (and stopped) inside this test, has its stderr going to its own file."""
+    variant = next(v for v in aot.launch_space() if v.kernel == "_gluon_mx_gemm_kernel")
+    with aot.Compiler() as compiler:
+        assert compiler.compile(variant, "sm_90a").registers > 0
+        log = compiler._log
+    out, err = capfd.readouterr()
+    assert "nanobind" not in out + err and not os.path.exists(log)
 
 
 
