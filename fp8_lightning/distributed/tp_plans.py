@@ -186,5 +186,19 @@ def tensor_parallel_layers(module: nn.Module) -> list[str]:
     return [name for name, m in module.named_modules() if "fp8_tensor_parallel" in m.__dict__]
 
 
+def tensor_parallel_size(module: nn.Module) -> int:
+    """The size of the tensor-parallel mesh the layers of ``module`` were split over by an FP8 plan (the largest,
+    should there be several), 1 when no layer was split.
+
+    Args:
+        module: any module.
+
+    Returns:
+        The number of ranks a split layer's weight is spread over.
+    """
+    sizes = [m.fp8_tensor_parallel.size for _, m in module.named_modules() if "fp8_tensor_parallel" in m.__dict__]
+    return max(sizes, default=1)
+
+
 __all__ = ["STYLE_FACTORIES", "expand_plan", "fp8_style", "gpt_tp_plan", "tensor_parallel_layers",
-           "transformers_tp_plan"]
+           "tensor_parallel_size", "transformers_tp_plan"]
