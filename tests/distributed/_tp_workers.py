@@ -1,9 +1,10 @@
 """LightningModules and process bodies of the tensor-parallel tests (importable by spawned children).
 
-Two models, sized so that every recipe's scale blocks fit a rank's shard under TP=2 (blockwise needs 128): the
-project's GPT (``fused_qkv=False``) and a random-init transformers Llama with grouped-query attention. Both train a
-few SGD steps on a fixed global batch; :func:`fit` returns the per-step losses (averaged over the data-parallel
-replicas) and every rank's FP8 scaling state.
+Three models, sized so that every recipe's scale blocks fit a rank's shard under TP=2 (blockwise needs 128): the
+project's GPT (``fused_qkv=False``), and random-init transformers Llama and Qwen3 (2 layers, per-head q/k norms),
+both with grouped-query attention and split by their own ``base_model_tp_plan``. Each trains a few SGD steps on a
+fixed global batch; :func:`fit` returns the per-step losses (averaged over the data-parallel replicas) and every
+rank's FP8 scaling state. A wider GPT (:data:`RESUME_SIZE`) resumes checkpoints under TP=4.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ RECIPES = ("delayed", "tensorwise", "rowwise", "blockwise", "mxfp8")
 STEPS, ROWS, SEQ, VOCAB, LR = 3, 8, 32, 256, 0.5
 GPT_SIZE = dict(vocab_size=VOCAB, block_size=SEQ, n_layer=1, n_head=2, n_embd=256, mlp_ratio=2, fused_qkv=False)
 LLAMA_SIZE = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=SEQ)
+# Qwen3: per-head q_norm / k_norm (replicated_with_grad_allreduce in its plan); TP=2 gives each rank 2 of the 4 query
+# heads and 1 of the 2 key/value heads, and shards of 256 (q), 128 (k, v, MLP) and 256 / 128 input features (o, down)
+QWEN3_SIZE = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=SEQ)
 
 
@@ -49,15 +54,19 @@ def make_gpt(lr: float = LR, **size):
     return model
 
 
-def make_llama():
+def make_causal_lm(config: str, model: str, size: dict):
+    """A random-init transformers causal LM (``transformers.<config>(**size)``, ``transformers.<model>``) as a
+    LightningModule whose ``configure_model`` splits it by :func:`~fp8_lightning.distributed.tp_plans.transformers_tp_plan`
+    on a tensor-parallel mesh of more than one rank."""
     import lightning.pytorch as pl
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
-    class LlamaLM(pl.LightningModule):
+    class CausalLM(pl.LightningModule):
         def __init__(self):
             super().__init__()
             torch.manual_seed(0)
-            self.model = LlamaForCausalLM(LlamaConfig(**LLAMA_SIZE, attn_implementation="sdpa"))
+            cfg = getattr(transformers, config)(**size, attn_implementation="sdpa")
+            self.model = getattr(transformers, model)(cfg)
             self.step_losses, self.step_batches = [], []
 
         def forward(self, idx):
@@ -82,10 +91,14 @@ def make_llama():
                 tp = mesh["tensor_parallel"]
                 parallelize_module(self.model, tp, transformers_tp_plan(self.model, tp.size()))
 
-    return LlamaLM()
+    return CausalLM()
 
 
-MODELS = {"gpt": make_gpt, "llama": make_llama}
+make_llama = functools.partial(make_causal_lm, "LlamaConfig", "LlamaForCausalLM", LLAMA_SIZE)
+make_qwen3 = functools.partial(make_causal_lm, "Qwen3Config", "Qwen3ForCausalLM", QWEN3_SIZE)
+
+
+MODELS = {"gpt": make_gpt, "llama": make_llama, "qwen3": make_qwen3}
 # a GPT whose every split keeps whole scale blocks at TP=4 too (blockwise: 512 / 4 = 128 features a shard)
 RESUME_SIZE = dict(n_embd=512, n_head=4, lr=0.1)  # lr: 6 steps that keep falling at this width
 FACTORIES = {**MODELS, "gpt_resume": functools.partial(make_gpt, **RESUME_SIZE),
@@ -149,8 +162,18 @@ def single_process_losses(kinds=("gpt", "llama"), recipes=RECIPES, epochs: int |
     out = {}
     for kind in kinds:
         for recipe in recipes:
-            _, _, out[kind, recipe] = fit(kind, recipe, "auto", 1, epochs=epochs)
+            module, _, out[kind, recipe] = fit(kind, recipe, "auto", 1, epochs=epochs)
+            out["head_norms", kind, recipe] = head_norms(module)
     return out
+
+
+def head_norms(module) -> dict:
+    """The weights of the norms that see only a rank's heads under TP (Qwen3's q_norm and k_norm), whole (a
+    collective where they are DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for name, p in module.named_parameters() if name.endswith(("q_norm.weight", "k_norm.weight"))}
 
 
 def same_state(a, b) -> bool:
@@ -166,7 +189,7 @@ def same_state(a, b) -> bool:
 
 def tp_worker(rank: int, world: int, port: int, tmpdir: str, out: dict) -> None:
     """TP=2 (2 processes: ModelParallelStrategy) or TP=2 x DP=2 (4 processes: fp8_fsdp along DP), every recipe and
-    both models; then a distributed checkpoint of the GPT."""
+    every model of :data:`MODELS`; then a distributed checkpoint of the GPT."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
                       WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -201,7 +224,7 @@ def tp_worker(rank: int, world: int, port: int, tmpdir: str, out: dict) -> None:
             tp_peers = [states[r] for r in range(world) if r // 2 == rank // 2]  # this rank's tensor-parallel group
             res[kind, recipe] = {"losses": (mean / world).tolist(), "tp_states_equal": same_state(*tp_peers),
                                  "all_states_equal": all(same_state(states[0], s) for s in states),
-                                 "data_as_planned": all(fed)}
+                                 "data_as_planned": all(fed), "head_norms": head_norms(module)}
     recipe = "delayed" if dp == 1 else "rowwise"
     module, trainer, _ = fit("gpt", recipe, strategy(), world, dp, rank)
     path = os.path.join(tmpdir, f"ckpt{world}")
