@@ -225,7 +225,7 @@ def tensor_parallel_layers(module: nn.Module) -> list[str]:
     return [name for name, m in module.named_modules() if "fp8_tensor_parallel" in m.__dict__]
 
 
-def tensor_parallel_size(module: nn.Module) -> int:
+def tensor_parallel_degree(module: nn.Module) -> int:
     """The size of the tensor-parallel mesh the layers of ``module`` were split over by an FP8 plan (the largest,
     should there be several), 1 when no layer was split.
 
@@ -240,4 +240,4 @@ def tensor_parallel_size(module: nn.Module) -> int:
 
 
 __all__ = ["STYLE_FACTORIES", "expand_plan", "fp8_style", "gpt_tp_plan", "tensor_parallel_layers",
-           "tensor_parallel_size", "transformers_tp_plan"]
+           "tensor_parallel_degree", "transformers_tp_plan"]

@@ -351,9 +351,9 @@ def data_parallel_replicas(modules: list[nn.Module]) -> int:
     the tensor-parallel size of the layers an FP8 tensor-parallel plan split (1 without ``torch.distributed``)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return 1
-    from fp8_lightning.distributed.tp_plans import tensor_parallel_size
+    from fp8_lightning.distributed.tp_plans import tensor_parallel_degree
 
-    return torch.distributed.get_world_size() // max([tensor_parallel_size(m) for m in modules] or [1])
+    return torch.distributed.get_world_size() // max([tensor_parallel_degree(m) for m in modules] or [1])
 
 
 def check_tensor_parallel_strategy(module: nn.Module) -> None:
