@@ -56,8 +56,8 @@ def make_gpt(lr: float = LR, **size):
 
 def make_causal_lm(config: str, model: str, size: dict):
     """A random-init transformers causal LM (``transformers.<config>(**size)``, ``transformers.<model>``) as a
-    LightningModule whose ``configure_model`` splits it by :func:`~fp8_lightning.distributed.tp_plans.transformers_tp_plan`
-    on a tensor-parallel mesh of more than one rank."""
+    LightningModule whose ``configure_model`` splits it by
+    :func:`~fp8_lightning.distributed.tp_plans.transformers_tp_plan` on a tensor-parallel mesh of over one rank."""
     import lightning.pytorch as pl
     import transformers
 
@@ -147,8 +147,9 @@ def fit(kind: str, recipe: str, strategy, devices: int, dp: int = 1, rank: int =
 
     module = FACTORIES[kind]()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, plugins=[FP8Precision(recipe=recipe, **(precision_kwargs or {}))],
-        max_steps=-1 if epochs else STEPS, max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        accelerator="cpu", devices=devices, strategy=strategy,
+        plugins=[FP8Precision(recipe=recipe, **(precision_kwargs or {}))], max_steps=-1 if epochs else STEPS,
+        max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[RecordLoss(), *callbacks], num_sanity_val_steps=0,
         use_distributed_sampler=False,
     )
