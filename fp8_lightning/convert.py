@@ -330,6 +330,31 @@ def load_fp8_state_dict(module: nn.Module, state: dict, strict: bool = True, sou
         scaling.load_state_dict(entry)
 
 
+def restart_gradient_scales(module: nn.Module) -> list[str]:
+    """Make the next training cast of every delayed-scaled output gradient pick its scale just in time, from the
+    gradient it casts (as a fresh layer's first cast does); its amax history continues from there.
+
+    For a run resumed with another number of data-parallel replicas: each replica's loss averages its own share of
+    the batch, so the output gradients it sees are larger or smaller than the saved gradient histories by up to
+    the ratio of the replica counts, and a saved scale could saturate them for a step. Activation and weight
+    histories do not depend on the replicas and are left as they are.
+
+    Args:
+        module: the model holding converted layers.
+
+    Returns:
+        The names of the layers whose gradient scale restarts (in module order).
+    """
+    names = []
+    for name, layer in scaled_modules(module):
+        for _, scaling in layer.fp8_scalings():
+            state = scaling.operands.get("grad_output")
+            if getattr(state, "delayed", False) and state.initialized:
+                state.initialized = False
+                names.append(name)
+    return list(dict.fromkeys(names))
+
+
 # --------------------------------------------------------------------------------------------------------
 # Checking saved scaling state
 # --------------------------------------------------------------------------------------------------------

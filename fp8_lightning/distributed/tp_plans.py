@@ -30,20 +30,56 @@ from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 from fp8_lightning.distributed.tensor_parallel import FP8ColwiseParallel, FP8RowwiseParallel
 
-STYLE_FACTORIES: dict[str, Callable[[], ParallelStyle]] = {
+STYLE_FACTORIES: dict[str, Callable[[], ParallelStyle | None]] = {
     "colwise": FP8ColwiseParallel,
     "rowwise": FP8RowwiseParallel,
     "colwise_rep": lambda: FP8ColwiseParallel(output_layouts=Replicate()),
     "colwise_gather_output": lambda: FP8ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_rep": lambda: FP8RowwiseParallel(input_layouts=Replicate()),
+    "rowwise_split_input": lambda: FP8RowwiseParallel(input_layouts=Replicate()),
     "sequence_parallel": lambda: SequenceParallel(use_local_output=True),
     "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=-2, use_local_output=True),
+    "replicate": lambda: None,
 }
-"""transformers' style names and the style each becomes (FP8 for linear layers; torch's for norms)."""
+"""transformers' style names and the style each becomes (FP8 for linear layers; torch's for norms). ``None``: the
+module stays out of the plan, replicated on every rank (transformers' ``"replicate"``)."""
+
+_PARTIAL_OUTPUT = (
+    "its layers leave partial sums for a later module of the plan ('gather', 'all_reduce') to reduce, a contract "
+    "the FP8 styles (which reduce their own outputs) do not follow"
+)
+UNSUPPORTED_STYLES: dict[str, str] = {
+    "packed_colwise": "it splits a fused weight (gate and up, or q, k and v, stacked) part by part, which the FP8 "
+                      "colwise style does not; unfuse the projections, or leave the module out of the plan",
+    "packed_rowwise": "it splits a fused weight part by part, which the FP8 rowwise style does not",
+    "local_colwise": _PARTIAL_OUTPUT,
+    "local_rowwise": _PARTIAL_OUTPUT,
+    "local_packed_rowwise": _PARTIAL_OUTPUT,
+    "local": _PARTIAL_OUTPUT,
+    "gather": _PARTIAL_OUTPUT,
+    "all_reduce": _PARTIAL_OUTPUT,
+    "local_params": _PARTIAL_OUTPUT,
+    "embedding_rowwise": "it splits an embedding, which stays replicated under the FP8 plans (FP8 applies to linear "
+                         "layers); give it torch's RowwiseParallel() through overrides if it must be split",
+    "embedding_colwise": "it splits an embedding, which stays replicated under the FP8 plans (FP8 applies to linear "
+                         "layers); give it torch's ColwiseParallel() through overrides if it must be split",
+    "mla_kv_a_proj": "it splits DeepSeek-style latent attention's joint projection, which has no FP8 style",
+}
+"""transformers' style names with no FP8 counterpart, with the reason (mixture-of-experts styles, ``moe_*``,
+``ep_*`` and ``grouped_gemm``, split 3-D expert weights: expert parallelism, which these plans do not do)."""
 
 GPT_ATTENTION = ("attn.q", "attn.k", "attn.v")
 
 
-def fp8_style(name: str, where: str = "") -> ParallelStyle:
+def _unsupported_reason(name: str) -> str:
+    if name in UNSUPPORTED_STYLES:
+        return UNSUPPORTED_STYLES[name]
+    if name.startswith(("moe_", "ep_")) or name == "grouped_gemm":
+        return "it splits 3-D expert weights (expert parallelism), which the FP8 tensor-parallel plans do not do"
+    return f"it is not a style these plans know; supported: {sorted(STYLE_FACTORIES)}"
+
+
+def fp8_style(name: str, where: str = "") -> ParallelStyle | None:
     """The parallel style for transformers' style ``name``.
 
     Args:
@@ -51,14 +87,17 @@ def fp8_style(name: str, where: str = "") -> ParallelStyle:
         where: the plan key, named in the error.
 
     Returns:
-        A fresh ``ParallelStyle`` instance.
+        A fresh ``ParallelStyle`` instance, or None for a module that stays replicated (``"replicate"``).
+
+    Raises:
+        ValueError: a style with no FP8 counterpart (:data:`UNSUPPORTED_STYLES`), with the reason and the fix.
     """
     if name not in STYLE_FACTORIES:
         key = f" for '{where}'" if where else ""
         raise ValueError(
-            f"tensor-parallel style {name!r}{key} has no FP8 counterpart; supported: {sorted(STYLE_FACTORIES)}. "
-            "Leave that module out of the plan (pass overrides={key: None}) or map it to a style yourself "
-            "(overrides={key: <ParallelStyle>})."
+            f"tensor-parallel style {name!r}{key} has no FP8 counterpart: {_unsupported_reason(name)}. Leave that "
+            f"module out of the plan (overrides={{{where or '<plan key>'!r}: None}}) or give it a style yourself "
+            f"(overrides={{{where or '<plan key>'!r}: <ParallelStyle>}})."
         )
     return STYLE_FACTORIES[name]()
 
@@ -186,5 +225,19 @@ def tensor_parallel_layers(module: nn.Module) -> list[str]:
     return [name for name, m in module.named_modules() if "fp8_tensor_parallel" in m.__dict__]
 
 
+def tensor_parallel_degree(module: nn.Module) -> int:
+    """The size of the tensor-parallel mesh the layers of ``module`` were split over by an FP8 plan (the largest,
+    should there be several), 1 when no layer was split.
+
+    Args:
+        module: any module.
+
+    Returns:
+        The number of ranks a split layer's weight is spread over.
+    """
+    sizes = [m.fp8_tensor_parallel.size for _, m in module.named_modules() if "fp8_tensor_parallel" in m.__dict__]
+    return max(sizes, default=1)
+
+
 __all__ = ["STYLE_FACTORIES", "expand_plan", "fp8_style", "gpt_tp_plan", "tensor_parallel_layers",
-           "transformers_tp_plan"]
+           "tensor_parallel_degree", "transformers_tp_plan"]

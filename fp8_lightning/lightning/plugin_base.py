@@ -26,6 +26,7 @@ from fp8_lightning.convert import (
     load_fp8_state_dict,
     ModuleFilter,
     operand_states,
+    restart_gradient_scales,
     sync_scales,
 )
 from fp8_lightning.guard import DivergenceGuard, GuardEvent, GuardState
@@ -256,6 +257,7 @@ class FP8PrecisionMixin:
             "optimizer_steps": self.optimizer_steps,
             "skipped_steps": self.skipped_steps,
             "guard": self.guard_state.state_dict() if self.guard_state is not None else None,
+            "data_parallel_replicas": data_parallel_replicas(modules),
         }
         state[CHECKSUM_KEY] = fp8_state_checksum(state)
         return state
@@ -327,6 +329,17 @@ class FP8PrecisionMixin:
         for module, module_state in zip(modules, saved):
             load_fp8_state_dict(module, module_state, source=self.checkpoint_source())
         self._pending_state = None
+        replicas, now = state.get("data_parallel_replicas"), data_parallel_replicas(modules)
+        if replicas is not None and replicas != now:
+            restarted = [name for module in modules for name in restart_gradient_scales(module)]
+            if restarted:
+                rank_zero_info(
+                    f"FP8: the checkpoint was saved with {replicas} data-parallel replica(s) and this run has {now}. "
+                    "Each replica's loss averages its own share of the batch, so the output gradients are scaled "
+                    f"differently: the delayed gradient scales of {len(restarted)} layer(s) are made afresh from "
+                    "their first backward (their amax histories continue); activation and weight scales continue "
+                    "as saved."
+                )
 
     def fp8_summary(self) -> str:
         """Conversion report and divergence-guard events, as text."""
@@ -339,6 +352,16 @@ class FP8PrecisionMixin:
         state = self.__dict__.copy()
         state["_modules"] = []  # weak references do not pickle (spawned processes convert their own copy)
         return state
+
+
+def data_parallel_replicas(modules: list[nn.Module]) -> int:
+    """How many data-parallel replicas train ``modules`` (each on its own share of the data): the world size over
+    the tensor-parallel size of the layers an FP8 tensor-parallel plan split (1 without ``torch.distributed``)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return 1
+    from fp8_lightning.distributed.tp_plans import tensor_parallel_degree
+
+    return torch.distributed.get_world_size() // max([tensor_parallel_degree(m) for m in modules] or [1])
 
 
 def check_tensor_parallel_strategy(module: nn.Module) -> None:

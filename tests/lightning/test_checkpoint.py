@@ -98,3 +98,34 @@ def test_checkpoint_from_another_model_is_refused():
     other.convert_module(bigger)
     with pytest.raises(KeyError, match="missing .*blocks.1"):
         other.load_state_dict(plugin.state_dict())
+
+
+@pytest.mark.parametrize("saved_replicas", [1, 2])
+def test_another_data_parallel_size_restarts_only_the_delayed_gradient_scales(saved_replicas):
+    """Each data-parallel replica's loss averages its own share of the batch, so a resume with another number of
+    replicas sees output gradients of another size: their delayed scales are made afresh from the first backward
+    (histories kept), while activation and weight scales continue. The same number restores everything as is."""
+    from fp8_lightning import fp8_autocast
+    from fp8_lightning.convert import fp8_state_checksum
+
+    torch.manual_seed(0)
+    model, source = TinyTransformerLM(), FP8Precision(recipe="delayed")
+    source.convert_module(model)
+    with fp8_autocast():
+        model.loss((markov_tokens(4),)).backward()
+    source.fp8_after_optimizer_step()
+    state = source.state_dict()
+    assert state["data_parallel_replicas"] == 1  # one process
+    state["data_parallel_replicas"] = saved_replicas
+    state["checksum"] = fp8_state_checksum({k: v for k, v in state.items() if k != "checksum"})
+
+    target, fresh = FP8Precision(recipe="delayed"), TinyTransformerLM()
+    target.convert_module(fresh)
+    target.load_state_dict(state)
+    saved, loaded = state["modules"][0], fp8_state_dict(fresh)
+    for layer in saved:
+        for role, entry in saved[layer]["scalings"][0]["operands"].items():
+            here = loaded[layer]["scalings"][0]["operands"][role]
+            assert all(torch.equal(entry[k], here[k]) for k in ("scale", "amax_history")), (layer, role)
+            restarted = role == "grad_output" and saved_replicas != 1
+            assert here["initialized"] is not restarted, (layer, role)
