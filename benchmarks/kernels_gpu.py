@@ -239,7 +239,7 @@ def check_gluon_gemm() -> list[tuple[str, bool]]:
     ):
         a = quantize_mx_operand(torch.randn(200, 1024, generator=g).cuda(), block, "rceil", fa)
         b = quantize_mx_operand(torch.randn(333, 1024, generator=g).cuda(), block, "rceil", fb)
-        got = block_gemm_gluon.mx_gemm(*_dense(a), *_dense(b), out_dtype, tile=tile)
+        got = block_gemm_gluon.gluon_mx_gemm(*_dense(a), *_dense(b), out_dtype, tile=tile)
         with environment(**{GLUON_MX_GEMM_ENV: "0"}):  # the shipped kernel even if the session opted in
             shipped = block_gemm.mx_gemm(*_dense(a), *_dense(b), out_dtype)
         a64, b64 = dequantize_operand(a).double(), dequantize_operand(b).double()
@@ -335,7 +335,7 @@ def bench_gemm() -> list[dict]:
         t_pure = seconds(lambda: pure(fp8_mm, a, b, torch.bfloat16))
         t_gluon = None
         if gluon_refusal() is None:  # the opt-in Hopper kernel, timed in the same run
-            from fp8_lightning.kernels.block_gemm_gluon import mx_gemm as gluon_mx_gemm
+            from fp8_lightning.kernels.block_gemm_gluon import gluon_mx_gemm
 
             dense = (*_dense(a), *_dense(b))
             t_gluon = seconds(lambda: gluon_mx_gemm(*dense, torch.bfloat16))

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from fp8_lightning.data import ByteTextDataModule
 from fp8_lightning.models import GPT, warmup_cosine
-from fp8_lightning.optim.state_formats import StateFormat, block_scales, decode, encode, saturating_cast
+from fp8_lightning.optim.state_formats import StateFormat, decode_state, encode_state, saturating_cast, state_block_scales
 
 from benchmarks.bench_common import write_markdown_report
 
@@ -39,30 +39,30 @@ EPS = 1e-8
 
 
 def pow2_block_roundtrip(x: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
-    """Like ``encode``/``decode`` of ``fmt`` but with each block scale rounded down to a power of two (E8M0)."""
+    """Like ``encode_state``/``decode_state`` of ``fmt`` but with each block scale rounded down to a power of two (E8M0)."""
     x32 = x.float().reshape(-1)
     if fmt.transform == "sqrt":
         x32 = x32.clamp(min=0).sqrt()
     pad = -x32.numel() % fmt.block_size
     blocks = F.pad(x32, (0, pad)).view(-1, fmt.block_size)
-    scale = torch.exp2(torch.floor(torch.log2(block_scales(blocks, fmt.torch_dtype))))
+    scale = torch.exp2(torch.floor(torch.log2(state_block_scales(blocks, fmt.torch_dtype))))
     data = saturating_cast(blocks * scale.unsqueeze(-1), fmt.torch_dtype)
     out = (data.float() / scale.unsqueeze(-1)).reshape(-1)[: x.numel()].reshape(x.shape)
     return out * out if fmt.transform == "sqrt" else out
 
 
 def roundtrip(x: torch.Tensor, spec: str) -> tuple[torch.Tensor, float]:
-    """Decode(encode(x)) for a candidate ``spec`` and its bytes per element (scales included)."""
+    """decode_state(encode_state(x)) for a candidate ``spec`` and its bytes per element (scales included)."""
     if spec.endswith(":e8m0"):
         fmt = StateFormat.parse(spec.removesuffix(":e8m0"))
         return pow2_block_roundtrip(x, fmt), fmt.torch_dtype.itemsize + 1.0 / fmt.block_size
     if ":tensor" in spec:
         fmt = StateFormat.parse(spec.replace(":tensor", f":{x.numel()}"))
-        data, scale = encode(x, fmt)
-        return decode(data, scale, fmt, x.shape), float(fmt.torch_dtype.itemsize)
+        data, scale = encode_state(x, fmt)
+        return decode_state(data, scale, fmt, x.shape), float(fmt.torch_dtype.itemsize)
     fmt = StateFormat.parse(spec)
-    data, scale = encode(x, fmt)
-    return decode(data, scale, fmt, x.shape), fmt.bytes_per_element()
+    data, scale = encode_state(x, fmt)
+    return decode_state(data, scale, fmt, x.shape), fmt.bytes_per_element()
 
 
 def errors(truth: torch.Tensor, decoded: torch.Tensor, second_moment: bool) -> dict:

@@ -104,7 +104,8 @@ def _kernel_fn(name: str):
 
 
 def _per_tensor_variants() -> list[Variant]:
-    from fp8_lightning.kernels.per_tensor import BLOCK, NUM_WARPS, TILE, format_constants
+    from fp8_lightning.kernels.per_tensor import FLAT_BLOCK as BLOCK, TRANSPOSE_TILE as TILE, format_constants
+    from fp8_lightning.kernels.per_tensor import PER_TENSOR_NUM_WARPS as NUM_WARPS
 
     out = [Variant("_amax_kernel", f"x={short(x)} BLOCK={BLOCK}",
                    (("x_ptr", ptr(x)), ("amax_bits_ptr", "*i32"), ("n", "i32"), ("BLOCK", BLOCK)))
@@ -240,7 +241,7 @@ def _fine_cast_variants() -> list[Variant]:
     """The rowwise and blockwise casts: every tile, with the scale strides a launch on a contiguous x passes (a
     stride of 1 is specialized)."""
     from fp8_lightning.kernels.fine_grained_cast import NUM_WARPS
-    from fp8_lightning.kernels.fine_grained_layout import TILE, TILES, along_rows, piece
+    from fp8_lightning.kernels.fine_grained_layout import BLOCKWISE_EDGE as TILE, TILES, along_rows, piece
     from fp8_lightning.kernels.per_tensor import format_constants
 
     def scale_strides(tile, transpose):  # (line, window) strides of scale, then of scale_t

@@ -169,7 +169,7 @@ def mx_gemm(
         from fp8_lightning.kernels import block_gemm_gluon
 
         if block_gemm_gluon.refusal(a_scale, b_scale) is None:
-            return block_gemm_gluon.mx_gemm(a, a_scale, b, b_scale, out_dtype)
+            return block_gemm_gluon.gluon_mx_gemm(a, a_scale, b, b_scale, out_dtype)
     m, k = a.shape
     n = b.shape[0]
     block_size = k // a_scale.shape[1]

@@ -140,7 +140,7 @@ def refusal(a_scale: torch.Tensor, b_scale: torch.Tensor) -> str | None:
     return None
 
 
-def mx_gemm(
+def gluon_mx_gemm(
     a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype,
     tile: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:

@@ -297,13 +297,13 @@ def _check_mx_arguments(block, rounding, what: str) -> None:
         )
 
 
-def cast(
+def fp8_cast(
     x: torch.Tensor, scale: float, dtype: torch.dtype, with_amax: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, float | None]:
     """``(saturate(x * scale) in dtype, the codes' float32 values, max |x| or None)`` in one pass (the amax is
     NaN when x holds NaN)."""
-    x = _require(x, INPUT_DTYPES, "cast")
-    fmt = _format(dtype, "cast")
+    x = _require(x, INPUT_DTYPES, "fp8_cast")
+    fmt = _format(dtype, "fp8_cast")
     n = x.numel()
     codes = torch.empty_like(x, dtype=dtype)  # x is contiguous: so are these (faster than empty(shape))
     values = torch.empty_like(x, dtype=torch.float32)
@@ -363,9 +363,9 @@ def mx_quantize(
     return row, col  # written in place, allocated in their final dtypes
 
 
-def decode(codes: torch.Tensor) -> torch.Tensor:
+def fp8_decode(codes: torch.Tensor) -> torch.Tensor:
     """The float32 values of E4M3 or E5M2 ``codes`` (``codes.float()``, bit for bit; NaN codes give NaN)."""
-    codes = _require(codes, FORMATS, "decode")
+    codes = _require(codes, FORMATS, "fp8_decode")
     n = codes.numel()
     values = torch.empty_like(codes, dtype=torch.float32)
     function, fmt = _library().fp8_decode, FORMATS[codes.dtype]

@@ -22,10 +22,23 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8_lightning.kernels.fine_grained_layout import TILE, along_rows, ceil_div, output_layouts, piece, window_length
-from fp8_lightning.kernels.per_tensor import FLOAT32_MAX, _abs_bits, _reduce_max, _to_fp8_values, format_constants
+from fp8_lightning.kernels.fine_grained_layout import (
+    BLOCKWISE_EDGE,
+    along_rows,
+    ceil_div,
+    output_layouts,
+    piece,
+    window_length,
+)
+from fp8_lightning.kernels.per_tensor import (
+    FLOAT32_MAX_CONSTEXPR,
+    _abs_bits,
+    _reduce_max,
+    _to_fp8_values,
+    format_constants,
+)
 
-NUM_WARPS = 8  # 16 elements of a 4,096-element piece per thread (per_tensor.NUM_WARPS)
+NUM_WARPS = 8  # 16 elements of a 4,096-element piece per thread (per_tensor.PER_TENSOR_NUM_WARPS)
 
 
 @triton.jit
@@ -38,7 +51,7 @@ def _window_scale(amax_bits, eps, FP8_MAX: tl.constexpr, POWER_OF_2: tl.constexp
     else:
         amax = tl.where(amax < eps, eps, amax)
     scale = tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax)
-    scale = tl.where(scale > FLOAT32_MAX, FLOAT32_MAX, scale)
+    scale = tl.where(scale > FLOAT32_MAX_CONSTEXPR, FLOAT32_MAX_CONSTEXPR, scale)
     if POWER_OF_2:
         scale = (scale.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)
     return tl.where(usable, scale, 1.0)
@@ -133,7 +146,7 @@ def fine_cast(
     _fine_cast_kernel[grid](
         x, data, data_t, scale, inverse, scale_t, inverse_t, lines, length, window, stride_line, stride_pos,
         *scale.stride(), *t_strides, float(eps), **format_constants(dtype), POWER_OF_2=power_of_2,
-        BLOCKWISE=TILE in tile, SQUARE=tile == (TILE, TILE), TRANSPOSE=transpose, BLOCK_LINES=block_lines,
-        CHUNK=chunk, num_warps=NUM_WARPS,
+        BLOCKWISE=BLOCKWISE_EDGE in tile, SQUARE=tile == (BLOCKWISE_EDGE, BLOCKWISE_EDGE), TRANSPOSE=transpose,
+        BLOCK_LINES=block_lines, CHUNK=chunk, num_warps=NUM_WARPS,
     )  # fmt: skip
     return data, scale, inverse, data_t, scale_t, inverse_t

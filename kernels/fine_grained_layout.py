@@ -15,9 +15,9 @@ implementation): one scale per row (lines, 1) contiguous; 1x128 and 128x1 tiles 
 
 from __future__ import annotations
 
-TILE = 128  # a blockwise tile's long edge (fp8_lightning.blockwise.TILE)
+BLOCKWISE_EDGE = 128  # a blockwise tile's long edge (fp8_lightning.blockwise.TILE)
 ROWWISE_TILES = ((1, 0), (0, 1))  # one scale per row / per column
-BLOCKWISE_TILES = ((1, TILE), (TILE, 1), (TILE, TILE))
+BLOCKWISE_TILES = ((1, BLOCKWISE_EDGE), (BLOCKWISE_EDGE, 1), (BLOCKWISE_EDGE, BLOCKWISE_EDGE))
 TILES = ROWWISE_TILES + BLOCKWISE_TILES
 SCALE_ROW_MULTIPLE = 4  # 128x128 scales: rows padded to 16 bytes
 
@@ -29,10 +29,10 @@ def ceil_div(a: int, b: int) -> int:
 def piece(tile: tuple[int, int], along_rows: bool) -> tuple[int, int]:
     """(BLOCK_LINES, CHUNK) of a launch: 4,096 elements, laid out so that the source's contiguous dimension is long
     (rows read 16 x 256, 32 x 128 for 1x128 tiles; columns 64 x 64; 128x128 blocks 128 lines x 32)."""
-    if tile == (TILE, TILE):
-        return TILE, 32
-    if tile == (1, TILE):
-        return 32, TILE
+    if tile == (BLOCKWISE_EDGE, BLOCKWISE_EDGE):
+        return BLOCKWISE_EDGE, 32
+    if tile == (1, BLOCKWISE_EDGE):
+        return 32, BLOCKWISE_EDGE
     return (16, 256) if along_rows else (64, 64)
 
 
@@ -40,16 +40,16 @@ def scale_layout(lines: int, windows: int, tile: tuple[int, int]) -> tuple[tuple
     """(shape, strides) of the float32 scales of an operand with ``lines`` rows and ``windows`` windows per row, as
     cuBLAS reads them: (lines, 1) contiguous (rowwise), column-major (1x128, 128x1), inner-dim-major with rows
     padded to 16 bytes (128x128)."""
-    if TILE not in tile:
+    if BLOCKWISE_EDGE not in tile:
         return (lines, windows), (windows, 1)
-    if tile == (TILE, TILE):
+    if tile == (BLOCKWISE_EDGE, BLOCKWISE_EDGE):
         return (lines, windows), (ceil_div(windows, SCALE_ROW_MULTIPLE) * SCALE_ROW_MULTIPLE, 1)
     return (lines, windows), (1, lines)
 
 
 def along_rows(tile: tuple[int, int]) -> bool:
     """Whether a tile's windows run along the rows of ``x`` (codes in x's layout), not down its columns."""
-    return tile[0] == 1 or tile == (TILE, TILE)
+    return tile[0] == 1 or tile == (BLOCKWISE_EDGE, BLOCKWISE_EDGE)
 
 
 def window_length(tile: tuple[int, int], length: int) -> int:
@@ -64,7 +64,7 @@ def output_layouts(shape: tuple[int, int], tile: tuple[int, int], transpose: boo
     rows, cols = shape
     lines, length = (rows, cols) if along_rows(tile) else (cols, rows)
     windows = ceil_div(length, window_length(tile, length)) if length else 0
-    line_blocks = ceil_div(lines, TILE) if tile == (TILE, TILE) else lines
+    line_blocks = ceil_div(lines, BLOCKWISE_EDGE) if tile == (BLOCKWISE_EDGE, BLOCKWISE_EDGE) else lines
     layouts = {"data": ((lines, length), (length, 1)), "scale": scale_layout(line_blocks, windows, tile)}
     if transpose:
         layouts["data_t"] = ((length, lines), (lines, 1))

@@ -1,8 +1,8 @@
 """Fused AdamW step over FP8/FP16 block-scaled states: decode, update and re-encode in one pass (Triton).
 
 The pure-torch twin is ``FP8Optimizer``'s per-parameter step (``fp8_lightning/optim/optimizer.py`` with
-``update_rules.adam_update`` and ``state_formats.encode/decode``). The torch path reads and writes every state
-several times (decode to float32, the update's element-wise ops, amax per block, scale, cast); here one program
+``update_rules.adam_update`` and ``state_formats.encode_state/decode_state``). The torch path reads and writes every
+state several times (decode to float32, the update's element-wise ops, amax per block, scale, cast); here one program
 owns one block of the state scales, so it loads the block once (parameter or master, gradient, ``m`` bytes and
 scale, ``v`` bytes and scale), updates it in registers, reduces the new block amax of ``m`` and ``v`` in
 registers, and stores the encoded bytes and the new scales: one read and one write of each tensor.
@@ -33,7 +33,13 @@ import triton
 import triton.language as tl
 
 from fp8_lightning.kernels.availability import device_status, explicit_rounding, require_triton
-from fp8_lightning.kernels.per_tensor import FLOAT32_MAX, _reduce_max, _saturate, _to_fp8_values, format_constants
+from fp8_lightning.kernels.per_tensor import (
+    FLOAT32_MAX_CONSTEXPR,
+    _reduce_max,
+    _saturate,
+    _to_fp8_values,
+    format_constants,
+)
 
 MASTER_CODES = {"none": 0, "fp32": 1, "bf16_remainder": 2, "bf16_int8_remainder": 3}
 REMAINDER_KINDS = ("bf16_remainder", "bf16_int8_remainder")
@@ -52,12 +58,13 @@ def adam_num_warps(block: int) -> int:
 @triton.jit
 def _block_scale(x, DTYPE_MAX: tl.constexpr):
     """``DTYPE_MAX / amax(x)`` over the block's finite values (1 when none is nonzero), like
-    ``state_formats.block_scales``: a NaN or infinite element never decides its neighbours' scale."""
+    ``state_formats.state_block_scales``: a NaN or infinite element never decides its neighbours' scale."""
     magnitude = tl.abs(x)
-    block_amax = _reduce_max(tl.where(magnitude <= FLOAT32_MAX, magnitude, 0.0), 0)  # NaN and inf compare False
+    # NaN and inf compare False
+    block_amax = _reduce_max(tl.where(magnitude <= FLOAT32_MAX_CONSTEXPR, magnitude, 0.0), 0)
     scale = tl.math.div_rn(DTYPE_MAX, block_amax)  # correctly rounded, like max_over_amax
     scale = tl.where(block_amax > 0, scale, 1.0)
-    return tl.minimum(scale, FLOAT32_MAX)
+    return tl.minimum(scale, FLOAT32_MAX_CONSTEXPR)
 
 
 @triton.jit

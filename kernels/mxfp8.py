@@ -117,7 +117,7 @@ def launches(block_size: int, rowwise: bool, colwise: bool) -> list[tuple[bool, 
     return [(rowwise, colwise)] if rowwise or colwise else []
 
 
-def mx_quantize(
+def launch_mx_quantize(
     x: torch.Tensor, block_size: int, scale_rounding: str, dtype: torch.dtype, rowwise: bool, colwise: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize the 2-D ``x`` (R, C) with one read (two at block sizes above 64 with both copies, see

@@ -4,7 +4,7 @@ The pure-torch twins live in :mod:`fp8_lightning.quantize` (``amax``, ``tensorwi
 ``quantize_with_scale``); these kernels compute the same bits with fewer passes over the tensor:
 
 * **tensorwise** needs the amax of the whole tensor before the first element can be cast, so it is two passes
-  (the minimum): :func:`amax` (one read), then :func:`tensorwise_cast`'s cast kernel, which derives the scale
+  (the minimum): :func:`launch_amax` (one read), then :func:`tensorwise_cast`'s cast kernel, which derives the scale
   from the amax itself (no host round trip, no extra launches) and writes it out once.
 * **delayed** scaling already knows its scale, so :func:`cast` reads once and writes once, and records the
   input's amax in the same pass (for the next step's history). :func:`cast_transpose` also writes the
@@ -30,12 +30,14 @@ from fp8_lightning.kernels.availability import explicit_rounding
 
 MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
 NAN_BITS = {torch.float8_e4m3fn: 0x7FF00000, torch.float8_e5m2: 0x7FC00000}  # float32 NaNs: S.1111.111 / S.11111.10
-BLOCK = 4096
-TILE = 64
+FLAT_BLOCK = 4096  # elements per program of the flat amax and casts (the kernels' BLOCK)
+TRANSPOSE_TILE = 64  # edge of the square tile of the casts that also write the transpose (the kernels' TILE)
 # 8 warps: 16 elements of a 4096-element block (or 64 x 64 tile) per thread. At 4 warps (32 per thread) the flat
 # casts spill on sm_100a (benchmarks/aot_compile.py).
-NUM_WARPS = 8
-FLOAT32_MAX = tl.constexpr(torch.finfo(torch.float32).max)  # a scale's cap (quantize.tensorwise_scale's)
+PER_TENSOR_NUM_WARPS = 8
+# float32's largest value as a Triton constexpr (a global a kernel reads must be one): a scale's cap
+# (quantize.tensorwise_scale's FLOAT32_MAX)
+FLOAT32_MAX_CONSTEXPR = tl.constexpr(torch.finfo(torch.float32).max)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -99,7 +101,7 @@ def _tensorwise_scale(amax, eps, FP8_MAX: tl.constexpr, POWER_OF_2: tl.constexpr
     """Bit-for-bit ``fp8_lightning.quantize.tensorwise_scale`` (see the module docstring)."""
     clamped = tl.where(amax < eps, eps, amax)  # clamp(min=eps); NaN stays NaN
     scale = tl.math.div_rn(FP8_MAX, clamped)  # IEEE division: the correctly rounded quotient
-    scale = tl.where(scale > FLOAT32_MAX, FLOAT32_MAX, scale)
+    scale = tl.where(scale > FLOAT32_MAX_CONSTEXPR, FLOAT32_MAX_CONSTEXPR, scale)
     if POWER_OF_2:
         bits = scale.to(tl.int32, bitcast=True) & -8388608  # keep sign and exponent: 2**floor(log2(scale))
         scale = tl.where(scale != scale, 0.5, bits.to(tl.float32, bitcast=True))
@@ -278,12 +280,14 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(-1)
 
 
-def amax(x: torch.Tensor) -> torch.Tensor:
+def launch_amax(x: torch.Tensor) -> torch.Tensor:
     """max |x| as a float32 scalar; one read of ``x``."""
     bits = _amax_buffer(x.device)
     n = x.numel()
     if n:
-        _amax_kernel[(triton.cdiv(n, BLOCK),)](_flat(x), bits, n, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        _amax_kernel[(triton.cdiv(n, FLAT_BLOCK),)](
+            _flat(x), bits, n, BLOCK=FLAT_BLOCK, num_warps=PER_TENSOR_NUM_WARPS
+        )
     return _bits_to_amax(bits)
 
 
@@ -295,9 +299,9 @@ def cast(
     bits = _amax_buffer(x.device)
     n = x.numel()
     if n:
-        _cast_kernel[(triton.cdiv(n, BLOCK),)](
+        _cast_kernel[(triton.cdiv(n, FLAT_BLOCK),)](
             _flat(x), scale.reshape(1).float(), out.view(-1), bits, n,
-            **format_constants(dtype), RECORD_AMAX=record_amax, BLOCK=BLOCK, num_warps=NUM_WARPS,
+            **format_constants(dtype), RECORD_AMAX=record_amax, BLOCK=FLAT_BLOCK, num_warps=PER_TENSOR_NUM_WARPS,
         )
     return out, _bits_to_amax(bits)
 
@@ -309,11 +313,11 @@ def _operand_layout(x: torch.Tensor, dtype: torch.dtype, transpose: bool):
     if transpose:
         m, k = x.shape
         out_t = torch.empty((k, m), dtype=dtype, device=x.device)
-        grid = (max(1, triton.cdiv(m, TILE)), max(1, triton.cdiv(k, TILE)))
+        grid = (max(1, triton.cdiv(m, TRANSPOSE_TILE)), max(1, triton.cdiv(k, TRANSPOSE_TILE)))
     else:
         m, k = 1, x.numel()
         out_t = torch.empty(0, dtype=dtype, device=x.device)
-        grid = (max(1, triton.cdiv(k, BLOCK)), 1)
+        grid = (max(1, triton.cdiv(k, FLAT_BLOCK)), 1)
     return _flat(x), out, out_t, m, k, grid
 
 
@@ -331,8 +335,8 @@ def delayed_cast(
     inverse = torch.empty((), dtype=torch.float32, device=x.device)
     _delayed_cast_kernel[grid](
         flat, scale.reshape(1).float(), out.view(-1), out_t, sync, pending.float(), count, pending_out, count_out,
-        inverse, m, k, **format_constants(dtype), RECORD=record, TRANSPOSE=transpose, BLOCK=BLOCK, TILE=TILE,
-        num_warps=NUM_WARPS,
+        inverse, m, k, **format_constants(dtype), RECORD=record, TRANSPOSE=transpose, BLOCK=FLAT_BLOCK,
+        TILE=TRANSPOSE_TILE, num_warps=PER_TENSOR_NUM_WARPS,
     )  # fmt: skip
     return out, out_t, _bits_to_amax(sync[:1]), pending_out, count_out, inverse
 
@@ -357,12 +361,14 @@ def tensorwise_cast(
     count_out = torch.empty((), dtype=torch.int64, device=x.device) if keep else None
     inverse = torch.empty((), dtype=torch.float32, device=x.device) if keep else None
     if n:
-        _amax_kernel[(triton.cdiv(n, BLOCK),)](flat, bits, n, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        _amax_kernel[(triton.cdiv(n, FLAT_BLOCK),)](
+            flat, bits, n, BLOCK=FLAT_BLOCK, num_warps=PER_TENSOR_NUM_WARPS
+        )
     _tensorwise_cast_kernel[grid](
         flat, bits, out.view(-1), out_t, scale, prev_scale if keep else scale, count if keep else bits,
         count_out if keep else bits, inverse if keep else scale, m, k, eps, **format_constants(dtype),
-        POWER_OF_2=power_of_2, KEEP_PREVIOUS=keep, TRANSPOSE=transpose, BLOCK=BLOCK, TILE=TILE,
-        num_warps=NUM_WARPS,
+        POWER_OF_2=power_of_2, KEEP_PREVIOUS=keep, TRANSPOSE=transpose, BLOCK=FLAT_BLOCK, TILE=TRANSPOSE_TILE,
+        num_warps=PER_TENSOR_NUM_WARPS,
     )  # fmt: skip
     return out, out_t, scale.reshape(()), _bits_to_amax(bits), count_out, inverse
 
@@ -376,9 +382,10 @@ def cast_transpose(
     out_t = torch.empty((k, m), dtype=dtype, device=x.device)
     bits = _amax_buffer(x.device)
     if x.numel():
-        grid = (triton.cdiv(m, TILE), triton.cdiv(k, TILE))
+        grid = (triton.cdiv(m, TRANSPOSE_TILE), triton.cdiv(k, TRANSPOSE_TILE))
         _cast_transpose_kernel[grid](
             x, scale.reshape(1).float(), out, out_t, bits, m, k, x.stride(0), x.stride(1),
-            **format_constants(dtype), RECORD_AMAX=record_amax, TILE=TILE, num_warps=NUM_WARPS,
+            **format_constants(dtype), RECORD_AMAX=record_amax, TILE=TRANSPOSE_TILE,
+            num_warps=PER_TENSOR_NUM_WARPS,
         )
     return out, out_t, _bits_to_amax(bits)

@@ -15,23 +15,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"fp8_lightning": ROOT / "fp8_lightning", "fp8_lightning.kernels": ROOT / "kernels"}
 # Entry points: ``python -m fp8_lightning.train`` and ``fp8_lightning.compare`` each need a ``main``.
 ENTRY_POINT_NAMES = frozenset({"main"})
-# Still defined twice, each to be renamed; the list may only shrink (a fixed entry must be removed from it).
-# Kernel launchers and their constants (kernels/ takes no name from the core): per_tensor's BLOCK, TILE, NUM_WARPS and
-# FLOAT32_MAX are also Triton constexpr parameter names and ahead-of-time signature keys (kernels/aot.py).
-KNOWN_DUPLICATES = {
-    "BLOCK": ["fp8_lightning.kernels.per_tensor", "fp8_lightning.quantize"],
-    "FLOAT32_MAX": ["fp8_lightning.kernels.per_tensor", "fp8_lightning.quantize"],
-    "NUM_WARPS": ["fp8_lightning.kernels.fine_grained_cast", "fp8_lightning.kernels.per_tensor"],
-    "TILE": ["fp8_lightning.blockwise", "fp8_lightning.kernels.fine_grained_layout", "fp8_lightning.kernels.per_tensor"],
-    "amax": ["fp8_lightning.kernels.per_tensor", "fp8_lightning.quantize"],
-    "cast": ["fp8_lightning.kernels.cpu_codec", "fp8_lightning.kernels.per_tensor"],
-    "mx_gemm": ["fp8_lightning.kernels.block_gemm", "fp8_lightning.kernels.block_gemm_gluon"],
-    "mx_quantize": ["fp8_lightning.kernels.cpu_codec", "fp8_lightning.kernels.mxfp8"],
-    # the optimizer's state codec and the gradient codec
-    "block_scales": ["fp8_lightning.distributed.grad_codec", "fp8_lightning.optim.state_formats"],
-    "decode": ["fp8_lightning.distributed.grad_codec", "fp8_lightning.kernels.cpu_codec", "fp8_lightning.optim.state_formats"],
-    "encode": ["fp8_lightning.distributed.grad_codec", "fp8_lightning.optim.state_formats"],
-}
 
 
 def defined_names(source: str) -> set[str]:
@@ -84,9 +67,6 @@ def test_the_scan_sees_the_whole_package():
 
 def test_no_public_name_is_defined_twice():
     found = duplicates(package_sources())
-    fixed = sorted(set(KNOWN_DUPLICATES) - set(found))
-    assert not fixed, f"defined once now: remove {fixed} from KNOWN_DUPLICATES"
-    found = {name: modules for name, modules in found.items() if KNOWN_DUPLICATES.get(name) != modules}
     assert not found, "public names defined in more than one module (rename one, or import it from the other):\n" + (
         "\n".join(f"  {name}: {', '.join(modules)}" for name, modules in found.items())
     )

@@ -6,8 +6,8 @@ scale. The functions here are pure tensor math (no communication) so they can be
 
 * :func:`block_amaxes` — each rank's per-block max |g|, with non-finite blocks flagged instead of poisoning it;
   ranks then agree (all-reduce MAX) so that every rank encodes a block with the *same* scale,
-  ``fp8_max / amax`` (:func:`block_scales`), which never overflows;
-* :func:`encode` / :func:`sum_codes` — FP8 codes on the sending side, their float32 sum on the owner. The sum
+  ``fp8_max / amax`` (:func:`grad_block_scales`), which never overflows;
+* :func:`encode_blocks` / :func:`sum_codes` — FP8 codes on the sending side, their float32 sum on the owner. The sum
   stays in *scaled* units (``sum_i g_i * scale``, at most ``world * fp8_max``): it is never formed in FP8;
 * :func:`fitting_factor` and :func:`encode_mean` — FP8-LM's split of the 1/N of the mean when the owner sends the
   reduced block back in FP8: ``factor / N`` is applied before the encode, ``1 / factor`` after the decode. A large
@@ -69,24 +69,24 @@ def split_agreed(agreed: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor,
     return amax.view(shape), flags.view(shape) > 0
 
 
-def block_scales(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def grad_block_scales(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``fp8_max / amax`` per block (float32, capped at float32 max: an all-zero block gets a finite scale)."""
     return max_over_amax(fp8_max(dtype), amax)
 
 
-def encode(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def encode_blocks(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Saturated FP8 codes of ``blocks * scale`` as ``uint8`` (what gloo and NCCL can move)."""
     return fast_to_fp8_saturated(blocks * scales.unsqueeze(-1), dtype).view(torch.uint8)
 
 
-def decode(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _decode(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The float32 values of ``uint8`` FP8 codes (still in scaled units)."""
     return fast_fp8_to_float32(codes.view(dtype))
 
 
 def sum_codes(received: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Float32 sum over the senders (dim 0) of received codes ``[world, blocks, block_size]``, in scaled units."""
-    return decode(received, dtype).sum(dim=0)
+    return _decode(received, dtype).sum(dim=0)
 
 
 def fitting_factor(scaled_sum: torch.Tensor, world: int, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -107,7 +107,7 @@ def encode_mean(scaled_sum: torch.Tensor, world: int, factor: torch.Tensor, dtyp
 
 def decode_mean(codes: torch.Tensor, scales: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Float32 mean from :func:`encode_mean` codes: divided by the agreed block scale times the factor."""
-    return decode(codes, dtype) / factor.unsqueeze(-1) / scales.unsqueeze(-1)  # two divisions: no overflow
+    return _decode(codes, dtype) / factor.unsqueeze(-1) / scales.unsqueeze(-1)  # two divisions: no overflow
 
 
 def nan_where(values: torch.Tensor, nonfinite: torch.Tensor) -> torch.Tensor:

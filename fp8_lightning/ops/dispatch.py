@@ -116,7 +116,7 @@ def fast_quantize_with_scale(
     if kernels is not None and one_float32_scale(scale):
         return kernels.triton_cast(x.detach(), scale.to(x.device), dtype, record_amax=False)[0]
     if codec is not None:
-        return codec.cast(x, scale.item(), dtype)[0]  # saturates always: equal bits when the caller skips it
+        return codec.fp8_cast(x, scale.item(), dtype)[0]  # saturates always: equal bits when the caller skips it
     scaled = quantize.wide(x) * scale
     return fast_to_fp8_saturated(scaled, dtype) if saturate else scaled.to(dtype)
 
@@ -130,7 +130,7 @@ def quantize_operand(
     float, when the caller has read it already."""
     codec = cast_codec(x, scale)
     if codec is not None:
-        data, values, _ = codec.cast(x, scale.item() if scale_value is None else scale_value, dtype)
+        data, values, _ = codec.fp8_cast(x, scale.item() if scale_value is None else scale_value, dtype)
         return Quantized(data, scale, TENSOR, values, nan_free)
     return Quantized(fast_quantize_with_scale(x, scale, dtype, saturate), scale, TENSOR, nan_free=nan_free)
 
@@ -150,7 +150,7 @@ def fused_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Fuse
     codec = cast_codec(x, scale)
     if codec is None:
         return None
-    data, values, host_amax = codec.cast(x, scale.item(), dtype, with_amax=True)
+    data, values, host_amax = codec.fp8_cast(x, scale.item(), dtype, with_amax=True)
     return FusedCast(data, torch.scalar_tensor(host_amax, dtype=torch.float32), host_amax, values)
 
 
@@ -228,7 +228,7 @@ def fast_fp8_to_float32(data: torch.Tensor, nan_free: bool = False) -> torch.Ten
     transposed = is_transposed_2d(data)
     codec = cpu_codec()
     if codec is not None and data.dtype in codec.FORMATS:  # one vectorized pass, any size
-        return codec.decode(data.t()).t() if transposed else codec.decode(data)
+        return codec.fp8_decode(data.t()).t() if transposed else codec.fp8_decode(data)
     if transposed:
         return fast_fp8_to_float32(data.t(), nan_free).t()
     codes = data.contiguous().view(torch.uint8)

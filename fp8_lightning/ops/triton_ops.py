@@ -39,7 +39,7 @@ from fp8_lightning.kernels.availability import (
     SUPPORTED_INPUT_DTYPES,
     require_triton,
 )
-from fp8_lightning.kernels.fine_grained_layout import TILE, TILES, output_layouts
+from fp8_lightning.kernels.fine_grained_layout import BLOCKWISE_EDGE, TILES, output_layouts
 from fp8_lightning.mx import E8M0_DTYPE
 from fp8_lightning.ops.registry import hot_op
 from fp8_lightning.quantize import MX, Quantized
@@ -108,7 +108,7 @@ def _operand_cast_outputs(x: torch.Tensor, count: torch.Tensor, dtype: torch.dty
 
 @hot_op("amax", fake=lambda x: _scalar(x))
 def _amax(x: torch.Tensor) -> torch.Tensor:
-    return _launchers("per_tensor", x).amax(x)
+    return _launchers("per_tensor", x).launch_amax(x)
 
 
 def triton_amax(x: torch.Tensor) -> torch.Tensor:
@@ -257,7 +257,7 @@ def _mx_quantize_fake(x, block_size, scale_rounding, dtype, rowwise, colwise):
 def _mx_quantize(
     x: torch.Tensor, block_size: int, scale_rounding: str, dtype: torch.dtype, rowwise: bool, colwise: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _launchers("mxfp8", x).mx_quantize(x, block_size, scale_rounding, dtype, rowwise, colwise)
+    return _launchers("mxfp8", x).launch_mx_quantize(x, block_size, scale_rounding, dtype, rowwise, colwise)
 
 
 def triton_mx_quantize(
@@ -370,7 +370,7 @@ def triton_fine_cast(
     tile = tuple(tile)
     if tile not in TILES:
         raise ValueError(f"tile={tile} is not supported; allowed: {', '.join(map(str, TILES))}.")
-    if transpose and tile != (TILE, TILE):
+    if transpose and tile != (BLOCKWISE_EDGE, BLOCKWISE_EDGE):
         raise ValueError(
             f"fine_cast writes a transposed copy for 128x128 blocks only (got tile={tile}): the scales of other tiles "
             "follow the reduction dimension, so cast the other direction's tile instead."

@@ -32,7 +32,7 @@ import torch
 from fp8_lightning.kernels.availability import kernels_usable
 from fp8_lightning.optim import master_weights as mw
 from fp8_lightning.optim.config import FP8OptimizerConfig, config_from
-from fp8_lightning.optim.state_formats import StateFormat, decode, encode
+from fp8_lightning.optim.state_formats import StateFormat, decode_state, encode_state
 from fp8_lightning.optim.update_rules import adam_update, sgd_update
 from fp8_lightning.privates import mark_optimizer_stepped
 
@@ -157,7 +157,7 @@ class FP8Optimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _store(state: dict, name: str, fmt: StateFormat, value: torch.Tensor) -> None:
-        data, scale = encode(value, fmt)
+        data, scale = encode_state(value, fmt)
         for key, new in ((name, data), (f"{name}_scale", scale)):
             if new is None:
                 continue
@@ -170,7 +170,7 @@ class FP8Optimizer(torch.optim.Optimizer):
     def _load(state: dict, name: str, fmt: StateFormat, shape: torch.Size) -> torch.Tensor:
         if fmt.is_full_precision:
             return state[name]  # updated in place
-        return decode(state[name], state.get(f"{name}_scale"), fmt, shape)
+        return decode_state(state[name], state.get(f"{name}_scale"), fmt, shape)
 
     # -------------------------------------------------------------------------------------------------------
     # Step

@@ -134,7 +134,7 @@ def padded_numel(numel: int, block_size: int) -> int:
     return math.ceil(numel / block_size) * block_size if block_size else numel
 
 
-def block_scales(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def state_block_scales(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Per-row multiplier ``dtype_max / amax(row)`` (float32), the amax taken over the row's finite values only;
     1 where a row has no nonzero finite value.
 
@@ -158,7 +158,7 @@ def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.clamp(-limit, limit).to(dtype)
 
 
-def encode(x: torch.Tensor, fmt: StateFormat) -> tuple[torch.Tensor, torch.Tensor | None]:
+def encode_state(x: torch.Tensor, fmt: StateFormat) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Encode a state tensor. Returns ``(data, scale)``; ``scale`` is None for unscaled formats.
 
     Scaled formats return ``data`` flat with ``padded_numel`` elements and ``scale`` with one float32 per block.
@@ -173,13 +173,13 @@ def encode(x: torch.Tensor, fmt: StateFormat) -> tuple[torch.Tensor, torch.Tenso
     if pad:
         flat = torch.nn.functional.pad(flat, (0, pad))
     blocks = flat.view(-1, fmt.block_size)
-    scale = block_scales(blocks, fmt.torch_dtype)
+    scale = state_block_scales(blocks, fmt.torch_dtype)
     data = saturating_cast(blocks * scale.unsqueeze(-1), fmt.torch_dtype).reshape(-1)
     return data, scale
 
 
-def decode(data: torch.Tensor, scale: torch.Tensor | None, fmt: StateFormat, shape: torch.Size) -> torch.Tensor:
-    """Inverse of :func:`encode`: a float32 tensor of ``shape``."""
+def decode_state(data: torch.Tensor, scale: torch.Tensor | None, fmt: StateFormat, shape: torch.Size) -> torch.Tensor:
+    """Inverse of :func:`encode_state`: a float32 tensor of ``shape``."""
     numel = math.prod(shape)
     if fmt.scaled:
         if scale is None:

@@ -76,7 +76,7 @@ def test_per_tensor_cast_matches_the_reference(dtype, scale, reference):
     x = torch.cat([fp8_ties_and_neighbours(dtype) / scale, random_float32(1 << 16), torch.randn(4096) * 30])
     scale_t = torch.tensor(scale)
     expected = reference(dispatch.fast_quantize_with_scale, x, scale_t, dtype)
-    data, values, amax = cpu_codec.cast(x, scale, dtype, with_amax=True)
+    data, values, amax = cpu_codec.fp8_cast(x, scale, dtype, with_amax=True)
     assert same_bits(data, expected)
     assert same_bits(values, expected.float())  # the codes' exact values
     assert amax != amax  # the input holds NaN
@@ -86,10 +86,10 @@ def test_per_tensor_cast_matches_the_reference(dtype, scale, reference):
 @pytest.mark.parametrize("dtype", FORMATS)
 def test_bfloat16_input_and_amax(dtype, reference):
     x = (torch.randn(3000) * torch.logspace(-30, 30, 3000)).bfloat16()
-    data, values, amax = cpu_codec.cast(x, 0.5, dtype, with_amax=True)
+    data, values, amax = cpu_codec.fp8_cast(x, 0.5, dtype, with_amax=True)
     assert same_bits(data, reference(dispatch.fast_quantize_with_scale, x, torch.tensor(0.5), dtype))
     assert amax == x.float().abs().max().item()
-    assert cpu_codec.cast(torch.zeros(5), 1.0, dtype, with_amax=True)[2] == 0.0
+    assert cpu_codec.fp8_cast(torch.zeros(5), 1.0, dtype, with_amax=True)[2] == 0.0
 
 
 def mx_boundary_input(rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -145,7 +145,7 @@ def test_every_code_and_every_scale_byte_decodes_like_the_reference(dtype, refer
     """All 256 codes decode as torch's cast; all 256 x 256 (code, E8M0 byte) pairs dequantize as the reference,
     in both block layouts."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
-    assert same_bits(cpu_codec.decode(codes), codes.float())
+    assert same_bits(cpu_codec.fp8_decode(codes), codes.float())
     data = codes.repeat(256, 1)  # row r holds every code; its one block has scale byte r
     scale = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(mx.E8M0_DTYPE).reshape(256, 1)
     want = reference(dispatch.fast_dequantize_mxfp8, data, scale)
@@ -163,7 +163,7 @@ def test_threads_split_the_work_without_changing_a_bit(reference, monkeypatch):
     try:
         torch.set_num_threads(2)
         assert len(cpu_codec._ranges(x.numel(), x.numel())) == 2
-        data, values, amax = cpu_codec.cast(x, 2.0, torch.float8_e4m3fn, with_amax=True)
+        data, values, amax = cpu_codec.fp8_cast(x, 2.0, torch.float8_e4m3fn, with_amax=True)
         row, col = dispatch.fast_quantize_mx_operands(x, 32, "rceil", torch.float8_e5m2)
     finally:
         torch.set_num_threads(threads)
@@ -210,9 +210,9 @@ def test_a_layer_trains_bit_for_bit_as_on_the_reference_path(recipe, monkeypatch
 
 def test_direct_calls_refuse_what_the_c_code_cannot_read():
     with pytest.raises(TypeError, match="takes float32, bfloat16 tensors; got torch.float16"):
-        cpu_codec.cast(torch.ones(4, dtype=torch.float16), 1.0, torch.float8_e4m3fn)
+        cpu_codec.fp8_cast(torch.ones(4, dtype=torch.float16), 1.0, torch.float8_e4m3fn)
     with pytest.raises(TypeError, match="takes plain CPU tensors"):
-        cpu_codec.decode(torch.ones(4).to(torch.float8_e4m3fn).as_subclass(_Wrapper))
+        cpu_codec.fp8_decode(torch.ones(4).to(torch.float8_e4m3fn).as_subclass(_Wrapper))
     with pytest.raises(ValueError, match="whole blocks of 32"):
         cpu_codec.mx_quantize(torch.ones(4, 48), 32, "rceil", torch.float8_e4m3fn)
     codes = torch.zeros(4, 64, dtype=torch.uint8).view(torch.float8_e4m3fn)
@@ -237,7 +237,7 @@ def test_no_compiler_means_the_reference_path_with_the_reason(monkeypatch, tmp_p
         want_data, want_scale = reference(dispatch.fast_quantize_mxfp8, x)
         assert same_bits(data, want_data) and same_bits(scale, want_scale)
         with pytest.raises(RuntimeError, match="CPU FP8 codec is not available: no C compiler"):
-            cpu_codec.cast(x, 1.0, torch.float8_e4m3fn)
+            cpu_codec.fp8_cast(x, 1.0, torch.float8_e4m3fn)
     finally:
         cpu_codec._load.cache_clear()
 

@@ -34,7 +34,7 @@ library = cpu_codec._load()[0]
 same = None
 if ok:
     x = torch.randn(64, 64)
-    codes, _, _ = cpu_codec.cast(x, 2.0, torch.float8_e4m3fn)
+    codes, _, _ = cpu_codec.fp8_cast(x, 2.0, torch.float8_e4m3fn)
     want = (x * 2.0).clamp(-448, 448).to(torch.float8_e4m3fn)
     same = torch.equal(codes.view(torch.uint8), want.view(torch.uint8))
 print(json.dumps({"ok": ok, "reason": reason, "same": same, "foreign": hasattr(library, "foreign_marker")}))
@@ -167,7 +167,7 @@ def test_a_block_size_that_is_not_a_positive_integer_is_refused(block):
 def test_an_output_dtype_that_is_not_fp8_is_refused():
     """Guards against a bare KeyError for an output dtype the codec cannot write."""
     with pytest.raises(ValueError, match="dtype=torch.float16 is not an FP8 format the codec writes"):
-        cpu_codec.cast(torch.randn(8), 1.0, torch.float16)
+        cpu_codec.fp8_cast(torch.randn(8), 1.0, torch.float16)
 
 
 @pytest.mark.parametrize("block_size", [0, -32, 32.0, True])

@@ -175,7 +175,7 @@ def test_every_scale_is_the_correctly_rounded_quotient(dtype):
     quarter of these amaxes get a scale one unit in the last place off from ``reciprocal(amax) * fp8_max``."""
     from fractions import Fraction
 
-    from fp8_lightning.optim.state_formats import block_scales
+    from fp8_lightning.optim.state_formats import state_block_scales
     from fp8_lightning.quantize import tensorwise_scale, tensorwise_scale_value
     from tests.core.fp8_reference import nearest_float32
 
@@ -193,4 +193,4 @@ def test_every_scale_is_the_correctly_rounded_quotient(dtype):
     margin_want = [min(nearest_float32(Fraction(top) / Fraction(a) / 4), FLOAT32_MAX) for a in amaxes.tolist()]
     assert delayed_scale(history, torch.ones(len(amaxes)), top, margin=2).tolist() == margin_want
     blocks = amaxes.unsqueeze(-1) * torch.tensor([1.0, -0.5])  # the block amax is the first entry
-    assert torch.equal(block_scales(blocks, dtype), want)
+    assert torch.equal(state_block_scales(blocks, dtype), want)

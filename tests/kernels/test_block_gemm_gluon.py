@@ -70,7 +70,7 @@ def _route(monkeypatch, chosen: bool) -> list:
 
     calls = []
     monkeypatch.setattr(availability, "gluon_mx_gemm_status", lambda device: (chosen, "patched"))
-    monkeypatch.setattr(block_gemm_gluon, "mx_gemm", lambda *args: calls.append(args) or "gluon")
+    monkeypatch.setattr(block_gemm_gluon, "gluon_mx_gemm", lambda *args: calls.append(args) or "gluon")
     return calls
 
 
@@ -102,7 +102,7 @@ def test_what_the_gluon_kernel_refuses_goes_to_the_shipped_kernel(monkeypatch):
     assert "K-contiguous" in block_gemm_gluon.refusal(strided, b.scale.view(torch.uint8))
     assert block_gemm_gluon.refusal(a.scale.view(torch.uint8), b.scale.view(torch.uint8)) is None
     with pytest.raises(ValueError, match="K-contiguous scales; got strides"):  # asked directly: a clear error
-        block_gemm_gluon.mx_gemm(a.data, strided, *_dense(b), torch.float32)
+        block_gemm_gluon.gluon_mx_gemm(a.data, strided, *_dense(b), torch.float32)
     calls = _route(monkeypatch, chosen=True)
     check(block_gemm.mx_gemm(a.data, strided, *_dense(b), torch.float32), a, b, torch.float32)
     assert not calls
@@ -137,7 +137,7 @@ def test_launcher_binds_the_kernel_signature_with_compiled_layouts(monkeypatch, 
 
     monkeypatch.setattr(module, "_gluon_mx_gemm_kernel", Recorder())
     a, b = mx_operand(m, 256, E4M3, block_size=block, seed=5), mx_operand(n, 256, E5M2, block_size=block, seed=6)
-    out = module.mx_gemm(*_dense(a), *_dense(b), torch.float16, tile=tile)
+    out = module.gluon_mx_gemm(*_dense(a), *_dense(b), torch.float16, tile=tile)
     assert out.shape == (m, n) and out.dtype == torch.float16
     (grid, args, kwargs), = launches
     bound = dict(zip(Recorder.arg_names, args)) | kwargs
@@ -151,4 +151,4 @@ def test_launcher_binds_the_kernel_signature_with_compiled_layouts(monkeypatch, 
         assert desc.layout == module.shared_layout(rows, block, dtype)
         assert desc.layout.swizzle_byte_width == min(block, 128), "widest swizzle of a K-wide FP8 row"
     with pytest.raises(ValueError, match=f"not one of the tiles compiled for block size {block}"):
-        module.mx_gemm(*_dense(a), *_dense(b), torch.float16, tile=(128, 128, 8) if block == 128 else (32, 32, 4))
+        module.gluon_mx_gemm(*_dense(a), *_dense(b), torch.float16, tile=(128, 128, 8) if block == 128 else (32, 32, 4))

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fp8_lightning.optim import FP8Optimizer
-from fp8_lightning.optim.state_formats import decode
+from fp8_lightning.optim.state_formats import decode_state
 
 NUMEL = 40  # blocks of 16: the NaN in the first block, the others stay finite
 
@@ -43,8 +43,8 @@ def test_nan_gradient_stays_nan_in_the_fused_first_moment():
     param.grad = grad
     opt.step()
     fmt = formats["exp_avg"]
-    torch_m = decode(opt.state[param]["exp_avg"], opt.state[param]["exp_avg_scale"], fmt, (NUMEL,))
-    fused_m = decode(fused_state["exp_avg"], fused_state["exp_avg_scale"], fmt, (NUMEL,))
+    torch_m = decode_state(opt.state[param]["exp_avg"], opt.state[param]["exp_avg_scale"], fmt, (NUMEL,))
+    fused_m = decode_state(fused_state["exp_avg"], fused_state["exp_avg_scale"], fmt, (NUMEL,))
     assert torch.isnan(torch_m[3]), "the torch step keeps a NaN moment (the reference)"
     assert torch.isnan(fused_m[3]), f"the fused step stored {fused_m[3].item()} for a NaN moment"
     assert torch.isfinite(fused_m[16:]).all() and torch.isfinite(torch_m[16:]).all()
@@ -54,20 +54,20 @@ def _fused_first_step(grad: torch.Tensor, block: int):
     """One fused AdamW step from zero states (default preset: E4M3 ``m``, E4M3 ``sqrt(v)``), float32 param."""
     from fp8_lightning.kernels.fp8_adam import fused_adam_step
     from fp8_lightning.optim.config import config_from
-    from fp8_lightning.optim.state_formats import encode
+    from fp8_lightning.optim.state_formats import encode_state
 
     config = config_from("default", block_size=block)
     param = torch.randn(grad.numel(), generator=torch.Generator().manual_seed(1))
     state = {}
     for name, fmt in (("exp_avg", config.exp_avg), ("exp_avg_sq", config.exp_avg_sq)):
-        state[name], state[f"{name}_scale"] = encode(torch.zeros_like(param), fmt)
+        state[name], state[f"{name}_scale"] = encode_state(torch.zeros_like(param), fmt)
     start = param.clone()
     fused_adam_step(
         param, grad, state, config.exp_avg, config.exp_avg_sq, "none", step=1, lr=1e-2, beta1=0.9, beta2=0.999,
         eps=1e-8, weight_decay=0.01, decoupled_weight_decay=True,
     )
-    m = decode(state["exp_avg"], state["exp_avg_scale"], config.exp_avg, param.shape).double()
-    v = decode(state["exp_avg_sq"], state["exp_avg_sq_scale"], config.exp_avg_sq, param.shape).double()
+    m = decode_state(state["exp_avg"], state["exp_avg_scale"], config.exp_avg, param.shape).double()
+    v = decode_state(state["exp_avg_sq"], state["exp_avg_sq_scale"], config.exp_avg_sq, param.shape).double()
     return start, param, m, v
 
 

@@ -31,9 +31,9 @@ NUMEL = (37, 29)  # 1073 elements: a partial last block
 
 
 def _decode(state, name, fmt, shape):
-    from fp8_lightning.optim.state_formats import decode
+    from fp8_lightning.optim.state_formats import decode_state
 
-    return decode(state[name], state[f"{name}_scale"], fmt, shape)
+    return decode_state(state[name], state[f"{name}_scale"], fmt, shape)
 
 
 def run_case(device: str, name, dtype, preset, overrides, kwargs) -> list[str]:

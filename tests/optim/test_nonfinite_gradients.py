@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fp8_lightning.optim import FP8Optimizer
-from fp8_lightning.optim.state_formats import decode
+from fp8_lightning.optim.state_formats import decode_state
 
 BLOCK = 128
 NUMEL = 2 * BLOCK  # the bad element in the first block; the second block is the untouched control
@@ -68,8 +68,8 @@ def test_stored_moments_of_the_other_127_elements_match_adamw(bad_value):
     opt, param, ref, ref_param, _ = run_both(grads)
     state, ref_state = opt.state[param], ref.state[ref_param]
     formats = opt.state_formats(param)
-    exp_avg = decode(state["exp_avg"], state["exp_avg_scale"], formats["exp_avg"], param.shape).double()
-    exp_avg_sq = decode(state["exp_avg_sq"], state["exp_avg_sq_scale"], formats["exp_avg_sq"], param.shape).double()
+    exp_avg = decode_state(state["exp_avg"], state["exp_avg_scale"], formats["exp_avg"], param.shape).double()
+    exp_avg_sq = decode_state(state["exp_avg_sq"], state["exp_avg_sq_scale"], formats["exp_avg_sq"], param.shape).double()
     assert formats["exp_avg"].dtype == "float8_e4m3fn" and formats["exp_avg_sq"].transform == "sqrt"
 
     want_m = others(ref_state["exp_avg"])

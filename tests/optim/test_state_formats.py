@@ -7,7 +7,7 @@ import torch
 
 from fp8_lightning.optim import master_weights as mw
 from fp8_lightning.optim.config import config_from
-from fp8_lightning.optim.state_formats import StateFormat, decode, encode
+from fp8_lightning.optim.state_formats import StateFormat, decode_state, encode_state
 
 
 def fp8_grid(dtype: torch.dtype) -> torch.Tensor:
@@ -43,10 +43,10 @@ def test_fp8_block_state_matches_float64_reference(dtype, block):
     # magnitudes spanning many binades, lengths that leave a partial last block
     x = torch.randn(37, 53) * torch.exp(torch.randn(37, 53) * 3)
     fmt = StateFormat(dtype, block)
-    data, scale = encode(x, fmt)
+    data, scale = encode_state(x, fmt)
     assert data.dtype == dtype and data.numel() == math.ceil(x.numel() / block) * block
     assert scale.shape == (math.ceil(x.numel() / block),) and scale.dtype == torch.float32
-    got = decode(data, scale, fmt, x.shape).double()
+    got = decode_state(data, scale, fmt, x.shape).double()
     ref = reference_block_quantize(x, block, dtype)
     # scales are float32 in the code, float64 in the reference: agree to float32 rounding
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=0)
@@ -55,7 +55,7 @@ def test_fp8_block_state_matches_float64_reference(dtype, block):
 def test_e4m3_relative_error_bound_within_block_range():
     x = torch.rand(4096) + 0.5  # one binade: every element is a normal E4M3 number after scaling
     fmt = StateFormat("e4m3", 128)
-    got = decode(*encode(x, fmt), fmt, x.shape).double()
+    got = decode_state(*encode_state(x, fmt), fmt, x.shape).double()
     rel = ((got - x.double()).abs() / x.double()).max().item()
     assert 0 < rel <= 2.0**-4  # E4M3 has 3 mantissa bits: half an ulp is at most 2**-4 relative
 
@@ -64,9 +64,9 @@ def test_zero_and_padded_blocks_decode_to_zero():
     x = torch.zeros(300)
     x[:5] = torch.tensor([1.0, -2.0, 3.0, 0.5, -0.25])
     fmt = StateFormat("e4m3", 128)
-    data, scale = encode(x, fmt)
+    data, scale = encode_state(x, fmt)
     assert scale[1].item() == 1.0 and scale[2].item() == 1.0  # all-zero blocks
-    got = decode(data, scale, fmt, x.shape)
+    got = decode_state(data, scale, fmt, x.shape)
     assert torch.equal(got[5:], torch.zeros(295)) and got.shape == x.shape
     torch.testing.assert_close(got[:5], x[:5], rtol=2.0**-4, atol=0)
 
@@ -76,8 +76,8 @@ def test_sqrt_transform_keeps_twice_the_binades():
     g = torch.logspace(-12, 0, 128, base=2.0)
     v = g * g
     plain, sqrt = StateFormat("e4m3", 128), StateFormat("e4m3", 128, "sqrt")
-    v_plain = decode(*encode(v, plain), plain, v.shape)
-    v_sqrt = decode(*encode(v, sqrt), sqrt, v.shape)
+    v_plain = decode_state(*encode_state(v, plain), plain, v.shape)
+    v_sqrt = decode_state(*encode_state(v, sqrt), sqrt, v.shape)
     # E4M3 covers about 2**17.8: plain storage flushes v below ~2**-18 to zero, sqrt storage keeps every entry
     assert (v_plain == 0).sum() > 20
     assert (v_sqrt > 0).all()
@@ -89,7 +89,7 @@ def test_fp16_block_scaling_keeps_tiny_second_moments():
     v = torch.full((256,), 1e-12)
     v[0] = 1e-9
     fmt = StateFormat("fp16", 128)
-    got = decode(*encode(v, fmt), fmt, v.shape)
+    got = decode_state(*encode_state(v, fmt), fmt, v.shape)
     assert (v.half() == 0).all()  # unscaled FP16 would lose every one of them
     torch.testing.assert_close(got, v, rtol=2.0**-11, atol=0)
 
