@@ -51,7 +51,8 @@ class LayerScaling:
     """Everything one layer keeps for one recipe: operand scaling states and the per-step FP8 weight cache.
 
     A training forward casts the weight once per optimizer step and reuses the cast across micro-batches (keyed on
-    the parameter's version counter, which in-place updates of the parameter bump). An edit through ``weight.data``
+    the parameter's version counter, which in-place updates of the parameter bump; on a GPU only with
+    ``FP8_LIGHTNING_WEIGHT_CHECKSUM=0``, see below). An edit through ``weight.data``
     (an EMA swap, ``p.data.copy_``) leaves the version counter and the data pointer as they were, so a reuse first
     compares a checksum of the weight's bits with the one taken at the cast (:meth:`bits_checksum`; off with
     ``FP8_LIGHTNING_WEIGHT_CHECKSUM=0``). A layer takes checksums only once it has reused a cast: the first reuse

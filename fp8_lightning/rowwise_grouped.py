@@ -69,7 +69,7 @@ def grouped_columnwise(
     k, total = x.shape[1], sum(padded)
     offs = getattr(bounds, "offs", None)
     if cast is not None and offs is not None:
-        first, counts, out_starts, ends = device_layout(offs, GROUP_ALIGN)
+        first, counts, out_starts, ends = device_layout(offs.to(x.device, non_blocking=True), GROUP_ALIGN)
         codes, scale, _ = cast(x.detach(), first, counts, out_starts, k * total, total, dtype, power_of_2, eps,
                                GROUP_ALIGN)  # fmt: skip
         codes_t = codes.view(k, total)

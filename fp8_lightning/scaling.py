@@ -317,7 +317,7 @@ def max_across(amax: torch.Tensor, group: "dist.ProcessGroup | None" = None) -> 
     """(the elementwise max of ``amax`` over the ranks of ``group``, whether a collective ran): one MAX all-reduce,
     none without a process group of several ranks. A NaN is sent as inf, so that MAX carries it to every rank (NaN
     compares false)."""
-    amax = torch.nan_to_num(amax, nan=float("inf"))
+    amax = torch.nan_to_num(amax, nan=float("inf"), posinf=float("inf"))  # posinf: nan_to_num's default is finite
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         return amax, True

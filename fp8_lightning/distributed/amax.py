@@ -3,7 +3,8 @@
 A per-tensor (tensorwise or delayed) FP8 weight has one scale, and every rank must quantize its shard with the
 same one, computed from the amax of the *whole* weight. Reducing each weight's amax separately would add one
 collective per layer; instead :class:`WeightAmaxSync` (one per model) computes the local amax of every
-per-tensor weight shard, packs them into one vector and runs a single MAX all-reduce over the shard group.
+per-tensor weight shard, packs them into one vector and runs a single MAX all-reduce over the shard group (and a
+second over the tensor-parallel group where the model has layers split by tensor parallelism).
 
 It does this lazily, the first time any weight is gathered after a weight changed. "Changed" is read from the
 version counters of the sharded parameters and of their local shards (an in-place update through the DTensor
@@ -39,7 +40,7 @@ class WeightAmaxSync:
         self._shards: list[torch.Tensor] = []
         self._key: tuple | None = None
         self._amax: dict[int, torch.Tensor] = {}
-        self._every_rank = False
+        self._tensor_parallel_group = None
         self.reductions = 0  # collectives issued (tests and benchmarks read it)
 
     def bind(self) -> None:
@@ -63,9 +64,10 @@ class WeightAmaxSync:
                 )
         self._layers, self._params, self._shards, self._key = layers, params, shards, None
         # a weight split by tensor parallelism has parts on the other ranks of its tensor-parallel group too: the
-        # amaxes are then agreed over every rank (a weight only sharded along data parallelism is the same on its
-        # tensor-parallel peers, so the wider reduction changes nothing for it)
-        self._every_rank = any("fp8_tensor_parallel" in m.__dict__ for m in layers)
+        # amaxes agreed over the shard group are then agreed over that group as well (a weight only sharded along
+        # data parallelism is the same on its tensor-parallel peers, so the second reduction changes nothing for it)
+        split = [m.fp8_tensor_parallel for m in layers if "fp8_tensor_parallel" in m.__dict__]
+        self._tensor_parallel_group = split[0].group if split else None
 
     def unbind(self) -> None:
         """Forget the weights found by :meth:`bind` (the model's FP8-gathered weights changed): the next gather
@@ -73,15 +75,17 @@ class WeightAmaxSync:
         self._layers = None
 
     def global_amax(self, layer: nn.Module, group: "dist.ProcessGroup | None") -> torch.Tensor:
-        """The amax of ``layer``'s whole weight, agreed by all ranks of ``group`` (float32 scalar), or of every
-        rank where the model has tensor-parallel FP8 layers."""
+        """The amax of ``layer``'s whole weight, agreed by all ranks of ``group`` (float32 scalar), and by the
+        tensor-parallel group where the model has split FP8 layers."""
         if self._layers is None or not any(layer is m for m in self._layers):
             self.bind()
         key = tuple((p._version, s._version) for p, s in zip(self._params, self._shards))
         if key != self._key:
-            local, reduced = max_across(torch.stack([fast_amax(s._hp) for s in self._shards]),
-                                        None if self._every_rank else group)
+            local, reduced = max_across(torch.stack([fast_amax(s._hp) for s in self._shards]), group)
             self.reductions += reduced
+            if self._tensor_parallel_group is not None:
+                local, reduced = max_across(local, self._tensor_parallel_group)
+                self.reductions += reduced
             self._amax = {id(m): local[i] for i, m in enumerate(self._layers)}
             self._key = key
         return self._amax[id(layer)]

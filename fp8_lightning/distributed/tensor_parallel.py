@@ -59,7 +59,7 @@ class ShardedLinear:
     mesh: DeviceMesh
     output_layout: Placement
     sequence_input: bool = False  # colwise: the input arrives sharded along its tokens
-    fp8_all_gather: bool | str = True  # colwise, sequence_input: all-gather the input in FP8 (see SEQUENCE_GATHERS)
+    fp8_all_gather: bool | str = True  # colwise, sequence_input: see sequence_gather_mode
 
     @property
     def group(self):
@@ -111,9 +111,6 @@ class ShardedLinear:
         return y + bias.to(y.dtype)
 
 
-SEQUENCE_GATHERS = (True, "fprop", False)
-
-
 def sequence_gather_mode(value, where: str) -> bool | str:
     """``value`` checked as a sequence-parallel all-gather mode: True (every FP8 copy the layer multiplies: the
     bits of the cast of the gathered tensor), ``"fprop"`` (only the forward GEMM's copy; the weight gradient's copy
@@ -122,7 +119,7 @@ def sequence_gather_mode(value, where: str) -> bool | str:
         return value
     raise ValueError(
         f"{where}(fp8_all_gather={value!r}): use True (every FP8 copy the layer multiplies, bit for bit with "
-        "gathering in high precision), 'fprop' (only the forward copy: half of bf16's bytes for every recipe, the "
+        "gathering in high precision), 'fprop' (only the forward copy, about half of bf16's bytes; the "
         "weight-gradient copy re-quantized from it, one more rounding) or False (high precision, as torch does)."
     )
 
@@ -156,7 +153,7 @@ def gather_sequence(
     recipe = layer.fp8_runs(x, _local(layer.fp8_gemm_weight)) if fp8 else None
     tokens_per_run = math.prod(x.shape[dim:-1])
     copies = None
-    if recipe is not None and tokens_per_run % recipe.sequence_block() != 0:
+    if recipe is not None and fp8 is True and tokens_per_run % recipe.sequence_block() != 0:
         _warn_once(layer, f"the sequence-parallel input is all-gathered in high precision: each rank's run of "
                           f"{tokens_per_run} tokens is not a whole number of {type(recipe).__name__}'s "
                           f"{recipe.sequence_block()}-token blocks (make the sequence length per rank a multiple)")

@@ -119,11 +119,12 @@ class RowwiseScaling(FineGrainedRecipe):
         if self.high_precision_wgrad:
             return super().grouped_weight_operands(weight, dtype, states, record)
         experts, n, k = weight.shape
-        rows = self.cast("weight", weight.reshape(experts * n, k), dtype, False, True, None, record)[0]
-        cast = dispatch.grouped_column_caster(weight.reshape(experts * n, k))
+        stacked = weight.reshape(experts * n, k)  # a copy where the experts are stored (E, K, N)
+        rows = self.cast("weight", stacked, dtype, False, True, None, record)[0]
+        cast = dispatch.grouped_column_caster(stacked) if weight.is_contiguous() else None
         if cast is not None:  # one launch, the codes written transposed: no transposed copy of the weight
-            columns = stacked_columns(weight, dtype, self.eps, self.power_of_2_scales, cast)
-        else:
+            columns = stacked_columns(stacked.view(experts, n, k), dtype, self.eps, self.power_of_2_scales, cast)
+        else:  # (E, K, N) storage: W.T's rows are a view
             flipped = weight.transpose(1, 2).reshape(experts * k, n)
             columns = self.cast("weight", flipped, dtype, False, True, None, record)[0]
         return StackedWeights(rows, columns, experts)

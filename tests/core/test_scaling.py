@@ -194,3 +194,14 @@ def test_every_scale_is_the_correctly_rounded_quotient(dtype):
     assert delayed_scale(history, torch.ones(len(amaxes)), top, margin=2).tolist() == margin_want
     blocks = amaxes.unsqueeze(-1) * torch.tensor([1.0, -0.5])  # the block amax is the first entry
     assert torch.equal(state_block_scales(blocks, dtype), want)
+
+
+def test_agreed_amaxes_carry_inf_as_inf_and_nan_as_inf():
+    """The MAX all-reduce of agreed amaxes sends NaN as inf (MAX drops NaN) and keeps inf infinite, so that every
+    rank sees a non-finite amax and keeps its previous scale (nan_to_num alone would turn inf into 3.4e38: a finite
+    amax that would enter the history and crush the scale)."""
+    from fp8_lightning.scaling import agreed_amax, max_across
+
+    out, reduced = max_across(torch.tensor([float("inf"), float("nan"), 2.0]))
+    assert out.tolist() == [math.inf, math.inf, 2.0] and not reduced  # no process group: no collective
+    assert agreed_amax(torch.tensor([1.0, float("-inf")]), None).item() == math.inf
