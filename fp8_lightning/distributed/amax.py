@@ -42,6 +42,7 @@ class WeightAmaxSync:
         self._amax: dict[int, torch.Tensor] = {}
         self._tensor_parallel_group = None
         self.reductions = 0  # collectives issued (tests and benchmarks read it)
+        self.world_size = 1  # the shard group's size (enable_fp8_all_gather sets it)
 
     def bind(self) -> None:
         """Find the per-tensor FP8-gathered weights of the model, in module order (identical on every rank)."""

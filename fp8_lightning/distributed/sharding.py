@@ -52,13 +52,12 @@ CONV1D_GATHER_REASON = "weight stored (in, out) (transformers Conv1D); FP8 all-g
 EXPERTS_GATHER_REASON = "fused 3-D expert weights: gathered in high precision, cast to FP8 per expert after the gather"
 
 
-def enable_fp8_all_gather(model: nn.Module, world_size: int, tensor_parallel_size: int = 1) -> AllGatherReport:
+def enable_fp8_all_gather(model: nn.Module, world_size: int) -> AllGatherReport:
     """Make the weight of every FP8Linear of ``model`` gather in FP8 under FSDP2. Call before ``fully_shard`` (and,
-    with tensor parallelism, before ``parallelize_module``: the FP8 styles keep the wrapper in each rank's part).
+    with tensor parallelism, before ``parallelize_module``: the FP8 styles keep the wrapper in each rank's part where
+    its shards suit the recipe).
 
-    Idempotent. ``world_size`` is the size of the shard group (shards must be even); ``tensor_parallel_size``: a
-    layer may still be split that many ways, along either dimension, before it is sharded (its FSDP2 shard must
-    suit the recipe either way).
+    Idempotent. ``world_size`` is the size of the shard group (shards must be even).
     """
     from torch.distributed.tensor import DTensor
 
@@ -66,6 +65,7 @@ def enable_fp8_all_gather(model: nn.Module, world_size: int, tensor_parallel_siz
     if sync is None:
         sync = WeightAmaxSync(model)
         object.__setattr__(model, AMAX_SYNC_ATTR, sync)
+    sync.world_size = world_size
     report = AllGatherReport()
     uses: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
@@ -83,9 +83,10 @@ def enable_fp8_all_gather(model: nn.Module, world_size: int, tensor_parallel_siz
             report.fp8.append(name)
             continue
         if isinstance(weight, DTensor):
-            report.high_precision[name] = "sharded before FP8 all-gather was enabled (convert before sharding)"
+            report.high_precision[name] = getattr(layer, "fp8_gather_refused", None) or (
+                "sharded before FP8 all-gather was enabled (convert before sharding)")
             continue
-        reason = _gather_reason(weight.shape, world_size, tensor_parallel_size, layer.fp8_recipe)
+        reason = fp8_all_gather_unsupported_reason(weight.shape, world_size, layer.fp8_recipe)
         if reason is not None:
             report.high_precision[name] = reason
             continue
@@ -96,20 +97,6 @@ def enable_fp8_all_gather(model: nn.Module, world_size: int, tensor_parallel_siz
         report.high_precision[name] = EXPERTS_GATHER_REASON
     sync.unbind()  # re-bind at the next gather
     return report
-
-
-def _gather_reason(shape, world_size: int, tensor_parallel_size: int, recipe) -> str | None:
-    """Why a weight of ``shape`` cannot gather in FP8 over ``world_size`` ranks once tensor parallelism has split it
-    ``tensor_parallel_size`` ways along its rows (colwise) or its columns (rowwise), or None."""
-    reason = fp8_all_gather_unsupported_reason(shape, world_size, recipe)
-    if reason is not None or tensor_parallel_size == 1:
-        return reason
-    (rows, cols), tp = shape, tensor_parallel_size
-    for split, part in (("colwise", (rows // tp, cols)), ("rowwise", (rows, cols // tp))):
-        reason = fp8_all_gather_unsupported_reason(part, world_size, recipe)
-        if reason is not None:
-            return f"split {split} over {tp} tensor-parallel ranks, {reason}"
-    return None
 
 
 def disable_fp8_all_gather(model: nn.Module, only_unsharded: bool = True) -> list[str]:

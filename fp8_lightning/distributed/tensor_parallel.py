@@ -36,6 +36,7 @@ from fp8_lightning.distributed.sequence import (
     SequenceGathered,
     gather_tokens,
 )
+from fp8_lightning.distributed.weight import fit_gather_to_split
 from fp8_lightning.linear import FP8Linear
 from fp8_lightning.recipes import Recipe
 from fp8_lightning.scaling import records_amax
@@ -276,6 +277,7 @@ class FP8ColwiseParallel(ColwiseParallel):
                              partial(_colwise_input, torch_in, self.input_layouts),
                              partial(_output, torch_out, Shard(-1), self.output_layouts, self.use_local_output))
         module.fp8_tensor_parallel = parallel
+        fit_gather_to_split(module)
         return module
 
 
@@ -298,6 +300,7 @@ class FP8RowwiseParallel(RowwiseParallel):
                                    partial(_output, torch_out, self.output_layouts[0], self.output_layouts,
                                            self.use_local_output))
         module.fp8_tensor_parallel = parallel
+        fit_gather_to_split(module)
         return module
 
 

@@ -62,6 +62,25 @@ def fp8_all_gather_unsupported_reason(shape: torch.Size | tuple, world_size: int
     return recipe.fsdp_unsupported_reason(rows, cols, world_size)
 
 
+def fit_gather_to_split(layer: Any) -> None:
+    """After tensor parallelism split ``layer``'s weight (a DTensor): keep the FP8 all-gather of this rank's part
+    only where the part's FSDP2 shards suit the layer's recipe; otherwise the part gathers in high precision, and
+    the reason is kept on the layer (``fp8_gather_refused``) for the strategy's report."""
+    from torch.distributed.tensor import DTensor
+
+    weight = layer.weight
+    part = local_shard(weight)
+    if not (isinstance(weight, DTensor) and isinstance(part, FP8ShardedWeight)):
+        return
+    reason = fp8_all_gather_unsupported_reason(part.shape, part._amax_sync.world_size, layer.fp8_recipe)
+    if reason is None:
+        return
+    plain = DTensor.from_local(part._hp, weight.device_mesh, weight.placements, run_check=False,
+                               shape=weight.shape, stride=weight.stride())  # fmt: skip
+    layer.weight = torch.nn.Parameter(plain, requires_grad=weight.requires_grad)
+    layer.fp8_gather_refused = f"its part under tensor parallelism: {reason}"
+
+
 # --------------------------------------------------------------------------------------------------------
 # The sharded high-precision weight
 # --------------------------------------------------------------------------------------------------------

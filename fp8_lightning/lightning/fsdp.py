@@ -150,8 +150,7 @@ class FP8FSDPStrategy(ModelParallelStrategy):
     def _prepare_fp8(self, module: nn.Module) -> None:
         self.precision_plugin.convert_module(module)
         if self.fp8_all_gather:  # before configure_model: the FP8 tensor-parallel styles keep the FP8 gather
-            mesh = self.device_mesh
-            self._report(enable_fp8_all_gather(module, mesh["data_parallel"].size(), mesh["tensor_parallel"].size()))
+            self._report(enable_fp8_all_gather(module, self.device_mesh["data_parallel"].size()))
 
     def _report(self, report: AllGatherReport) -> None:
         """Keep ``report``, with the first reason found for each layer left in high precision (a layer refused

@@ -63,9 +63,14 @@ def test_tp2_dp2_matches_single_process(tp2_dp2, reference, kind, recipe):
     assert run["losses"] == pytest.approx(reference[kind, recipe], rel=1e-2)
     assert run["tp_states_equal"]
     # the tensor-parallel parts of the weights all-gather in FP8 along data parallelism (blockwise: where a shard
-    # of a part holds whole 128-row blocks, the GPT's MLP input projection)
+    # of a part holds whole 128-row blocks; in the GPT the MLP and the attention output, not q, k, v's 64 rows)
     gathered = run["fp8_gathered"]
-    assert ("blocks.0.mlp.fc" in gathered) if kind == "gpt" else len(gathered) >= (1 if recipe == "blockwise" else 4)
+    if kind == "gpt":
+        split = {f"blocks.0.{n}" for n in ("attn.q", "attn.k", "attn.v", "attn.proj", "mlp.fc", "mlp.proj")}
+        assert set(gathered) == (split - {"blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v"}
+                                 if recipe == "blockwise" else split)
+    else:
+        assert len(gathered) >= (1 if recipe == "blockwise" else 4)
 
 
 # How far the update of a Qwen3 head norm may be from one process's (relative, L2): measured at most 0.02% (rowwise,
