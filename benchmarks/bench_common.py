@@ -7,9 +7,10 @@ A suite writes into ``benchmarks/results/<suite>-<device>-<date>/``:
 * ``<suite>.png``: a plot of the main ratio.
 
 Timing rule: every configuration of a comparison is built first, then the configurations are run *interleaved*
-(round-robin, one repetition each, many rounds) and the median per configuration is reported. A machine whose
-load changes during the run slows all configurations alike, so the ratios stay meaningful; that is why a ratio
-is only ever taken between numbers of the same run.
+(round-robin, one repetition each, many rounds, every other round in reverse order so that no configuration
+always runs right after the same one, warm caches and all) and the median per configuration is reported. A machine
+whose load changes during the run slows all configurations alike, so the ratios stay meaningful; that is why a
+ratio is only ever taken between numbers of the same run.
 """
 
 from __future__ import annotations
@@ -96,8 +97,10 @@ def interleaved_medians(
     sync(device)
     times: dict[str, list[float]] = {name: [] for name in fns}
     host_times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    names = list(fns)
+    for round_index in range(rounds):  # every other round in reverse: no row always follows the same one
+        for name in names if round_index % 2 == 0 else reversed(names):
+            fn = fns[name]
             sync(device)
             start = time.perf_counter()
             fn()
