@@ -22,6 +22,8 @@ from typing import NamedTuple
 
 import torch
 
+from fp8_lightning.ops import dispatch
+
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 E4M3_TINY = 2.0**-6  # smallest normal E4M3: torchao's E4M3_EPS, the floor of a block scale
@@ -135,13 +137,39 @@ def quantize_nvfp4(
     ``per_tensor_amax_to_scale`` for finite, non-zero amaxes). ``tile_rows=16``: 16x16 tiles (weights) instead
     of 1x16 blocks. ``uniform``: numbers in [0, 1) of the padded shape for stochastic rounding (default: round to
     nearest even). K and the rows are zero-padded to whole blocks (zeros change no amax).
+
+    A plain CPU float32/bfloat16 ``x`` is cast by the C codec when it is built and enabled
+    (``cpu_codec.nvfp4_quantize``, chosen by :func:`fp8_lightning.ops.dispatch.nvfp4_codec`), with the same bits as
+    the pure-torch reference that runs everywhere else.
     """
+    _check_nvfp4_arguments(x, tile_rows)
+    codec = dispatch.nvfp4_codec(x, global_scale, tile_rows, uniform)
+    if codec is None:
+        return _quantize_reference(x, global_scale, tile_rows, uniform)
+    if global_scale is None:
+        global_scale = global_scale_from_amax(codec.nvfp4_amax(x))
+    global_scale = global_scale.float()
+    codes, scales = codec.nvfp4_quantize(x, global_scale.item(), tile_rows, uniform)
+    return NVFP4Tensor(codes, scales, global_scale, tuple(x.shape), tile_rows)
+
+
+def _check_nvfp4_arguments(x: torch.Tensor, tile_rows: int) -> None:
     if x.dim() != 2:
         raise ValueError(f"quantize_nvfp4 takes a 2-D tensor (K last); got shape {tuple(x.shape)}.")
     if not x.is_floating_point():
         raise TypeError(f"quantize_nvfp4 takes a floating-point tensor; got {x.dtype}.")
     if tile_rows not in (1, NVFP4_BLOCK):
         raise ValueError(f"tile_rows={tile_rows} is invalid; allowed: 1 (1x16 blocks) or 16 (16x16 tiles).")
+
+
+def _quantize_reference(
+    x: torch.Tensor,
+    global_scale: torch.Tensor | None = None,
+    tile_rows: int = 1,
+    uniform: torch.Tensor | None = None,
+) -> NVFP4Tensor:
+    """:func:`quantize_nvfp4` in pure torch, on any device: the reference the C codec is held to."""
+    _check_nvfp4_arguments(x, tile_rows)
     rows, k = x.shape
     xf = _pad_to(x.float(), tile_rows, NVFP4_BLOCK)
     if global_scale is None:

@@ -362,3 +362,113 @@ int fine_quantize(const void *x, int dtype, int64_t m, int64_t k, int64_t begin,
     free(work);
     return 0;
 }
+
+/* ---- NVFP4 (fp8_lightning/nvfp4.py) ---- */
+
+/* max |x| over elements [begin, end) as float32 bits (NaN bits, above infinity's, where the range holds a NaN). */
+void nvfp4_amax(const void *x, int dtype, int64_t begin, int64_t end, uint32_t *top_out) {
+    uint32_t top = 0;
+    if (dtype == 0)
+        for (int64_t i = begin; i < end; ++i) { uint32_t a = magnitude_bits(load(x, 0, i)); top = a > top ? a : top; }
+    else
+        for (int64_t i = begin; i < end; ++i) { uint32_t a = magnitude_bits(load(x, 1, i)); top = a > top ? a : top; }
+    *top_out = top;
+}
+
+/* torch.clamp(v, lo, hi): NaN stays the same NaN. */
+INLINE float clamp_keep_nan(float v, float lo, float hi) { return v != v ? v : (v < lo ? lo : (v > hi ? hi : v)); }
+
+/* The float32 value torch gives an E4M3 code (`.float()`): its NaN code 0x7F is 0x7FF00000 with the sign. */
+INLINE float e4m3_value(uint8_t code) {
+    if ((code & 0x7F) == 0x7F) return float_of(((uint32_t)(code & 0x80) << 24) | 0x7FF00000u);
+    return decode(code, &FORMATS[0]);
+}
+
+/* The E2M1 code fp8_lightning.nvfp4._nan_codes gives the NaN with the bits b (sign not included). */
+INLINE uint8_t e2m1_nan_code(uint32_t b) {
+    int64_t bits = (int64_t)(b & 0x7FFFFFFFu), odd = (bits >> 22) & 1;
+    return (uint8_t)(((bits + ((int64_t)(1 - 127) << 23) + (1 << 21) - 1 + odd) >> 22) & 0xFF);
+}
+
+static const float E2M1_TABLE[9] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, 6.0f};
+
+/* e2m1_codes (uniform NULL: nearest, ties to even) or stochastic_e2m1_codes of a float32 p within +-6 or NaN. */
+INLINE uint8_t e2m1_code(float p, const float *uniform, int64_t at) {
+    uint32_t b = bits_of(p);
+    uint8_t sign = (uint8_t)((b >> 31) << 3), code;
+    float mag = fabsf(p);
+    if (p != p) return e2m1_nan_code(b) | sign;
+    if (uniform == NULL) {
+        code = (uint8_t)((mag > 0.25f) + (mag >= 0.75f) + (mag > 1.25f) + (mag >= 1.75f) + (mag > 2.5f) +
+                         (mag >= 3.5f) + (mag > 5.0f));
+    } else {
+        int lower = (mag >= 0.5f) + (mag >= 1.0f) + (mag >= 1.5f) + (mag >= 2.0f) + (mag >= 3.0f) + (mag >= 4.0f) +
+                    (mag >= 6.0f);
+        float low = E2M1_TABLE[lower], high = E2M1_TABLE[lower + 1];
+        float gap = high > low ? high - low : 1.0f;
+        code = (uint8_t)(lower + ((uniform[at] < (mag - low) / gap) && lower < 7));
+    }
+    return code | sign;
+}
+
+/* One tile of R rows (R = 1: a 1x16 block; 16: a 16x16 weight tile) at padded row `first`, K block j, of x
+ * (m, k) padded with zeros to (ceil(m / R) * R, pk): block amax, E4M3 scale, then the codes, packed. */
+INLINE void nvfp4_tile(const void *x, int dtype, int64_t m, int64_t k, int64_t pk, int64_t first, int64_t j, int R,
+                       float global_scale, float inverse_global, const float *restrict uniform,
+                       uint8_t *restrict codes, uint8_t *restrict scales, int64_t scale_at) {
+    int64_t c0 = j * 16, width = k - c0 < 16 ? k - c0 : 16;
+    uint32_t top = 0;
+    for (int r = 0; r < R; ++r) {
+        int64_t row = first + r;
+        if (row >= m) break;
+        for (int64_t c = 0; c < width; ++c) {
+            uint32_t a = magnitude_bits(load(x, dtype, row * k + c0 + c));
+            top = a > top ? a : top;
+        }
+    }
+    /* block_amax / 6 / global_scale, clamped to [2**-6, 448], to E4M3 (torch's round to nearest even) */
+    float block_scale = clamp_keep_nan(float_of(top) / 6.0f / global_scale, 0x1p-6f, 448.0f), unused;
+    uint8_t scale_code = encode(block_scale, &FORMATS[0], &unused);
+    scales[scale_at] = scale_code;
+    float factor = inverse_global / e4m3_value(scale_code);
+    int factor_nan = factor != factor;
+    for (int r = 0; r < R; ++r) {
+        int64_t row = first + r;
+        uint8_t *out = codes + row * (pk / 2) + c0 / 2;
+        const float *u = uniform ? uniform + row * pk + c0 : NULL;
+        uint8_t e[16];
+        for (int c = 0; c < 16; ++c) {
+            float v = (row < m && c < width) ? load(x, dtype, row * k + c0 + c) : 0.0f;
+            /* torch's x * factor: with both NaN it keeps the second operand's (the factor's) NaN */
+            float p = factor_nan ? factor : v * factor;
+            e[c] = e2m1_code(clamp_keep_nan(p, -6.0f, 6.0f), u, c);
+        }
+        for (int c = 0; c < 8; ++c) out[c] = (uint8_t)(e[2 * c] | (e[2 * c + 1] << 4));
+    }
+}
+
+INLINE void nvfp4_bands(const void *x, int dtype, int64_t m, int64_t k, int64_t begin, int64_t end, int R,
+                        float global_scale, const float *uniform, uint8_t *codes, uint8_t *scales) {
+    int64_t pk = (k + 15) / 16 * 16, blocks = pk / 16;
+    float inverse_global = 1.0f / global_scale;
+    for (int64_t g = begin; g < end; ++g)
+        for (int64_t j = 0; j < blocks; ++j)
+            nvfp4_tile(x, dtype, m, k, pk, g * R, j, R, global_scale, inverse_global, uniform, codes, scales,
+                       g * blocks + j);
+}
+
+/* NVFP4 quantization of x (m, k), bands [begin, end) of tile_rows (1 or 16) rows: the bits of
+ * fp8_lightning.nvfp4.quantize_nvfp4 with this global scale. Rows (to whole tiles) and K (to whole blocks of 16)
+ * are padded with zeros. codes: uint8 (m_pad, pk / 2), the even element in the low nibble; scales: E4M3 bytes
+ * (m_pad / tile_rows, pk / 16); uniform: NULL (round to nearest even) or float32 (m_pad, pk) in [0, 1)
+ * (stochastic rounding). */
+void nvfp4_quantize(const void *x, int dtype, int64_t m, int64_t k, int64_t begin, int64_t end, int tile_rows,
+                    float global_scale, const float *uniform, uint8_t *codes, uint8_t *scales) {
+#define NV(D, R) nvfp4_bands(x, D, m, k, begin, end, R, global_scale, uniform, codes, scales)
+    if (tile_rows == 16) {
+        if (dtype == 0) NV(0, 16); else NV(1, 16);
+    } else {
+        if (dtype == 0) NV(0, 1); else NV(1, 1);
+    }
+#undef NV
+}

@@ -56,7 +56,10 @@ _SIGNATURES = {
     "fp8_decode": [_P, _I64, _I64, _I, _P],
     "mx_decode": [_P, _P, _I64, _I64, _I64, _I, _I, _I, _P],
     "fine_quantize": [_P, _I, _I64, _I64, _I64, _I64, _I64, _I64, _I, _F, _I, _I, _P, _P, _P, _P],
+    "nvfp4_amax": [_P, _I, _I64, _I64, _P],
+    "nvfp4_quantize": [_P, _I, _I64, _I64, _I64, _I64, _I, _F, _P, _P, _P],
 }
+NVFP4_TILE_ROWS = (1, 16)  # 1x16 blocks (activations, gradients) or 16x16 tiles (weights)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -436,3 +439,56 @@ def fine_quantize(
 
     _run(call, bands, m * k)
     return data, scale, inverse, values
+
+
+def nvfp4_amax(x: torch.Tensor) -> torch.Tensor:
+    """``x.abs().amax()`` of a non-empty float32/bf16 ``x`` as a float32 scalar, from one read (NaN when x holds
+    NaN; which NaN is not specified: ``nvfp4.global_scale_from_amax`` maps every NaN to 1)."""
+    x = _require(x, INPUT_DTYPES, "nvfp4_amax")
+    n = x.numel()
+    if n == 0:
+        raise ValueError("cpu_codec.nvfp4_amax takes a non-empty tensor.")
+    ranges = [(0, n)] if n < PARALLEL_MIN_ELEMENTS else _ranges(n, n)
+    tops = torch.zeros(len(ranges), dtype=torch.int32)
+    function = _library().nvfp4_amax
+
+    def call(i, begin, end):
+        function(x.data_ptr(), INPUT_DTYPES[x.dtype], begin, end, tops.data_ptr() + 4 * i)
+
+    _over_ranges(call, ranges)
+    return tops.max().view(torch.float32)  # magnitude bits order like the magnitudes, NaN above inf
+
+
+def nvfp4_quantize(
+    x: torch.Tensor, global_scale: float, tile_rows: int = 1, uniform: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, block_scales)`` of a non-empty 2-D float32/bf16 ``x`` (M, K) with the float32 ``global_scale``:
+    the bits of ``fp8_lightning.nvfp4.quantize_nvfp4``, in one pass over each band of ``tile_rows`` rows.
+
+    Rows (to whole tiles) and K (to whole blocks of 16) are zero-padded: codes uint8 (M_pad, K_pad / 2), the even
+    element in the low nibble; block_scales float8_e4m3fn (M_pad / tile_rows, K_pad / 16). ``uniform``: None
+    (round to nearest even) or float32 numbers in [0, 1) of shape (M_pad, K_pad) (stochastic rounding).
+    """
+    x = _require(x, INPUT_DTYPES, "nvfp4_quantize")
+    if tile_rows not in NVFP4_TILE_ROWS:
+        raise ValueError(f"cpu_codec.nvfp4_quantize: tile_rows={tile_rows!r} is invalid; allowed: 1 or 16.")
+    if x.dim() != 2 or x.numel() == 0:
+        raise ValueError(f"cpu_codec.nvfp4_quantize takes a non-empty 2-D tensor; got shape {tuple(x.shape)}.")
+    m, k = x.shape
+    bands, pk = -(-m // tile_rows), -(-k // 16) * 16
+    if uniform is not None:
+        uniform = _require(uniform, (torch.float32,), "nvfp4_quantize")
+        if tuple(uniform.shape) != (bands * tile_rows, pk):
+            raise ValueError(f"cpu_codec.nvfp4_quantize: uniform has shape {tuple(uniform.shape)}; the padded shape "
+                             f"{(bands * tile_rows, pk)} is needed.")
+    codes = torch.empty((bands * tile_rows, pk // 2), dtype=torch.uint8)
+    scales = torch.empty((bands, pk // 16), dtype=torch.float8_e4m3fn)
+    function, head = _library().nvfp4_quantize, (x.data_ptr(), INPUT_DTYPES[x.dtype], m, k)
+    tail = (tile_rows, float(global_scale), None if uniform is None else uniform.data_ptr(), codes.data_ptr(),
+            scales.data_ptr())
+
+    def call(_, begin, end):
+        function(*head, begin, end, *tail)
+
+    _run(call, bands, m * k)
+    return codes, scales

@@ -59,6 +59,24 @@ def cpu_codec(x: torch.Tensor | None = None):
     return codec_module if codec_module.enabled() else None
 
 
+def nvfp4_codec(x: torch.Tensor, global_scale, tile_rows: int, uniform):
+    """The C codec when it can cast ``x`` to NVFP4 (``nvfp4.quantize_nvfp4``) with the same bits as the reference:
+    a non-empty 2-D float32/bf16 CPU ``x`` (:func:`cpu_codec`), a global scale that is None or one float32 CPU
+    element, and ``uniform`` None or a plain float32 CPU tensor of the padded shape; else None."""
+    codec = cpu_codec(x)
+    if codec is None or x.dim() != 2 or x.numel() == 0:
+        return None
+    if global_scale is not None and not (torch.is_tensor(global_scale) and global_scale.numel() == 1
+                                         and global_scale.is_cpu and global_scale.dtype == torch.float32):
+        return None
+    if uniform is not None:
+        padded = (-(-x.shape[0] // tile_rows) * tile_rows, -(-x.shape[1] // 16) * 16)
+        if type(uniform) not in codec.PLAIN_TYPES or not uniform.is_cpu or uniform.dtype != torch.float32 \
+                or tuple(uniform.shape) != padded:
+            return None
+    return codec
+
+
 def one_float32_scale(scale) -> bool:
     """Whether ``scale`` is one float32 element (what the per-tensor kernels and the codec take)."""
     return torch.is_tensor(scale) and scale.dtype == torch.float32 and scale.numel() == 1
