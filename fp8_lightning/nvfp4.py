@@ -249,6 +249,11 @@ def _hash32(index: torch.Tensor, seed: "int | torch.Tensor") -> torch.Tensor:
     return h ^ (h >> 16)
 
 
+def _is_fake(key) -> bool:
+    """Whether ``key`` is a tensor without data to read on the host (a meta or fake tensor)."""
+    return torch.is_tensor(key) and (key.is_meta or type(key) is not torch.Tensor)
+
+
 def mix_seed(*parts: "int | torch.Tensor") -> "int | torch.Tensor":
     """One 32-bit key from several (seed, rank, counter): each part hashed into the running key."""
     key = 0
@@ -258,7 +263,15 @@ def mix_seed(*parts: "int | torch.Tensor") -> "int | torch.Tensor":
 
 
 def uniform_like(shape: tuple[int, int], key: "int | torch.Tensor", device: torch.device | str = "cpu") -> torch.Tensor:
-    """Float32 numbers in [0, 1) (24 random bits each) for every position of ``shape``, from ``key`` alone."""
+    """Float32 numbers in [0, 1) (24 random bits each) for every position of ``shape``, from ``key`` alone (on
+    the CPU, by the C codec when it is enabled: ``cpu_codec.nvfp4_uniform``, the same bits)."""
+    if torch.device(device).type == "cpu" and dispatch.cpu_codec() is not None and not _is_fake(key):
+        return dispatch.cpu_codec().nvfp4_uniform(shape, int(key))
+    return _uniform_reference(shape, key, device)
+
+
+def _uniform_reference(shape: tuple[int, int], key: "int | torch.Tensor", device: torch.device | str = "cpu"):
+    """:func:`uniform_like` in pure torch, on any device: the reference the C codec is held to."""
     index = torch.arange(shape[0] * shape[1], dtype=torch.int64, device=device).reshape(shape)
     key = key.to(device) if torch.is_tensor(key) else key
     return (_hash32(index, key) >> 8).float() * 2.0**-24

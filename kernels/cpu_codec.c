@@ -472,3 +472,17 @@ void nvfp4_quantize(const void *x, int dtype, int64_t m, int64_t k, int64_t begi
     }
 #undef NV
 }
+
+/* fp8_lightning.nvfp4.uniform_like for flat positions [begin, end): murmur3's finaliser of
+ * index * 0x9E3779B1 + key (mod 2**32), its top 24 bits times 2**-24. */
+void nvfp4_uniform(int64_t begin, int64_t end, uint32_t key, float *out) {
+    for (int64_t i = begin; i < end; ++i) {
+        uint32_t h = (uint32_t)i * 0x9E3779B1u + key;
+        h ^= h >> 16;
+        h *= 0x85EBCA6Bu;
+        h ^= h >> 13;
+        h *= 0xC2B2AE35u;
+        h ^= h >> 16;
+        out[i] = (float)(h >> 8) * 0x1p-24f;
+    }
+}

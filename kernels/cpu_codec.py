@@ -58,6 +58,7 @@ _SIGNATURES = {
     "fine_quantize": [_P, _I, _I64, _I64, _I64, _I64, _I64, _I64, _I, _F, _I, _I, _P, _P, _P, _P],
     "nvfp4_amax": [_P, _I, _I64, _I64, _P],
     "nvfp4_quantize": [_P, _I, _I64, _I64, _I64, _I64, _I, _F, _P, _P, _P],
+    "nvfp4_uniform": [_I64, _I64, ctypes.c_uint32, _P],
 }
 NVFP4_TILE_ROWS = (1, 16)  # 1x16 blocks (activations, gradients) or 16x16 tiles (weights)
 
@@ -492,3 +493,18 @@ def nvfp4_quantize(
 
     _run(call, bands, m * k)
     return codes, scales
+
+
+def nvfp4_uniform(shape: tuple[int, int], key: int) -> torch.Tensor:
+    """``fp8_lightning.nvfp4.uniform_like(shape, key)`` on the CPU, bit for bit: float32 in [0, 1) from the 32-bit
+    counter hash of each flat position and ``key`` (taken modulo 2**32, as the reference's arithmetic does)."""
+    rows, cols = shape
+    out = torch.empty((rows, cols), dtype=torch.float32)
+    n = rows * cols
+    function, key = _library().nvfp4_uniform, int(key) & 0xFFFFFFFF
+
+    def call(_, begin, end):
+        function(begin, end, key, out.data_ptr())
+
+    _run(call, n, n)
+    return out
