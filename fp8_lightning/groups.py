@@ -8,8 +8,14 @@ group non-empty.
 
 from __future__ import annotations
 
+import collections.abc
+import functools
+import itertools
+
 import torch
 import torch.nn.functional as F
+
+from fp8_lightning.quantize import Quantized
 
 
 class GroupBounds(list):
@@ -26,13 +32,9 @@ def padded_group_sizes(bounds: list[tuple[int, int]], align: int) -> list[int]:
     return [-(-max(end - start, 1) // align) * align for start, end in bounds]
 
 
-def padded_starts(bounds: list[tuple[int, int]], align: int) -> list[int]:
-    """Where each group begins in the padded layout (host integers)."""
-    starts, at = [], 0
-    for size in padded_group_sizes(bounds, align):
-        starts.append(at)
-        at += size
-    return starts
+def padded_starts(padded_sizes: list[int]) -> list[int]:
+    """Where each group begins in the layout of :func:`padded_group_sizes` (host integers)."""
+    return [0, *itertools.accumulate(padded_sizes)][:-1] if padded_sizes else []
 
 
 def device_layout(
@@ -56,6 +58,32 @@ def uniform_layout(
     weights), group ``g`` written from ``g * out_stride``."""
     index = torch.arange(groups, device=device)
     return (index * rows).to(torch.int32), torch.full_like(index, rows, dtype=torch.int32), index * out_stride
+
+
+class StackedWeights(collections.abc.Sequence):
+    """Each expert's (W_e, W_e.T) operands (views), as
+    :meth:`~fp8_lightning.recipes.base.Recipe.grouped_weight_operands` returns them, made on first use (a grouped
+    kernel reads only the stacked casts), and the two stacked casts they are views of: ``rows`` (E * N, K) and
+    ``columns`` (E * K, N), each with one scale row per row of codes (rowwise, MX)."""
+
+    def __init__(self, rows: Quantized, columns: Quantized, experts: int):
+        self.rows, self.columns, self.experts = rows, columns, experts
+
+    @functools.cached_property
+    def _pairs(self) -> list[tuple[Quantized, Quantized]]:
+        n, k = self.rows.data.shape[0] // self.experts, self.columns.data.shape[0] // self.experts
+        return [(_rows_of(self.rows, e * n, n), _rows_of(self.columns, e * k, k)) for e in range(self.experts)]
+
+    def __getitem__(self, index):
+        return self._pairs[index]
+
+    def __len__(self) -> int:
+        return self.experts
+
+
+def _rows_of(q: Quantized, start: int, count: int) -> Quantized:
+    """Rows ``start`` to ``start + count`` of a stacked operand and of its scales (views): one expert's part."""
+    return Quantized(q.data[start : start + count], q.scale[start : start + count], q.kind)
 
 
 def group_bounds(offs: torch.Tensor, rows: int, experts: int) -> GroupBounds:

@@ -156,18 +156,14 @@ class LayerScaling:
         if self._weight_cache is not None and key == self._weight_key:
             if not self.check_weight_bits:
                 return self._weight_cache
-            check = self._weight_checksum
-            if check is not None:  # (the weight, its integer view, and their sums at the cast)
-                w, bits, int_sum, float_sum = check
-                if torch.equal(bits.sum(dtype=bits.dtype), int_sum) and torch.equal(w.sum(), float_sum):
+            saved = self._weight_checksum
+            if saved is not None:  # the sums taken at the cast
+                if all(torch.equal(now, then) for now, then in zip(self.bits_checksum(weight), saved)):
                     return self._weight_cache
             else:  # the first reuse: nothing to compare with, so cast again; checksum every cast from now on
                 self._reuses_casts = True
-        self._weight_checksum = None
-        if self._reuses_casts and self.check_weight_bits and weight.is_cpu:
-            w = weight.detach()
-            bits = w.view(LayerScaling._SAME_WIDTH_INT[w.element_size()])
-            self._weight_checksum = (w, bits, *self.bits_checksum(weight))
+        reusable = self._reuses_casts and self.check_weight_bits and weight.is_cpu
+        self._weight_checksum = self.bits_checksum(weight) if reusable else None
         self._weight_cache = cast()
         self._weight_key = key
         self.weight_casts += 1

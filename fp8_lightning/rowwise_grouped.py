@@ -22,7 +22,14 @@ import functools
 
 import torch
 
-from fp8_lightning.groups import GroupBounds, device_layout, padded_group_sizes, padded_starts, uniform_layout
+from fp8_lightning.groups import (
+    GroupBounds,
+    StackedWeights,
+    device_layout,
+    padded_group_sizes,
+    padded_starts,
+    uniform_layout,
+)
 from fp8_lightning.quantize import ROW, Quantized, to_fp8_saturated, wide
 from fp8_lightning.rowwise import rowwise_scale
 
@@ -64,8 +71,8 @@ def grouped_columnwise(
     or None for pure torch: the amax of each (group, column) by one scatter, one cast, one copy into the padded
     rows and one transpose."""
     sizes = [end - start for start, end in bounds]
-    starts = padded_starts(bounds, GROUP_ALIGN)
     padded = padded_group_sizes(bounds, GROUP_ALIGN)
+    starts = padded_starts(padded)
     k, total = x.shape[1], sum(padded)
     offs = getattr(bounds, "offs", None)
     if cast is not None and offs is not None:
@@ -103,32 +110,6 @@ def stacked_columns(weight: torch.Tensor, dtype: torch.dtype, eps: float, power_
     codes, scale, inverse = cast(weight.reshape(experts * n, k), first, counts, out_starts, experts * k * n, n, dtype,
                                  power_of_2, eps, 1)  # fmt: skip
     return Quantized(codes.view(experts * k, n), scale.reshape(-1, 1), ROW, inverse=inverse.reshape(-1, 1))
-
-
-class StackedWeights(collections.abc.Sequence):
-    """Each expert's (W_e, W_e.T) operands (views), as
-    :meth:`~fp8_lightning.recipes.base.Recipe.grouped_weight_operands` returns them, made on first use (the grouped
-    kernel reads only the stacked casts), and the two stacked casts they are views of: ``rows`` (E * N, K) and
-    ``columns`` (E * K, N)."""
-
-    def __init__(self, rows: Quantized, columns: Quantized, experts: int):
-        self.rows, self.columns, self.experts = rows, columns, experts
-
-    @functools.cached_property
-    def _pairs(self) -> list[tuple[Quantized, Quantized]]:
-        n, k = self.rows.data.shape[0] // self.experts, self.columns.data.shape[0] // self.experts
-        return [(_rows_of(self.rows, e * n, n), _rows_of(self.columns, e * k, k)) for e in range(self.experts)]
-
-    def __getitem__(self, index):
-        return self._pairs[index]
-
-    def __len__(self) -> int:
-        return self.experts
-
-
-def _rows_of(q: Quantized, start: int, count: int) -> Quantized:
-    """Rows ``start`` to ``start + count`` of a rowwise operand (views): one expert's part of a stacked cast."""
-    return Quantized(q.data[start : start + count], q.scale[start : start + count], ROW)
 
 
 def _inverse(q: Quantized) -> torch.Tensor:

@@ -16,12 +16,11 @@ from fp8_lightning.cuda_contract.rules import Facts, Target
 from fp8_lightning.cuda_contract.rules_grouped import meta_error, scaled_grouped_mm
 from fp8_lightning.cuda_contract.simulate import Call, GemmRecord
 from fp8_lightning.gemm_routes import NATIVE as NATIVE_ROUTE
-from fp8_lightning.groups import padded_group_sizes
+from fp8_lightning.groups import StackedWeights, padded_group_sizes
 from fp8_lightning.quantize import ROW, Quantized
 from fp8_lightning.rowwise_grouped import (
     GROUP_ALIGN,
     GroupedColumns,
-    StackedWeights,
     dgrad_args,
     fprop_args,
     wgrad_args,

@@ -16,6 +16,7 @@ from fp8_lightning.ops import dispatch
 from fp8_lightning.formats import NATIVE_MX_MIN_CAPABILITY, NATIVE_MX_MIN_CUDA, Format, fp8_dtype
 from fp8_lightning.gemm_routes import GemmRoute, arch_name, cuda_name, native, triton_mx
 from fp8_lightning.gemm import mx_mm
+from fp8_lightning.groups import StackedWeights
 from fp8_lightning.ops.layer import mx_operand_cast
 from fp8_lightning.mx import E8M0_DTYPE, e8m0_to_float
 from fp8_lightning.quantize import MX, Quantized
@@ -79,7 +80,7 @@ class MXFP8BlockScaling(Recipe):
         columns = dispatch.fast_quantize_mx_operand(
             weight.transpose(1, 2).reshape(experts * k, n), self.block_size, self.scale_rounding, dtype
         )
-        return [(_rows_of(rows, e * n, n), _rows_of(columns, e * k, k)) for e in range(experts)]
+        return StackedWeights(rows, columns, experts)
 
     # -- tensor and sequence parallelism ---------------------------------------------------------------------
 
@@ -126,11 +127,6 @@ class MXFP8BlockScaling(Recipe):
         if self.block_size != 32:
             return triton_mx(f"cuBLAS's MX GEMM takes blocks of 32 only; this recipe has block_size={self.block_size}")
         return native("cuBLAS MX block-scaled GEMM (torch._scaled_mm, E8M0 scales)", f"{arch} has MX tensor cores")
-
-
-def _rows_of(q: Quantized, start: int, count: int) -> Quantized:
-    """Rows ``start`` to ``start + count`` of an MX operand (views): one expert's part of a stacked cast."""
-    return Quantized(q.data[start : start + count], q.scale[start : start + count], MX)
 
 
 def _mx_multiplier(q: Quantized, k: int) -> torch.Tensor:

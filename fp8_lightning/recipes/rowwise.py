@@ -14,6 +14,7 @@ import torch
 
 from fp8_lightning.fine_grained import SCALE_BYTES, fine_operands, high_precision_gemm, pack_shard, row_mm
 from fp8_lightning.formats import Format, fp8_dtype
+from fp8_lightning.groups import StackedWeights
 from fp8_lightning.gemm_routes import (
     CUBLAS_ROWWISE_MIN_CUDA,
     GemmRoute,
@@ -37,7 +38,6 @@ from fp8_lightning.rowwise import (
 from fp8_lightning.scaling import max_across
 from fp8_lightning.rowwise_grouped import (
     RowwiseGroupedGemm,
-    StackedWeights,
     grouped_columnwise,
     native_unavailable_reason,
     stacked_columns,
