@@ -61,8 +61,6 @@ class LayerScaling:
     does). Evaluation and inference never keep or reuse a cast (inference tensors have no version counter at all).
     """
 
-    _SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # bits_checksum's integer views
-
     def __init__(self, recipe: Recipe):
         self.recipe = recipe
         fmt = recipe.fp8_format
@@ -157,13 +155,16 @@ class LayerScaling:
             if not self.check_weight_bits:
                 return self._weight_cache
             saved = self._weight_checksum
-            if saved is not None:  # the sums taken at the cast
-                if all(torch.equal(now, then) for now, then in zip(self.bits_checksum(weight), saved)):
+            if saved is not None:  # (the weight's views, their sums at the cast)
+                views, sums = saved
+                if all(torch.equal(now, then) for now, then in zip(_checksums(*views), sums)):
                     return self._weight_cache
             else:  # the first reuse: nothing to compare with, so cast again; checksum every cast from now on
                 self._reuses_casts = True
-        reusable = self._reuses_casts and self.check_weight_bits and weight.is_cpu
-        self._weight_checksum = self.bits_checksum(weight) if reusable else None
+        self._weight_checksum = None
+        if self._reuses_casts and self.check_weight_bits and weight.is_cpu:
+            views = _checksum_views(weight)
+            self._weight_checksum = (views, _checksums(*views))
         self._weight_cache = cast()
         self._weight_key = key
         self.weight_casts += 1
@@ -183,9 +184,7 @@ class LayerScaling:
             The two sums, 0-d tensors on the weight's device (a NaN in the weight makes the float sum NaN, which
             equals nothing: such a weight is cast at every forward).
         """
-        w = weight.detach()
-        bits = w.view(LayerScaling._SAME_WIDTH_INT[w.element_size()])
-        return bits.sum(dtype=bits.dtype), w.sum()
+        return _checksums(*_checksum_views(weight))
 
     # -- persistence ------------------------------------------------------------------------------------------
 
@@ -203,6 +202,20 @@ class LayerScaling:
         for role, s in self.operands.items():
             s.load_state_dict(state["operands"][role])
         self._weight_cache = self._weight_key = self._weight_checksum = None
+
+
+_SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # the integer views bits_checksum sums
+
+
+def _checksum_views(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight (detached) and its bits as integers of the same width: what :meth:`LayerScaling.bits_checksum`
+    sums (made once per cast, then summed again at each reuse)."""
+    w = weight.detach()
+    return w, w.view(_SAME_WIDTH_INT[w.element_size()])
+
+
+def _checksums(w: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return bits.sum(dtype=bits.dtype), w.sum()
 
 
 class _SavedOperand(NamedTuple):
