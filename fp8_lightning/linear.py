@@ -462,10 +462,15 @@ class FP8Linear(nn.Linear):
         if x.numel() == 0:  # no tokens (an empty micro-batch): nothing to cast; the plain GEMM gives the empty
             return True  # output and exact zero weight and bias gradients
         reason = shape_unsupported_reason(in_features, out_features, recipe)
-        if reason is not None and reason not in self._fp8_warned:
-            self._fp8_warned.add(reason)
-            warnings.warn(f"FP8Linear({in_features}, {out_features}) runs in high precision: {reason}.")
+        if reason is not None:
+            self.fp8_warn_once(f"FP8Linear({in_features}, {out_features}) runs in high precision: {reason}.")
         return reason is not None
+
+    def fp8_warn_once(self, message: str) -> None:
+        """Warn ``message`` the first time this layer meets it (a runtime fallback repeats at every call)."""
+        if message not in self._fp8_warned:
+            self._fp8_warned.add(message)
+            warnings.warn(message)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={type(self.fp8_recipe).__name__}"

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from functools import partial
 
 import torch
@@ -155,9 +154,9 @@ def gather_sequence(
     tokens_per_run = math.prod(x.shape[dim:-1])
     copies = None
     if recipe is not None and fp8 is True and tokens_per_run % recipe.sequence_block() != 0:
-        _warn_once(layer, f"the sequence-parallel input is all-gathered in high precision: each rank's run of "
-                          f"{tokens_per_run} tokens is not a whole number of {type(recipe).__name__}'s "
-                          f"{recipe.sequence_block()}-token blocks (make the sequence length per rank a multiple)")
+        layer.fp8_warn_once(f"the sequence-parallel input is all-gathered in high precision: each rank's run of "
+                            f"{tokens_per_run} tokens is not a whole number of {type(recipe).__name__}'s "
+                            f"{recipe.sequence_block()}-token blocks (make the sequence length per rank a multiple)")
     elif recipe is not None:
         scaling = layer.fp8_scaling(recipe)
         x2d = x.reshape(-1, x.shape[-1])
@@ -180,12 +179,6 @@ def gather_sequence(
         out.fp8_operands = {recipe: (row, column)}
     out.fp8_sequence_gathered = True  # its gradient is reduced by its own backward: consumers add no all-reduce
     return out
-
-
-def _warn_once(layer: FP8Linear, message: str) -> None:
-    if message not in layer._fp8_warned:
-        layer._fp8_warned.add(message)
-        warnings.warn(message)
 
 
 def _colwise_input(torch_fn, input_layouts, mod, inputs, mesh):
