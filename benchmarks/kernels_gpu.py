@@ -189,7 +189,7 @@ def check_fine_casts(x: torch.Tensor, x_cpu: torch.Tensor, fp8: torch.dtype, cas
         data, scale = fine_cast_twin(x_cpu, tile, fp8, power_of_2)
         copies = [(q, data, scale)] + ([(q_t, data.t(), scale.t())] if square else [])
         ok = all(
-            same_bytes(c.data, d.contiguous()) and same_bytes(c.scale, s) and same_bytes(c.inverse, s.reciprocal())
+            same_bytes(c.data, d.contiguous()) and same_bytes(c.scale, s) and same_bytes(c.cache.inverse, s.reciprocal())
             for c, d, s in copies
         )
         results.append((f"fine_cast {tile[0]}x{tile[1]} power_of_2={int(power_of_2)} {case} vs CPU twin", ok))

@@ -231,9 +231,9 @@ def blockwise_scaled_mm_v2_args(a: Quantized, b: Quantized) -> tuple[torch.Tenso
 
 
 def dequantized_f32(q: Quantized) -> torch.Tensor:
-    """A blockwise operand's dequantized float32 values, which the emulated GEMM multiplies: ``q.f32`` where the
+    """A blockwise operand's dequantized float32 values, which the emulated GEMM multiplies: ``q.cache.f32`` where the
     cast made them (the CPU codec), else computed here."""
-    return q.f32 if q.f32 is not None else dequantize_blockwise(q.data, q.scale)
+    return q.cache.f32 if q.cache.f32 is not None else dequantize_blockwise(q.data, q.scale)
 
 
 def _emulated(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:

@@ -157,9 +157,10 @@ def swizzle_mx_scales(scale: torch.Tensor) -> torch.Tensor:
 
 def swizzled_scales(q: Quantized) -> torch.Tensor:
     """``q``'s MX scales in cuBLAS's layout (:func:`swizzle_mx_scales`), made once per operand and kept on it."""
-    if q.swizzled is None:
-        q.swizzled = swizzle_mx_scales(q.scale)
-    return q.swizzled
+    cache = q.cache
+    if cache.swizzled is None:
+        cache.swizzled = swizzle_mx_scales(q.scale)
+    return cache.swizzled
 
 
 def _native_mx_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from fp8_lightning.autocast import autocast_state
 from fp8_lightning.gemm import check_device, fp8_mm
 from fp8_lightning.layer_step import FP8LinearFunction
-from fp8_lightning.quantize import OperandKind, Quantized
+from fp8_lightning.quantize import OperandCache, OperandKind, Quantized
 from fp8_lightning.recipes import Recipe, RecipeLike, recipe_from
 from fp8_lightning.scaling import OperandScaling, advance_histories, records_amax
 from fp8_lightning.settings import settings
@@ -107,7 +107,7 @@ class LayerScaling:
         recipe makes one from the high-precision tensor (MX, rowwise, blockwise: quantized along x's first
         dimension, from the same read of ``x``). Per-tensor recipes have no columnwise copy (None): they transpose
         the rowwise bytes, which with ``columnwise`` the cast kernels (CUDA) write in the same pass
-        (``Quantized.transposed``). ``columnwise_f32=False``: the columnwise copy is only saved."""
+        (``OperandCache.transposed``). ``columnwise_f32=False``: the columnwise copy is only saved."""
         dtype = self.backward_dtype if role == "grad_output" else self.forward_dtype
         return self.recipe.cast(role, x, dtype, columnwise, columnwise_f32, self.operands.get(role), record)
 
@@ -220,22 +220,18 @@ def _checksums(w: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch
 
 class _SavedOperand(NamedTuple):
     """What backward needs of a saved FP8 operand besides its data and scale tensors (saved with
-    ``save_for_backward``): its kind, whether it is known NaN-free, its ``1 / scale`` when the fprop GEMM made it
-    (CUDA), its float32 form when a CPU float GEMM made it, and, for the weight cache's own columnwise object, the
-    object itself (what dgrad derives from it, its float32 form or cuBLAS's swizzled scales, is then made once
-    per optimizer step, not per micro-batch)."""
+    ``save_for_backward``): its kind, the part of its cache worth keeping (:meth:`OperandCache.for_backward`), and,
+    for the weight cache's own columnwise object, the object itself (what dgrad derives from it, its float32 form
+    or cuBLAS's swizzled scales, is then made once per optimizer step, not per micro-batch)."""
 
     kind: OperandKind
-    nan_free: bool
-    inverse: torch.Tensor | None
-    f32: torch.Tensor | None = None
+    cache: OperandCache
     operand: Quantized | None = None  # the weight cache's own columnwise object, kept whole
-    from_copy: bool = False
 
     def rebuild(self, data: torch.Tensor, scale: torch.Tensor) -> Quantized:
         if self.operand is not None:
             return self.operand
-        return Quantized(data, scale, self.kind, self.f32, self.nan_free, self.inverse, from_copy=self.from_copy)
+        return Quantized(data, scale, self.kind, self.cache)
 
 
 class EagerStep:
@@ -261,8 +257,8 @@ class EagerStep:
         # The cached FP8 weight's columnwise object travels whole (see _SavedOperand); the rest is rebuilt.
         w_cached = w_t if w_t is self.operands[4] else None
         meta = (
-            _SavedOperand(x_t.kind, x_t.nan_free, x_t.inverse, from_copy=x_t.from_copy),
-            _SavedOperand(w_t.kind, w_t.nan_free, w_t.inverse, w_t.f32, w_cached, w_t.from_copy),
+            _SavedOperand(x_t.kind, x_t.cache.for_backward(keep_f32=False)),
+            _SavedOperand(w_t.kind, w_t.cache.for_backward(keep_f32=True), w_cached),
         )
         return (x_t.data, x_t.scale, w_t.data, w_t.scale), meta
 

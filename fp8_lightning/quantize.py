@@ -254,45 +254,64 @@ HIGH_PRECISION = OperandKind("hp")
 
 
 @dataclasses.dataclass
+class OperandCache:
+    """What is known about an operand's codes, or derived from them, kept apart from the codes themselves.
+
+    A cast or the operand's first GEMM fills it; the operand's other GEMMs reuse it. None of it changes the operand's
+    values: dropping the cache costs time, never bits.
+    """
+
+    # The float32 matrix a CPU float GEMM multiplies (``dispatch.operand_f32``): the codes' exact values for per-tensor
+    # and rowwise scaling (the scales multiply the product), the dequantized values for MX and blockwise.
+    f32: torch.Tensor | None = None
+    nan_free: bool = False  # known to hold no NaN code
+    inverse: torch.Tensor | None = None  # ``1 / scale``: see Quantized.inverse_scale
+    # ``data.T`` as a contiguous copy, when the cast wrote one (CUDA): the layout a scaled GEMM needs for the
+    # operand's transposed uses, which Quantized.t then hands out instead of a view to copy.
+    transposed: torch.Tensor | None = None
+    # MX scales in cuBLAS's swizzled layout, made by the first native MX GEMM that reads the operand
+    # (``gemm.swizzled_scales``) and kept for its later GEMMs (the cached weight's: once per optimizer step).
+    swizzled: torch.Tensor | None = None
+    # ``data`` is a transposed copy that a cast wrote (handed out by Quantized.t) where a cast without one hands out
+    # a transposed view: a CPU float GEMM reads it in the view's layout, so its bits (MKL sums transposed inputs in
+    # another order) do not depend on whether a kernel wrote the copy.
+    from_copy: bool = False
+
+    def for_backward(self, keep_f32: bool) -> "OperandCache":
+        """The part worth saving for the backward GEMMs: the small facts, and the float32 form only when asked
+        (a weight's, made once per optimizer step; an activation's would double the saved bytes)."""
+        return OperandCache(self.f32 if keep_f32 else None, self.nan_free, self.inverse, from_copy=self.from_copy)
+
+
+@dataclasses.dataclass
 class Quantized:
     """An FP8 GEMM operand whose *last* dimension is the reduction dimension K.
 
     ``scale`` is the per-tensor multiplier (``kind=TENSOR``, data = x * scale) or the E8M0 block scales
     (``kind=MX``, x = data * scale); ``ROW`` / ``BLOCK`` hold float32 multipliers per row / per tile
     (data = x * scale, :mod:`fp8_lightning.rowwise`, :mod:`fp8_lightning.blockwise`) and ``HIGH_PRECISION`` an
-    unquantized tensor (:class:`OperandKind`; a kind's name is accepted and turned into the kind).
+    unquantized tensor (:class:`OperandKind`; a kind's name is accepted and turned into the kind). ``cache`` holds
+    what was derived from them (:class:`OperandCache`).
     """
 
     data: torch.Tensor
     scale: torch.Tensor
     kind: OperandKind = TENSOR
-    # The float32 matrix a CPU float GEMM multiplies, made by the CPU codec's cast or on first use
-    # (``dispatch.operand_f32``), and kept for the operand's other GEMMs: the codes' exact values for per-tensor
-    # and rowwise scaling (the scales multiply the product), the dequantized values for MX and blockwise.
-    f32: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
-    nan_free: bool = dataclasses.field(default=False, repr=False, compare=False)  # known to hold no NaN code
-    inverse: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)  # see inverse_scale
-    # ``data.T`` as a contiguous copy, when the cast wrote one (CUDA): the layout a scaled GEMM needs for the
-    # operand's transposed uses, which :meth:`t` then hands out instead of a view to copy.
-    transposed: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
-    # MX scales in cuBLAS's swizzled layout, made by the first native MX GEMM that reads the operand
-    # (``gemm.swizzled_scales``) and kept for its later GEMMs (the cached weight's: once per optimizer step).
-    swizzled: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
-    # ``data`` is a transposed copy that a cast wrote (handed out by :meth:`t`) where a cast without one hands out a
-    # transposed view: a CPU float GEMM reads it in the view's layout, so its bits (MKL sums transposed inputs in
-    # another order) do not depend on whether a kernel wrote the copy.
-    from_copy: bool = dataclasses.field(default=False, repr=False, compare=False)
+    cache: OperandCache = dataclasses.field(default=None, repr=False, compare=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         if type(self.kind) is not OperandKind:
             self.kind = OperandKind.named(self.kind)
+        if self.cache is None:  # not a default_factory: torch.compile cannot trace one
+            self.cache = OperandCache()
 
     def inverse_scale(self) -> torch.Tensor:
         """``1 / scale`` (per-tensor: the dequantization factor a scaled GEMM takes), made on the first call and
         kept for the operand's other GEMM: on a GPU each computation is a kernel launch."""
-        if self.inverse is None:
-            self.inverse = self.scale.reciprocal()
-        return self.inverse
+        cache = self.cache
+        if cache.inverse is None:
+            cache.inverse = self.scale.reciprocal()
+        return cache.inverse
 
     def t(self) -> "Quantized":
         """``q.T``: the contiguous transposed copy when there is one, else a view of the same FP8 bytes
@@ -304,13 +323,12 @@ class Quantized:
                 f"A {self.kind!r} operand cannot be transposed: its scales follow K, so quantize the high-precision "
                 "tensor along the new K."
             )
-        f32 = None if self.f32 is None else self.f32.t()
-        if self.transposed is None:
-            return Quantized(self.data.t(), self.scale, self.kind, f32, self.nan_free, self.inverse)
-        return Quantized(
-            self.transposed, self.scale, self.kind, f32, self.nan_free, self.inverse, self.data,
-            from_copy=not self.from_copy,
-        )
+        cache = self.cache
+        f32 = None if cache.f32 is None else cache.f32.t()
+        if cache.transposed is None:
+            return Quantized(self.data.t(), self.scale, self.kind, OperandCache(f32, cache.nan_free, cache.inverse))
+        swapped = OperandCache(f32, cache.nan_free, cache.inverse, self.data, from_copy=not cache.from_copy)
+        return Quantized(cache.transposed, self.scale, self.kind, swapped)
 
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()

@@ -98,9 +98,9 @@ def rowwise_scaled_mm_args(a: Quantized, b: Quantized) -> tuple[torch.Tensor, to
 
 
 def codes_f32(q: Quantized) -> torch.Tensor:
-    """The float32 values of a rowwise operand's codes, which the CPU GEMM multiplies: ``q.f32`` where the cast
+    """The float32 values of a rowwise operand's codes, which the CPU GEMM multiplies: ``q.cache.f32`` where the cast
     made them (the CPU codec), else decoded here."""
-    return q.f32 if q.f32 is not None else fp8_to_float32(q.data)
+    return q.cache.f32 if q.cache.f32 is not None else fp8_to_float32(q.data)
 
 
 def direct_output(device: torch.device, out_dtype: torch.dtype) -> bool:

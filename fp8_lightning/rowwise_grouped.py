@@ -30,7 +30,7 @@ from fp8_lightning.groups import (
     padded_starts,
     uniform_layout,
 )
-from fp8_lightning.quantize import ROW, Quantized, to_fp8_saturated, wide
+from fp8_lightning.quantize import ROW, OperandCache, Quantized, to_fp8_saturated, wide
 from fp8_lightning.rowwise import rowwise_scale
 
 GROUP_ALIGN = 16  # tokens: 16 one-byte codes, the TMA's 16-byte alignment of each group's start
@@ -109,7 +109,8 @@ def stacked_columns(weight: torch.Tensor, dtype: torch.dtype, eps: float, power_
     first, counts, out_starts = uniform_layout(experts, n, k * n, weight.device)
     codes, scale, inverse = cast(weight.reshape(experts * n, k), first, counts, out_starts, experts * k * n, n, dtype,
                                  power_of_2, eps, 1)  # fmt: skip
-    return Quantized(codes.view(experts * k, n), scale.reshape(-1, 1), ROW, inverse=inverse.reshape(-1, 1))
+    cache = OperandCache(inverse=inverse.reshape(-1, 1))
+    return Quantized(codes.view(experts * k, n), scale.reshape(-1, 1), ROW, cache)
 
 
 def _inverse(q: Quantized) -> torch.Tensor:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from fp8_lightning.ops import dispatch
 from fp8_lightning.formats import fp8_max
 from fp8_lightning.quantize import (
+    OperandCache,
     Quantized,
     TENSOR,
     max_over_amax,
@@ -169,7 +170,7 @@ class OperandScaling:
         clean_amax = self.book(x_amax, record, finite)
         scale = self.scale_for(clean_amax, host_amax if finite else None)
         if fused is not None:
-            return Quantized(fused.data, scale, TENSOR, fused.values, nan_free=finite)
+            return Quantized(fused.data, scale, TENSOR, OperandCache(fused.values, finite))
         return self._cast_with(x, scale, host_amax if finite else None)
 
     def _cast_with(self, x: torch.Tensor, scale: torch.Tensor, host_amax: float | None) -> Quantized:
@@ -205,10 +206,10 @@ class OperandScaling:
         if outputs is not None:  # the kernel's bookkeeping outputs are dropped
             data, data_t, fresh_scale, _, _, inverse = outputs
             scale = self.scale if self.delayed else fresh_scale  # the delayed kernel's third output is the amax
-            return Quantized(data, scale, TENSOR, inverse=inverse, transposed=data_t if transpose else None)
+            return Quantized(data, scale, TENSOR, _kernel_cache(inverse, data_t if transpose else None))
         fused = dispatch.fused_cast(x, self.scale, self.dtype) if stored else None
         if fused is not None:
-            return Quantized(fused.data, self.scale, TENSOR, fused.values, nan_free=math.isfinite(fused.host_amax))
+            return Quantized(fused.data, self.scale, TENSOR, OperandCache(fused.values, math.isfinite(fused.host_amax)))
         x_amax, host_amax = dispatch.amax_and_value(x)
         host_amax = host_amax if host_amax is not None and math.isfinite(host_amax) else None
         return self._cast_with(x, self.evaluation_scale(finite_or_zero(x_amax), host_amax), host_amax)
@@ -230,7 +231,7 @@ class OperandScaling:
             data, data_t, self.scale, self.last_amax, self.nonfinite_count, inverse = outputs
             self.initialized = True
         self.casts += 1
-        return Quantized(data, self.scale, TENSOR, inverse=inverse, transposed=data_t if transpose else None)
+        return Quantized(data, self.scale, TENSOR, _kernel_cache(inverse, data_t if transpose else None))
 
     def book(self, x_amax: torch.Tensor, record: bool, finite: bool = False) -> torch.Tensor:
         """Count one use of the operand with amax ``x_amax``; returns the amax with NaN/inf replaced by 0.
@@ -392,3 +393,8 @@ def advance_histories(
             s.amax_history, s.scale, s.pending_amax, s.flags = h, sc, z, f
             s._dirty = False
             s.generation += 1
+
+
+def _kernel_cache(inverse: torch.Tensor, transposed: torch.Tensor | None) -> OperandCache:
+    """What a CUDA cast kernel wrote besides the codes: ``1 / scale`` and, when asked, the transposed codes."""
+    return OperandCache(inverse=inverse, transposed=transposed)

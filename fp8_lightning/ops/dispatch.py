@@ -35,7 +35,7 @@ from fp8_lightning.kernels import cpu_codec as codec_module
 from fp8_lightning.kernels.availability import MX_BLOCK_SIZES, kernels_usable
 from fp8_lightning.kernels.fine_grained_layout import ROWWISE_TILES
 from fp8_lightning.ops import triton_ops
-from fp8_lightning.quantize import MX, Quantized, TENSOR, _check_floating, is_transposed_2d
+from fp8_lightning.quantize import MX, OperandCache, Quantized, TENSOR, _check_floating, is_transposed_2d
 
 # --------------------------------------------------------------------------------------------------------
 # Which implementation
@@ -149,8 +149,9 @@ def quantize_operand(
     codec = cast_codec(x, scale)
     if codec is not None:
         data, values, _ = codec.fp8_cast(x, scale.item() if scale_value is None else scale_value, dtype)
-        return Quantized(data, scale, TENSOR, values, nan_free)
-    return Quantized(fast_quantize_with_scale(x, scale, dtype, saturate), scale, TENSOR, nan_free=nan_free)
+        return Quantized(data, scale, TENSOR, OperandCache(values, nan_free))
+    data = fast_quantize_with_scale(x, scale, dtype, saturate)
+    return Quantized(data, scale, TENSOR, OperandCache(nan_free=nan_free))
 
 
 class FusedCast(NamedTuple):
@@ -272,12 +273,13 @@ def fast_dequantize_tensorwise(data: torch.Tensor, scale: torch.Tensor, out_dtyp
 
 
 def operand_f32(q: Quantized) -> torch.Tensor:
-    """The operand in float32 for a float GEMM (``q.f32``: the codes' exact values where the GEMM scales its
+    """The operand in float32 for a float GEMM (``q.cache.f32``: the codes' exact values where the GEMM scales its
     product, per-tensor and rowwise; the dequantized values for MX and blockwise; its kind says which), made on the
-    first call and kept on the operand for its other GEMMs."""
-    if q.f32 is None:
-        q.f32 = q.kind.to_f32(q)
-    return q.f32
+    first call and kept in the operand's cache for its other GEMMs."""
+    cache = q.cache
+    if cache.f32 is None:
+        cache.f32 = q.kind.to_f32(q)
+    return cache.f32
 
 
 def dequantize_operand(q: Quantized, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -330,7 +332,7 @@ def fast_quantize_mx_operands(
         return kernels.triton_mx_quantize(x, block_size, scale_rounding, dtype, rowwise=True, columnwise=columnwise)
     if codec is not None and x.numel() > 0:
         row, col = codec.mx_quantize(x, block_size, scale_rounding, dtype, True, columnwise, columnwise_f32)
-        return Quantized(row[0], row[1], MX, row[2]), (None if col is None else _transposed_operand(*col))
+        return Quantized(row[0], row[1], MX, OperandCache(row[2])), (None if col is None else _transposed_operand(*col))
     return mx.quantize_mx_operands(x, block_size, scale_rounding, dtype, columnwise)
 
 
@@ -347,7 +349,7 @@ def fast_quantize_mx_columns(x: torch.Tensor, block_size: int, scale_rounding: s
 
 def _transposed_operand(data: torch.Tensor, scale: torch.Tensor, values: torch.Tensor | None) -> Quantized:
     """The MX operand of x.T from columnwise blocks quantized in x's layout (views, no copy)."""
-    return Quantized(data.t(), scale.t(), MX, None if values is None else values.t())
+    return Quantized(data.t(), scale.t(), MX, OperandCache(None if values is None else values.t()))
 
 
 def fast_dequantize_mxfp8(data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32):
@@ -407,11 +409,16 @@ def codec_fine_cast(
     kind
     ``"row"`` (tiles ``(1, 0)``, ``(0, 1)``) or ``"block"``, the copies scaled down x's columns handed out as the
     operand of ``x.T`` (transposed views), and with ``transpose`` (128x128 blocks) the operand of ``x.T`` from the
-    same blocks. ``Quantized.f32`` holds what the CPU GEMM multiplies: the codes' values (rowwise), the dequantized
-    values (blockwise); ``Quantized.inverse`` the ``1 / scale`` the rowwise GEMM scales its product with."""
+    same blocks. ``OperandCache.f32`` holds what the CPU GEMM multiplies: the codes' values (rowwise), the dequantized
+    values (blockwise); ``OperandCache.inverse`` the ``1 / scale`` the rowwise GEMM scales its product with."""
     data, scale, inverse, values = codec_module.fine_quantize(x, tile, dtype, power_of_2, eps)
     kind = fine_grained.tile_kind(tile)
     if tile in (ROWWISE_TILES[1], COLUMN_TILE):
-        return Quantized(data.t(), scale.t(), kind, values.t(), inverse=inverse.t()), None
-    row = Quantized(data, scale, kind, values, inverse=inverse)
-    return row, (Quantized(data.t(), scale.t(), kind, values.t(), inverse=inverse.t()) if transpose else None)
+        return _fine_columns(data, scale, kind, values, inverse), None
+    row = Quantized(data, scale, kind, OperandCache(values, inverse=inverse))
+    return row, (_fine_columns(data, scale, kind, values, inverse) if transpose else None)
+
+
+def _fine_columns(data, scale, kind, values, inverse) -> Quantized:
+    """The operand of x.T from copies quantized in x's layout (transposed views, no copy)."""
+    return Quantized(data.t(), scale.t(), kind, OperandCache(values.t(), inverse=inverse.t()))

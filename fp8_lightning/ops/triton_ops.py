@@ -42,7 +42,7 @@ from fp8_lightning.kernels.availability import (
 from fp8_lightning.kernels.fine_grained_layout import BLOCKWISE_EDGE, TILES, output_layouts
 from fp8_lightning.mx import E8M0_DTYPE
 from fp8_lightning.ops.registry import hot_op
-from fp8_lightning.quantize import MX, Quantized
+from fp8_lightning.quantize import MX, OperandCache, Quantized
 
 
 def supports_input(x: torch.Tensor) -> bool:
@@ -379,8 +379,8 @@ def triton_fine_cast(
         x, fp8_dtype(fp8_format), *tile, power_of_2, float(eps), transpose
     )
     kind = tile_kind(tile)
-    row = Quantized(data, scale, kind, inverse=inverse)
-    return row, (Quantized(data_t, scale_t, kind, inverse=inverse_t) if transpose else None)
+    row = Quantized(data, scale, kind, OperandCache(inverse=inverse))
+    return row, (Quantized(data_t, scale_t, kind, OperandCache(inverse=inverse_t)) if transpose else None)
 
 
 def _grouped_column_cast_fake(x, starts, rows, out_starts, out_numel, out_line_stride, dtype, power_of_2, eps, align):

@@ -18,7 +18,7 @@ from fp8_lightning.ops import dispatch
 from fp8_lightning.formats import fp8_dtype
 from fp8_lightning.gemm import per_tensor_mm, per_tensor_scaled_mm
 from fp8_lightning.gemm_routes import GemmRoute, arch_name, native
-from fp8_lightning.quantize import TENSOR, Quantized, amax, to_fp8_saturated, wide
+from fp8_lightning.quantize import TENSOR, OperandCache, Quantized, amax, to_fp8_saturated, wide
 from fp8_lightning.recipes.base import Recipe
 from fp8_lightning.scaling import OperandScaling, finite_or_zero, records_amax
 from fp8_lightning.traced import TracedPlan, plan_for
@@ -68,7 +68,7 @@ class PerTensorRecipe(Recipe):
 
     def cast(self, role, x, dtype, columnwise, columnwise_f32, state, record):
         """The operand with ``state``'s scale; with ``columnwise`` the cast kernels (CUDA) also write the
-        transposed bytes, which :meth:`transposed` hands out (``Quantized.transposed``)."""
+        transposed bytes, which :meth:`transposed` hands out (``OperandCache.transposed``)."""
         return state.quantize(x, record, transpose=columnwise), None
 
     def transposed(self, row: Quantized, column: Quantized | None) -> Quantized:
@@ -114,7 +114,7 @@ class PerTensorRecipe(Recipe):
 
     def sequence_gather(self, row, column, gather):
         """One scale, agreed before the cast: only the codes travel; ``x.T`` is their transpose."""
-        return Quantized(gather(row.data, 0), row.scale, TENSOR, nan_free=row.nan_free), None
+        return Quantized(gather(row.data, 0), row.scale, TENSOR, OperandCache(nan_free=row.cache.nan_free)), None
 
     def sequence_columns(self, row, dtype):
         """``x.T`` is the transpose of the gathered codes (:meth:`transposed`): nothing to re-quantize."""
@@ -142,9 +142,9 @@ class PerTensorRecipe(Recipe):
 
 
 def _tensor_f32(q: Quantized) -> torch.Tensor:
-    """The codes' values, laid out as a cast without transposed copies lays them out (``Quantized.from_copy``)."""
-    values = dispatch.fast_fp8_to_float32(q.data, q.nan_free)
-    return values.t().contiguous().t() if q.from_copy else values
+    """The codes' values, laid out as a cast without transposed copies lays them out (``OperandCache.from_copy``)."""
+    values = dispatch.fast_fp8_to_float32(q.data, q.cache.nan_free)
+    return values.t().contiguous().t() if q.cache.from_copy else values
 
 
 def _tensor_dequantize(q: Quantized, out_dtype: torch.dtype) -> torch.Tensor:

@@ -217,7 +217,7 @@ class RowwiseScaling(FineGrainedRecipe):
 
 ROW.implement(
     gemm=row_mm,
-    to_f32=lambda q: dispatch.fast_fp8_to_float32(q.data, q.nan_free),
+    to_f32=lambda q: dispatch.fast_fp8_to_float32(q.data, q.cache.nan_free),
     dequantize=lambda q, out_dtype: dispatch.fast_dequantize_with_scale(q.data, q.scale, out_dtype),
     scale_multiplier=lambda q, k: q.scale.float(),
     representative_scale=lambda q: q.scale.float().amin().reshape(()),

@@ -120,10 +120,10 @@ def test_mx_rowwise_and_columnwise_match_the_reference(dtype, rounding, block, r
         for got, want in ((row, want_row), (col, want_col)):
             assert got.data.shape == want.data.shape and got.scale.shape == want.scale.shape
             assert same_bits(got.data, want.data) and same_bits(got.scale, want.scale)
-            assert same_bits(got.f32, reference(dispatch.fast_dequantize_mxfp8, want.data, want.scale))
+            assert same_bits(got.cache.f32, reference(dispatch.fast_dequantize_mxfp8, want.data, want.scale))
         saved = dispatch.fast_quantize_mx_operands(source, block, rounding, dtype, columnwise_f32=False)[1]
-        assert saved.f32 is None and same_bits(saved.data, want_col.data)
-        assert same_bits(dispatch.operand_f32(saved), want_col.f32 if want_col.f32 is not None else dispatch.operand_f32(want_col))
+        assert saved.cache.f32 is None and same_bits(saved.data, want_col.data)
+        assert same_bits(dispatch.operand_f32(saved), want_col.cache.f32 if want_col.cache.f32 is not None else dispatch.operand_f32(want_col))
         columns = dispatch.fast_quantize_mx_columns(source, block, rounding, dtype)
         assert same_bits(columns.data, want_col.data) and same_bits(columns.scale, want_col.scale)
 
@@ -171,7 +171,7 @@ def test_threads_split_the_work_without_changing_a_bit(reference, monkeypatch):
     assert same_bits(data, reference(dispatch.fast_quantize_with_scale, x, torch.tensor(2.0), torch.float8_e4m3fn))
     want_row, want_col = reference(dispatch.fast_quantize_mx_operands, x, 32, "rceil", torch.float8_e5m2)
     assert same_bits(row.data, want_row.data) and same_bits(col.data, want_col.data)
-    assert same_bits(col.scale, want_col.scale) and same_bits(row.f32, dispatch.operand_f32(want_row))
+    assert same_bits(col.scale, want_col.scale) and same_bits(row.cache.f32, dispatch.operand_f32(want_row))
 
 
 @pytest.mark.parametrize(

@@ -103,7 +103,7 @@ def test_backend_operands_match_the_reference_operands(recipe, role):
     x = hard_input(150, 140, seed=3)
     got = dispatch.fast_fine_operands(recipe, role, x, torch.float8_e4m3fn, columnwise=True)
     want = fine_grained.fine_operands(recipe, role, x, torch.float8_e4m3fn, columnwise=True)
-    assert got[0].f32 is not None  # the codec made the row copy and its GEMM values
+    assert got[0].cache.f32 is not None  # the codec made the row copy and its GEMM values
     for q, r in zip(got, want):
         assert q.kind == r.kind and q.data.shape == r.data.shape
         assert same_bits(q.data, r.data) and same_bits(q.scale.float(), r.scale.float())
@@ -111,14 +111,14 @@ def test_backend_operands_match_the_reference_operands(recipe, role):
             assert same_bits(dispatch.operand_f32(q), r.data.float())
             assert same_bits(q.inverse_scale(), r.scale.reciprocal())
         elif q.kind == "block":
-            assert same_bits(q.f32, dequantize_blockwise(r.data, r.scale))
+            assert same_bits(q.cache.f32, dequantize_blockwise(r.data, r.scale))
         assert same_bits(dispatch.dequantize_operand(q), dispatch.dequantize_operand(r))
 
 
 def test_disabling_the_codec_keeps_the_reference(monkeypatch):
     set_env(monkeypatch, **{cpu_codec.CODEC_DISABLE_ENV: "1"})
     row, col = dispatch.fast_fine_operands(BlockwiseScaling(), "input", torch.randn(8, 256), torch.float8_e4m3fn, True)
-    assert row.f32 is None and col.f32 is None
+    assert row.cache.f32 is None and col.cache.f32 is None
 
 
 def test_threads_split_the_bands_without_changing_a_bit(monkeypatch):

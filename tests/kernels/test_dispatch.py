@@ -102,8 +102,8 @@ def test_operand_scaling_uses_the_fused_cast_with_identical_state(kernel_calls, 
         got, expected = fused.quantize(x, record, transpose=i % 2 == 0), pure(reference.quantize, x, record)
         assert_same_fp8(got.data, expected.data)
         if i % 2 == 0 and (i > 0 or not fused.delayed):  # the transposed copy written by the same pass (not by
-            assert_same_fp8(got.transposed, expected.data.t().contiguous())  # delayed scaling's just-in-time cast)
-            assert got.t().data.is_contiguous() and got.t().transposed is got.data
+            assert_same_fp8(got.cache.transposed, expected.data.t().contiguous())  # delayed scaling's just-in-time cast)
+            assert got.t().data.is_contiguous() and got.t().cache.transposed is got.data
         assert torch.equal(got.scale, expected.scale) and torch.equal(got.inverse_scale(), expected.scale.reciprocal())
         for name in OperandScaling._TENSORS:  # (NaN amaxes may differ in their payload bits)
             torch.testing.assert_close(getattr(fused, name), getattr(reference, name), rtol=0, atol=0, equal_nan=True)

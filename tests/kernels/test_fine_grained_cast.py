@@ -19,7 +19,7 @@ from fp8_lightning import FP8Linear, fp8_autocast
 from fp8_lightning.ops import triton_ops
 from fp8_lightning.blockwise import blockwise_scaled_mm_args
 from fp8_lightning.fine_grained import fine_cast_twin
-from fp8_lightning.quantize import Quantized, row_major
+from fp8_lightning.quantize import OperandCache, Quantized, row_major
 from fp8_lightning.recipes import BlockwiseScaling, RowwiseScaling
 from fp8_lightning.rowwise import rowwise_scaled_mm_args
 from tests.core.fake_cuda import fake_cuda
@@ -50,7 +50,7 @@ def assert_same_operand(q, data: torch.Tensor, scale: torch.Tensor) -> None:
     assert_same_fp8(q.data, data)
     assert q.data.is_contiguous()  # codes row-major, K last: the layout the GEMM reads
     assert torch.equal(q.scale, scale), (q.scale, scale)
-    assert torch.equal(q.inverse, scale.reciprocal())
+    assert torch.equal(q.cache.inverse, scale.reciprocal())
 
 
 @pytest.mark.parametrize("tile", [ROW, COLUMN, *BLOCK_TILES])
@@ -86,15 +86,15 @@ def test_bf16_input_transposed_view_and_tiny_shapes():
 def test_scale_layouts_are_cublas_layouts():
     x = torch.randn(200, 300)
     per_row, per_column = (triton_ops.triton_fine_cast(x, E4M3, tile)[0] for tile in (ROW, COLUMN))
-    assert per_row.inverse.shape == (200, 1) and per_column.inverse.shape == (300, 1)
-    assert per_row.inverse.is_contiguous() and per_column.inverse.is_contiguous()
+    assert per_row.cache.inverse.shape == (200, 1) and per_column.cache.inverse.shape == (300, 1)
+    assert per_row.cache.inverse.is_contiguous() and per_column.cache.inverse.is_contiguous()
     row_tiles, _ = triton_ops.triton_fine_cast(x, E4M3, (1, 128), True)
-    assert row_tiles.scale.shape == (200, 3) and row_tiles.inverse.stride() == (1, 200)  # outer-dim-major
+    assert row_tiles.scale.shape == (200, 3) and row_tiles.cache.inverse.stride() == (1, 200)  # outer-dim-major
     column_tiles, _ = triton_ops.triton_fine_cast(x, E4M3, (128, 1), True)
-    assert column_tiles.data.shape == (300, 200) and column_tiles.inverse.stride() == (1, 300)
+    assert column_tiles.data.shape == (300, 200) and column_tiles.cache.inverse.stride() == (1, 300)
     w, w_t = triton_ops.triton_fine_cast(x, E4M3, (128, 128), True, transpose=True)
-    assert w.inverse.shape == (2, 3) and w.inverse.stride() == (4, 1)  # rows padded to 16 bytes
-    assert w_t.inverse.shape == (3, 2) and w_t.inverse.stride() == (4, 1)
+    assert w.cache.inverse.shape == (2, 3) and w.cache.inverse.stride() == (4, 1)  # rows padded to 16 bytes
+    assert w_t.cache.inverse.shape == (3, 2) and w_t.cache.inverse.stride() == (4, 1)
 
 
 def test_bad_requests_are_refused_with_the_allowed_values():
@@ -136,7 +136,8 @@ def _fake_cast(x, dtype, tile, transpose=False):
         x, dtype, *tile, True, 1e-12, transpose
     )
     kind = "block" if 128 in tile else "row"
-    return Quantized(data, scale, kind, inverse=inverse), Quantized(data_t, scale_t, kind, inverse=inverse_t)
+    return (Quantized(data, scale, kind, OperandCache(inverse=inverse)),
+            Quantized(data_t, scale_t, kind, OperandCache(inverse=inverse_t)))
 
 
 @pytest.mark.parametrize("m, k, n", [(256, 384, 512), (208, 1024, 144), (16, 1000 // 16 * 16, 48)])

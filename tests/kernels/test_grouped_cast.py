@@ -87,7 +87,7 @@ def test_stacked_weights_transposed_copy_equals_each_expert_cast_alone(source):
         data, scale = quantize_rowwise(weight[e].t(), E4M3, -1, 1e-12, True)  # W_e.T, one scale per row
         assert_same_fp8(q.data[e * k : (e + 1) * k], data)
         assert torch.equal(q.scale[e * k : (e + 1) * k], scale)
-        assert torch.equal(q.inverse[e * k : (e + 1) * k], scale.reciprocal())
+        assert torch.equal(q.cache.inverse[e * k : (e + 1) * k], scale.reciprocal())
 
 
 def test_bad_bounds_say_what_is_wanted():
