@@ -37,7 +37,7 @@ def grouped_gemm_configs(capability: tuple[int, int] | None = None) -> list[trit
         # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, the GPUs that select it
         (128, 128, 128, 8, 3, "sm90+"),
         (128, 256, 64, 8, 3, "sm90+"),
-        (64, 128, 128, 4, 4, "sm90+"),
+        (64, 128, 128, 8, 3, "sm90+"),
         (64, 128, 64, 4, 3, "any"),
         (64, 64, 128, 4, 3, "sm89"),
     ]
@@ -93,14 +93,17 @@ def _grouped_mm_2d3d_kernel(
     first = _total(tl.where(groups == group, last - tiles, 0), 0)
     start = _total(tl.where(groups == group, starts, 0), 0)
     end = _total(tl.where(groups == group, ends, 0), 0)
-    rows = start + (slot - first) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_rows = rows < end
-    in_cols = cols < N
+    row0 = start + (slot - first) * BLOCK_M
+    col0 = pid_n * BLOCK_N
+    # 64-bit scalar bases, 32-bit offsets inside the tile: pointer tensors of 64-bit offsets spill registers
+    rs = tl.arange(0, BLOCK_M)
+    cs = tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + ks[None, :] * stride_ak
-    b_ptrs = (b_ptr + group.to(tl.int64) * stride_be + ks[:, None].to(tl.int64) * stride_bk
-              + cols.to(tl.int64)[None, :] * stride_bn)  # fmt: skip
+    in_rows = rs < end - row0
+    in_cols = cs < N - col0
+    a_ptrs = a_ptr + row0.to(tl.int64) * stride_am + (rs[:, None] * stride_am + ks[None, :] * stride_ak)
+    b_base = b_ptr + group.to(tl.int64) * stride_be + col0.to(tl.int64) * stride_bn
+    b_ptrs = b_base + (ks[:, None] * stride_bk + cs[None, :] * stride_bn)
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for k in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -112,10 +115,11 @@ def _grouped_mm_2d3d_kernel(
         acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
-    sa = tl.load(sa_ptr + rows.to(tl.int64) * stride_sam, mask=in_rows, other=0.0)
-    sb = tl.load(sb_ptr + group.to(tl.int64) * stride_sbe + cols.to(tl.int64) * stride_sbn, mask=in_cols, other=0.0)
+    sa = tl.load(sa_ptr + row0.to(tl.int64) * stride_sam + rs * stride_sam, mask=in_rows, other=0.0)
+    sb = tl.load(sb_ptr + group.to(tl.int64) * stride_sbe + (col0 + cs) * stride_sbn, mask=in_cols, other=0.0)
     out = (acc * sa[:, None]) * sb[None, :]
-    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols.to(tl.int64)[None, :] * stride_cn
+    c_ptrs = c_ptr + row0.to(tl.int64) * stride_cm + col0.to(tl.int64) * stride_cn + (
+        rs[:, None] * stride_cm + cs[None, :] * stride_cn)
     tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=in_rows[:, None] & in_cols[None, :])
 
 
@@ -123,7 +127,7 @@ def _grouped_mm_2d3d_kernel(
 def _grouped_mm_2d2d_kernel(
     a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, offs_ptr, N, K, M_BUCKET,
     stride_an, stride_am, stride_bm, stride_bk, stride_ce, stride_cn, stride_ck,
-    stride_sae, stride_san, stride_sbe, stride_sbk,
+    stride_sae, stride_san, stride_sbe, stride_sbk, ALIGNED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Output tile pid0 of group pid1's (N, K) product ``a[:, group] @ b[group, :]``; here BLOCK_M tiles N, BLOCK_N
@@ -134,26 +138,32 @@ def _grouped_mm_2d2d_kernel(
     group = tl.program_id(1)
     start = tl.load(offs_ptr + group - 1, mask=group > 0, other=0)
     end = tl.load(offs_ptr + group)
-    rows = pid_n * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_k * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_rows = rows < N
-    in_cols = cols < K
-    ms = start + tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_an + ms.to(tl.int64)[None, :] * stride_am
-    b_ptrs = b_ptr + ms.to(tl.int64)[:, None] * stride_bm + cols.to(tl.int64)[None, :] * stride_bk
+    if ALIGNED:  # every group starts at a multiple of 16 tokens (the padded layout): 16-byte vector loads
+        start = tl.multiple_of(start, 16)
+    row0 = pid_n * BLOCK_M
+    col0 = pid_k * BLOCK_N
+    rs = tl.arange(0, BLOCK_M)
+    cs = tl.arange(0, BLOCK_N)
+    ms = tl.arange(0, BLOCK_K)
+    in_rows = rs < N - row0
+    in_cols = cs < K - col0
+    a_ptrs = a_ptr + row0.to(tl.int64) * stride_an + start.to(tl.int64) * stride_am + (
+        rs[:, None] * stride_an + ms[None, :] * stride_am)
+    b_ptrs = b_ptr + start.to(tl.int64) * stride_bm + col0.to(tl.int64) * stride_bk + (
+        ms[:, None] * stride_bm + cs[None, :] * stride_bk)
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for m in range(start, end, BLOCK_K):
-        in_group = m - start + tl.arange(0, BLOCK_K) < end - start
+        in_group = ms < end - m
         a = tl.load(a_ptrs, mask=in_rows[:, None] & in_group[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=in_group[:, None] & in_cols[None, :], other=0.0)
         acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_am
         b_ptrs += BLOCK_K * stride_bm
-    sa = tl.load(sa_ptr + group.to(tl.int64) * stride_sae + rows.to(tl.int64) * stride_san, mask=in_rows, other=0.0)
-    sb = tl.load(sb_ptr + group.to(tl.int64) * stride_sbe + cols.to(tl.int64) * stride_sbk, mask=in_cols, other=0.0)
+    sa = tl.load(sa_ptr + group.to(tl.int64) * stride_sae + (row0 + rs) * stride_san, mask=in_rows, other=0.0)
+    sb = tl.load(sb_ptr + group.to(tl.int64) * stride_sbe + (col0 + cs) * stride_sbk, mask=in_cols, other=0.0)
     out = (acc * sa[:, None]) * sb[None, :]
-    c_ptrs = (c_ptr + group.to(tl.int64) * stride_ce + rows.to(tl.int64)[:, None] * stride_cn
-              + cols.to(tl.int64)[None, :] * stride_ck)  # fmt: skip
+    c_ptrs = c_ptr + group.to(tl.int64) * stride_ce + row0.to(tl.int64) * stride_cn + col0.to(tl.int64) * stride_ck + (
+        rs[:, None] * stride_cn + cs[None, :] * stride_ck)
     tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=in_rows[:, None] & in_cols[None, :])
 
 
@@ -213,11 +223,13 @@ def grouped_mm_2d3d(
 
 def grouped_mm_2d2d(
     a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, offs: torch.Tensor,
-    out_dtype: torch.dtype, config: dict | None = None,
+    out_dtype: torch.dtype, aligned: bool = False, config: dict | None = None,
 ) -> torch.Tensor:
     """``out[e] = (a[:, cols of e] @ b[cols of e, :]) * scale_a[e, row] * scale_b[e, col]`` for FP8 ``a`` (N, M)
     and ``b`` (M, K) of any strides, giving (E, N, K); ``scale_a`` (E, N) or (E, 1), ``scale_b`` (E, K) or (E, 1)
-    float32; ``offs`` int32 (E,) on the device. An empty group's product is zero."""
+    float32; ``offs`` int32 (E,) on the device. An empty group's product is zero. ``aligned``: every group starts
+    at a multiple of 16 tokens (the padded layout of ``fp8_lightning.rowwise_grouped``), which lets a GPU load 16
+    codes at once; a wrong promise reads misaligned on a GPU."""
     n, m = a.shape
     k = b.shape[1]
     experts = offs.numel()
@@ -234,5 +246,5 @@ def grouped_mm_2d2d(
     def grid(meta):
         return (triton.cdiv(n, meta["BLOCK_M"]) * triton.cdiv(k, meta["BLOCK_N"]), experts)
 
-    _launch(_grouped_mm_2d2d_kernel, _2d2d_autotuned, grid, args, config)
+    _launch(_grouped_mm_2d2d_kernel, _2d2d_autotuned, grid, args, config, ALIGNED=aligned)
     return out
