@@ -167,9 +167,8 @@ def _grouped_mm_2d2d_kernel(
     tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=in_rows[:, None] & in_cols[None, :])
 
 
-_AUTOTUNE = dict(
-    configs=grouped_gemm_configs(), key=["M_BUCKET", "N", "K"], prune_configs_by={"early_config_prune": _prune_for_device}
-)
+_AUTOTUNE = dict(configs=grouped_gemm_configs(), key=["M_BUCKET", "N", "K"],
+                 prune_configs_by={"early_config_prune": _prune_for_device})  # fmt: skip
 _2d3d_autotuned = triton.autotune(**_AUTOTUNE)(_grouped_mm_2d3d_kernel)
 _2d2d_autotuned = triton.autotune(**_AUTOTUNE)(_grouped_mm_2d2d_kernel)
 
