@@ -265,8 +265,8 @@ def _grouped_gemm_variants() -> list[Variant]:
                            f"scales={scales}", (*head, ("N", "i32:16"), ("K", "i32:16"), ("M_BUCKET", "i32:16"),
             ("stride_an", "i32:16"), ("stride_am", 1), ("stride_bm", 1), ("stride_bk", "i32:16"),
             ("stride_ce", "i32:16"), ("stride_cn", "i32:16"), ("stride_ck", 1), ("stride_sae", "i32"),
-            ("stride_san", 1 if row else "i32"), ("stride_sbe", "i32"), ("stride_sbk", 1 if row else "i32"), ("ALIGNED", True), *meta.items()),
-            **common))  # fmt: skip
+            ("stride_san", 1 if row else "i32"), ("stride_sbe", "i32"), ("stride_sbk", 1 if row else "i32"),
+            ("ALIGNED", True), *meta.items()), **common))  # fmt: skip
     return out
 
 
