@@ -221,7 +221,16 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
         return f"{device.type}: the Triton grouped GEMM serves CUDA devices"
     if not cuda_kernels_enabled(device.index):
         return f"the Triton kernels do not run here: {device_status(device)[1]} (or FP8_LIGHTNING_DISABLE_TRITON=1)"
-    return None
+    return triton_arch_reason(torch.cuda.get_device_capability(device))
+
+
+def triton_arch_reason(capability: tuple[int, int]) -> str | None:
+    """Why the Triton grouped GEMM is not used on a GPU of ``capability``: it is compiled and checked ahead of time
+    for sm_89, sm_90a and sm_100a (``tests/kernels/test_aot_compile.py``), so it serves those families alone."""
+    if capability == (8, 9) or capability[0] in (9, 10):
+        return None
+    return (f"sm_{capability[0]}{capability[1]}: the Triton grouped GEMM is compiled and checked for sm_89, sm_90 and "
+            "sm_100 only")
 
 
 def native_unavailable_reason(device: torch.device, experts: int) -> str | None:

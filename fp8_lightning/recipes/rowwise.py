@@ -43,6 +43,7 @@ from fp8_lightning.rowwise_grouped import (
     grouped_columnwise,
     native_unavailable_reason,
     stacked_columns,
+    triton_arch_reason,
     triton_unavailable_reason,
 )
 from fp8_lightning.settings import settings
@@ -157,6 +158,9 @@ class RowwiseScaling(FineGrainedRecipe):
             torch_reason = f"{where}: torch 2.11's rowwise grouped kernel is built for sm_90 only"
         if torch_reason is None and settings().grouped_gemm != "triton":
             return native_grouped_rowwise(f"{where}, {cuda_name(cuda)}")
+        triton_reason = triton_arch_reason(capability)
+        if triton_reason is not None:
+            return emulated_on_gpu(f"grouped GEMMs emulated: {torch_reason}; {triton_reason}")
         return native_grouped_triton(f"{where}: {torch_reason or 'FP8_LIGHTNING_GROUPED_GEMM=triton'}")
 
     def _grouped_unsupported_reason(self) -> str | None:

@@ -137,3 +137,38 @@ def test_2d2d_no_tokens_gives_zeros():
     got = grouped_mm_2d2d(codes((8, 0), E4M3, 0), codes((0, 16), E4M3, 1), scales((2, 8), 2), scales((2, 16), 3),
                           offsets([0, 0]), torch.bfloat16)  # fmt: skip
     assert got.shape == (2, 8, 16) and torch.equal(got.float(), torch.zeros(2, 8, 16))
+
+
+def test_the_rowwise_route_multiplies_the_recipes_operands_as_float64_does():
+    """The Triton route of the rowwise recipe on the operands the recipe casts (stacked weights stored (E, N, K),
+    padded columnwise copies), each of the three GEMMs against float64 math on those operands' exact values."""
+    from fp8_lightning.groups import group_bounds
+    from fp8_lightning.recipes import RowwiseScaling
+    from fp8_lightning.rowwise_grouped import TritonRowwiseGroupedGemm
+
+    def values(q):  # float64 codes times float64 inverse scales
+        return q.data.double() * q.inverse_scale().double()
+
+    sizes, k, n = [0, 7, 33, 0, 18], 48, 32
+    g = torch.Generator().manual_seed(20)
+    x, grad = torch.randn(sum(sizes), k, generator=g), torch.randn(sum(sizes), n, generator=g)
+    weight = torch.randn(len(sizes), n, k, generator=g)
+    offs = offsets(sizes)
+    recipe, bounds = RowwiseScaling(), group_bounds(offs, sum(sizes), len(sizes))
+    x_row, x_cols = recipe.grouped_operands("input", x, bounds, E4M3, True, None, True)
+    g_row, g_cols = recipe.grouped_operands("grad_output", grad, bounds, E4M3, True, None, True)
+    weights = recipe.grouped_weight_operands(weight, E4M3, [None] * len(sizes), True)
+    route = TritonRowwiseGroupedGemm()
+    y, dx = route.fprop(x_row, weights, offs, torch.float32), route.dgrad(g_row, weights, offs, torch.float32)
+    dw = route.wgrad(g_cols, x_cols, torch.float32)
+    xv, gv = values(x_row), values(g_row)
+    for e, (start, end) in enumerate(bounds):
+        w, w_t = (values(q) for q in weights[e])  # W_e (N, K) and W_e.T (K, N), each scaled its own way
+        bound = xv[start:end].abs() @ w.abs().t()
+        check_close(y[start:end], xv[start:end] @ w.t(), bound, torch.float32)
+        check_close(dx[start:end], gv[start:end] @ w_t.t(), gv[start:end].abs() @ w_t.abs().t(), torch.float32)
+        if start == end:
+            assert torch.equal(dw[e], torch.zeros(n, k))
+            continue
+        gc, xc = values(g_cols[e]), values(x_cols[e])  # g_e.T (N, m), x_e.T (K, m)
+        check_close(dw[e], gc @ xc.t(), gc.abs() @ xc.abs().t(), torch.float32)
