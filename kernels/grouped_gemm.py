@@ -25,8 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
+from fp8_lightning.kernels.block_gemm import m_bucket  # token counts that share one tuned tile
+
 # A small fixed tile for the Triton interpreter (CPU), where autotuning has nothing to measure.
-INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
+GROUPED_INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -173,16 +175,11 @@ _2d3d_autotuned = triton.autotune(**_AUTOTUNE)(_grouped_mm_2d3d_kernel)
 _2d2d_autotuned = triton.autotune(**_AUTOTUNE)(_grouped_mm_2d2d_kernel)
 
 
-def m_bucket(m: int) -> int:
-    """Token counts that share one tuned tile: a power of two, at least 64 (as ``block_gemm.m_bucket``)."""
-    return max(64, 1 << (max(m, 1) - 1).bit_length())
-
-
 def _launch(kernel, autotuned, grid, args, config, **constexprs):
     from fp8_lightning.kernels.availability import interpreting
 
     if config is None and interpreting():
-        config = INTERPRETER_CONFIG
+        config = GROUPED_INTERPRETER_CONFIG
     if config is None:
         autotuned[grid](*args, **constexprs)
         return
