@@ -15,14 +15,13 @@ bf16 output only; fewer than 1024 groups; CUTLASS's sm_90 kernel. Two cases serv
   tokens, whose product is exactly zero), as torchao pads token groups for the same kernel.
 
 Where torch has no such kernel for the device (sm_89, sm_100 in torch 2.11), or where ``FP8_LIGHTNING_GROUPED_GEMM``
-asks for it, the same arguments go to the Triton grouped GEMM (:class:`TritonRowwiseGroupedGemm`).
+asks for it, the same arguments go to the Triton grouped GEMM (:mod:`fp8_lightning.triton_grouped`).
 """
 
 from __future__ import annotations
 
 import collections.abc
 import functools
-import importlib
 
 import torch
 
@@ -168,33 +167,6 @@ class RowwiseGroupedGemm:
         return _launch(mat_a, mat_b, scale_a, scale_b, offs, self.grad_fast_accum).to(out_dtype)
 
 
-class TritonRowwiseGroupedGemm:
-    """The same three GEMMs as :class:`RowwiseGroupedGemm` on the same operands, each one launch of the Triton grouped
-    kernel (:mod:`fp8_lightning.kernels.grouped_gemm`): the stacked weights read in the majorness they have, the
-    output written in the requested dtype, ``offs`` read on the device. It always accumulates in float32."""
-
-    def fprop(self, x: Quantized, weights: StackedWeights, offs: torch.Tensor, out_dtype: torch.dtype):
-        mat_a, mat_b, scale_a, scale_b = fprop_args(x, weights)
-        return _triton(mat_a).grouped_mm_2d3d(mat_a, mat_b, scale_a, scale_b, offs, out_dtype)
-
-    def dgrad(self, g: Quantized, weights: StackedWeights, offs: torch.Tensor, out_dtype: torch.dtype):
-        mat_a, mat_b, scale_a, scale_b = dgrad_args(g, weights)
-        return _triton(mat_a).grouped_mm_2d3d(mat_a, mat_b, scale_a, scale_b, offs, out_dtype)
-
-    def wgrad(self, g_columns: GroupedColumns, x_columns: GroupedColumns, out_dtype: torch.dtype):
-        mat_a, mat_b, _, _, offs = wgrad_args(g_columns, x_columns)
-        scale_a, scale_b = g_columns.scale.reciprocal(), x_columns.scale.reciprocal()  # (E, N), (E, K)
-        return _triton(mat_a).grouped_mm_2d2d(mat_a, mat_b, scale_a, scale_b, offs, out_dtype, aligned=True)
-
-
-def _triton(x: torch.Tensor):
-    """The grouped GEMM launchers, after checking that the kernels run on ``x``'s device (clear error otherwise)."""
-    from fp8_lightning.kernels.availability import require_triton
-
-    require_triton("grouped_gemm", x.device)
-    return importlib.import_module("fp8_lightning.kernels.grouped_gemm")
-
-
 def _launch(mat_a, mat_b, scale_a, scale_b, offs, fast_accum: bool) -> torch.Tensor:
     return torch._scaled_grouped_mm(
         mat_a, mat_b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=fast_accum
@@ -210,27 +182,6 @@ def _device_reason(device: torch.device) -> str | None:
         return (f"sm_{capability[0]}{capability[1]}: torch 2.11's rowwise grouped kernel (CUTLASS) is built for sm_90 "
                 "only (sm_100 came with torch PR #188063)")
     return None
-
-
-def triton_unavailable_reason(device: torch.device) -> str | None:
-    """Why the Triton grouped GEMM does not serve the core on ``device`` (CUDA sm_89+, Triton, not disabled), or
-    None."""
-    from fp8_lightning.kernels.availability import cuda_kernels_enabled, device_status
-
-    if device.type != "cuda":
-        return f"{device.type}: the Triton grouped GEMM serves CUDA devices"
-    if not cuda_kernels_enabled(device.index):
-        return f"the Triton kernels do not run here: {device_status(device)[1]} (or FP8_LIGHTNING_DISABLE_TRITON=1)"
-    return triton_arch_reason(torch.cuda.get_device_capability(device))
-
-
-def triton_arch_reason(capability: tuple[int, int]) -> str | None:
-    """Why the Triton grouped GEMM is not used on a GPU of ``capability``: it is compiled and checked ahead of time
-    for sm_89, sm_90a and sm_100a (``tests/kernels/test_aot_compile.py``), so it serves those families alone."""
-    if capability == (8, 9) or capability[0] in (9, 10):
-        return None
-    return (f"sm_{capability[0]}{capability[1]}: the Triton grouped GEMM is compiled and checked for sm_89, sm_90 and "
-            "sm_100 only")
 
 
 def native_unavailable_reason(device: torch.device, experts: int) -> str | None:

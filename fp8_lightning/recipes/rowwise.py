@@ -39,14 +39,12 @@ from fp8_lightning.rowwise import (
 from fp8_lightning.scaling import max_across
 from fp8_lightning.rowwise_grouped import (
     RowwiseGroupedGemm,
-    TritonRowwiseGroupedGemm,
     grouped_columnwise,
     native_unavailable_reason,
     stacked_columns,
-    triton_arch_reason,
-    triton_unavailable_reason,
 )
 from fp8_lightning.settings import settings
+from fp8_lightning.triton_grouped import TritonRowwiseGroupedGemm, triton_arch_reason, triton_unavailable_reason
 from fp8_lightning.traced import plan_for
 
 

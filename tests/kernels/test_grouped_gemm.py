@@ -144,7 +144,7 @@ def test_the_rowwise_route_multiplies_the_recipes_operands_as_float64_does():
     padded columnwise copies), each of the three GEMMs against float64 math on those operands' exact values."""
     from fp8_lightning.groups import group_bounds
     from fp8_lightning.recipes import RowwiseScaling
-    from fp8_lightning.rowwise_grouped import TritonRowwiseGroupedGemm
+    from fp8_lightning.triton_grouped import TritonRowwiseGroupedGemm
 
     def values(q):  # float64 codes times float64 inverse scales
         return q.data.double() * q.inverse_scale().double()
