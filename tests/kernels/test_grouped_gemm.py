@@ -172,3 +172,40 @@ def test_the_rowwise_route_multiplies_the_recipes_operands_as_float64_does():
             continue
         gc, xc = values(g_cols[e]), values(x_cols[e])  # g_e.T (N, m), x_e.T (K, m)
         check_close(dw[e], gc @ xc.t(), gc.abs() @ xc.abs().t(), torch.float32)
+
+
+@pytest.mark.parametrize("recipe_name", ["tensorwise", "delayed"])
+def test_the_per_tensor_route_multiplies_the_recipes_operands_as_float64_does(recipe_name):
+    """The Triton route of the per-tensor recipes (HYBRID: e5m2 gradients times e4m3 operands; one scale per tensor,
+    one per expert's weight) on the operands the recipe casts, each GEMM against float64 math on their values."""
+    from fp8_lightning.grouped.gemm import GroupedScaling
+    from fp8_lightning.groups import group_bounds
+    from fp8_lightning.recipes import recipe_from
+    from fp8_lightning.triton_grouped import TritonPerTensorGroupedGemm
+
+    def values(q):
+        return q.data.double() * q.inverse_scale().double()
+
+    sizes, k, n = [6, 0, 33, 17, 0], 48, 32
+    g = torch.Generator().manual_seed(21)
+    x, grad = torch.randn(sum(sizes), k, generator=g), torch.randn(sum(sizes), n, generator=g) * 1e-3
+    weight = torch.randn(len(sizes), n, k, generator=g) * torch.arange(1.0, len(sizes) + 1).reshape(-1, 1, 1)
+    offs = offsets(sizes)
+    recipe, bounds = recipe_from(recipe_name), group_bounds(offs, sum(sizes), len(sizes))
+    scaling = GroupedScaling(recipe, len(sizes))
+    x_row, x_cols = recipe.grouped_operands("input", x, bounds, E4M3, True, scaling.operands["input"], True)
+    g_row, g_cols = recipe.grouped_operands("grad_output", grad, bounds, E5M2, True, scaling.operands["grad_output"],
+                                            True)  # fmt: skip
+    weights = recipe.grouped_weight_operands(weight, E4M3, scaling.expert_states, True)
+    assert g_row.data.dtype == E5M2 and len({w.inverse_scale().item() for w, _ in weights}) > 1  # per expert
+    route = TritonPerTensorGroupedGemm()
+    y, dx = route.fprop(x_row, weights, offs, torch.float32), route.dgrad(g_row, weights, offs, torch.float32)
+    dw = route.wgrad(g_cols, x_cols, torch.float32)
+    assert torch.equal(TritonPerTensorGroupedGemm().wgrad(g_cols, x_cols, torch.float32), dw)  # offs from the views
+    xv, gv = values(x_row), values(g_row)
+    for e, (start, end) in enumerate(bounds):
+        w = values(weights[e][0])  # W_e (N, K)
+        check_close(y[start:end], xv[start:end] @ w.t(), xv[start:end].abs() @ w.abs().t(), torch.float32)
+        check_close(dx[start:end], gv[start:end] @ w, gv[start:end].abs() @ w.abs(), torch.float32)
+        gs, xs = gv[start:end], xv[start:end]
+        check_close(dw[e], gs.t() @ xs, gs.abs().t() @ xs.abs(), torch.float32)
