@@ -98,7 +98,7 @@ case "$mode" in
   grouped)  # also the weight cache's GPU rule (a reuse casts again, no device sync) and its host time
     STEP_TIMEOUT=60 step grouped_check "$python" -m benchmarks grouped-gpu-check --out "$work/grouped_gpu_check.md"
     STEP_TIMEOUT=60 step pytest_grouped "$python" -m pytest -q -p no:cacheprovider -m gpu \
-      tests/core/test_grouped_native.py tests/core/test_grouped_mm.py tests/kernels/test_grouped_cast.py \
+      tests/core/test_grouped_native.py tests/core/test_grouped_mm.py tests/kernels/test_grouped_cast.py tests/kernels/test_grouped_gemm.py \
       tests/core/test_weight_cache.py
     STEP_TIMEOUT=120 step grouped "$python" -m benchmarks grouped --suite gpu --recipes rowwise --baselines \
       --rounds 3 --profile --out "$work/perf-grouped-gpu"
@@ -106,7 +106,7 @@ case "$mode" in
       --rounds 100 --accumulate 4 --checksum-off-rows --out "$work/host_time_accumulate.md"
     ;;
   grouped-triton)  # check first (exit 1 skips the timings), then GEMM-alone and whole-step timings
-    STEP_TIMEOUT=170 step grouped_triton "$python" -m benchmarks grouped-triton --out "$work/grouped_triton.md"
+    STEP_TIMEOUT=175 step grouped_triton "$python" -m benchmarks grouped-triton --rounds 5 --out "$work/grouped_triton.md"
     ;;
   lease)  # everything that fits one call: each step capped so the whole call ends inside ~9 minutes
     STEP_TIMEOUT=140 step gpu_check "$python" -m benchmarks gpu-check

@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernels.conftest import requires_cuda_kernels
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SIZES = [0, 5, 33, 17, 0, 40, 1, 0]
 
@@ -209,3 +211,26 @@ def test_the_per_tensor_route_multiplies_the_recipes_operands_as_float64_does(re
         check_close(dx[start:end], gv[start:end] @ w, gv[start:end].abs() @ w.abs(), torch.float32)
         gs, xs = gv[start:end], xv[start:end]
         check_close(dw[e], gs.t() @ xs, gs.abs().t() @ xs.abs(), torch.float32)
+
+
+@pytest.mark.gpu
+@requires_cuda_kernels
+@pytest.mark.parametrize("storage", ["EKN", "ENK"])
+def test_compiled_kernels_on_cuda_match_float64(storage):
+    """The compiled kernels on a GPU (autotuned tiles, K a multiple of 128 and not), both shapes, bf16 output."""
+    from fp8_lightning.kernels.grouped_gemm import grouped_mm_2d2d, grouped_mm_2d3d
+
+    sizes = SIZES + [300, 0, 129]
+    for k in (256, 80):
+        experts, n = len(sizes), 192
+        a, b = codes((sum(sizes), k), E4M3, 30), codes((experts, k, n), E4M3, 31)
+        sa, sb = scales((sum(sizes),), 32), scales((experts, n), 33)
+        weight = b if storage == "EKN" else b.transpose(1, 2).contiguous().transpose(1, 2)
+        got = grouped_mm_2d3d(a.cuda(), weight.cuda(), sa.cuda(), sb.cuda(), offsets(sizes).cuda(), torch.bfloat16)
+        want, bound = reference_2d3d(a, b, sa, sb, sizes)
+        check_close(got.cpu(), want, bound, torch.bfloat16)
+    x, y = codes((n, sum(sizes)), E4M3, 34), codes((k, sum(sizes)), E4M3, 35).t()
+    sx, sy = scales((experts, n), 36), scales((experts, k), 37)
+    got = grouped_mm_2d2d(x.cuda(), y.cuda(), sx.cuda(), sy.cuda(), offsets(sizes).cuda(), torch.bfloat16)
+    want, bound = reference_2d2d(x, y, sx, sy, sizes)
+    check_close(got.cpu(), want, bound, torch.bfloat16)
