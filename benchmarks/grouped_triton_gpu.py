@@ -95,6 +95,8 @@ def correctness(lines, failures, device: str = "cuda") -> None:
 def timed(fn, rounds: int) -> float:
     """Median seconds of ``fn`` over ``rounds`` calls (CUDA events), after two warm-up calls (autotuning)."""
     fn(), fn()
+    if not torch.cuda.is_available():  # a dry run of the script's logic (the interpreter on CPU)
+        return min(_host_seconds(fn) for _ in range(rounds))
     times = []
     for _ in range(rounds):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -106,23 +108,29 @@ def timed(fn, rounds: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def speed(args, lines) -> None:
+def _host_seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def speed(args, lines, device: str = "cuda") -> None:
     from fp8_lightning.kernels.grouped_gemm import grouped_mm_2d2d, grouped_mm_2d3d
 
-    has_torch = hasattr(torch, "_scaled_grouped_mm") and torch.cuda.get_device_capability()[0] == 9
+    has_torch = device == "cuda" and hasattr(torch, "_scaled_grouped_mm") and torch.cuda.get_device_capability()[0] == 9
     lines += ["", "## Speed (median ms; speed-up vs bf16 torch._grouped_mm in brackets)", "",
               "| shape | experts | rows | K | N | what | bf16 | torch fp8 | triton fp8 |", "|---|---|---|---|---|---|---|---|---|"]
     for model, (hidden, inner, experts, per_expert) in SHAPES.items():
         experts = args.deepseek_experts if model == "deepseek-v3" else experts
         counts = skewed_counts(experts * per_expert // 8, experts, 8, args.skew, 0.125)
-        offs = torch.cumsum(counts, 0).to(torch.int32).cuda()
+        offs = torch.cumsum(counts, 0).to(torch.int32).to(device)
         m = int(counts.sum())
         for name, k, n in (("gate_up", hidden, 2 * inner), ("down", inner, hidden)):
             torch.manual_seed(0)
-            a16 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            w16 = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-            a8, w8 = fp8_codes((m, k), None, "cuda"), fp8_codes((experts, n, k), None, "cuda")
-            sa, sb = torch.rand(m, device="cuda") + 0.5, torch.rand(experts, n, device="cuda") + 0.5
+            a16 = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            w16 = torch.randn(experts, n, k, device=device, dtype=torch.bfloat16) / k**0.5
+            a8, w8 = fp8_codes((m, k), None, device), fp8_codes((experts, n, k), None, device)
+            sa, sb = torch.rand(m, device=device) + 0.5, torch.rand(experts, n, device=device) + 0.5
             row = f"| {model} {name} | {experts} | {m} | {k} | {n} "
             gemm = {"bf16": lambda: torch._grouped_mm(a16, w16.transpose(1, 2), offs),
                     "triton": lambda: grouped_mm_2d3d(a8, w8.transpose(1, 2), sa, sb, offs, torch.bfloat16)}
@@ -131,17 +139,17 @@ def speed(args, lines) -> None:
                                                                  out_dtype=torch.bfloat16)
             lines.append(row + "| fprop GEMM " + cells({key: timed(fn, args.rounds) for key, fn in gemm.items()}))
             padded = (counts.clamp(min=1) + 15) // 16 * 16  # the columnwise copies' layout: groups padded to 16
-            pends = torch.cumsum(padded, 0).to(torch.int32).cuda()
-            x_t, g_t = fp8_codes((k, int(pends[-1])), None, "cuda"), fp8_codes((n, int(pends[-1])), None, "cuda")
-            sx, sg = torch.rand(experts, k, device="cuda") + 0.5, torch.rand(experts, n, device="cuda") + 0.5
-            g16, x16 = torch.randn(n, m, device="cuda", dtype=torch.bfloat16), a16
+            pends = torch.cumsum(padded, 0).to(torch.int32).to(device)
+            x_t, g_t = fp8_codes((k, int(pends[-1])), None, device), fp8_codes((n, int(pends[-1])), None, device)
+            sx, sg = torch.rand(experts, k, device=device) + 0.5, torch.rand(experts, n, device=device) + 0.5
+            g16, x16 = torch.randn(n, m, device=device, dtype=torch.bfloat16), a16
             wgrad = {"bf16": lambda: torch._grouped_mm(g16, x16, offs),
                      "triton": lambda: grouped_mm_2d2d(g_t, x_t.t(), sg, sx, pends, torch.bfloat16, aligned=True)}
             if has_torch:
                 wgrad["torch"] = lambda: torch._scaled_grouped_mm(g_t, x_t.t(), sg.reshape(-1), sx.reshape(-1),
                                                                   offs=pends, out_dtype=torch.bfloat16)
             lines.append(row + "| wgrad GEMM " + cells({key: timed(fn, args.rounds) for key, fn in wgrad.items()}))
-            grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+            grad = torch.randn(m, n, device=device, dtype=torch.bfloat16)
             b = w16.transpose(1, 2)
 
             def step(fn):
