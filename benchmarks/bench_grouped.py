@@ -10,7 +10,8 @@ Tokens are routed with a realistic skew: expert popularity falls as ``1 / rank**
 (``--empty``) gets no token at all. On a CPU (``--suite cpu``, the default without CUDA) the shapes are divided by
 ``--shrink`` and fewer experts and tokens run; FP8 is emulated there (exact FP8 values in float32 GEMMs), so the
 numbers show the emulation's cost, not a speed-up. On a GPU the goal is a grouped FP8 step at least 1.3x faster
-than the bf16 grouped GEMM.
+than the bf16 grouped GEMM; there the rowwise recipe is also timed through each grouped kernel by name (``fp8 rowwise
+torch``: ``torch._scaled_grouped_mm``, ``fp8 rowwise triton``: the Triton grouped GEMM; ``fp8 rowwise``: the default).
 
 Usage::
 
@@ -21,12 +22,14 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
 from benchmarks.bench_common import bar_plot, header, interleaved_medians, markdown_table, run_folder, write_results
 
 from fp8_lightning import fp8_grouped_mm
+from fp8_lightning.settings import reload_settings
 
 MODELS = {  # hidden, expert hidden, experts, experts per token
     "deepseek-v3": (7168, 2048, 256, 8),
@@ -81,7 +84,25 @@ def configurations(a, b, offs, counts, dtype, recipes=RECIPES, baselines=BASELIN
         variants.update({f"fp8 {name} grad-fast-accum": {"name": name, "grad_fast_accum": True} for name in recipes})
     for label, recipe in variants.items():
         fns[label] = step(lambda x, w, r=recipe: fp8_grouped_mm(x, w, offs, recipe=r, out_dtype=dtype))
+    if "rowwise" in recipes and a.is_cuda:  # the rowwise recipe through each grouped kernel, named
+        for route in ("torch", "triton"):
+            fns[f"fp8 rowwise {route}"] = with_route(route, fns["fp8 rowwise"])
     return fns
+
+
+def with_route(route: str, fn):
+    """``fn`` run with ``FP8_LIGHTNING_GROUPED_GEMM=route`` (the settings are re-read around each call)."""
+
+    def run():
+        os.environ["FP8_LIGHTNING_GROUPED_GEMM"] = route
+        reload_settings()
+        try:
+            return fn()
+        finally:
+            os.environ.pop("FP8_LIGHTNING_GROUPED_GEMM", None)
+            reload_settings()
+
+    return run
 
 
 def profile_table(fn, device: torch.device, steps: int = 3) -> str:

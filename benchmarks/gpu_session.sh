@@ -13,6 +13,10 @@
 #                                           # fwd+bwd (rowwise FP8 vs bf16 torch._grouped_mm, with profiles) at
 #                                           # DeepSeek-V3 and Qwen3-30B-A3B expert shapes with token skew, and the
 #                                           # weight cache's host time with accumulation (~4 minutes on an H200)
+#   bash benchmarks/gpu_session.sh grouped-triton  # the Triton grouped FP8 GEMM: checked against float64 math on
+#                                           # CUDA, then timed against bf16 torch._grouped_mm and torch._scaled_grouped_mm,
+#                                           # GEMM alone and the whole fwd+bwd step, DeepSeek-V3 and Qwen3-30B-A3B expert
+#                                           # shapes with skewed routing (under 3 minutes; no pytest needed)
 #   bash benchmarks/gpu_session.sh dry-run  # on any machine: list each call's steps, install the wheels offline
 #
 # Everything a call writes lands in one archive, $OUT/gpu-<mode>.tar.gz (OUT defaults to ./gpu-results), holding one
@@ -38,7 +42,7 @@ install_wheels() {  # the wheels in wheels/, offline, into $site (on PYTHONPATH 
 }
 
 if [ "$mode" = dry-run ]; then
-  for call in checks linear llama gpt stack grouped lease; do
+  for call in checks linear llama gpt stack grouped grouped-triton lease; do
     echo "== call '$call' runs:"
     sed -n "/^  $call)/,/;;/p" "$0" | grep -o 'step [a-z_]* .*' | sed 's/^step /   /'
   done
@@ -94,12 +98,15 @@ case "$mode" in
   grouped)  # also the weight cache's GPU rule (a reuse casts again, no device sync) and its host time
     STEP_TIMEOUT=60 step grouped_check "$python" -m benchmarks grouped-gpu-check --out "$work/grouped_gpu_check.md"
     STEP_TIMEOUT=60 step pytest_grouped "$python" -m pytest -q -p no:cacheprovider -m gpu \
-      tests/core/test_grouped_native.py tests/core/test_grouped_mm.py tests/kernels/test_grouped_cast.py \
+      tests/core/test_grouped_native.py tests/core/test_grouped_mm.py tests/kernels/test_grouped_cast.py tests/kernels/test_grouped_gemm.py \
       tests/core/test_weight_cache.py
     STEP_TIMEOUT=120 step grouped "$python" -m benchmarks grouped --suite gpu --recipes rowwise --baselines \
       --rounds 3 --profile --out "$work/perf-grouped-gpu"
     STEP_TIMEOUT=40 step host_time_accumulate "$python" -m benchmarks host-time --device cuda --modes eager \
       --rounds 100 --accumulate 4 --checksum-off-rows --out "$work/host_time_accumulate.md"
+    ;;
+  grouped-triton)  # check first (exit 1 skips the timings), then GEMM-alone and whole-step timings
+    STEP_TIMEOUT=175 step grouped_triton "$python" -m benchmarks grouped-triton --rounds 5 --out "$work/grouped_triton.md"
     ;;
   lease)  # everything that fits one call: each step capped so the whole call ends inside ~9 minutes
     STEP_TIMEOUT=140 step gpu_check "$python" -m benchmarks gpu-check
@@ -113,7 +120,7 @@ case "$mode" in
       --out "$work/perf-linear-gpu-compiled"
     ;;
   *)
-    echo "usage: bash benchmarks/gpu_session.sh checks|linear|llama|gpt|stack|grouped|lease|dry-run (got '$mode')" >&2
+    echo "usage: bash benchmarks/gpu_session.sh checks|linear|llama|gpt|stack|grouped|grouped-triton|lease|dry-run (got '$mode')" >&2
     exit 2
     ;;
 esac

@@ -29,6 +29,9 @@ NATIVE_FP8_RATE = 2.0
 TRITON_MX_RATE = 213 / 683
 FLOAT32_RATE = 4.31 / 63.9
 ROWWISE_GROUPED_STEP_RATE = 19.34 / 51.83  # DeepSeek-V3 gate_up at 32768 rows on an H200 (rowwise defaults)
+# The Triton grouped GEMM's step is not measured yet: taken as no faster than torch's measured grouped step
+TRITON_GROUPED_STEP_RATE = ROWWISE_GROUPED_STEP_RATE
+TRITON_GROUPED_GEMM = "Triton grouped FP8 GEMM (fp8_lightning.kernels.grouped_gemm)"
 
 Capability = tuple[int, int]
 CudaVersion = tuple[int, int] | None
@@ -61,6 +64,11 @@ def native_grouped_rowwise(why: str) -> GemmRoute:
     """torch's CUTLASS rowwise grouped GEMM: native tensor cores, but the grouped step around it measured slower than
     bf16 (the rate the profitability gate reads)."""
     return GemmRoute(NATIVE, "CUTLASS rowwise grouped GEMM (torch._scaled_grouped_mm)", why, ROWWISE_GROUPED_STEP_RATE)
+
+
+def native_grouped_triton(why: str) -> GemmRoute:
+    """The Triton grouped FP8 GEMM (tensor cores, one launch per GEMM) at :data:`TRITON_GROUPED_STEP_RATE`."""
+    return GemmRoute(NATIVE, TRITON_GROUPED_GEMM, why, TRITON_GROUPED_STEP_RATE)
 
 
 def emulated_on_gpu(why: str) -> GemmRoute:

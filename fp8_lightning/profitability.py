@@ -239,8 +239,9 @@ class ProfitabilityGate:
         if route is not None and route.verdict == NATIVE and route.rate_vs_bf16 > 1:
             return None
         if route is not None and route.verdict == NATIVE:
-            return (f"its grouped FP8 step ({route.gemm}) measured {route.rate_vs_bf16:.2f}x the speed of bf16 grouped "
-                    "GEMMs; pass profitability=False to convert it anyway (FP8 numerics)")
+            return (f"its grouped FP8 step ({route.gemm}) is rated {route.rate_vs_bf16:.2f}x the speed of bf16 grouped "
+                    "GEMMs (fp8_lightning.gemm_routes: measured, or assumed until measured); pass profitability=False "
+                    "to convert it anyway (FP8 numerics)")
         why = route.why if route is not None else "no FP8 grouped kernel was named for it"
         return (
             f"its grouped GEMMs would run emulated in float32 on {device.type} ({why}), slower than bf16; pass "

@@ -13,6 +13,9 @@ bf16 output only; fewer than 1024 groups; CUTLASS's sm_90 kernel. Two cases serv
   (E * N,) and (E * K,); out (E, N, K). Each group must be non-empty and, except the last, a multiple of 16 tokens:
   the columnwise copies are laid out with each group zero-padded to a multiple of 16 (an empty group to 16 zero
   tokens, whose product is exactly zero), as torchao pads token groups for the same kernel.
+
+Where torch has no such kernel for the device (sm_89, sm_100 in torch 2.11), or where ``FP8_LIGHTNING_GROUPED_GEMM``
+asks for it, the same arguments go to the Triton grouped GEMM (:mod:`fp8_lightning.triton_grouped`).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from typing import Mapping
 
 PREFIX = "FP8_LIGHTNING_"
 GEMM_BACKENDS = ("auto", "scaled_mm", "emulate")
+GROUPED_GEMM_BACKENDS = ("auto", "torch", "triton")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
@@ -36,6 +37,10 @@ VARIABLES = (
     (PREFIX + "DISABLE_CPU_CODEC", "0", "`1`: CPU tensors take the pure-PyTorch path instead of the C codec"),
     (PREFIX + "GLUON_MX_GEMM", "0", "`1`: on Hopper (capability 9.x) the MX GEMM runs the Gluon kernel whose wgmma "
      "overlaps the scale math instead of the shipped Triton kernel"),
+    (PREFIX + "GROUPED_GEMM", "auto", "the kernel of the rowwise expert (grouped) GEMMs on CUDA. `auto`: "
+     "`torch._scaled_grouped_mm` where torch has it for the device (sm_90 in torch 2.11), else the Triton grouped "
+     "GEMM (sm_89, sm_100); `torch`: torch's wherever it runs (else Triton); `triton`: the Triton kernel everywhere "
+     "(sm_89+)"),
     (PREFIX + "WEIGHT_CHECKSUM", "1", "`0`: a training forward reuses the step's FP8 weight on the version counter "
      "alone. By default a reuse between micro-batches first checks that no edit through `weight.data` changed the "
      "weight: by a checksum on a CPU (two reads of the weight per cast and per reuse), by casting again on a GPU "
@@ -63,6 +68,7 @@ class Settings:
     cache: Path = Path.home() / ".cache" / "fp8_lightning"
     gluon_mx_gemm: bool = False
     weight_checksum: bool = True
+    grouped_gemm: str = "auto"
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> "Settings":
@@ -72,6 +78,12 @@ class Settings:
             raise ValueError(
                 f"{PREFIX}GEMM={environ[PREFIX + 'GEMM']!r} is not allowed; use one of {', '.join(GEMM_BACKENDS)} "
                 "(or unset it for auto)."
+            )
+        grouped = environ.get(PREFIX + "GROUPED_GEMM", "auto").strip().lower()
+        if grouped not in GROUPED_GEMM_BACKENDS:
+            raise ValueError(
+                f"{PREFIX}GROUPED_GEMM={environ[PREFIX + 'GROUPED_GEMM']!r} is not allowed; use one of "
+                f"{', '.join(GROUPED_GEMM_BACKENDS)} (or unset it for auto)."
             )
         cache = environ.get(PREFIX + "CACHE") or environ.get(PREFIX + "CACHE_DIR")
         return cls(
@@ -83,6 +95,7 @@ class Settings:
             cache=Path(cache).expanduser() if cache else cls.cache,
             gluon_mx_gemm=_flag(environ, "GLUON_MX_GEMM"),
             weight_checksum=_flag(environ, "WEIGHT_CHECKSUM", "1"),
+            grouped_gemm=grouped,
         )
 
 

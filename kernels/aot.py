@@ -63,11 +63,12 @@ class Report:
 def _kernel_fn(name: str):
     import importlib
 
-    from fp8_lightning.kernels import block_gemm, fine_grained_cast, fp8_adam, grouped_cast, mxfp8, per_tensor
+    from fp8_lightning.kernels import block_gemm, fine_grained_cast, fp8_adam, grouped_cast, grouped_gemm, mxfp8
+    from fp8_lightning.kernels import per_tensor
     from fp8_lightning.kernels.availability import gluon_status
 
     gluon = [importlib.import_module("fp8_lightning.kernels.block_gemm_gluon")] if gluon_status()[0] else []
-    for module in (per_tensor, mxfp8, block_gemm, fp8_adam, fine_grained_cast, grouped_cast, *gluon):
+    for module in (per_tensor, mxfp8, block_gemm, fp8_adam, fine_grained_cast, grouped_cast, grouped_gemm, *gluon):
         if hasattr(module, name):
             return getattr(module, name)
     raise KeyError(f"no kernel named {name!r} in fp8_lightning.kernels")
@@ -112,7 +113,10 @@ def _source(variant: Variant, fn=None):
     signature, constexprs, attrs = {}, {}, {}
     for index, name in enumerate(fn.arg_names):
         value = given[name]
-        if isinstance(value, str):
+        if isinstance(value, str) and value.endswith(":16"):  # an integer a launch sees divisible by 16
+            signature[name] = value[:-3]
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, str):
             signature[name] = value
             if value.startswith("*"):  # torch allocations are 16-byte aligned; launches specialize on it
                 attrs[(index,)] = [["tt.divisibility", 16]]

@@ -236,11 +236,45 @@ def _grouped_cast_variants() -> list[Variant]:
     return out
 
 
+def _grouped_gemm_variants() -> list[Variant]:
+    """The grouped GEMMs: every tile, operand formats (e4m3 x e4m3; e5m2 gradients times e4m3), output dtypes,
+    both weight storages (E, K, N) and (E, N, K) of fprop/dgrad, rowwise and per-expert scales (index stride 0);
+    K, N and the operands' strides divisible by 16, as the recipes' shape rule and the padded token layout make them."""
+    from fp8_lightning.kernels.grouped_gemm import OUT_DTYPES, _config_key, grouped_gemm_configs
+
+    selected = {t: {_config_key(c) for c in grouped_gemm_configs(divmod(cap, 10))} for t, cap in TARGETS.items()}
+    pairs = ((FP8[0], FP8[0]), (FP8[1], FP8[0]))
+    out = []
+    for (a, b), c, cfg, scales in itertools.product(pairs, OUT_DTYPES, grouped_gemm_configs(), ("row", "tensor")):
+        meta, row = cfg.kwargs, scales == "row"
+        tile = f"{meta['BLOCK_M']}x{meta['BLOCK_N']}x{meta['BLOCK_K']}/warps{cfg.num_warps}/stages{cfg.num_stages}"
+        common = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                      targets=tuple(t for t in TARGETS if _config_key(cfg) in selected[t]))
+        head = (("a_ptr", ptr(a)), ("b_ptr", ptr(b)), ("c_ptr", ptr(c)), ("sa_ptr", "*fp32"), ("sb_ptr", "*fp32"),
+                ("offs_ptr", "*i32"))
+        for weight, even_k in itertools.product(("kn", "nk"), (True, False)):
+            out.append(Variant("_grouped_mm_2d3d_kernel", (
+                f"a={short(a)} b={short(b)} out={short(c)} tile={tile} weight={weight} scales={scales} "
+                f"even_k={int(even_k)}"), (*head, ("M", "i32"), ("N", "i32:16"), ("K", "i32:16"),
+                ("M_BUCKET", "i32:16"), ("stride_am", "i32:16"), ("stride_ak", 1), ("stride_be", "i32:16"),
+                ("stride_bk", "i32:16" if weight == "kn" else 1), ("stride_bn", 1 if weight == "kn" else "i32:16"),
+                ("stride_cm", "i32:16"), ("stride_cn", 1), ("stride_sam", 1 if row else "i32"), ("stride_sbe", "i32"),
+                ("stride_sbn", 1 if row else "i32"), ("E", 128), ("E_PAD", 128), ("EVEN_K", even_k), *meta.items()),
+                **common))  # fmt: skip
+        out.append(Variant("_grouped_mm_2d2d_kernel", f"a={short(a)} b={short(b)} out={short(c)} tile={tile} "
+                           f"scales={scales}", (*head, ("N", "i32:16"), ("K", "i32:16"), ("M_BUCKET", "i32:16"),
+            ("stride_an", "i32:16"), ("stride_am", 1), ("stride_bm", 1), ("stride_bk", "i32:16"),
+            ("stride_ce", "i32:16"), ("stride_cn", "i32:16"), ("stride_ck", 1), ("stride_sae", "i32"),
+            ("stride_san", 1 if row else "i32"), ("stride_sbe", "i32"), ("stride_sbk", 1 if row else "i32"),
+            ("ALIGNED", True), *meta.items()), **common))  # fmt: skip
+    return out
+
+
 def launch_space() -> list[Variant]:
     """Every configuration the wrappers can launch (dtypes, constexprs, every autotune config)."""
     return (
         _per_tensor_variants() + _mx_quantize_variants() + _mx_gemm_variants() + _gluon_mx_gemm_variants()
-        + _fp8_adam_variants() + _fine_cast_variants() + _grouped_cast_variants()
+        + _fp8_adam_variants() + _fine_cast_variants() + _grouped_cast_variants() + _grouped_gemm_variants()
     )
 
 

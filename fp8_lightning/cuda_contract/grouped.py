@@ -16,6 +16,7 @@ from fp8_lightning.cuda_contract.rules import Facts, Target
 from fp8_lightning.cuda_contract.rules_grouped import meta_error, scaled_grouped_mm
 from fp8_lightning.cuda_contract.simulate import Call, GemmRecord
 from fp8_lightning.gemm_routes import NATIVE as NATIVE_ROUTE
+from fp8_lightning.gemm_routes import TRITON_GROUPED_GEMM
 from fp8_lightning.groups import StackedWeights, padded_group_sizes
 from fp8_lightning.quantize import ROW, Quantized
 from fp8_lightning.rowwise_grouped import (
@@ -100,6 +101,10 @@ def check_experts(target: Target, recipe, sizes: list[int], k: int, n: int) -> l
     """The verdicts on the three grouped GEMMs of one expert projection (E experts of ``k -> n``, ``sizes`` tokens
     each) under ``recipe`` on ``target``."""
     route = recipe.grouped_gemm_route(target.capability, target.cuda, True)
+    if route.verdict == NATIVE_ROUTE and route.gemm == TRITON_GROUPED_GEMM:  # no torch call: our kernel's own rules
+        empty = Facts((0,), (1,), torch.float32)
+        return [Verdict(GemmRecord(role, "grouped", empty, empty, torch.bfloat16), NATIVE, route.gemm, [route.why],
+                        []) for role in ("fprop", "dgrad", "wgrad")]  # fmt: skip
     if route.verdict != NATIVE_ROUTE:
         empty = Facts((0,), (1,), torch.float32)
         return [Verdict(GemmRecord(role, "grouped", empty, empty, torch.bfloat16), FALLBACK, route.gemm,

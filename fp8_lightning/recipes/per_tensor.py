@@ -17,11 +17,13 @@ import torch
 from fp8_lightning.ops import dispatch
 from fp8_lightning.formats import fp8_dtype
 from fp8_lightning.gemm import per_tensor_mm, per_tensor_scaled_mm
-from fp8_lightning.gemm_routes import GemmRoute, arch_name, native
+from fp8_lightning.gemm_routes import GemmRoute, arch_name, emulated_on_gpu, native, native_grouped_triton
 from fp8_lightning.quantize import TENSOR, OperandCache, Quantized, amax, to_fp8_saturated, wide
 from fp8_lightning.recipes.base import Recipe
 from fp8_lightning.scaling import OperandScaling, finite_or_zero, records_amax
+from fp8_lightning.settings import settings
 from fp8_lightning.traced import TracedPlan, plan_for
+from fp8_lightning.triton_grouped import TritonPerTensorGroupedGemm, triton_arch_reason, triton_unavailable_reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +87,19 @@ class PerTensorRecipe(Recipe):
             return row, None
         return row, [None if start == end else Quantized(row.data[start:end].t(), row.scale, TENSOR)
                      for start, end in bounds]
+
+    def grouped_native(self, device, experts):
+        """The Triton grouped GEMM (one launch per GEMM, per-tensor and per-expert scales) where it runs on
+        ``device``: torch has no per-tensor FP8 grouped GEMM."""
+        if settings().gemm == "emulate" or settings().emulate or triton_unavailable_reason(device) is not None:
+            return None
+        return TritonPerTensorGroupedGemm()
+
+    def grouped_gemm_route(self, capability, cuda, has_grouped_api) -> GemmRoute:
+        reason = triton_arch_reason(capability)
+        if reason is not None:
+            return emulated_on_gpu(f"grouped GEMMs emulated: torch has no per-tensor FP8 grouped GEMM; {reason}")
+        return native_grouped_triton(f"{arch_name(capability)}: torch has no per-tensor FP8 grouped GEMM")
 
     def traced_plan(self, device: torch.device, out_dtype: torch.dtype, emulate: bool) -> TracedPlan:
         return plan_for(self, device, out_dtype, emulate, scaled_mm=per_tensor_scaled_mm(device, emulate))

@@ -23,6 +23,7 @@ from fp8_lightning.gemm_routes import (
     emulated_on_gpu,
     native,
     native_grouped_rowwise,
+    native_grouped_triton,
 )
 from fp8_lightning.kernels.fine_grained_layout import ROWWISE_TILES
 from fp8_lightning.ops import dispatch
@@ -43,6 +44,7 @@ from fp8_lightning.rowwise_grouped import (
     stacked_columns,
 )
 from fp8_lightning.settings import settings
+from fp8_lightning.triton_grouped import TritonRowwiseGroupedGemm, triton_arch_reason, triton_unavailable_reason
 from fp8_lightning.traced import plan_for
 
 
@@ -130,25 +132,34 @@ class RowwiseScaling(FineGrainedRecipe):
         return StackedWeights(rows, columns, experts)
 
     def grouped_native(self, device, experts):
-        """``torch._scaled_grouped_mm`` (one launch per GEMM) where it takes this recipe's operands on ``device``."""
+        """One launch per GEMM: ``torch._scaled_grouped_mm`` where it takes this recipe's operands on ``device``,
+        else the Triton grouped GEMM; ``FP8_LIGHTNING_GROUPED_GEMM`` picks (``auto``: torch's where it runs)."""
         if self._grouped_unsupported_reason() or settings().gemm == "emulate" or settings().emulate:
             return None
-        if native_unavailable_reason(device, experts) is not None:
-            return None
-        return RowwiseGroupedGemm(self.fprop_fast_accum, self.grad_fast_accum)
+        torch_ok = native_unavailable_reason(device, experts) is None
+        if torch_ok and settings().grouped_gemm != "triton":
+            return RowwiseGroupedGemm(self.fprop_fast_accum, self.grad_fast_accum)
+        if triton_unavailable_reason(device) is None:
+            return TritonRowwiseGroupedGemm()
+        return RowwiseGroupedGemm(self.fprop_fast_accum, self.grad_fast_accum) if torch_ok else None
 
     def grouped_gemm_route(self, capability, cuda, has_grouped_api) -> GemmRoute:
         # GroupedBlas.cpp (_scaled_grouped_mm_cuda): e4m3 x e4m3 with float32 rowwise scales; CUTLASS's grouped kernel
         # is built for sm_90 in torch 2.11 (sm_100 arrived with PR #188063, after 2.11)
+        # torch lacks: the Triton grouped GEMM (sm_89+, the table's every architecture); FP8_LIGHTNING_GROUPED_GEMM
         reason = self._grouped_unsupported_reason()
         where = arch_name(capability)
-        if reason is None and not has_grouped_api:
-            reason = "torch has no torch._scaled_grouped_mm"
-        if reason is None and capability[0] != 9:
-            reason = f"{where}: torch 2.11's rowwise grouped kernel is built for sm_90 only"
         if reason is not None:
             return emulated_on_gpu(f"grouped GEMMs emulated: {reason}")
-        return native_grouped_rowwise(f"{where}, {cuda_name(cuda)}")
+        torch_reason = "torch has no torch._scaled_grouped_mm" if not has_grouped_api else None
+        if torch_reason is None and capability[0] != 9:
+            torch_reason = f"{where}: torch 2.11's rowwise grouped kernel is built for sm_90 only"
+        if torch_reason is None and settings().grouped_gemm != "triton":
+            return native_grouped_rowwise(f"{where}, {cuda_name(cuda)}")
+        triton_reason = triton_arch_reason(capability)
+        if triton_reason is not None:
+            return emulated_on_gpu(f"grouped GEMMs emulated: {torch_reason}; {triton_reason}")
+        return native_grouped_triton(f"{where}: {torch_reason or 'FP8_LIGHTNING_GROUPED_GEMM=triton'}")
 
     def _grouped_unsupported_reason(self) -> str | None:
         if self.high_precision_wgrad:

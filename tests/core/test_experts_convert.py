@@ -217,8 +217,8 @@ def test_fp8_optimizer_states_train_fp8_experts_like_adamw():
 
 
 def test_the_gate_keeps_experts_in_bf16_where_their_gemms_would_be_emulated_on_a_gpu():
-    """Where no FP8 grouped kernel serves the recipe (tensorwise everywhere; any recipe when the CUDA device cannot
-    be asked) the grouped GEMMs would be emulated in float32, slower than bf16, so the profitability gate keeps
+    """Where no FP8 grouped kernel serves the recipe (blockwise and MX everywhere; any recipe when the CUDA device
+    cannot be asked, as here) the grouped GEMMs would be emulated in float32, slower than bf16, so the profitability gate keeps
     experts in high precision on CUDA (with the reason) and lets them convert on a CPU or when it is off. The native
     route's side: tests/core/test_grouped_native.py."""
     from fp8_lightning import ProfitabilityGate

@@ -10,6 +10,8 @@ import torch
 
 from fp8_lightning import RowwiseScaling, TensorwiseScaling, fp8_grouped_mm, rowwise_grouped
 from fp8_lightning.capability_table import grouped_route_on
+from fp8_lightning.gemm_routes import TRITON_GROUPED_GEMM
+from fp8_lightning.triton_grouped import TritonRowwiseGroupedGemm
 from fp8_lightning.cuda_contract.grouped import check_experts, expert_shapes, skewed_sizes
 from fp8_lightning.cuda_contract.rules import Facts, Target
 from fp8_lightning.cuda_contract.rules_grouped import meta_error, scaled_grouped_mm
@@ -158,7 +160,8 @@ def test_ragged_k_groups_must_be_non_empty_and_aligned(sizes, message):
 
 def test_the_contract_finds_no_violation_over_expert_shapes():
     """Every recipe on every architecture over Qwen3-30B-A3B, DeepSeek-V3 and OLMoE expert shapes: rowwise is native
-    on sm_90 only, everything else a documented fallback, nothing a violation."""
+    on sm_90 (torch's kernel) and on sm_89 and sm_100 (the Triton kernel), the per-tensor recipes on all three (the
+    Triton kernel), everything else a documented fallback, nothing a violation."""
     from fp8_lightning.cuda_contract.check import contract_recipes
     from fp8_lightning.recipes import recipe_from
 
@@ -169,19 +172,28 @@ def test_the_contract_finds_no_violation_over_expert_shapes():
                 for v in check_experts(Target(arch), recipe_from(name), sizes, k, n):
                     assert v.status != "violation", v.reasons
                     seen.setdefault((arch, name), set()).add(v.status)
-    assert seen[("sm_90", "rowwise")] == {"native"}
-    assert all(status == {"fallback"} for key, status in seen.items() if key != ("sm_90", "rowwise"))
+    native = {(arch, name) for arch in ("sm_89", "sm_90", "sm_100") for name in ("rowwise", "tensorwise", "delayed")
+              if (arch, name) in seen}
+    assert {("sm_90", "rowwise"), ("sm_100", "rowwise"), ("sm_89", "tensorwise")} <= native
+    assert all(seen[key] == {"native"} for key in native)
+    assert all(status == {"fallback"} for key, status in seen.items() if key not in native)
     assert 0 in skewed_sizes(128, 616) and any(s % 16 for s in skewed_sizes(128, 616))
 
 
-def test_the_route_is_native_for_e4m3_rowwise_on_sm_90_only():
+def test_the_route_is_native_for_e4m3_rowwise_torch_on_sm_90_triton_on_sm_89_and_sm_100():
     native = lambda recipe, arch: grouped_route_on(recipe, arch, (12, 9), True).verdict  # noqa: E731
     assert native(RowwiseScaling(), (9, 0)) == "native"
-    assert [native(RowwiseScaling(), a) for a in ((8, 9), (10, 0), (12, 0))] == ["fallback"] * 3
+    assert "torch._scaled_grouped_mm" in grouped_route_on(RowwiseScaling(), (9, 0), (12, 9), True).gemm
+    for arch in ((8, 9), (10, 0)):
+        route = grouped_route_on(RowwiseScaling(), arch, (12, 9), True)
+        assert route.verdict == "native" and route.gemm == TRITON_GROUPED_GEMM, route
+    assert native(RowwiseScaling(), (12, 0)) == "fallback"  # no kernel compiled and checked for sm_120
     assert native(RowwiseScaling(fp8_format="HYBRID"), (9, 0)) == "fallback"  # e5m2 gradients
     assert native(RowwiseScaling(high_precision_wgrad=True), (9, 0)) == "fallback"
-    assert native(TensorwiseScaling(), (9, 0)) == "fallback"
-    assert grouped_route_on(RowwiseScaling(), (9, 0), (12, 9), False).verdict == "fallback"  # no grouped API
+    assert grouped_route_on(TensorwiseScaling(), (9, 0), (12, 9), True).gemm == TRITON_GROUPED_GEMM
+    assert native(TensorwiseScaling(), (12, 0)) == "fallback"
+    no_api = grouped_route_on(RowwiseScaling(), (9, 0), (12, 9), False)  # no torch grouped API: Triton
+    assert no_api.gemm == TRITON_GROUPED_GEMM and "no torch._scaled_grouped_mm" in no_api.why
     assert RowwiseScaling().grouped_native(torch.device("cpu"), 8) is None
 
 
@@ -204,7 +216,7 @@ def test_grouped_native_asks_the_device(monkeypatch):
 def test_the_gate_keeps_experts_in_bf16_while_the_native_grouped_step_measures_slower(monkeypatch):
     """On a (simulated) sm_90 the rowwise grouped route is native but its step measured 0.37x of bf16 on an H200:
     the gate keeps rowwise experts in bf16 with that reason, converts them with profitability=False, and keeps
-    tensorwise experts in bf16, naming the emulated route."""
+    tensorwise experts in bf16, naming their Triton route (rated as torch's until measured)."""
     from fp8_lightning import GroupedExperts, ProfitabilityGate, capability_table, convert_to_fp8
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -212,10 +224,10 @@ def test_the_gate_keeps_experts_in_bf16_while_the_native_grouped_step_measures_s
     gate = ProfitabilityGate(device="cuda")
     experts = lambda: GroupedExperts(dim=64, hidden_dim=64, num_experts=2)  # noqa: E731
     report = convert_to_fp8(experts(), "rowwise", profitability=gate)
-    assert report.experts == [] and "measured 0.37x the speed of bf16" in report.experts_skipped["<root>"]
+    assert report.experts == [] and "rated 0.37x the speed of bf16" in report.experts_skipped["<root>"]
     assert convert_to_fp8(experts(), "rowwise", profitability=False).experts == ["<root>"]
-    report = convert_to_fp8(experts(), "tensorwise", profitability=gate)
-    assert report.experts == [] and "no FP8 grouped kernel serves TensorwiseScaling" in report.experts_skipped["<root>"]
+    report = convert_to_fp8(experts(), "tensorwise", profitability=gate)  # the Triton route: not measured yet
+    assert report.experts == [] and "Triton grouped FP8 GEMM" in report.experts_skipped["<root>"]
 
 
 def _modelled_launch(calls):
@@ -271,3 +283,29 @@ def test_on_sm_90_the_grouped_kernel_matches_the_cpu_run():
         results.append([t.float().cpu() for t in (y, a_.grad, b_.grad)])
     for name, ref, got in zip(("y", "da", "db"), *results):
         torch.testing.assert_close(got, ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item(), msg=name)
+
+
+def test_the_grouped_gemm_setting_picks_triton_on_sm_90_and_triton_serves_where_torch_cannot(monkeypatch):
+    """FP8_LIGHTNING_GROUPED_GEMM=triton routes sm_90 to the Triton kernel; on a (simulated) sm_100 with the Triton
+    kernels usable the recipe hands out the Triton route, and with them unusable nothing (emulated)."""
+    from fp8_lightning.recipes import rowwise as rowwise_recipe
+    from fp8_lightning.settings import reload_settings
+
+    monkeypatch.setenv("FP8_LIGHTNING_GROUPED_GEMM", "triton")
+    try:
+        reload_settings()
+        route = grouped_route_on(RowwiseScaling(), (9, 0), (12, 9), True)
+        assert route.gemm == TRITON_GROUPED_GEMM and "FP8_LIGHTNING_GROUPED_GEMM=triton" in route.why
+    finally:
+        monkeypatch.delenv("FP8_LIGHTNING_GROUPED_GEMM")
+        reload_settings()
+    rowwise_grouped._device_reason.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    cuda = torch.device("cuda", 0)
+    try:
+        monkeypatch.setattr(rowwise_recipe, "triton_unavailable_reason", lambda device: None)
+        assert isinstance(RowwiseScaling().grouped_native(cuda, 8), TritonRowwiseGroupedGemm)
+        monkeypatch.setattr(rowwise_recipe, "triton_unavailable_reason", lambda device: "no Triton")
+        assert RowwiseScaling().grouped_native(cuda, 8) is None
+    finally:
+        rowwise_grouped._device_reason.cache_clear()

@@ -25,9 +25,9 @@ def test_every_variable_is_parsed():
         "FP8_LIGHTNING_GEMM": " Scaled_MM ", "FP8_LIGHTNING_EMULATE": "yes", "FP8_LIGHTNING_DISABLE_TRITON": "ON",
         "FP8_LIGHTNING_TRITON_EXPLICIT_ROUNDING": "true", "FP8_LIGHTNING_DISABLE_CPU_CODEC": "1",
         "FP8_LIGHTNING_CACHE": "/tmp/fp8-cache", "FP8_LIGHTNING_GLUON_MX_GEMM": "1",
-        "FP8_LIGHTNING_WEIGHT_CHECKSUM": "off",
+        "FP8_LIGHTNING_WEIGHT_CHECKSUM": "off", "FP8_LIGHTNING_GROUPED_GEMM": " Triton",
     })  # fmt: skip
-    assert parsed == Settings("scaled_mm", True, True, True, True, Path("/tmp/fp8-cache"), True, False)
+    assert parsed == Settings("scaled_mm", True, True, True, True, Path("/tmp/fp8-cache"), True, False, "triton")
 
 
 def test_the_older_cache_name_is_still_read_and_the_new_one_wins():
@@ -37,6 +37,7 @@ def test_the_older_cache_name_is_still_read_and_the_new_one_wins():
 
 @pytest.mark.parametrize("name, value, allowed", [
     ("FP8_LIGHTNING_GEMM", "cublas", ", ".join(GEMM_BACKENDS)),
+    ("FP8_LIGHTNING_GROUPED_GEMM", "cutlass", "auto, torch, triton"),
     ("FP8_LIGHTNING_EMULATE", "maybe", "use 1 or 0"),
     ("FP8_LIGHTNING_DISABLE_CPU_CODEC", "2", "use 1 or 0"),
 ])  # fmt: skip
