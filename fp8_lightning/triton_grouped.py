@@ -19,32 +19,42 @@ from fp8_lightning.quantize import Quantized
 from fp8_lightning.rowwise_grouped import GroupedColumns, dgrad_args, fprop_args, wgrad_args
 
 
-class TritonRowwiseGroupedGemm:
+class _FastAccum:
+    """The recipe's choice of the tensor cores' fast accumulation, per GEMM (``fprop_fast_accum`` for the forward,
+    ``grad_fast_accum`` for the two backward GEMMs), as cuBLAS takes it."""
+
+    def __init__(self, fprop_fast_accum: bool = False, grad_fast_accum: bool = False):
+        self.fprop_fast_accum, self.grad_fast_accum = fprop_fast_accum, grad_fast_accum
+
+
+class TritonRowwiseGroupedGemm(_FastAccum):
     """The rowwise recipe's three GEMMs on the operands ``torch._scaled_grouped_mm`` would take
     (:mod:`fp8_lightning.rowwise_grouped`): the stacked weights read in the majorness they have, no copy."""
 
     def fprop(self, x: Quantized, weights: StackedWeights, offs: torch.Tensor, out_dtype: torch.dtype):
         mat_a, mat_b, scale_a, scale_b = fprop_args(x, weights)
-        return _triton(mat_a).grouped_mm_2d3d(mat_a, mat_b, scale_a, scale_b, offs, out_dtype)
+        return _triton(mat_a).grouped_mm_2d3d(mat_a, mat_b, scale_a, scale_b, offs, out_dtype, self.fprop_fast_accum)
 
     def dgrad(self, g: Quantized, weights: StackedWeights, offs: torch.Tensor, out_dtype: torch.dtype):
         mat_a, mat_b, scale_a, scale_b = dgrad_args(g, weights)
-        return _triton(mat_a).grouped_mm_2d3d(mat_a, mat_b, scale_a, scale_b, offs, out_dtype)
+        return _triton(mat_a).grouped_mm_2d3d(mat_a, mat_b, scale_a, scale_b, offs, out_dtype, self.grad_fast_accum)
 
     def wgrad(self, g_columns: GroupedColumns, x_columns: GroupedColumns, out_dtype: torch.dtype):
         mat_a, mat_b, _, _, offs = wgrad_args(g_columns, x_columns)
         scale_a, scale_b = g_columns.scale.reciprocal(), x_columns.scale.reciprocal()  # (E, N), (E, K)
-        return _triton(mat_a).grouped_mm_2d2d(mat_a, mat_b, scale_a, scale_b, offs, out_dtype, aligned=True)
+        return _triton(mat_a).grouped_mm_2d2d(mat_a, mat_b, scale_a, scale_b, offs, out_dtype, aligned=True,
+                                              fast_accum=self.grad_fast_accum)
 
 
-class TritonPerTensorGroupedGemm:
+class TritonPerTensorGroupedGemm(_FastAccum):
     """The per-tensor recipes' (tensorwise, delayed) three GEMMs: one scale for the tokens, one for the gradient and
     one per expert's weight (index stride 0 in the kernel's scale vectors). The experts' FP8 weights, cast one by one,
     are stacked once per call (E, N, K) and read transposed by fprop, as they lie by dgrad. One object serves one
     forward and its backward (:class:`~fp8_lightning.grouped.gemm.GroupedStep` holds it), so it keeps the stack and
     ``offs`` between them."""
 
-    def __init__(self):
+    def __init__(self, fprop_fast_accum: bool = False, grad_fast_accum: bool = False):
+        super().__init__(fprop_fast_accum, grad_fast_accum)
         self._stack: tuple | None = None  # (weights, codes (E, N, K), inverse scales (E, 1))
         self._offs: torch.Tensor | None = None
 
@@ -58,11 +68,12 @@ class TritonPerTensorGroupedGemm:
     def fprop(self, x: Quantized, weights, offs: torch.Tensor, out_dtype: torch.dtype):
         codes, inverse = self._stacked(weights)
         self._offs = offs
-        return _triton(x.data).grouped_mm_2d3d(x.data, codes.transpose(1, 2), _one(x), inverse, offs, out_dtype)
+        return _triton(x.data).grouped_mm_2d3d(x.data, codes.transpose(1, 2), _one(x), inverse, offs, out_dtype,
+                                               self.fprop_fast_accum)
 
     def dgrad(self, g: Quantized, weights, offs: torch.Tensor, out_dtype: torch.dtype):
         codes, inverse = self._stacked(weights)
-        return _triton(g.data).grouped_mm_2d3d(g.data, codes, _one(g), inverse, offs, out_dtype)
+        return _triton(g.data).grouped_mm_2d3d(g.data, codes, _one(g), inverse, offs, out_dtype, self.grad_fast_accum)
 
     def wgrad(self, g_columns: list, x_columns: list, out_dtype: torch.dtype):
         """``g_columns``, ``x_columns``: each group's transposed view of the same codes (None where empty), so the
@@ -77,7 +88,8 @@ class TritonPerTensorGroupedGemm:
         experts = len(g_columns)
         scale_a = _one(present[0][0]).reshape(1, 1).expand(experts, 1)
         scale_b = _one(present[0][1]).reshape(1, 1).expand(experts, 1)
-        return _triton(g_rows).grouped_mm_2d2d(g_rows.t(), x_rows, scale_a, scale_b, offs, out_dtype)
+        return _triton(g_rows).grouped_mm_2d2d(g_rows.t(), x_rows, scale_a, scale_b, offs, out_dtype,
+                                               fast_accum=self.grad_fast_accum)
 
 
 def _one(q: Quantized) -> torch.Tensor:

@@ -252,21 +252,24 @@ def _grouped_gemm_variants() -> list[Variant]:
                       targets=tuple(t for t in TARGETS if _config_key(cfg) in selected[t]))
         head = (("a_ptr", ptr(a)), ("b_ptr", ptr(b)), ("c_ptr", ptr(c)), ("sa_ptr", "*fp32"), ("sb_ptr", "*fp32"),
                 ("offs_ptr", "*i32"))
-        for weight, even_k in itertools.product(("kn", "nk"), (True, False)):
+        for weight, even_k, fast in itertools.product(("kn", "nk"), (True, False), (False, True)):
             out.append(Variant("_grouped_mm_2d3d_kernel", (
                 f"a={short(a)} b={short(b)} out={short(c)} tile={tile} weight={weight} scales={scales} "
-                f"even_k={int(even_k)}"), (*head, ("M", "i32"), ("N", "i32:16"), ("K", "i32:16"),
-                ("M_BUCKET", "i32:16"), ("stride_am", "i32:16"), ("stride_ak", 1), ("stride_be", "i32:16"),
-                ("stride_bk", "i32:16" if weight == "kn" else 1), ("stride_bn", 1 if weight == "kn" else "i32:16"),
-                ("stride_cm", "i32:16"), ("stride_cn", 1), ("stride_sam", 1 if row else "i32"), ("stride_sbe", "i32"),
-                ("stride_sbn", 1 if row else "i32"), ("E", 128), ("E_PAD", 128), ("EVEN_K", even_k), *meta.items()),
+                f"even_k={int(even_k)} fast_accum={int(fast)}"), (*head, ("M", "i32"), ("N", "i32:16"),
+                ("K", "i32:16"), ("M_BUCKET", "i32:16"), ("stride_am", "i32:16"), ("stride_ak", 1),
+                ("stride_be", "i32:16"), ("stride_bk", "i32:16" if weight == "kn" else 1),
+                ("stride_bn", 1 if weight == "kn" else "i32:16"), ("stride_cm", "i32:16"), ("stride_cn", 1),
+                ("stride_sam", 1 if row else "i32"), ("stride_sbe", "i32"), ("stride_sbn", 1 if row else "i32"),
+                ("E", 128), ("E_PAD", 128), ("EVEN_K", even_k), ("FAST_ACCUM", fast), *meta.items()),
                 **common))  # fmt: skip
-        out.append(Variant("_grouped_mm_2d2d_kernel", f"a={short(a)} b={short(b)} out={short(c)} tile={tile} "
-                           f"scales={scales}", (*head, ("N", "i32:16"), ("K", "i32:16"), ("M_BUCKET", "i32:16"),
-            ("stride_an", "i32:16"), ("stride_am", 1), ("stride_bm", 1), ("stride_bk", "i32:16"),
-            ("stride_ce", "i32:16"), ("stride_cn", "i32:16"), ("stride_ck", 1), ("stride_sae", "i32"),
-            ("stride_san", 1 if row else "i32"), ("stride_sbe", "i32"), ("stride_sbk", 1 if row else "i32"),
-            ("ALIGNED", True), *meta.items()), **common))  # fmt: skip
+        for fast in (False, True):
+            out.append(Variant("_grouped_mm_2d2d_kernel", f"a={short(a)} b={short(b)} out={short(c)} tile={tile} "
+                               f"scales={scales} fast_accum={int(fast)}", (*head, ("N", "i32:16"), ("K", "i32:16"),
+                ("M_BUCKET", "i32:16"), ("stride_an", "i32:16"), ("stride_am", 1), ("stride_bm", 1),
+                ("stride_bk", "i32:16"), ("stride_ce", "i32:16"), ("stride_cn", "i32:16"), ("stride_ck", 1),
+                ("stride_sae", "i32"), ("stride_san", 1 if row else "i32"), ("stride_sbe", "i32"),
+                ("stride_sbk", 1 if row else "i32"), ("ALIGNED", True), ("FAST_ACCUM", fast), *meta.items()),
+                **common))  # fmt: skip
     return out
 
 

@@ -74,10 +74,21 @@ def _total(x, axis):
 
 
 @triton.jit
+def _dot(a, b, acc, FAST_ACCUM: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Hopper's FP8 tensor cores add products in less than float32 precision. Triton's default on sm_90 keeps the
+    # whole K loop in that accumulator (cuBLAS's fast accumulation); otherwise each tile step's product goes into
+    # the float32 accumulator on the CUDA cores, as cuBLAS does without fast accumulation (every 128 of K).
+    if FAST_ACCUM:
+        return tl.dot(a, b, acc)
+    else:
+        return tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+
+
+@triton.jit
 def _grouped_mm_2d3d_kernel(
     a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, offs_ptr, M, N, K, M_BUCKET,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn, stride_sam, stride_sbe, stride_sbn,
-    E: tl.constexpr, E_PAD: tl.constexpr, EVEN_K: tl.constexpr,
+    E: tl.constexpr, E_PAD: tl.constexpr, EVEN_K: tl.constexpr, FAST_ACCUM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Row tile slot pid0 (of cdiv(M, BLOCK_M) + E) and column tile pid1 of a 2-D x 3-D grouped product."""
@@ -114,7 +125,7 @@ def _grouped_mm_2d3d_kernel(
         else:
             a = tl.load(a_ptrs, mask=in_rows[:, None] & (k + ks[None, :] < K), other=0.0)
             b = tl.load(b_ptrs, mask=(k + ks[:, None] < K) & in_cols[None, :], other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = _dot(a, b, acc, FAST_ACCUM, BLOCK_K)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     sa = tl.load(sa_ptr + row0.to(tl.int64) * stride_sam + rs * stride_sam, mask=in_rows, other=0.0)
@@ -129,7 +140,7 @@ def _grouped_mm_2d3d_kernel(
 def _grouped_mm_2d2d_kernel(
     a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, offs_ptr, N, K, M_BUCKET,
     stride_an, stride_am, stride_bm, stride_bk, stride_ce, stride_cn, stride_ck,
-    stride_sae, stride_san, stride_sbe, stride_sbk, ALIGNED: tl.constexpr,
+    stride_sae, stride_san, stride_sbe, stride_sbk, ALIGNED: tl.constexpr, FAST_ACCUM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Output tile pid0 of group pid1's (N, K) product ``a[:, group] @ b[group, :]``; here BLOCK_M tiles N, BLOCK_N
@@ -158,7 +169,7 @@ def _grouped_mm_2d2d_kernel(
         in_group = ms < end - m
         a = tl.load(a_ptrs, mask=in_rows[:, None] & in_group[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=in_group[:, None] & in_cols[None, :], other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = _dot(a, b, acc, FAST_ACCUM, BLOCK_K)
         a_ptrs += BLOCK_K * stride_am
         b_ptrs += BLOCK_K * stride_bm
     sa = tl.load(sa_ptr + group.to(tl.int64) * stride_sae + (row0 + rs) * stride_san, mask=in_rows, other=0.0)
@@ -169,7 +180,7 @@ def _grouped_mm_2d2d_kernel(
     tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=in_rows[:, None] & in_cols[None, :])
 
 
-_AUTOTUNE = dict(configs=grouped_gemm_configs(), key=["M_BUCKET", "N", "K"],
+_AUTOTUNE = dict(configs=grouped_gemm_configs(), key=["M_BUCKET", "N", "K", "FAST_ACCUM"],
                  prune_configs_by={"early_config_prune": _prune_for_device})  # fmt: skip
 _2d3d_autotuned = triton.autotune(**_AUTOTUNE)(_grouped_mm_2d3d_kernel)
 _2d2d_autotuned = triton.autotune(**_AUTOTUNE)(_grouped_mm_2d2d_kernel)
@@ -190,12 +201,13 @@ def _launch(kernel, autotuned, grid, args, config, **constexprs):
 
 def grouped_mm_2d3d(
     a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, offs: torch.Tensor,
-    out_dtype: torch.dtype, config: dict | None = None,
+    out_dtype: torch.dtype, fast_accum: bool = False, config: dict | None = None,
 ) -> torch.Tensor:
     """``out[rows of e] = (a[rows of e] @ b[e]) * scale_a[row] * scale_b[e, col]`` for FP8 ``a`` (M, K) and ``b``
     (E, K, N) of any strides; ``scale_a`` (M,) or (1,) float32 (a scale per row, or one), ``scale_b`` (E, N) or
     (E, 1) float32 (per expert and column, or per expert); ``offs`` int32 (E,) on the device, ending at M (not
-    checked here: that would read it on the host). ``config`` pins a tile (else autotuned per M bucket)."""
+    checked here: that would read it on the host). ``fast_accum``: keep the whole reduction in the tensor cores'
+    accumulator on sm_90 (see :func:`_dot`). ``config`` pins a tile (else autotuned per M bucket)."""
     m, k = a.shape
     experts, _, n = b.shape
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
@@ -213,19 +225,19 @@ def grouped_mm_2d3d(
 
     even_k = k % 128 == 0  # every tile's BLOCK_K divides 128
     _launch(_grouped_mm_2d3d_kernel, _2d3d_autotuned, grid, args, config, E=experts,
-            E_PAD=triton.next_power_of_2(experts), EVEN_K=even_k)  # fmt: skip
+            E_PAD=triton.next_power_of_2(experts), EVEN_K=even_k, FAST_ACCUM=fast_accum)  # fmt: skip
     return out
 
 
 def grouped_mm_2d2d(
     a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, offs: torch.Tensor,
-    out_dtype: torch.dtype, aligned: bool = False, config: dict | None = None,
+    out_dtype: torch.dtype, aligned: bool = False, fast_accum: bool = False, config: dict | None = None,
 ) -> torch.Tensor:
     """``out[e] = (a[:, cols of e] @ b[cols of e, :]) * scale_a[e, row] * scale_b[e, col]`` for FP8 ``a`` (N, M)
     and ``b`` (M, K) of any strides, giving (E, N, K); ``scale_a`` (E, N) or (E, 1), ``scale_b`` (E, K) or (E, 1)
     float32; ``offs`` int32 (E,) on the device. An empty group's product is zero. ``aligned``: every group starts
     at a multiple of 16 tokens (the padded layout of ``fp8_lightning.rowwise_grouped``), which lets a GPU load 16
-    codes at once; a wrong promise reads misaligned on a GPU."""
+    codes at once; a wrong promise reads misaligned on a GPU. ``fast_accum`` as for :func:`grouped_mm_2d3d`."""
     n, m = a.shape
     k = b.shape[1]
     experts = offs.numel()
@@ -242,5 +254,5 @@ def grouped_mm_2d2d(
     def grid(meta):
         return (triton.cdiv(n, meta["BLOCK_M"]) * triton.cdiv(k, meta["BLOCK_N"]), experts)
 
-    _launch(_grouped_mm_2d2d_kernel, _2d2d_autotuned, grid, args, config, ALIGNED=aligned)
+    _launch(_grouped_mm_2d2d_kernel, _2d2d_autotuned, grid, args, config, ALIGNED=aligned, FAST_ACCUM=fast_accum)
     return out

@@ -93,7 +93,7 @@ class PerTensorRecipe(Recipe):
         ``device``: torch has no per-tensor FP8 grouped GEMM."""
         if settings().gemm == "emulate" or settings().emulate or triton_unavailable_reason(device) is not None:
             return None
-        return TritonPerTensorGroupedGemm()
+        return TritonPerTensorGroupedGemm(self.fprop_fast_accum, self.grad_fast_accum)
 
     def grouped_gemm_route(self, capability, cuda, has_grouped_api) -> GemmRoute:
         reason = triton_arch_reason(capability)

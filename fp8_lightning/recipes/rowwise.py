@@ -140,7 +140,7 @@ class RowwiseScaling(FineGrainedRecipe):
         if torch_ok and settings().grouped_gemm != "triton":
             return RowwiseGroupedGemm(self.fprop_fast_accum, self.grad_fast_accum)
         if triton_unavailable_reason(device) is None:
-            return TritonRowwiseGroupedGemm()
+            return TritonRowwiseGroupedGemm(self.fprop_fast_accum, self.grad_fast_accum)
         return RowwiseGroupedGemm(self.fprop_fast_accum, self.grad_fast_accum) if torch_ok else None
 
     def grouped_gemm_route(self, capability, cuda, has_grouped_api) -> GemmRoute:

@@ -33,11 +33,16 @@ def offsets(sizes):
     return torch.cumsum(torch.tensor(sizes, dtype=torch.int64), 0).to(torch.int32)
 
 
-def check_close(got, want64, bound64, out_dtype):
+GPU_ACCUMULATION = 2.0**-12  # promoted into float32 every tile step (fast_accum=False, the kernels' default)
+
+
+def check_close(got, want64, bound64, out_dtype, accumulation=64 * 2.0**-24):
     """|got - want| within float32 accumulation error (and the output dtype's rounding) of the float64 value. The
-    interpreter converts float32 to bf16 by truncation, not to nearest: one bf16 ulp (2**-7 relative) is allowed."""
+    interpreter converts float32 to bf16 by truncation, not to nearest: one bf16 ulp (2**-7 relative) is allowed.
+    ``accumulation``: the allowed error over the sum of |terms| (a GPU's tensor cores add FP8 products in fewer
+    bits than float32 between promotions)."""
     rel = {torch.float32: 0.0, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[out_dtype]
-    tolerance = 64 * 2.0**-24 * bound64 + rel * want64.abs() + 1e-30
+    tolerance = accumulation * bound64 + rel * want64.abs() + 1e-30
     error = (got.double() - want64).abs()
     assert torch.all(error <= tolerance), f"max error {(error - tolerance).max().item()} over tolerance"
 
@@ -228,12 +233,12 @@ def test_compiled_kernels_on_cuda_match_float64(storage):
         weight = b if storage == "EKN" else b.transpose(1, 2).contiguous().transpose(1, 2)
         got = grouped_mm_2d3d(a.cuda(), weight.cuda(), sa.cuda(), sb.cuda(), offsets(sizes).cuda(), torch.bfloat16)
         want, bound = reference_2d3d(a, b, sa, sb, sizes)
-        check_close(got.cpu(), want, bound, torch.bfloat16)
+        check_close(got.cpu(), want, bound, torch.bfloat16, GPU_ACCUMULATION)
     x, y = codes((n, sum(sizes)), E4M3, 34), codes((k, sum(sizes)), E4M3, 35).t()
     sx, sy = scales((experts, n), 36), scales((experts, k), 37)
     got = grouped_mm_2d2d(x.cuda(), y.cuda(), sx.cuda(), sy.cuda(), offsets(sizes).cuda(), torch.bfloat16)
     want, bound = reference_2d2d(x, y, sx, sy, sizes)
-    check_close(got.cpu(), want, bound, torch.bfloat16)
+    check_close(got.cpu(), want, bound, torch.bfloat16, GPU_ACCUMULATION)
 
 
 @pytest.mark.parametrize("recipe_name", ["rowwise", "tensorwise"])
