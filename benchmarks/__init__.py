@@ -31,6 +31,8 @@ SUITES: dict[str, Suite] = {
                        "next to nn.Linear?"),
     "launch-count": Suite("launch_count", "How many tensor operations (kernel launches) does one FP8 layer step "
                           "issue on the CUDA branch?"),
+    "traced-launches": Suite("traced_launches", "How many tensor operations does one compiled (traced) rowwise, "
+                             "blockwise or MXFP8 layer step run on CUDA (simulated device, no GPU)?"),
     "optim-memory": Suite("optimizer_memory", "How much memory do FP8 optimizer states and master weights save?"),
     "optim-convergence": Suite("optimizer_convergence", "Does training with FP8 optimizer states converge like "
                                "float32 AdamW?"),

@@ -3,10 +3,13 @@
     torch.ops.fp8_lightning.mx_operand_cast(x, block_size, scale_rounding, dtype, columnwise)
                                          -> (row, row_scale, col, col_scale)
         MXFP8 rowwise and (optionally) columnwise copies of a 2-D tensor from one read
-    torch.ops.fp8_lightning.fine_tile_cast(x, dtype, tile_rows, tile_cols, power_of_2, eps) -> (data, scale)
-        one rowwise or blockwise copy of a 2-D tensor
-    torch.ops.fp8_lightning.scaled_gemm(a, a_scale, b, b_scale, bias, kind, out_dtype, emulate, fast_accum) -> out
-        ``a @ b.T (+ bias)`` for FP8 operands with K last (the CPU float GEMM, MX GEMMs)
+    torch.ops.fp8_lightning.fine_tile_cast(x, dtype, tile_rows, tile_cols, power_of_2, eps, transpose)
+                                         -> (data, scale, inverse, data_t, scale_t, inverse_t)
+        one rowwise or blockwise copy of a 2-D tensor with its 1 / scale (and x.T's from the same 128x128 blocks),
+        on CUDA in the layouts the Triton cast writes, which are cuBLAS's
+    torch.ops.fp8_lightning.scaled_gemm(a, a_scale, a_inverse, b, b_scale, b_inverse, bias, kind, out_dtype,
+                                        emulate, fast_accum) -> out
+        ``a @ b.T (+ bias)`` for FP8 operands with K last (the CPU float GEMM, MX, rowwise and blockwise GEMMs)
 
 Why ops: ``torch.compile`` traces a call to each as one opaque node with a fake (meta) implementation that gives
 its output shapes, so the layer step stays one graph. The dispatcher runs the op's implementation for the tensor's
@@ -29,6 +32,7 @@ import torch
 
 from fp8_lightning.fine_grained import reference_fine_cast, tile_kind
 from fp8_lightning.gemm import fp8_mm
+from fp8_lightning.kernels.fine_grained_layout import BLOCKWISE_EDGE, output_layouts
 from fp8_lightning.mx import E8M0_DTYPE
 from fp8_lightning.ops.dispatch import fast_quantize_mx_operands, fine_caster
 from fp8_lightning.ops.registry import hot_op
@@ -96,18 +100,54 @@ def _tile_layout(m: int, k: int, tile: tuple[int, int]) -> tuple[tuple[int, int]
     return (m, k), (along_m, along_k)
 
 
-def _fine_tile_cast_fake(x, dtype, tile_rows, tile_cols, power_of_2, eps):
-    shape, scale_shape = _tile_layout(*x.shape, (tile_rows, tile_cols))
-    return x.new_empty(shape, dtype=dtype), x.new_empty(scale_shape, dtype=torch.float32)
+def _kernel_layouts(x: torch.Tensor) -> bool:
+    """Whether the copies of ``x`` lie in the CUDA cast kernel's layouts (cuBLAS's, with the 128x128 blocks'
+    transposed copy written by the same launch); elsewhere they are contiguous and a transpose is made of views."""
+    return x.device.type == "cuda"
+
+
+def _fine_layouts(x: torch.Tensor, tile: tuple[int, int], transpose: bool) -> dict:
+    """(shape, strides) of each output of :func:`fine_tile_cast` on ``x``'s device: ``data``, ``scale`` (its inverse
+    alike) and, where the kernel writes the transposed copy, ``data_t`` and ``scale_t``."""
+    if _kernel_layouts(x):
+        return output_layouts(tuple(x.shape), tile, transpose and tile == (BLOCKWISE_EDGE, BLOCKWISE_EDGE))
+    shape, scale_shape = _tile_layout(*x.shape, tile)
+    return {"data": (shape, (shape[1], 1)), "scale": (scale_shape, (scale_shape[1], 1))}
+
+
+def _fine_tile_cast_fake(x, dtype, tile_rows, tile_cols, power_of_2, eps, transpose):
+    layouts, f32 = _fine_layouts(x, (tile_rows, tile_cols), transpose), torch.float32
+    out = [x.new_empty_strided(*layouts["data"], dtype=dtype)]
+    out += [x.new_empty_strided(*layouts["scale"], dtype=f32) for _ in range(2)]
+    if "data_t" not in layouts:
+        return (*out, _empty(x, dtype), _empty(x, f32), _empty(x, f32))
+    out.append(x.new_empty_strided(*layouts["data_t"], dtype=dtype))
+    return (*out, *(x.new_empty_strided(*layouts["scale_t"], dtype=f32) for _ in range(2)))
+
+
+def _laid_out(t: torch.Tensor, layout: tuple) -> torch.Tensor:
+    """``t`` with the (shape, strides) ``layout``: itself where it has them, else a copy."""
+    shape, strides = layout
+    if tuple(t.shape) == tuple(shape) and all(n == 1 or a == b for n, a, b in zip(shape, t.stride(), strides)):
+        return t
+    return t.new_empty_strided(*layout).copy_(t)
 
 
 @hot_op("fine_tile_cast", fake=_fine_tile_cast_fake)
 def fine_tile_cast(
-    x: torch.Tensor, dtype: torch.dtype, tile_rows: int, tile_cols: int, power_of_2: bool, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, dtype: torch.dtype, tile_rows: int, tile_cols: int, power_of_2: bool, eps: float,
+    transpose: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    tile = (tile_rows, tile_cols)
+    layouts = _fine_layouts(x, tile, transpose)
     cast = fine_caster(x) or reference_fine_cast
-    q = cast(x, dtype, (tile_rows, tile_cols), power_of_2, eps)[0]
-    return q.data.contiguous(), q.scale.contiguous()  # the fake's layouts
+    row, col = cast(x, dtype, tile, power_of_2, eps, transpose="data_t" in layouts)
+    out = [_laid_out(row.data, layouts["data"])]
+    out += [_laid_out(s, layouts["scale"]) for s in (row.scale, row.inverse_scale())]  # the CUDA kernel's: no copy
+    if col is None:
+        return (*out, _empty(x, dtype), _empty(x, torch.float32), _empty(x, torch.float32))
+    out.append(_laid_out(col.data, layouts["data_t"]))
+    return (*out, *(_laid_out(s, layouts["scale_t"]) for s in (col.scale, col.inverse_scale())))
 
 
 def traced_tile_cast(
@@ -115,11 +155,18 @@ def traced_tile_cast(
     transpose: bool = False,
 ) -> tuple[Quantized, Quantized | None]:
     """``kernels.fine_cast`` as traceable code: one copy through the custom op (the eager layer's own cast behind
-    it: Triton, the C codec or the reference), and with ``transpose`` the operand of ``x.T`` from the same blocks
-    (views, made here: an op's outputs may not alias each other)."""
-    data, scale = fine_tile_cast(x, dtype, tile[0], tile[1], power_of_2, eps)
+    it: Triton, the C codec or the reference) with its ``1 / scale``, both in the layouts the cast wrote (on CUDA
+    cuBLAS's, which the GEMM then takes as they are), and with ``transpose`` the operand of ``x.T`` from the same
+    blocks: the kernel's transposed copy on CUDA, elsewhere views made here (an op's outputs may not alias)."""
+    data, scale, inverse, data_t, scale_t, inverse_t = fine_tile_cast(x, dtype, tile[0], tile[1], power_of_2, eps,
+                                                                      transpose)  # fmt: skip
     kind = tile_kind(tile)
-    return Quantized(data, scale, kind), (Quantized(data.t(), scale.t(), kind) if transpose else None)
+    row = Quantized(data, scale, kind, inverse=inverse)
+    if not transpose:
+        return row, None
+    if not _kernel_layouts(x):  # no transposed copy on this device: views of the same blocks
+        data_t, scale_t, inverse_t = data.t(), scale.t(), inverse.t()
+    return row, Quantized(data_t, scale_t, kind, inverse=inverse_t)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -127,13 +174,17 @@ def traced_tile_cast(
 # --------------------------------------------------------------------------------------------------------
 
 
-def _scaled_gemm_fake(a, a_scale, b, b_scale, bias, kind, out_dtype, emulate, fast_accum):
+def _scaled_gemm_fake(a, a_scale, a_inverse, b, b_scale, b_inverse, bias, kind, out_dtype, emulate, fast_accum):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
 @hot_op("scaled_gemm", fake=_scaled_gemm_fake)
 def scaled_gemm(
-    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, bias: Optional[torch.Tensor],
-    kind: str, out_dtype: torch.dtype, emulate: bool, fast_accum: bool,
+    a: torch.Tensor, a_scale: torch.Tensor, a_inverse: Optional[torch.Tensor], b: torch.Tensor,
+    b_scale: torch.Tensor, b_inverse: Optional[torch.Tensor], bias: Optional[torch.Tensor], kind: str,
+    out_dtype: torch.dtype, emulate: bool, fast_accum: bool,
 ) -> torch.Tensor:
-    return fp8_mm(Quantized(a, a_scale, kind), Quantized(b, b_scale, kind), out_dtype, emulate, bias, fast_accum)
+    """``a @ b.T (+ bias)``; ``a_inverse``, ``b_inverse``: the operands' ``1 / scale`` where their casts wrote it
+    (in the layout the GEMM reads), else None."""
+    a_q, b_q = Quantized(a, a_scale, kind, inverse=a_inverse), Quantized(b, b_scale, kind, inverse=b_inverse)
+    return fp8_mm(a_q, b_q, out_dtype, emulate, bias, fast_accum)
