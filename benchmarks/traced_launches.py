@@ -81,8 +81,11 @@ def _expanded(counter: _Count, impl):
     return run
 
 
-def count_case(arch: str, cuda: str, torch_version: str, recipe_name: str, m: int, k: int, n: int) -> dict:
-    """``{"in_ops": Counter, "graph": Counter, "status": [verdicts]}`` of one traced layer step."""
+def count_case(
+    arch: str, cuda: str, torch_version: str, recipe_name: str, m: int, k: int, n: int, mode: str = "traced"
+) -> dict:
+    """``{"in_ops": Counter, "graph": Counter, "gemms": [verdicts]}`` of one layer step in ``mode`` ("traced", or
+    "eager": every operation a launch, all counted as graph)."""
     import importlib
 
     from fp8_lightning.cuda_contract import Target, simulate
@@ -114,16 +117,16 @@ def count_case(arch: str, cuda: str, torch_version: str, recipe_name: str, m: in
             if hasattr(module, op):
                 stack.enter_context(mock.patch.object(module, op, _expanded(counter, registry.HOT_OPS[op].impl)))
         target = Target.parse(arch, cuda, torch_version)
-        records = simulate.run_layer(target, RECIPES[recipe_name](), m, k, n, "traced")
+        records = simulate.run_layer(target, RECIPES[recipe_name](), m, k, n, mode)
     verdicts = [judge(r, target) for r in records]
     return {"in_ops": counter.inside, "graph": counter.graph,
             "gemms": [f"{v.record.role}: {v.status} ({v.kernel})" for v in verdicts]}  # fmt: skip
 
 
-def count_all() -> list[dict]:
+def count_all(mode: str = "traced") -> list[dict]:
     rows = []
     for label, arch, cuda, torch_version, recipe, m, k, n in CASES:
-        counts = count_case(arch, cuda, torch_version, recipe, m, k, n)
+        counts = count_case(arch, cuda, torch_version, recipe, m, k, n, mode)
         rows.append({"case": f"{recipe}, {label}, {m}x{k}->{n}", **{key: dict(v) if isinstance(v, dict) else v
                                                                     for key, v in counts.items()}})  # fmt: skip
     return rows
@@ -150,7 +153,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--baseline-tree", help="also count the library at this path (before)")
     parser.add_argument("--out", help="markdown file to write (default: print only)")
     args = parser.parse_args(argv)
-    after = count_all()
+    after, eager = count_all(), count_all("eager")
     before = _run_tree(args.baseline_tree) if args.baseline_tree else None
     lines = ["# Tensor operations per compiled FP8 layer step on a simulated CUDA device", "",
              f"- command: `{front_door_command('traced_launches', argv)}`",
@@ -164,6 +167,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             inside, graph = sum(row["in_ops"].values()), sum(row["graph"].values())
             lines.append(f"| {row['case']} | {tree} | {inside} | {graph} | {inside + graph} | {_fmt(row['in_ops'])} "
                          f"| {'; '.join(row['gemms'])} |")  # fmt: skip
+    lines += ["", "The eager step of the same layer on this tree, for comparison (every operation a launch)."
+              "", "| case | eager ops | by name |", "|---|---:|---|"]
+    lines += [f"| {row['case']} | {sum(row['graph'].values())} | {_fmt(row['graph'])} |" for row in eager]
     lines += ["", "Graph operations by name (inductor may fuse the pointwise ones):", ""]
     for i in range(len(after)):
         lines.append(f"- {after[i]['case']}: " + "; ".join(f"{tree}: {_fmt(rows[i]['graph'])}" for tree, rows in trees))
