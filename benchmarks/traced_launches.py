@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             inside, graph = sum(row["in_ops"].values()), sum(row["graph"].values())
             lines.append(f"| {row['case']} | {tree} | {inside} | {graph} | {inside + graph} | {_fmt(row['in_ops'])} "
                          f"| {'; '.join(row['gemms'])} |")  # fmt: skip
-    lines += ["", "The eager step of the same layer on this tree, for comparison (every operation a launch)."
+    lines += ["", "The eager step of the same layer on this tree, for comparison (every operation a launch).",
               "", "| case | eager ops | by name |", "|---|---:|---|"]
     lines += [f"| {row['case']} | {sum(row['graph'].values())} | {_fmt(row['graph'])} |" for row in eager]
     lines += ["", "Graph operations by name (inductor may fuse the pointwise ones):", ""]
