@@ -49,7 +49,8 @@ CASES = (
     ("sm_90 ragged", "sm_90", "13.0", "2.11", "rowwise", 77, 160, 144),
     ("sm_90 ragged", "sm_90", "13.0", "2.11", "blockwise", 77, 1040, 48),
 )
-CAST_OPS = (("fp8_lightning.ops.layer", "fine_tile_cast"), ("fp8_lightning.recipes.mxfp8", "mx_operand_cast"))
+CAST_OPS = (("fp8_lightning.ops.layer", "fine_tile_cast"), ("fp8_lightning.ops.layer", "block_cast_transposed"),
+            ("fp8_lightning.recipes.mxfp8", "mx_operand_cast"))  # fmt: skip
 
 
 class _Count(TorchDispatchMode):

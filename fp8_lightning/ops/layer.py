@@ -3,10 +3,11 @@
     torch.ops.fp8_lightning.mx_operand_cast(x, block_size, scale_rounding, dtype, columnwise)
                                          -> (row, row_scale, col, col_scale)
         MXFP8 rowwise and (optionally) columnwise copies of a 2-D tensor from one read
-    torch.ops.fp8_lightning.fine_tile_cast(x, dtype, tile_rows, tile_cols, power_of_2, eps, transpose)
-                                         -> (data, scale, inverse, data_t, scale_t, inverse_t)
-        one rowwise or blockwise copy of a 2-D tensor with its 1 / scale (and x.T's from the same 128x128 blocks),
-        on CUDA in the layouts the Triton cast writes, which are cuBLAS's
+    torch.ops.fp8_lightning.fine_tile_cast(x, dtype, tile_rows, tile_cols, power_of_2, eps) -> (data, scale, inverse)
+        one rowwise or blockwise copy of a 2-D tensor with its 1 / scale, on CUDA in the layouts the Triton cast
+        writes, which are cuBLAS's
+    torch.ops.fp8_lightning.block_cast_transposed(x, dtype, power_of_2, eps) -> (data, scale, inverse, data_t, ...)
+        on CUDA, the 128x128 copy and the copy of x.T from the same blocks, from one launch
     torch.ops.fp8_lightning.scaled_gemm(a, a_scale, a_inverse, b, b_scale, b_inverse, bias, kind, out_dtype,
                                         emulate, fast_accum) -> out
         ``a @ b.T (+ bias)`` for FP8 operands with K last (the CPU float GEMM, MX, rowwise and blockwise GEMMs)
@@ -115,14 +116,10 @@ def _fine_layouts(x: torch.Tensor, tile: tuple[int, int], transpose: bool) -> di
     return {"data": (shape, (shape[1], 1)), "scale": (scale_shape, (scale_shape[1], 1))}
 
 
-def _fine_tile_cast_fake(x, dtype, tile_rows, tile_cols, power_of_2, eps, transpose):
-    layouts, f32 = _fine_layouts(x, (tile_rows, tile_cols), transpose), torch.float32
-    out = [x.new_empty_strided(*layouts["data"], dtype=dtype)]
-    out += [x.new_empty_strided(*layouts["scale"], dtype=f32) for _ in range(2)]
-    if "data_t" not in layouts:
-        return (*out, _empty(x, dtype), _empty(x, f32), _empty(x, f32))
-    out.append(x.new_empty_strided(*layouts["data_t"], dtype=dtype))
-    return (*out, *(x.new_empty_strided(*layouts["scale_t"], dtype=f32) for _ in range(2)))
+def _fine_tile_cast_fake(x, dtype, tile_rows, tile_cols, power_of_2, eps):
+    layouts, f32 = _fine_layouts(x, (tile_rows, tile_cols), False), torch.float32
+    data = x.new_empty_strided(*layouts["data"], dtype=dtype)
+    return data, x.new_empty_strided(*layouts["scale"], dtype=f32), x.new_empty_strided(*layouts["scale"], dtype=f32)
 
 
 def _laid_out(t: torch.Tensor, layout: tuple) -> torch.Tensor:
@@ -133,21 +130,44 @@ def _laid_out(t: torch.Tensor, layout: tuple) -> torch.Tensor:
     return t.new_empty_strided(*layout).copy_(t)
 
 
+def _cast_copies(x, dtype, tile, power_of_2, eps, transpose) -> list[torch.Tensor]:
+    """(data, scale, inverse) of the copy and, with ``transpose``, of the operand of ``x.T``, in the layouts the
+    fakes declare: the CUDA kernel's as they are, another cast's copied into them (contiguous off CUDA)."""
+    cast = fine_caster(x) or reference_fine_cast
+    copies = [q for q in cast(x, dtype, tile, power_of_2, eps, transpose=transpose) if q is not None]
+    if not _kernel_layouts(x):
+        return [t.contiguous() for q in copies for t in (q.data, q.scale, q.inverse_scale())]
+    layouts = _fine_layouts(x, tile, transpose)
+    out = []
+    for q, data_at, scale_at in zip(copies, ("data", "data_t"), ("scale", "scale_t")):
+        out += [_laid_out(q.data, layouts[data_at]), _laid_out(q.scale, layouts[scale_at]),
+                _laid_out(q.inverse_scale(), layouts[scale_at])]  # fmt: skip
+    return out
+
+
 @hot_op("fine_tile_cast", fake=_fine_tile_cast_fake)
 def fine_tile_cast(
-    x: torch.Tensor, dtype: torch.dtype, tile_rows: int, tile_cols: int, power_of_2: bool, eps: float,
-    transpose: bool,
+    x: torch.Tensor, dtype: torch.dtype, tile_rows: int, tile_cols: int, power_of_2: bool, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(_cast_copies(x, dtype, (tile_rows, tile_cols), power_of_2, eps, False))
+
+
+def _block_cast_transposed_fake(x, dtype, power_of_2, eps):
+    layouts, f32 = _fine_layouts(x, (BLOCKWISE_EDGE, BLOCKWISE_EDGE), True), torch.float32
+    out = []
+    for data_at, scale_at in (("data", "scale"), ("data_t", "scale_t")):
+        out += [x.new_empty_strided(*layouts[data_at], dtype=dtype)]
+        out += [x.new_empty_strided(*layouts[scale_at], dtype=f32) for _ in range(2)]
+    return tuple(out)
+
+
+@hot_op("block_cast_transposed", fake=_block_cast_transposed_fake)
+def block_cast_transposed(
+    x: torch.Tensor, dtype: torch.dtype, power_of_2: bool, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    tile = (tile_rows, tile_cols)
-    layouts = _fine_layouts(x, tile, transpose)
-    cast = fine_caster(x) or reference_fine_cast
-    row, col = cast(x, dtype, tile, power_of_2, eps, transpose="data_t" in layouts)
-    out = [_laid_out(row.data, layouts["data"])]
-    out += [_laid_out(s, layouts["scale"]) for s in (row.scale, row.inverse_scale())]  # the CUDA kernel's: no copy
-    if col is None:
-        return (*out, _empty(x, dtype), _empty(x, torch.float32), _empty(x, torch.float32))
-    out.append(_laid_out(col.data, layouts["data_t"]))
-    return (*out, *(_laid_out(s, layouts["scale_t"]) for s in (col.scale, col.inverse_scale())))
+    """On CUDA: the 128x128 copy of ``x`` and the operand of ``x.T`` from the same blocks, both written by one launch
+    of the kernel (each as (data, scale, inverse))."""
+    return tuple(_cast_copies(x, dtype, (BLOCKWISE_EDGE, BLOCKWISE_EDGE), power_of_2, eps, True))
 
 
 def traced_tile_cast(
@@ -157,16 +177,15 @@ def traced_tile_cast(
     """``kernels.fine_cast`` as traceable code: one copy through the custom op (the eager layer's own cast behind
     it: Triton, the C codec or the reference) with its ``1 / scale``, both in the layouts the cast wrote (on CUDA
     cuBLAS's, which the GEMM then takes as they are), and with ``transpose`` the operand of ``x.T`` from the same
-    blocks: the kernel's transposed copy on CUDA, elsewhere views made here (an op's outputs may not alias)."""
-    data, scale, inverse, data_t, scale_t, inverse_t = fine_tile_cast(x, dtype, tile[0], tile[1], power_of_2, eps,
-                                                                      transpose)  # fmt: skip
+    blocks: on CUDA the kernel's transposed copy from the same launch, elsewhere views made here (an op's outputs may
+    not alias each other)."""
     kind = tile_kind(tile)
+    if transpose and _kernel_layouts(x):
+        data, scale, inverse, data_t, scale_t, inverse_t = block_cast_transposed(x, dtype, power_of_2, eps)
+        return Quantized(data, scale, kind, inverse=inverse), Quantized(data_t, scale_t, kind, inverse=inverse_t)
+    data, scale, inverse = fine_tile_cast(x, dtype, tile[0], tile[1], power_of_2, eps)
     row = Quantized(data, scale, kind, inverse=inverse)
-    if not transpose:
-        return row, None
-    if not _kernel_layouts(x):  # no transposed copy on this device: views of the same blocks
-        data_t, scale_t, inverse_t = data.t(), scale.t(), inverse.t()
-    return row, Quantized(data_t, scale_t, kind, inverse=inverse_t)
+    return row, (Quantized(data.t(), scale.t(), kind, inverse=inverse.t()) if transpose else None)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -1,12 +1,12 @@
 """The compiled (traced) fine-grained step keeps the layouts the CUDA cast kernel writes, which are cuBLAS's.
 
-The traced cast op (``torch.ops.fp8_lightning.fine_tile_cast``) declares, for a CUDA tensor, the shapes and strides
-the Triton kernel writes its codes, scales and inverse scales in: one scale per row contiguous, 1x128 / 128x1 tiles
-column-major, 128x128 blocks row-major with each row padded to 4 floats, and the 128x128 weight's transposed copy from
-the same launch. Here the CUDA branch runs on CPU tensors (the kernels in Triton's interpreter, the op told that the
-tensor is on CUDA): the op's outputs have the fake's layouts, which are written out below from cuBLAS's rules, hold
-the reference casts' bits and ``1 / scale``, and come from the kernel with no copy; without the kernels the
-reference's results are copied into the same layouts. On the simulated CUDA device a compiled step's GEMMs then take
+The traced cast ops (``torch.ops.fp8_lightning.fine_tile_cast`` and ``block_cast_transposed``) declare, for a CUDA
+tensor, the shapes and strides the Triton kernel writes their codes, scales and inverse scales in: one scale per row
+contiguous, 1x128 / 128x1 tiles column-major, 128x128 blocks row-major with each row padded to 4 floats, and the
+128x128 weight's transposed copy from the same launch. Here the CUDA branch runs on CPU tensors (the kernels in
+Triton's interpreter, the ops told that the tensor is on CUDA): the ops' outputs have the fakes' layouts, which are
+written out below from cuBLAS's rules, hold the reference casts' bits and ``1 / scale``, and come from the kernel
+with no copy; without the kernels the reference's results are copied into the same layouts. On the simulated CUDA device a compiled step's GEMMs then take
 those scales as they are: the step runs the casts, the three GEMMs, the bias add and the bias gradient, nothing else.
 """
 
@@ -71,15 +71,16 @@ def test_the_cast_op_gives_cublas_layouts_and_the_reference_bits(cuda_branch, mo
         monkeypatch.setattr(dispatch, "cuda_kernels", lambda x: None)
     x = awkward(M, K)
     transpose = tile == (128, 128)
-    args = (x, E4M3, *tile, True, 1e-12, transpose)
+    name, args = ("block_cast_transposed", (x, E4M3, True, 1e-12)) if transpose else \
+        ("fine_tile_cast", (x, E4M3, *tile, True, 1e-12))
     with _Ops() as ops:
-        data, scale, inverse, data_t, scale_t, inverse_t = HOT_OPS["fine_tile_cast"].impl(*args)
-    fake = HOT_OPS["fine_tile_cast"].fake(*args)
+        outputs = HOT_OPS[name].impl(*args)
+    data, scale, inverse, data_t, scale_t, inverse_t = (*outputs, *outputs[:3])[:6]
+    fake = HOT_OPS[name].fake(*args)
     expected = CUBLAS_LAYOUTS[tile]
     got = [data, scale, data_t, scale_t] if transpose else [data, scale]
     assert [_layout(t) for t in got] == [(s, tuple(d if n > 1 else 1 for n, d in zip(s, st))) for s, st in expected]
-    assert [_layout(t) for t in fake if t.numel()] == [_layout(t) for t in (data, scale, inverse, data_t, scale_t,
-                                                                              inverse_t) if t.numel()]  # fmt: skip
+    assert [_layout(t) for t in fake] == [_layout(t) for t in outputs]
     assert _layout(inverse) == _layout(scale) and (not transpose or _layout(inverse_t) == _layout(scale_t))
     if kernels:
         assert not set(ops.names) & set(COPIES), ops.names  # the kernel's own tensors: nothing copied or inverted
@@ -117,12 +118,13 @@ def _traced_step_ops(recipe, m: int, k: int, n: int) -> collections.Counter:
     return collections.Counter({name: c for name, c in counter.names.items() if name not in views})
 
 
-@pytest.mark.parametrize("recipe, casts", [(RowwiseScaling(), 6), (BlockwiseScaling(), 5)], ids=["rowwise", "blockwise"])
+@pytest.mark.parametrize("recipe, casts", [(RowwiseScaling(), 6), (BlockwiseScaling(), 5)],
+                         ids=["rowwise", "blockwise"])  # fmt: skip
 def test_a_compiled_step_on_cuda_hands_the_casts_scales_to_the_gemms(recipe, casts):
     """Shapes with no padding: per step the casts (x, x.T, W, W.T, g, g.T; blockwise W.T from W's launch), three
     scaled GEMMs, the bias add after the GEMM and the bias gradient's sum; no scale is inverted or laid out again."""
     ops = _traced_step_ops(recipe, 256, 1024, 3072)
     gemms = ops["_scaled_mm"] + ops["_scaled_mm_v2"]
-    assert ops["fine_tile_cast"] == casts and gemms == 3
+    assert ops["fine_tile_cast"] + ops["block_cast_transposed"] == casts and gemms == 3
     assert sum(ops.values()) == casts + gemms + 2, ops  # + the bias add and the bias gradient
     assert ops["add"] == 1 and ops["sum"] == 1
