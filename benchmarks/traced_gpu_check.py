@@ -8,7 +8,9 @@ with ``torch.compile(fullgraph=True)``:
   eager step's bit for bit, at a main and a ragged shape;
 * ``inductor`` (what users run): output, input and weight gradients bit for bit (they are outputs of the traced
   step's opaque GEMM ops); the bias gradient, a sum inductor may reorder, within 1e-2 relative;
-* the CUDA kernels of one steady-state step, eager and inductor, counted with ``torch.profiler``.
+* the CUDA kernels of one steady-state step, eager and inductor, counted with ``torch.profiler`` (the eager layer
+  reuses its weight cast after checking the weight's bits, as it does between an optimizer's steps' micro-batches;
+  the compiled step casts the weight every step).
 
 It prints a markdown report (``--out`` writes it, by default ``$OUT/traced_gpu_check.md`` when ``OUT`` is set) and
 exits 1 on a mismatch; without a CUDA device it says so and exits 0 (nothing to check).

@@ -37,7 +37,7 @@ class TracedPlan(NamedTuple):
     grad_fast_accum: bool
     inverses: bool = False  # each cast also hands out its copies' 1 / scale, in the layout the GEMM reads
 
-    # -- the step of fp8_lightning.layer_step.FP8LinearFunction: operands are (data, scale, kind) tuples ---------
+    # -- the step of fp8_lightning.layer_step.FP8LinearFunction: operands are (data, scale, kind, inverse) tuples
 
     def forward_operands(self, tensors: tuple):
         """The Function's tensor inputs: each cast's (data, scale, columnwise data, columnwise scale) and, where the
