@@ -14,15 +14,13 @@
 
 Why ops: ``torch.compile`` traces a call to each as one opaque node with a fake (meta) implementation that gives
 its output shapes, so the layer step stays one graph. The dispatcher runs the op's implementation for the tensor's
-device, and each implementation is the eager layer's own code
-(:func:`fp8_lightning.ops.dispatch.fast_quantize_mx_operands`,
-:func:`fp8_lightning.gemm.fp8_mm`): on CPU the C codec and the float GEMM, on CUDA the Triton MX kernel, cuBLAS
-``_scaled_mm`` or the Triton MX GEMM. A compiled step therefore computes the same bits as an eager one.
+device, and each implementation is the eager layer's own code (:func:`fp8_lightning.ops.dispatch.fast_fine_operands`,
+:func:`~fp8_lightning.ops.dispatch.fast_quantize_mx_operands`, :func:`fp8_lightning.gemm.fp8_mm`): on CPU the C codec
+and the float GEMM, on CUDA the Triton casts, cuBLAS or the Triton MX GEMM. A compiled step computes the eager bits.
 
-Per-tensor casts are not ops: the traced step writes them as plain tensor operations
-(the per-tensor recipes' ``traced_cast``), which the compiler fuses with their neighbours. Nor is the per-tensor
-GEMM where it is ``torch._scaled_mm`` (CUDA): the graph holds that aten op itself
-(:func:`fp8_lightning.gemm.scaled_mm`).
+Per-tensor casts are not ops: the traced step writes them as plain tensor operations (the per-tensor recipes'
+``traced_cast``), which the compiler fuses with their neighbours. Nor is the per-tensor GEMM where it is
+``torch._scaled_mm`` (CUDA): the graph holds that aten op itself (:func:`fp8_lightning.gemm.scaled_mm`).
 """
 
 from __future__ import annotations
