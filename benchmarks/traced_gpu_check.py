@@ -104,7 +104,7 @@ def _short(counter: collections.Counter, top: int = 6) -> str:
 
 def check(name: str, recipe, lines: list[str]) -> list[str]:
     failures = []
-    torch._dynamo.reset()
+    torch.compiler.reset()
     for shape, backends in ((MAIN, ("aot_eager", "inductor")), (RAGGED, ("aot_eager",))):
         m, k, n = shape
         x, g = _inputs(m, k, n)
