@@ -31,6 +31,10 @@ SUITES: dict[str, Suite] = {
                        "next to nn.Linear?"),
     "launch-count": Suite("launch_count", "How many tensor operations (kernel launches) does one FP8 layer step "
                           "issue on the CUDA branch?"),
+    "traced-launches": Suite("traced_launches", "How many tensor operations does one compiled (traced) rowwise, "
+                             "blockwise or MXFP8 layer step run on CUDA (simulated device, no GPU)?"),
+    "traced-gpu-check": Suite("traced_gpu_check", "Does the compiled rowwise, blockwise and MXFP8 layer step give the "
+                              "eager step's bits on a GPU, and how many CUDA kernels does it run?"),
     "optim-memory": Suite("optimizer_memory", "How much memory do FP8 optimizer states and master weights save?"),
     "optim-convergence": Suite("optimizer_convergence", "Does training with FP8 optimizer states converge like "
                                "float32 AdamW?"),

@@ -12,8 +12,8 @@ what is saved for backward and how the bias gradient is formed, once. A *step* o
 * ``forward_operands(tensors)``: the operands of x, x.T, W and W.T (cast before the Function, outside autograd),
   and the output gradient's scaling-state tensors;
 * ``gemm(a, b, out_dtype, bias, fast_accum)``: one FP8 GEMM;
-* ``pack(x_t, w_t)`` / ``unpack(meta, *tensors)``: the saved operands as tensors for ``save_for_backward`` plus
-  what else backward needs;
+* ``pack(x_t, w_t)`` / ``unpack(meta, saved)``: the saved operands as tensors for ``save_for_backward`` plus
+  what else backward needs, and back (with the output gradient's state tensors, saved after them);
 * ``grad_operands(g, grad_state, columnwise)``: the output gradient's operands (g and, for wgrad, g.T).
 
 The eager step (:class:`fp8_lightning.linear.EagerStep`) hands over the casts' operand objects with their caches;
@@ -43,10 +43,9 @@ class FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        x_data, x_scale, w_data, w_scale, *grad_state = ctx.saved_tensors
         step, (x_dtype, w_dtype, bias_dtype) = ctx.step, ctx.dtypes
         needs_x, needs_w, needs_bias = ctx.needs_input_grad[:3]
-        x_t, w_t = step.unpack(ctx.meta, x_data, x_scale, w_data, w_scale)
+        x_t, w_t, grad_state = step.unpack(ctx.meta, ctx.saved_tensors)
         g = grad_y.contiguous()
         g_row, g_t = step.grad_operands(g, grad_state, needs_w)
         grad_x = grad_w = grad_bias = None

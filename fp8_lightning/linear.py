@@ -262,8 +262,9 @@ class EagerStep:
         )
         return (x_t.data, x_t.scale, w_t.data, w_t.scale), meta
 
-    def unpack(self, meta, x_data, x_scale, w_data, w_scale):
-        return meta[0].rebuild(x_data, x_scale), meta[1].rebuild(w_data, w_scale)
+    def unpack(self, meta, saved: tuple):
+        x_data, x_scale, w_data, w_scale, *grad_state = saved
+        return meta[0].rebuild(x_data, x_scale), meta[1].rebuild(w_data, w_scale), grad_state
 
     def grad_operands(self, g: torch.Tensor, grad_state, columnwise: bool):
         scaling = self.scaling

@@ -35,49 +35,62 @@ class TracedPlan(NamedTuple):
     scaled_mm: bool  # the GEMMs are torch._scaled_mm itself in the graph (per-tensor on CUDA)
     fprop_fast_accum: bool
     grad_fast_accum: bool
+    inverses: bool = False  # each cast also hands out its copies' 1 / scale, in the layout the GEMM reads
 
-    # -- the step of fp8_lightning.layer_step.FP8LinearFunction: operands are (data, scale, kind) tuples ---------
+    # -- the step of fp8_lightning.layer_step.FP8LinearFunction: operands are (data, scale, kind, inverse) tuples
 
     def forward_operands(self, tensors: tuple):
-        """The Function's tensor inputs: each cast's (data, scale, columnwise data, columnwise scale), input then
-        weight, then the output gradient's state tensors. A columnwise scale of None is the rowwise one (a
-        per-tensor operand's transpose; a tensor may enter the Function only once)."""
-        x_row, x_scale, x_col, x_col_scale, w_row, w_scale, w_col, w_col_scale, *grad_state = tensors
-        x_t = (x_col, x_scale if x_col_scale is None else x_col_scale, self.wgrad_kind)
-        w_t = (w_col, w_scale if w_col_scale is None else w_col_scale, self.kind)
-        return (x_row, x_scale, self.kind), x_t, (w_row, w_scale, self.kind), w_t, grad_state
+        """The Function's tensor inputs: each cast's (data, scale, columnwise data, columnwise scale) and, where the
+        plan has ``inverses``, (inverse, columnwise inverse), input then weight, then the output gradient's state
+        tensors. A columnwise scale of None is the rowwise one (a per-tensor operand's transpose; a tensor may enter
+        the Function only once). Operands are (data, scale, kind, inverse or None) tuples."""
+        width = 6 if self.inverses else 4
+        x_ops, w_ops, grad_state = tensors[:width], tensors[width:2 * width], tensors[2 * width:]
+        (x_row, x_t), (w_row, w_t) = self._operands(x_ops, self.wgrad_kind), self._operands(w_ops, self.kind)
+        return x_row, x_t, w_row, w_t, grad_state
+
+    def _operands(self, cast: tuple, column_kind: OperandKind) -> tuple[tuple, tuple]:
+        row, scale, col, col_scale, row_inverse, col_inverse = (*cast, None, None)[:6]
+        return (row, scale, self.kind, row_inverse), (col, scale if col_scale is None else col_scale, column_kind,
+                                                      col_inverse)  # fmt: skip
 
     def gemm(self, a: tuple, b: tuple, out_dtype: torch.dtype, bias, fast_accum: bool) -> torch.Tensor:
         """``a @ b.T (+ bias)``: ``torch._scaled_mm`` in the graph where it is the GEMM, else the custom op (the
-        eager layer's GEMM: CPU float GEMM, MX, rowwise and blockwise)."""
-        (a_data, a_scale, kind), (b_data, b_scale, _) = a, b
+        eager layer's GEMM: CPU float GEMM, MX, rowwise and blockwise), which takes the casts' inverse scales."""
+        (a_data, a_scale, kind, a_inverse), (b_data, b_scale, _, b_inverse) = a, b
         if self.scaled_mm:
             return scaled_mm(a_data, a_scale.reciprocal(), b_data, b_scale.reciprocal(), out_dtype, bias, fast_accum)
-        return scaled_gemm(a_data, a_scale, b_data, b_scale, bias, kind, out_dtype, self.emulate, fast_accum)
+        return scaled_gemm(a_data, a_scale, a_inverse, b_data, b_scale, b_inverse, bias, kind, out_dtype,
+                           self.emulate, fast_accum)  # fmt: skip
 
     def pack(self, x_t: tuple, w_t: tuple):
-        return (x_t[0], x_t[1], w_t[0], w_t[1]), None
+        inverses = (x_t[3], w_t[3]) if self.inverses else ()
+        return (x_t[0], x_t[1], w_t[0], w_t[1], *inverses), None
 
-    def unpack(self, meta, x_data, x_scale, w_data, w_scale):
-        return (x_data, x_scale, self.wgrad_kind), (w_data, w_scale, self.kind)
+    def unpack(self, meta, saved: tuple):
+        """(x.T's operand, W.T's operand, the output gradient's state tensors) from what :meth:`pack` saved."""
+        x_data, x_scale, w_data, w_scale, *rest = saved
+        x_inverse, w_inverse = rest[:2] if self.inverses else (None, None)
+        grad_state = rest[2:] if self.inverses else rest
+        return (x_data, x_scale, self.wgrad_kind, x_inverse), (w_data, w_scale, self.kind, w_inverse), grad_state
 
     def grad_operands(self, g: torch.Tensor, grad_state: list, columnwise: bool):
         """The output gradient cast by the recipe's traced cast (delayed scaling books its amax here)."""
-        row, scale, col, col_scale = self.recipe.traced_cast(
-            g, tuple(grad_state), self, "grad_output", self.backward_dtype, columnwise, True
-        )
-        return (row, scale, self.kind), (col, scale if col_scale is None else col_scale, self.wgrad_kind)
+        cast = self.recipe.traced_cast(g, tuple(grad_state), self, "grad_output", self.backward_dtype, columnwise, True)
+        return self._operands(cast, self.wgrad_kind)
 
 
 def plan_for(
     recipe: Any, device: torch.device, out_dtype: torch.dtype, emulate: bool, scaled_mm: bool = False,
-    wgrad_kind: OperandKind | None = None,
+    wgrad_kind: OperandKind | None = None, inverses: bool = False,
 ) -> TracedPlan:
-    """The plan of one call of ``recipe`` (its ``traced_plan`` fills in what is its own)."""
+    """The plan of one call of ``recipe`` (its ``traced_plan`` fills in what is its own; ``inverses``: its
+    ``traced_cast`` returns six tensors, the last two the copies' inverse scales)."""
     fmt = recipe.fp8_format
     return TracedPlan(
         recipe, recipe.operand_kind, wgrad_kind or recipe.operand_kind, fmt.forward_dtype, fmt.backward_dtype,
         out_dtype, emulate, device.type == "cuda", scaled_mm, recipe.fprop_fast_accum, recipe.grad_fast_accum,
+        inverses,
     )
 
 

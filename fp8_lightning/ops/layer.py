@@ -3,22 +3,24 @@
     torch.ops.fp8_lightning.mx_operand_cast(x, block_size, scale_rounding, dtype, columnwise)
                                          -> (row, row_scale, col, col_scale)
         MXFP8 rowwise and (optionally) columnwise copies of a 2-D tensor from one read
-    torch.ops.fp8_lightning.fine_tile_cast(x, dtype, tile_rows, tile_cols, power_of_2, eps) -> (data, scale)
-        one rowwise or blockwise copy of a 2-D tensor
-    torch.ops.fp8_lightning.scaled_gemm(a, a_scale, b, b_scale, bias, kind, out_dtype, emulate, fast_accum) -> out
-        ``a @ b.T (+ bias)`` for FP8 operands with K last (the CPU float GEMM, MX GEMMs)
+    torch.ops.fp8_lightning.fine_tile_cast(x, dtype, tile_rows, tile_cols, power_of_2, eps) -> (data, scale, inverse)
+        one rowwise or blockwise copy of a 2-D tensor with its 1 / scale, on CUDA in the layouts the Triton cast
+        writes, which are cuBLAS's
+    torch.ops.fp8_lightning.block_cast_transposed(x, dtype, power_of_2, eps) -> (data, scale, inverse, data_t, ...)
+        on CUDA, the 128x128 copy and the copy of x.T from the same blocks, from one launch
+    torch.ops.fp8_lightning.scaled_gemm(a, a_scale, a_inverse, b, b_scale, b_inverse, bias, kind, out_dtype,
+                                        emulate, fast_accum) -> out
+        ``a @ b.T (+ bias)`` for FP8 operands with K last (the CPU float GEMM, MX, rowwise and blockwise GEMMs)
 
 Why ops: ``torch.compile`` traces a call to each as one opaque node with a fake (meta) implementation that gives
 its output shapes, so the layer step stays one graph. The dispatcher runs the op's implementation for the tensor's
-device, and each implementation is the eager layer's own code
-(:func:`fp8_lightning.ops.dispatch.fast_quantize_mx_operands`,
-:func:`fp8_lightning.gemm.fp8_mm`): on CPU the C codec and the float GEMM, on CUDA the Triton MX kernel, cuBLAS
-``_scaled_mm`` or the Triton MX GEMM. A compiled step therefore computes the same bits as an eager one.
+device, and each implementation is the eager layer's own code (:func:`fp8_lightning.ops.dispatch.fast_fine_operands`,
+:func:`~fp8_lightning.ops.dispatch.fast_quantize_mx_operands`, :func:`fp8_lightning.gemm.fp8_mm`): on CPU the C codec
+and the float GEMM, on CUDA the Triton casts, cuBLAS or the Triton MX GEMM. A compiled step computes the eager bits.
 
-Per-tensor casts are not ops: the traced step writes them as plain tensor operations
-(the per-tensor recipes' ``traced_cast``), which the compiler fuses with their neighbours. Nor is the per-tensor
-GEMM where it is ``torch._scaled_mm`` (CUDA): the graph holds that aten op itself
-(:func:`fp8_lightning.gemm.scaled_mm`).
+Per-tensor casts are not ops: the traced step writes them as plain tensor operations (the per-tensor recipes'
+``traced_cast``), which the compiler fuses with their neighbours. Nor is the per-tensor GEMM where it is
+``torch._scaled_mm`` (CUDA): the graph holds that aten op itself (:func:`fp8_lightning.gemm.scaled_mm`).
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ import torch
 
 from fp8_lightning.fine_grained import reference_fine_cast, tile_kind
 from fp8_lightning.gemm import fp8_mm
+from fp8_lightning.kernels.fine_grained_layout import BLOCKWISE_EDGE, output_layouts
 from fp8_lightning.mx import E8M0_DTYPE
 from fp8_lightning.ops.dispatch import fast_quantize_mx_operands, fine_caster
 from fp8_lightning.ops.registry import hot_op
-from fp8_lightning.quantize import Quantized, is_transposed_2d
+from fp8_lightning.quantize import OperandCache, Quantized, is_transposed_2d
 
 
 def _empty(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -96,18 +99,73 @@ def _tile_layout(m: int, k: int, tile: tuple[int, int]) -> tuple[tuple[int, int]
     return (m, k), (along_m, along_k)
 
 
+def _kernel_layouts(x: torch.Tensor) -> bool:
+    """Whether the copies of ``x`` lie in the CUDA cast kernel's layouts (cuBLAS's, with the 128x128 blocks'
+    transposed copy written by the same launch); elsewhere they are contiguous and a transpose is made of views."""
+    return x.device.type == "cuda"
+
+
+def _fine_layouts(x: torch.Tensor, tile: tuple[int, int], transpose: bool) -> dict:
+    """(shape, strides) of each output of :func:`fine_tile_cast` on ``x``'s device: ``data``, ``scale`` (its inverse
+    alike) and, where the kernel writes the transposed copy, ``data_t`` and ``scale_t``."""
+    if _kernel_layouts(x):
+        return output_layouts(tuple(x.shape), tile, transpose and tile == (BLOCKWISE_EDGE, BLOCKWISE_EDGE))
+    shape, scale_shape = _tile_layout(*x.shape, tile)
+    return {"data": (shape, (shape[1], 1)), "scale": (scale_shape, (scale_shape[1], 1))}
+
+
 def _fine_tile_cast_fake(x, dtype, tile_rows, tile_cols, power_of_2, eps):
-    shape, scale_shape = _tile_layout(*x.shape, (tile_rows, tile_cols))
-    return x.new_empty(shape, dtype=dtype), x.new_empty(scale_shape, dtype=torch.float32)
+    layouts, f32 = _fine_layouts(x, (tile_rows, tile_cols), False), torch.float32
+    data = x.new_empty_strided(*layouts["data"], dtype=dtype)
+    return data, x.new_empty_strided(*layouts["scale"], dtype=f32), x.new_empty_strided(*layouts["scale"], dtype=f32)
+
+
+def _laid_out(t: torch.Tensor, layout: tuple) -> torch.Tensor:
+    """``t`` with the (shape, strides) ``layout``: itself where it has them, else a copy."""
+    shape, strides = layout
+    if tuple(t.shape) == tuple(shape) and all(n == 1 or a == b for n, a, b in zip(shape, t.stride(), strides)):
+        return t
+    return t.new_empty_strided(*layout).copy_(t)
+
+
+def _cast_copies(x, dtype, tile, power_of_2, eps, transpose) -> list[torch.Tensor]:
+    """(data, scale, inverse) of the copy and, with ``transpose``, of the operand of ``x.T``, in the layouts the
+    fakes declare: the CUDA kernel's as they are, another cast's copied into them (contiguous off CUDA)."""
+    cast = fine_caster(x) or reference_fine_cast
+    copies = [q for q in cast(x, dtype, tile, power_of_2, eps, transpose=transpose) if q is not None]
+    if not _kernel_layouts(x):
+        return [t.contiguous() for q in copies for t in (q.data, q.scale, q.inverse_scale())]
+    layouts = _fine_layouts(x, tile, transpose)
+    out = []
+    for q, data_at, scale_at in zip(copies, ("data", "data_t"), ("scale", "scale_t")):
+        out += [_laid_out(q.data, layouts[data_at]), _laid_out(q.scale, layouts[scale_at]),
+                _laid_out(q.inverse_scale(), layouts[scale_at])]  # fmt: skip
+    return out
 
 
 @hot_op("fine_tile_cast", fake=_fine_tile_cast_fake)
 def fine_tile_cast(
     x: torch.Tensor, dtype: torch.dtype, tile_rows: int, tile_cols: int, power_of_2: bool, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    cast = fine_caster(x) or reference_fine_cast
-    q = cast(x, dtype, (tile_rows, tile_cols), power_of_2, eps)[0]
-    return q.data.contiguous(), q.scale.contiguous()  # the fake's layouts
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(_cast_copies(x, dtype, (tile_rows, tile_cols), power_of_2, eps, False))
+
+
+def _block_cast_transposed_fake(x, dtype, power_of_2, eps):
+    layouts, f32 = _fine_layouts(x, (BLOCKWISE_EDGE, BLOCKWISE_EDGE), True), torch.float32
+    out = []
+    for data_at, scale_at in (("data", "scale"), ("data_t", "scale_t")):
+        out += [x.new_empty_strided(*layouts[data_at], dtype=dtype)]
+        out += [x.new_empty_strided(*layouts[scale_at], dtype=f32) for _ in range(2)]
+    return tuple(out)
+
+
+@hot_op("block_cast_transposed", fake=_block_cast_transposed_fake)
+def block_cast_transposed(
+    x: torch.Tensor, dtype: torch.dtype, power_of_2: bool, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """On CUDA: the 128x128 copy of ``x`` and the operand of ``x.T`` from the same blocks, both written by one launch
+    of the kernel (each as (data, scale, inverse))."""
+    return tuple(_cast_copies(x, dtype, (BLOCKWISE_EDGE, BLOCKWISE_EDGE), power_of_2, eps, True))
 
 
 def traced_tile_cast(
@@ -115,11 +173,21 @@ def traced_tile_cast(
     transpose: bool = False,
 ) -> tuple[Quantized, Quantized | None]:
     """``kernels.fine_cast`` as traceable code: one copy through the custom op (the eager layer's own cast behind
-    it: Triton, the C codec or the reference), and with ``transpose`` the operand of ``x.T`` from the same blocks
-    (views, made here: an op's outputs may not alias each other)."""
-    data, scale = fine_tile_cast(x, dtype, tile[0], tile[1], power_of_2, eps)
+    it: Triton, the C codec or the reference) with its ``1 / scale``, both in the layouts the cast wrote (on CUDA
+    cuBLAS's, which the GEMM then takes as they are), and with ``transpose`` the operand of ``x.T`` from the same
+    blocks: on CUDA the kernel's transposed copy from the same launch, elsewhere views made here (an op's outputs may
+    not alias each other)."""
     kind = tile_kind(tile)
-    return Quantized(data, scale, kind), (Quantized(data.t(), scale.t(), kind) if transpose else None)
+    if transpose and _kernel_layouts(x):
+        data, scale, inverse, data_t, scale_t, inverse_t = block_cast_transposed(x, dtype, power_of_2, eps)
+        return _with_inverse(data, scale, kind, inverse), _with_inverse(data_t, scale_t, kind, inverse_t)
+    data, scale, inverse = fine_tile_cast(x, dtype, tile[0], tile[1], power_of_2, eps)
+    row = _with_inverse(data, scale, kind, inverse)
+    return row, (_with_inverse(data.t(), scale.t(), kind, inverse.t()) if transpose else None)
+
+
+def _with_inverse(data, scale, kind, inverse) -> Quantized:
+    return Quantized(data, scale, kind, OperandCache(inverse=inverse))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -127,13 +195,17 @@ def traced_tile_cast(
 # --------------------------------------------------------------------------------------------------------
 
 
-def _scaled_gemm_fake(a, a_scale, b, b_scale, bias, kind, out_dtype, emulate, fast_accum):
+def _scaled_gemm_fake(a, a_scale, a_inverse, b, b_scale, b_inverse, bias, kind, out_dtype, emulate, fast_accum):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
 @hot_op("scaled_gemm", fake=_scaled_gemm_fake)
 def scaled_gemm(
-    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, bias: Optional[torch.Tensor],
-    kind: str, out_dtype: torch.dtype, emulate: bool, fast_accum: bool,
+    a: torch.Tensor, a_scale: torch.Tensor, a_inverse: Optional[torch.Tensor], b: torch.Tensor,
+    b_scale: torch.Tensor, b_inverse: Optional[torch.Tensor], bias: Optional[torch.Tensor], kind: str,
+    out_dtype: torch.dtype, emulate: bool, fast_accum: bool,
 ) -> torch.Tensor:
-    return fp8_mm(Quantized(a, a_scale, kind), Quantized(b, b_scale, kind), out_dtype, emulate, bias, fast_accum)
+    """``a @ b.T (+ bias)``; ``a_inverse``, ``b_inverse``: the operands' ``1 / scale`` where their casts wrote it
+    (in the layout the GEMM reads), else None."""
+    a_q, b_q = _with_inverse(a, a_scale, kind, a_inverse), _with_inverse(b, b_scale, kind, b_inverse)
+    return fp8_mm(a_q, b_q, out_dtype, emulate, bias, fast_accum)

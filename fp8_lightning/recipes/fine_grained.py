@@ -13,6 +13,7 @@ import dataclasses
 from fp8_lightning.ops import dispatch
 from fp8_lightning.ops.layer import traced_tile_cast
 from fp8_lightning.recipes.base import Recipe
+from fp8_lightning.traced import plan_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,13 +28,21 @@ class FineGrainedRecipe(Recipe):
     def cast(self, role, x, dtype, columnwise, columnwise_f32, state, record):
         return dispatch.fast_fine_operands(self, role, x, dtype, columnwise)
 
+    def traced_plan(self, device, out_dtype, emulate):
+        return self.fine_plan(device, out_dtype, emulate)
+
+    def fine_plan(self, device, out_dtype, emulate, **fields):
+        """The plan: the casts hand the GEMMs their inverse scales in the layouts they were written in."""
+        return plan_for(self, device, out_dtype, emulate, inverses=True, **fields)
+
     def traced_cast(self, x, state, plan, role, dtype, columnwise, record):
-        """The copies of :meth:`cast`, each through the traced op; the ones that are views (a weight's transposed
-        blocks, a high-precision ``x.T``) are made outside the ops, whose outputs may not alias each other."""
+        """The copies of :meth:`cast`, each through the traced op, with their inverse scales (None where a copy has
+        none: a high-precision ``x.T`` or a tensorwise ``W.T``); the ones that are views (a weight's transposed
+        blocks off CUDA, a high-precision ``x.T``) are made outside the ops, whose outputs may not alias."""
         row, col = self.fine_copies(role, x, dtype, columnwise, traced_tile_cast)
         if col is None:
-            return row.data, row.scale, None, None
-        return row.data, row.scale, col.data, col.scale
+            return row.data, row.scale, None, None, row.cache.inverse, None
+        return row.data, row.scale, col.data, col.scale, row.cache.inverse, col.cache.inverse
 
     def cast_bytes_per_element(self) -> float:
         """Two copies per operand, each an amax pass and a cast pass over bf16 plus the codes, and a float32 scale

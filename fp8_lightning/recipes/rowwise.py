@@ -45,7 +45,6 @@ from fp8_lightning.rowwise_grouped import (
 )
 from fp8_lightning.settings import settings
 from fp8_lightning.triton_grouped import TritonRowwiseGroupedGemm, triton_arch_reason, triton_unavailable_reason
-from fp8_lightning.traced import plan_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +170,7 @@ class RowwiseScaling(FineGrainedRecipe):
 
     def traced_plan(self, device, out_dtype, emulate):
         wgrad_kind = HIGH_PRECISION if self.high_precision_wgrad else ROW
-        return plan_for(self, device, out_dtype, emulate, wgrad_kind=wgrad_kind)
+        return self.fine_plan(device, out_dtype, emulate, wgrad_kind=wgrad_kind)
 
     # -- sequence parallelism -------------------------------------------------------------------------------
 
