@@ -30,6 +30,7 @@ KERNEL_MODULES = (
     "fp8_lightning.kernels.fp8_adam",
     "fp8_lightning.kernels.fine_grained_cast",
     "fp8_lightning.kernels.grouped_cast",
+    "fp8_lightning.kernels.nvfp4_cast",
 )
 
 
