@@ -459,8 +459,8 @@ def _nvfp4_cast(
 
 
 def triton_nvfp4_cast(
-    x: torch.Tensor, global_scale: torch.Tensor | None = None, tile_rows: int = 1, rht_signs: torch.Tensor | None = None,
-    sr_key: "int | torch.Tensor | None" = None,
+    x: torch.Tensor, global_scale: torch.Tensor | None = None, tile_rows: int = 1,
+    rht_signs: torch.Tensor | None = None, sr_key: "int | torch.Tensor | None" = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``nvfp4.quantize_nvfp4(x, global_scale, tile_rows, rht_signs=..., sr_key=...)`` in one launch (two without a
     global scale: the first measures the amax): ``(codes, block_scales, global_scale)``, bit for bit

@@ -33,14 +33,11 @@ from fp8_lightning.gemm_routes import GemmRoute, arch_name, emulated_on_gpu
 from fp8_lightning.nvfp4 import (
     E2M1_MAX,
     NVFP4_BLOCK,
-    apply_rht,
     block_multipliers,
     e2m1_values,
     mix_seed,
     quantize_nvfp4,
-    rht_matrix,
     rht_signs,
-    uniform_like,
     unpack_e2m1,
 )
 from fp8_lightning.ops import dispatch
@@ -88,11 +85,6 @@ def _rank() -> int:
 
 def _operand(q) -> Quantized:
     return Quantized(q.codes, block_multipliers(q)[: q.codes.shape[0]], NVFP4)
-
-
-def _pad_columns(x: torch.Tensor) -> torch.Tensor:
-    extra = (-x.shape[1]) % NVFP4_BLOCK
-    return torch.nn.functional.pad(x, (0, extra)) if extra else x
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,22 +153,18 @@ class NVFP4BlockScaling(Recipe):
             if record and counter is not None:
                 counter.add_(1)
         row = self._activation_copy(x, key, _ROW)
-        return row, lambda: self._activation_copy(self._wgrad_form(x.t(), signs), key, _COLUMN)
+        return row, lambda: self._activation_copy(x.t(), key, _COLUMN, self._wgrad_signs(signs))
 
-    def _wgrad_form(self, x_t: torch.Tensor, signs: torch.Tensor | None) -> torch.Tensor:
-        """``x.T`` padded along M to whole blocks and, unless disabled, through the RHT (float32)."""
-        x_t = _pad_columns(x_t.float())
+    def _wgrad_signs(self, signs: torch.Tensor | None) -> torch.Tensor | None:
+        """The RHT signs of the wgrad copies (``x.T`` padded along M to whole blocks, then transformed), or None."""
         if self.disable_rht:
-            return x_t
-        return apply_rht(x_t, rht_matrix(signs if signs is not None else rht_signs(self.seed), torch.float32))
+            return None
+        return signs if signs is not None else rht_signs(self.seed)
 
     @staticmethod
-    def _activation_copy(x: torch.Tensor, key, copy: int) -> Quantized:
-        uniform = None
-        if key is not None:
-            rows, k = x.shape
-            uniform = uniform_like((rows, k + (-k) % NVFP4_BLOCK), mix_seed(key, copy), x.device)
-        return _operand(quantize_nvfp4(x, uniform=uniform))
+    def _activation_copy(x: torch.Tensor, key, copy: int, signs: torch.Tensor | None = None) -> Quantized:
+        sr_key = None if key is None else mix_seed(key, copy)
+        return _operand(quantize_nvfp4(x, rht_signs=signs, sr_key=sr_key))
 
     def traced_cast(self, x, state, plan, role, dtype, columnwise, record):
         signs, counter = state if state else (None, None)
