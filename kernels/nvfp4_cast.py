@@ -26,7 +26,7 @@ import triton.language as tl
 
 from fp8_lightning.kernels.per_tensor import _abs_bits, _reduce_max, _saturate, _to_fp8_values, format_constants
 
-NVFP4_BLOCK = 16
+FP4_SCALE_BLOCK = 16
 BLOCK_R = 32  # rows per program: two 16x16 weight tiles
 BLOCK_K = 64  # columns per program: four 16-element blocks
 NVFP4_NUM_WARPS = 4
@@ -163,7 +163,7 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def global_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+def device_global_scale(amax: torch.Tensor) -> torch.Tensor:
     """``nvfp4.global_scale_from_amax`` on the device (the kernels do not import the core): ``amax / (448 * 6)``,
     1 where the amax is 0 or not finite."""
     fine = torch.isfinite(amax) & (amax > 0)
@@ -188,9 +188,9 @@ def launch_nvfp4_cast(
     ``x`` with a one-element float32 ``global_scale``; ``signs``: 16 float32 RHT signs or None; ``key``: a
     one-element int64 stochastic-rounding key or None (nearest even). Rows pad to ``tile_rows``, K to 16."""
     r, k = x.shape
-    pr, pk = _round_up(r, tile_rows), _round_up(k, NVFP4_BLOCK)
+    pr, pk = _round_up(r, tile_rows), _round_up(k, FP4_SCALE_BLOCK)
     codes = torch.empty((pr, pk // 2), dtype=torch.uint8, device=x.device)
-    scales = torch.empty((pr // tile_rows, pk // NVFP4_BLOCK), dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((pr // tile_rows, pk // FP4_SCALE_BLOCK), dtype=torch.float8_e4m3fn, device=x.device)
     if pr and pk:
         grid = (triton.cdiv(pr, BLOCK_R), triton.cdiv(pk, BLOCK_K))
         _nvfp4_cast_kernel[grid](

@@ -15,15 +15,13 @@ op (``torch.ops.fp8_lightning.*``)   what it does                               
 ``fine_cast``                        rowwise / blockwise copy, scales in cuBLAS's    ``rowwise.quantize_rowwise``,
                                      layout, one launch                              ``blockwise.quantize_blockwise``
 ``grouped_column_cast``              every group's columnwise copy, in one launch    ``grouped_columnwise``
-``nvfp4_cast``                       NVFP4 codes and block scales (RHT, stochastic   ``nvfp4.quantize_nvfp4``
-                                     rounding), one launch
+``nvfp4_cast``                       NVFP4 codes + block scales, RHT, SR; one launch ``nvfp4.quantize_nvfp4``
 ===================================  ==============================================  ================================
 
-The ``triton_*`` functions are explicit requests: they raise a clear error when the kernels cannot run (no Triton,
-no suitable GPU) instead of falling back; :mod:`fp8_lightning.ops.dispatch` decides when the core uses them. The
-ops take and return plain tensors (E8M0 scales as ``uint8``); the functions wrap them in the core's types. Under
-``TRITON_INTERPRET=1`` the kernels run on CPU tensors, which is how they are tested without a GPU. Registering
-the ops imports no Triton: the launchers in ``kernels/`` are imported on first call.
+The ``triton_*`` functions raise a clear error when the kernels cannot run (no Triton, no suitable GPU) instead of
+falling back; :mod:`fp8_lightning.ops.dispatch` decides when the core uses them. The ops take and return plain tensors
+(E8M0 scales as ``uint8``), wrapped in the core's types by the functions. Under ``TRITON_INTERPRET=1`` they run on CPU
+tensors (how they are tested without a GPU). Registering them imports no Triton: ``kernels/`` loads on first call.
 """
 
 from __future__ import annotations
@@ -451,7 +449,7 @@ def _nvfp4_cast(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     launchers = _launchers("nvfp4_cast", x)
     if global_scale is None:
-        global_scale = launchers.global_scale_from_amax(launchers.launch_nvfp4_amax(x, signs))
+        global_scale = launchers.device_global_scale(launchers.launch_nvfp4_amax(x, signs))
     else:
         global_scale = global_scale.float().reshape(()).clone()
     codes, scales = launchers.launch_nvfp4_cast(x, global_scale, tile_rows, signs, key)
