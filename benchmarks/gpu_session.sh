@@ -13,6 +13,8 @@
 #                                           # fwd+bwd (rowwise FP8 vs bf16 torch._grouped_mm, with profiles) at
 #                                           # DeepSeek-V3 and Qwen3-30B-A3B expert shapes with token skew, and the
 #                                           # weight cache's host time with accumulation (~4 minutes on an H200)
+#   bash benchmarks/gpu_session.sh nvfp4    # the Triton NVFP4 cast's bytes vs the reference on CUDA (shapes up to
+#                                           # 4096x4096, both roundings, RHT on/off, 1x16/16x16) and its timing (<2 min)
 #   bash benchmarks/gpu_session.sh dry-run  # on any machine: list each call's steps, install the wheels offline
 #
 # Everything a call writes lands in one archive, $OUT/gpu-<mode>.tar.gz (OUT defaults to ./gpu-results), holding one
@@ -38,7 +40,7 @@ install_wheels() {  # the wheels in wheels/, offline, into $site (on PYTHONPATH 
 }
 
 if [ "$mode" = dry-run ]; then
-  for call in checks linear llama gpt stack grouped lease; do
+  for call in checks linear llama gpt stack grouped nvfp4 lease; do
     echo "== call '$call' runs:"
     sed -n "/^  $call)/,/;;/p" "$0" | grep -o 'step [a-z_]* .*' | sed 's/^step /   /'
   done
@@ -101,6 +103,9 @@ case "$mode" in
     STEP_TIMEOUT=40 step host_time_accumulate "$python" -m benchmarks host-time --device cuda --modes eager \
       --rounds 100 --accumulate 4 --checksum-off-rows --out "$work/host_time_accumulate.md"
     ;;
+  nvfp4)  # needs no FP4 tensor cores: the cast runs wherever the Triton kernels do (sm89+)
+    STEP_TIMEOUT=110 step nvfp4 "$python" -m benchmarks nvfp4-gpu --out "$work/nvfp4_gpu.md"
+    ;;
   lease)  # everything that fits one call: each step capped so the whole call ends inside ~9 minutes
     STEP_TIMEOUT=140 step gpu_check "$python" -m benchmarks gpu-check
     STEP_TIMEOUT=90 step kernels "$python" -m benchmarks kernels-gpu --out "$work/kernels_gpu.md"
@@ -113,7 +118,7 @@ case "$mode" in
       --out "$work/perf-linear-gpu-compiled"
     ;;
   *)
-    echo "usage: bash benchmarks/gpu_session.sh checks|linear|llama|gpt|stack|grouped|lease|dry-run (got '$mode')" >&2
+    echo "usage: bash benchmarks/gpu_session.sh checks|linear|llama|gpt|stack|grouped|nvfp4|lease|dry-run (got '$mode')" >&2
     exit 2
     ;;
 esac
