@@ -197,9 +197,35 @@ class NVFP4BlockScaling(Recipe):
     def gemm_route(self, capability, cuda, has_scaled_mm_v2) -> GemmRoute:
         arch = arch_name(capability)
         if capability >= NATIVE_NVFP4_MIN_CAPABILITY:
-            return emulated_on_gpu(f"{arch} has FP4 tensor cores, but the cuBLAS NVFP4 GEMM (torch._scaled_mm with "
-                                   "float4_e2m1fn_x2 and 1x16 E4M3 scales) is not wired yet")
+            return emulated_on_gpu(f"{arch} has FP4 tensor cores and torch 2.11 takes the NVFP4 GEMM "
+                                   "(torch.nn.functional.scaled_mm, [BlockWise1x16, TensorWise] scales: "
+                                   "nvfp4_scaled_mm_args), but the layer's operands do not carry their E4M3 block "
+                                   "scales to it yet")
         return emulated_on_gpu(f"{arch} has no FP4 tensor cores (sm_100 and later have them)")
+
+
+def nvfp4_scaled_mm_args(a, b, out_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The keyword arguments of ``torch.nn.functional.scaled_mm`` (torch 2.10+) for ``a @ b.T`` of two NVFP4 tensors
+    (:class:`fp8_lightning.nvfp4.NVFP4Tensor`, K last in both): packed ``float4_e2m1fn_x2`` operands, each with
+    ``[E4M3 block scales in cuBLAS's swizzled layout, float32 global scale]`` under ``[BlockWise1x16, TensorWise]``,
+    so cuBLAS applies ``g_a * g_b`` itself. 16x16 tiles become the 1x16 blocks cuBLAS reads (each tile's scale on
+    its 16 rows). Where torch takes the call: :mod:`fp8_lightning.cuda_contract.rules_nvfp4`."""
+    from torch.nn.functional import ScalingType, SwizzleType
+
+    from fp8_lightning.gemm import swizzle_mx_scales
+
+    def blocks(q):  # each 16x16 tile's scale on its 16 rows (a broadcast copy: no index tensor to build)
+        s = q.block_scales
+        return s.unsqueeze(1).expand(-1, q.tile_rows, -1).reshape(-1, s.shape[1]) if q.tile_rows > 1 else s
+
+    recipe = [ScalingType.BlockWise1x16, ScalingType.TensorWise]
+    swizzle = [SwizzleType.SWIZZLE_32_4_4, SwizzleType.NO_SWIZZLE]
+    return {
+        "mat_a": a.as_float4(), "mat_b": b.as_float4().t(),
+        "scale_a": [swizzle_mx_scales(blocks(a)), a.global_scale.float().reshape(())], "scale_recipe_a": recipe,
+        "scale_b": [swizzle_mx_scales(blocks(b)), b.global_scale.float().reshape(())], "scale_recipe_b": recipe,
+        "swizzle_a": swizzle, "swizzle_b": swizzle, "output_dtype": out_dtype,
+    }
 
 
 def nvfp4_to_f32(q: Quantized) -> torch.Tensor:
@@ -230,4 +256,4 @@ NVFP4.implement(
     code_values=lambda q: e2m1_values(unpack_e2m1(q.data)),
 )
 
-__all__ = ["NVFP4BlockScaling", "NVFP4LayerState"]
+__all__ = ["NVFP4BlockScaling", "NVFP4LayerState", "nvfp4_scaled_mm_args"]
