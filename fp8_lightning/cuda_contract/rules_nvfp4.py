@@ -84,8 +84,8 @@ def nvfp4_scaled_mm_v1(
     if k2 != k2b:
         return Outcome("none", f"mat1 and mat2 shapes cannot be multiplied ({m}x{k2} and {k2b}x{n})")
     if not (is_1x16_scaling(mat1, scale_a) and is_1x16_scaling(mat2.t(), scale_b)):
-        return Outcome("none", "Invalid scaling configuration. ... For Blockwise 1x16 scaling, a and b should be float4 "
-                               f"(packed 2x), scales should be float8_e4m3fn, scale_a should have "
+        return Outcome("none", "Invalid scaling configuration. ... For Blockwise 1x16 scaling, a and b should be "
+                               f"float4 (packed 2x), scales should be float8_e4m3fn, scale_a should have "
                                f"{scale_elements(m, k2)} elements and scale_b should have {scale_elements(n, k2)} "
                                f"elements, and both should be contiguous. Got {mat1.describe()}, scale_a "
                                f"{scale_a.describe()}, scale_b {scale_b.describe()}")

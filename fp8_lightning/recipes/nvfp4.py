@@ -197,7 +197,7 @@ class NVFP4BlockScaling(Recipe):
     def gemm_route(self, capability, cuda, has_scaled_mm_v2) -> GemmRoute:
         arch = arch_name(capability)
         if capability >= NATIVE_NVFP4_MIN_CAPABILITY:
-            return emulated_on_gpu(f"{arch} has FP4 tensor cores and torch 2.11 takes the NVFP4 GEMM "
+            return emulated_on_gpu(f"{arch} has FP4 tensor cores and torch 2.11 takes the cuBLAS NVFP4 GEMM "
                                    "(torch.nn.functional.scaled_mm, [BlockWise1x16, TensorWise] scales: "
                                    "nvfp4_scaled_mm_args), but the layer's operands do not carry their E4M3 block "
                                    "scales to it yet")
