@@ -117,7 +117,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nvfp4-gpu: skipped, the Triton kernels cannot run here: {reason}")
         return 0
     started = time.time()
+    import torch.nn.functional as F
+
+    api = {name: hasattr(getattr(F, kind, None), member) for name, kind, member in (
+        ("ScalingType.BlockWise1x16", "ScalingType", "BlockWise1x16"), ("ScalingType.TensorWise", "ScalingType",
+                                                                        "TensorWise"),
+        ("SwizzleType.SWIZZLE_32_4_4", "SwizzleType", "SWIZZLE_32_4_4"), ("SwizzleType.NO_SWIZZLE", "SwizzleType",
+                                                                          "NO_SWIZZLE"))}
     lines = [f"# NVFP4 cast on {torch.cuda.get_device_name()} (torch {torch.__version__})", "",
+             "torch.nn.functional names the NVFP4 GEMM call uses: "
+             + ", ".join(f"{name} {'present' if ok else 'MISSING'}" for name, ok in api.items()), "",
              "## Bytes: Triton cast vs pure-torch reference on the GPU", "",
              "| shape | dtype | layout | tile | rht | stochastic | result |", "|---|---|---|---|---|---|---|"]
     failures, skipped = 0, 0
