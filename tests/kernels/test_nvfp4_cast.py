@@ -71,11 +71,12 @@ def test_cast_is_the_reference_bit_for_bit(shape, tile_rows, rht, stochastic):
 
 
 @pytest.mark.parametrize("tile_rows, rht, stochastic", [(1, False, True), (16, False, False), (1, True, True)])
-def test_bf16_input_and_transposed_views(tile_rows, rht, stochastic):
+def test_bf16_fp16_input_and_transposed_views(tile_rows, rht, stochastic):
     x = hard_input(37, 90, seed=3)
     x[0, 5] = 1.0  # the interpreter flushes bf16 subnormals as it loads them (conftest); the GPU check covers them
     key = 99 if stochastic else None
     assert_kernel_is_reference(x.to(torch.bfloat16), None, tile_rows, rht, key)
+    assert_kernel_is_reference((x * 2.0**-12).to(torch.float16), None, tile_rows, rht, key)  # overflow to inf too
     assert_kernel_is_reference(x.t(), None, tile_rows, rht, key)  # strides (1, 90): read as it lies
 
 
