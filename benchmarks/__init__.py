@@ -60,6 +60,8 @@ SUITES: dict[str, Suite] = {
                                "torch._scaled_grouped_mm) match the CPU emulation on a GPU, with one launch per GEMM?"),
     "grouped-triton": Suite("grouped_triton_gpu", "Does the Triton grouped FP8 GEMM match float64 math on a GPU, and "
                             "how fast is it, alone and in a whole fwd+bwd step, vs bf16 and torch's FP8 grouped GEMM?"),
+    "nvfp4-gpu": Suite("nvfp4_gpu_check", "Does the Triton NVFP4 cast write the reference's bytes on a GPU, and how fast "
+                       "is it against the reference and a bf16 copy?"),
     "fsdp-gpu-check": Suite("fsdp_gpu_check", "Does FP8 all-gather under FSDP2 on NCCL run its hooks, move the "
                             "expected bytes and match unsharded?"),
     "tried-with": Suite("tried_with", "Do Hugging Face model families train through Trainer(precision='fp8-...') "

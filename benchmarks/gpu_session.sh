@@ -19,6 +19,8 @@
 #                                           # shapes with skewed routing (under 3 minutes; no pytest needed)
 #   bash benchmarks/gpu_session.sh traced   # compiled rowwise/blockwise/MXFP8 layer step vs eager, bit for bit, and
 #                                           # its CUDA kernels per step (torch.profiler); under a minute on an H100
+#   bash benchmarks/gpu_session.sh nvfp4    # the Triton NVFP4 cast's bytes vs the reference on CUDA (shapes up to
+#                                           # 4096x4096, both roundings, RHT on/off, 1x16/16x16) and its timing (<2 min)
 #   bash benchmarks/gpu_session.sh dry-run  # on any machine: list each call's steps, install the wheels offline
 #
 # Everything a call writes lands in one archive, $OUT/gpu-<mode>.tar.gz (OUT defaults to ./gpu-results), holding one
@@ -44,7 +46,7 @@ install_wheels() {  # the wheels in wheels/, offline, into $site (on PYTHONPATH 
 }
 
 if [ "$mode" = dry-run ]; then
-  for call in checks linear llama gpt stack grouped grouped-triton lease traced; do
+  for call in checks linear llama gpt stack grouped grouped-triton nvfp4 traced lease; do
     echo "== call '$call' runs:"
     sed -n "/^  $call)/,/;;/p" "$0" | grep -o 'step [a-z_]* .*' | sed 's/^step /   /'
   done
@@ -109,8 +111,12 @@ case "$mode" in
     ;;
   grouped-triton)  # check first (exit 1 skips the timings), then GEMM-alone and whole-step timings
     STEP_TIMEOUT=175 step grouped_triton "$python" -m benchmarks grouped-triton --rounds 5 --out "$work/grouped_triton.md"
+    ;;
   traced)  # the compiled fine-grained layer: same bits as eager, CUDA kernels counted
     STEP_TIMEOUT=150 step traced_gpu_check "$python" -m benchmarks traced-gpu-check --out "$work/traced_gpu_check.md"
+    ;;
+  nvfp4)  # needs no FP4 tensor cores: the cast runs wherever the Triton kernels do (sm89+)
+    STEP_TIMEOUT=110 step nvfp4 "$python" -m benchmarks nvfp4-gpu --out "$work/nvfp4_gpu.md"
     ;;
   lease)  # everything that fits one call: each step capped so the whole call ends inside ~9 minutes
     STEP_TIMEOUT=140 step gpu_check "$python" -m benchmarks gpu-check
@@ -124,7 +130,7 @@ case "$mode" in
       --out "$work/perf-linear-gpu-compiled"
     ;;
   *)
-    echo "usage: bash benchmarks/gpu_session.sh checks|linear|llama|gpt|stack|grouped|grouped-triton|lease|traced|dry-run (got '$mode')" >&2
+    echo "usage: bash benchmarks/gpu_session.sh checks|linear|llama|gpt|stack|grouped|grouped-triton|nvfp4|traced|lease|dry-run (got '$mode')" >&2
     exit 2
     ;;
 esac

@@ -118,6 +118,10 @@ def global_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(fine, amax / (E4M3_MAX * E2M1_MAX), torch.ones_like(amax))
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     extra_rows, extra_cols = (-x.shape[0]) % rows, (-x.shape[1]) % cols
     if extra_rows or extra_cols:
@@ -130,19 +134,37 @@ def quantize_nvfp4(
     global_scale: torch.Tensor | None = None,
     tile_rows: int = 1,
     uniform: torch.Tensor | None = None,
+    *,
+    rht_signs: torch.Tensor | None = None,
+    sr_key: "int | torch.Tensor | None" = None,
 ) -> NVFP4Tensor:
     """NVFP4 codes, E4M3 block scales and the global scale of a 2-D ``x`` (K last).
 
     ``global_scale``: the per-tensor scale (default :func:`global_scale_from_amax` of ``x``'s amax; torchao's
     ``per_tensor_amax_to_scale`` for finite, non-zero amaxes). ``tile_rows=16``: 16x16 tiles (weights) instead
     of 1x16 blocks. ``uniform``: numbers in [0, 1) of the padded shape for stochastic rounding (default: round to
-    nearest even). K and the rows are zero-padded to whole blocks (zeros change no amax).
+    nearest even). K and the rows are zero-padded to whole blocks (zeros change no amax). ``rht_signs``: cast
+    :func:`rht_blocks` of the padded ``x`` with these 16 signs. ``sr_key``: round stochastically with
+    :func:`uniform_like` of the padded shape and this key (instead of ``uniform``).
 
-    A plain CPU float32/bfloat16 ``x`` is cast by the C codec when it is built and enabled
-    (``cpu_codec.nvfp4_quantize``, chosen by :func:`fp8_lightning.ops.dispatch.nvfp4_codec`), with the same bits as
-    the pure-torch reference that runs everywhere else.
+    A CUDA ``x`` is cast by one Triton launch (two without a global scale) when the kernels run there
+    (``kernels/nvfp4_cast.py``, :func:`fp8_lightning.ops.dispatch.nvfp4_kernels`); a plain CPU float32/bfloat16
+    ``x`` by the C codec when it is built and enabled (``cpu_codec.nvfp4_quantize``,
+    :func:`fp8_lightning.ops.dispatch.nvfp4_codec`); both with the bits of the pure-torch reference.
     """
     _check_nvfp4_arguments(x, tile_rows)
+    if sr_key is not None and uniform is not None:
+        raise ValueError("quantize_nvfp4 takes uniform numbers or a stochastic-rounding key, not both; pass one.")
+    kernels = dispatch.nvfp4_kernels(x, global_scale, tile_rows, uniform, rht_signs)
+    if kernels is not None:
+        codes, scales, global_scale = kernels.triton_nvfp4_cast(x, global_scale, tile_rows, rht_signs, sr_key)
+        k = x.shape[1] if rht_signs is None else _round_up(x.shape[1], NVFP4_BLOCK)  # the RHT fills the padding
+        return NVFP4Tensor(codes, scales, global_scale, (x.shape[0], k), tile_rows)
+    if rht_signs is not None:
+        x = rht_blocks(_pad_to(x.float(), 1, NVFP4_BLOCK), rht_signs)
+    if sr_key is not None:
+        uniform = uniform_like((_round_up(x.shape[0], tile_rows), _round_up(x.shape[1], NVFP4_BLOCK)), sr_key,
+                               x.device)
     codec = dispatch.nvfp4_codec(x, global_scale, tile_rows, uniform)
     if codec is None:
         return _quantize_reference(x, global_scale, tile_rows, uniform)
@@ -228,6 +250,20 @@ def rht_matrix(signs: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch
     return signs.to(dtype)[:, None] * hadamard_16(dtype).to(signs.device) / 4.0
 
 
+def rht_blocks(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rht` of ``x`` (K last, K a multiple of 16) with ``rht_matrix(signs)``, computed in float32 in a
+    fixed order that every backend repeats: each block times the signs, the four butterfly stages of the fast
+    Walsh-Hadamard transform (pairs ``i``, ``i + h`` for h = 1, 2, 4, 8 become ``a + b``, ``a - b``), then times 1/4.
+    A matrix product sums in an order the library picks; this is the form the Triton cast is held to bit for bit."""
+    rows, k = x.shape
+    v = x.float().reshape(-1, NVFP4_BLOCK) * signs.float().to(x.device)
+    for h in (1, 2, 4, 8):
+        pairs = v.reshape(-1, 2, h)
+        a, b = pairs[:, 0], pairs[:, 1]
+        v = torch.stack((a + b, a - b), dim=1)
+    return (v.reshape(rows, k) * 0.25)
+
+
 def apply_rht(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
     """``x`` (K last, K a multiple of 16) with each 16-element block along K multiplied by ``matrix``."""
     rows, k = x.shape
@@ -292,6 +328,7 @@ __all__ = [
     "mix_seed",
     "pack_e2m1",
     "quantize_nvfp4",
+    "rht_blocks",
     "rht_matrix",
     "rht_signs",
     "stochastic_e2m1_codes",

@@ -63,12 +63,14 @@ class Report:
 def _kernel_fn(name: str):
     import importlib
 
-    from fp8_lightning.kernels import block_gemm, fine_grained_cast, fp8_adam, grouped_cast, grouped_gemm, mxfp8
-    from fp8_lightning.kernels import per_tensor
+    from fp8_lightning.kernels import (
+        block_gemm, fine_grained_cast, fp8_adam, grouped_cast, grouped_gemm, mxfp8, nvfp4_cast, per_tensor,
+    )
     from fp8_lightning.kernels.availability import gluon_status
 
     gluon = [importlib.import_module("fp8_lightning.kernels.block_gemm_gluon")] if gluon_status()[0] else []
-    for module in (per_tensor, mxfp8, block_gemm, fp8_adam, fine_grained_cast, grouped_cast, grouped_gemm, *gluon):
+    for module in (per_tensor, mxfp8, block_gemm, fp8_adam, fine_grained_cast, grouped_cast, grouped_gemm, nvfp4_cast,
+                   *gluon):
         if hasattr(module, name):
             return getattr(module, name)
     raise KeyError(f"no kernel named {name!r} in fp8_lightning.kernels")

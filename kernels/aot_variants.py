@@ -273,11 +273,40 @@ def _grouped_gemm_variants() -> list[Variant]:
     return out
 
 
+def _nvfp4_cast_variants() -> list[Variant]:
+    """The NVFP4 cast (1x16 blocks and 16x16 tiles, RHT on/off, both roundings) and its amax pass, on a contiguous x
+    (unit column stride) or a transposed view (unit row stride: the wgrad copies read ``x.T`` as it lies)."""
+    from fp8_lightning.kernels.nvfp4_cast import BLOCK_K, BLOCK_R, NVFP4_NUM_WARPS
+    from fp8_lightning.kernels.per_tensor import format_constants
+
+    e4m3 = torch.float8_e4m3fn
+    strides = {"row_major": (("stride_r", "i32"), ("stride_k", 1)), "column_major": (("stride_r", 1),
+                                                                                      ("stride_k", "i32"))}
+    out = []
+    for x, layout, rht in itertools.product(INPUT_DTYPES, strides, (False, True)):
+        out.append(Variant("_nvfp4_amax_kernel", f"x={short(x)} layout={layout} rht={int(rht)}", (
+            ("x_ptr", ptr(x)), ("signs_ptr", "*fp32"), ("amax_bits_ptr", "*i32"), ("R", "i32"), ("K", "i32"),
+            *strides[layout], ("RHT", rht), ("BLOCK_R", BLOCK_R), ("BLOCK_K", BLOCK_K)), num_warps=NVFP4_NUM_WARPS))
+    for x, layout, tile, rht, sr, rounding in itertools.product(
+        INPUT_DTYPES, strides, (1, 16), (False, True), (False, True), (False, True)
+    ):
+        out.append(Variant("_nvfp4_cast_kernel", (
+            f"x={short(x)} layout={layout} tile_rows={tile} rht={int(rht)} stochastic={int(sr)} "
+            f"explicit_rounding={int(rounding)}"), (
+            ("x_ptr", ptr(x)), ("gscale_ptr", "*fp32"), ("signs_ptr", "*fp32"), ("key_ptr", "*i64"),
+            ("codes_ptr", "*u8"), ("scales_ptr", ptr(e4m3)), ("R", "i32"), ("K", "i32"), ("PR", "i32"),
+            ("PK", "i32"), *strides[layout], ("TILE_ROWS", tile), ("RHT", rht), ("STOCHASTIC", sr),
+            *{**format_constants(e4m3), "EXPLICIT_ROUNDING": rounding}.items(), ("BLOCK_R", BLOCK_R),
+            ("BLOCK_K", BLOCK_K)), num_warps=NVFP4_NUM_WARPS))  # fmt: skip
+    return out
+
+
 def launch_space() -> list[Variant]:
     """Every configuration the wrappers can launch (dtypes, constexprs, every autotune config)."""
     return (
         _per_tensor_variants() + _mx_quantize_variants() + _mx_gemm_variants() + _gluon_mx_gemm_variants()
         + _fp8_adam_variants() + _fine_cast_variants() + _grouped_cast_variants() + _grouped_gemm_variants()
+        + _nvfp4_cast_variants()
     )
 
 

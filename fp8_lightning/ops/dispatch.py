@@ -77,6 +77,21 @@ def nvfp4_codec(x: torch.Tensor, global_scale, tile_rows: int, uniform):
     return codec
 
 
+def nvfp4_kernels(x: torch.Tensor, global_scale, tile_rows: int, uniform, rht_signs):
+    """The Triton ops (``triton_ops.triton_nvfp4_cast``) when they can cast ``x`` to NVFP4 (``nvfp4.quantize_nvfp4``)
+    with the reference's bits: a non-empty 2-D CUDA ``x`` the kernels take (:func:`cuda_kernels`), no explicit
+    uniform numbers (the kernel draws its own from a key), a global scale that is None or one float32 element and
+    RHT signs that are None or 16 float32 values, both on ``x``'s device; else None."""
+    if uniform is not None or x.dim() != 2 or x.numel() == 0 or cuda_kernels(x) is None:
+        return None
+    if global_scale is not None and not (one_float32_scale(global_scale) and global_scale.device == x.device):
+        return None
+    if rht_signs is not None and not (rht_signs.dtype == torch.float32 and rht_signs.numel() == 16
+                                      and rht_signs.device == x.device):
+        return None
+    return triton_ops
+
+
 def one_float32_scale(scale) -> bool:
     """Whether ``scale`` is one float32 element (what the per-tensor kernels and the codec take)."""
     return torch.is_tensor(scale) and scale.dtype == torch.float32 and scale.numel() == 1

@@ -15,18 +15,19 @@ op (``torch.ops.fp8_lightning.*``)   what it does                               
 ``fine_cast``                        rowwise / blockwise copy, scales in cuBLAS's    ``rowwise.quantize_rowwise``,
                                      layout, one launch                              ``blockwise.quantize_blockwise``
 ``grouped_column_cast``              every group's columnwise copy, in one launch    ``grouped_columnwise``
+``nvfp4_cast``                       NVFP4 codes + block scales, RHT, SR; one launch ``nvfp4.quantize_nvfp4``
 ===================================  ==============================================  ================================
 
-The ``triton_*`` functions are explicit requests: they raise a clear error when the kernels cannot run (no Triton,
-no suitable GPU) instead of falling back; :mod:`fp8_lightning.ops.dispatch` decides when the core uses them. The
-ops take and return plain tensors (E8M0 scales as ``uint8``); the functions wrap them in the core's types. Under
-``TRITON_INTERPRET=1`` the kernels run on CPU tensors, which is how they are tested without a GPU. Registering
-the ops imports no Triton: the launchers in ``kernels/`` are imported on first call.
+The ``triton_*`` functions raise a clear error when the kernels cannot run (no Triton, no suitable GPU) instead of
+falling back; :mod:`fp8_lightning.ops.dispatch` decides when the core uses them. The ops take and return plain tensors
+(E8M0 scales as ``uint8``), wrapped in the core's types by the functions. Under ``TRITON_INTERPRET=1`` they run on CPU
+tensors (how they are tested without a GPU). Registering them imports no Triton: ``kernels/`` loads on first call.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import Optional
 
 import torch
 
@@ -430,6 +431,55 @@ def triton_grouped_column_cast(
     )
 
 
+# --------------------------------------------------------------------------------------------------------
+# NVFP4
+# --------------------------------------------------------------------------------------------------------
+
+
+def _nvfp4_cast_fake(x, global_scale, tile_rows, signs, key):
+    pr, pk = _round_up(x.shape[0], tile_rows), _round_up(x.shape[1], 16)
+    return (x.new_empty((pr, pk // 2), dtype=torch.uint8),
+            x.new_empty((pr // tile_rows, pk // 16), dtype=torch.float8_e4m3fn), _scalar(x))
+
+
+@hot_op("nvfp4_cast", fake=_nvfp4_cast_fake)
+def _nvfp4_cast(
+    x: torch.Tensor, global_scale: Optional[torch.Tensor], tile_rows: int, signs: Optional[torch.Tensor],
+    key: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    launchers = _launchers("nvfp4_cast", x)
+    if global_scale is None:
+        global_scale = launchers.device_global_scale(launchers.launch_nvfp4_amax(x, signs))
+    else:
+        global_scale = global_scale.float().reshape(()).clone()
+    codes, scales = launchers.launch_nvfp4_cast(x, global_scale, tile_rows, signs, key)
+    return codes, scales, global_scale
+
+
+def triton_nvfp4_cast(
+    x: torch.Tensor, global_scale: torch.Tensor | None = None, tile_rows: int = 1,
+    rht_signs: torch.Tensor | None = None, sr_key: "int | torch.Tensor | None" = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``nvfp4.quantize_nvfp4(x, global_scale, tile_rows, rht_signs=..., sr_key=...)`` in one launch (two without a
+    global scale: the first measures the amax): ``(codes, block_scales, global_scale)``, bit for bit
+    (:mod:`fp8_lightning.kernels.nvfp4_cast`). ``x``: 2-D, K last, any strides; codes uint8 (padded rows, K_pad / 2),
+    block scales float8_e4m3fn (padded rows / tile_rows, K_pad / 16), global scale a float32 scalar."""
+    _check_input(x, "triton_nvfp4_cast")
+    if x.dim() != 2:
+        raise ValueError(f"fp8_lightning.ops.triton_ops.triton_nvfp4_cast needs a 2-D tensor (K last); got shape "
+                         f"{tuple(x.shape)}. Reshape to (-1, K) first.")
+    if tile_rows not in (1, 16):
+        raise ValueError(f"tile_rows={tile_rows} is invalid; allowed: 1 (1x16 blocks) or 16 (16x16 tiles).")
+    if global_scale is not None:
+        _check_scale(global_scale, x, "triton_nvfp4_cast")
+    if rht_signs is not None and (rht_signs.numel() != 16 or rht_signs.device != x.device):
+        raise ValueError(f"triton_nvfp4_cast needs 16 RHT signs on {x.device}; got shape {tuple(rht_signs.shape)} on "
+                         f"{rht_signs.device}. Use fp8_lightning.nvfp4.rht_signs(seed).to(x.device).")
+    signs = None if rht_signs is None else rht_signs.float().reshape(16).contiguous()
+    key = None if sr_key is None else torch.as_tensor(sr_key, dtype=torch.int64).to(x.device).reshape(1)
+    return _nvfp4_cast.for_tensor(x)(x, global_scale, int(tile_rows), signs, key)
+
+
 # the ops whose implementation is a Triton launch
 TRITON_OPS = (_amax, _cast, _cast_transpose, _tensorwise_cast, _tensorwise_operand_cast, _delayed_operand_cast,
-              _mx_quantize, _mx_gemm, _fine_cast, _grouped_column_cast)
+              _mx_quantize, _mx_gemm, _fine_cast, _grouped_column_cast, _nvfp4_cast)

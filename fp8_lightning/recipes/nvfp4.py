@@ -33,14 +33,11 @@ from fp8_lightning.gemm_routes import GemmRoute, arch_name, emulated_on_gpu
 from fp8_lightning.nvfp4 import (
     E2M1_MAX,
     NVFP4_BLOCK,
-    apply_rht,
     block_multipliers,
     e2m1_values,
     mix_seed,
     quantize_nvfp4,
-    rht_matrix,
     rht_signs,
-    uniform_like,
     unpack_e2m1,
 )
 from fp8_lightning.ops import dispatch
@@ -88,11 +85,6 @@ def _rank() -> int:
 
 def _operand(q) -> Quantized:
     return Quantized(q.codes, block_multipliers(q)[: q.codes.shape[0]], NVFP4)
-
-
-def _pad_columns(x: torch.Tensor) -> torch.Tensor:
-    extra = (-x.shape[1]) % NVFP4_BLOCK
-    return torch.nn.functional.pad(x, (0, extra)) if extra else x
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,22 +153,18 @@ class NVFP4BlockScaling(Recipe):
             if record and counter is not None:
                 counter.add_(1)
         row = self._activation_copy(x, key, _ROW)
-        return row, lambda: self._activation_copy(self._wgrad_form(x.t(), signs), key, _COLUMN)
+        return row, lambda: self._activation_copy(x.t(), key, _COLUMN, self._wgrad_signs(signs))
 
-    def _wgrad_form(self, x_t: torch.Tensor, signs: torch.Tensor | None) -> torch.Tensor:
-        """``x.T`` padded along M to whole blocks and, unless disabled, through the RHT (float32)."""
-        x_t = _pad_columns(x_t.float())
+    def _wgrad_signs(self, signs: torch.Tensor | None) -> torch.Tensor | None:
+        """The RHT signs of the wgrad copies (``x.T`` padded along M to whole blocks, then transformed), or None."""
         if self.disable_rht:
-            return x_t
-        return apply_rht(x_t, rht_matrix(signs if signs is not None else rht_signs(self.seed), torch.float32))
+            return None
+        return signs if signs is not None else rht_signs(self.seed)
 
     @staticmethod
-    def _activation_copy(x: torch.Tensor, key, copy: int) -> Quantized:
-        uniform = None
-        if key is not None:
-            rows, k = x.shape
-            uniform = uniform_like((rows, k + (-k) % NVFP4_BLOCK), mix_seed(key, copy), x.device)
-        return _operand(quantize_nvfp4(x, uniform=uniform))
+    def _activation_copy(x: torch.Tensor, key, copy: int, signs: torch.Tensor | None = None) -> Quantized:
+        sr_key = None if key is None else mix_seed(key, copy)
+        return _operand(quantize_nvfp4(x, rht_signs=signs, sr_key=sr_key))
 
     def traced_cast(self, x, state, plan, role, dtype, columnwise, record):
         signs, counter = state if state else (None, None)
@@ -209,9 +197,35 @@ class NVFP4BlockScaling(Recipe):
     def gemm_route(self, capability, cuda, has_scaled_mm_v2) -> GemmRoute:
         arch = arch_name(capability)
         if capability >= NATIVE_NVFP4_MIN_CAPABILITY:
-            return emulated_on_gpu(f"{arch} has FP4 tensor cores, but the cuBLAS NVFP4 GEMM (torch._scaled_mm with "
-                                   "float4_e2m1fn_x2 and 1x16 E4M3 scales) is not wired yet")
+            return emulated_on_gpu(f"{arch} has FP4 tensor cores and torch 2.11 takes the cuBLAS NVFP4 GEMM "
+                                   "(torch.nn.functional.scaled_mm, [BlockWise1x16, TensorWise] scales: "
+                                   "nvfp4_scaled_mm_args), but the layer's operands do not carry their E4M3 block "
+                                   "scales to it yet")
         return emulated_on_gpu(f"{arch} has no FP4 tensor cores (sm_100 and later have them)")
+
+
+def nvfp4_scaled_mm_args(a, b, out_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The keyword arguments of ``torch.nn.functional.scaled_mm`` (torch 2.10+) for ``a @ b.T`` of two NVFP4 tensors
+    (:class:`fp8_lightning.nvfp4.NVFP4Tensor`, K last in both): packed ``float4_e2m1fn_x2`` operands, each with
+    ``[E4M3 block scales in cuBLAS's swizzled layout, float32 global scale]`` under ``[BlockWise1x16, TensorWise]``,
+    so cuBLAS applies ``g_a * g_b`` itself. 16x16 tiles become the 1x16 blocks cuBLAS reads (each tile's scale on
+    its 16 rows). Where torch takes the call: :mod:`fp8_lightning.cuda_contract.rules_nvfp4`."""
+    from torch.nn.functional import ScalingType, SwizzleType
+
+    from fp8_lightning.gemm import swizzle_mx_scales
+
+    def blocks(q):  # each 16x16 tile's scale on its 16 rows (a broadcast copy: no index tensor to build)
+        s = q.block_scales
+        return s.unsqueeze(1).expand(-1, q.tile_rows, -1).reshape(-1, s.shape[1]) if q.tile_rows > 1 else s
+
+    recipe = [ScalingType.BlockWise1x16, ScalingType.TensorWise]
+    swizzle = [SwizzleType.SWIZZLE_32_4_4, SwizzleType.NO_SWIZZLE]
+    return {
+        "mat_a": a.as_float4(), "mat_b": b.as_float4().t(),
+        "scale_a": [swizzle_mx_scales(blocks(a)), a.global_scale.float().reshape(())], "scale_recipe_a": recipe,
+        "scale_b": [swizzle_mx_scales(blocks(b)), b.global_scale.float().reshape(())], "scale_recipe_b": recipe,
+        "swizzle_a": swizzle, "swizzle_b": swizzle, "output_dtype": out_dtype,
+    }
 
 
 def nvfp4_to_f32(q: Quantized) -> torch.Tensor:
@@ -242,4 +256,4 @@ NVFP4.implement(
     code_values=lambda q: e2m1_values(unpack_e2m1(q.data)),
 )
 
-__all__ = ["NVFP4BlockScaling", "NVFP4LayerState"]
+__all__ = ["NVFP4BlockScaling", "NVFP4LayerState", "nvfp4_scaled_mm_args"]

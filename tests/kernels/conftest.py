@@ -31,6 +31,7 @@ KERNEL_MODULES = (
     "fp8_lightning.kernels.fine_grained_cast",
     "fp8_lightning.kernels.grouped_cast",
     "fp8_lightning.kernels.grouped_gemm",
+    "fp8_lightning.kernels.nvfp4_cast",
 )
 
 

@@ -31,15 +31,16 @@ def covering_jobs():
 def _jit_kernels() -> set[str]:
     import importlib
 
-    from fp8_lightning.kernels import block_gemm, fine_grained_cast, fp8_adam, grouped_cast, grouped_gemm, mxfp8
-    from fp8_lightning.kernels import per_tensor
+    from fp8_lightning.kernels import (
+        block_gemm, fine_grained_cast, fp8_adam, grouped_cast, grouped_gemm, mxfp8, nvfp4_cast, per_tensor,
+    )
     from fp8_lightning.kernels.availability import gluon_status
 
     gluon = [importlib.import_module("fp8_lightning.kernels.block_gemm_gluon")] if gluon_status()[0] else []
     return {
         name
         for module in (per_tensor, mxfp8, block_gemm, fp8_adam, fine_grained_cast, grouped_cast, grouped_gemm,
-                       *gluon)
+                       nvfp4_cast, *gluon)
         for name, value in vars(module).items()
         if name.endswith("_kernel") and type(value).__name__ in ("JITFunction", "GluonJITFunction")
     }
