@@ -43,6 +43,13 @@ from fp8_lightning.nvfp4 import (
     uniform_like,
     unpack_e2m1,
 )
+from fp8_lightning.nvfp4_shards import (
+    nvfp4_recast_columns,
+    nvfp4_shard_reason,
+    nvfp4_transposed_tiles,
+    pack_nvfp4_shard,
+    unpack_nvfp4_gathered,
+)
 from fp8_lightning.ops import dispatch
 from fp8_lightning.quantize import OperandKind, Quantized
 from fp8_lightning.recipes.base import Recipe, check_flags, invalid
@@ -115,6 +122,7 @@ class NVFP4BlockScaling(Recipe):
 
     name: ClassVar[str] = "nvfp4"
     operand_kind: ClassVar = NVFP4
+    global_weight_amax: ClassVar[bool] = True  # FSDP2: every shard is cast with the whole weight's global scale
 
     fp8_format: Format = Format.E4M3  # the block scales' format (the values are E2M1)
     disable_rht: bool = False
@@ -198,7 +206,26 @@ class NVFP4BlockScaling(Recipe):
                 "recipe (layers={...}) or out of the tensor-parallel plan")
 
     def fsdp_unsupported_reason(self, rows: int, cols: int, world_size: int) -> str | None:
-        return "NVFP4 weights are all-gathered in high precision (the packed FP4 all-gather is not implemented yet)"
+        return nvfp4_shard_reason(rows, cols, world_size, self._weight_tile())
+
+    def fsdp_pack(self, shard, module, global_amax):
+        """This rank's rows as packed codes and E4M3 block scales, cast with the whole weight's global scale (from
+        the amax agreed across the shard group), which travels as metadata (:mod:`fp8_lightning.nvfp4_shards`)."""
+        return pack_nvfp4_shard(shard, global_amax(), self._weight_tile())
+
+    def fsdp_unpack(self, gathered, shard_rows, k, metadata):
+        return _operand(unpack_nvfp4_gathered(gathered, shard_rows, k, metadata, self._weight_tile()))
+
+    def fsdp_operands(self, gathered, scaling, metadata, record):
+        """dgrad's ``W.T``: the gathered 16x16 tiles transposed (the bits of casting ``W.T``), or with 1x16 blocks
+        re-cast along N from the gathered values (one more rounding, in dgrad only)."""
+        row = Quantized(gathered.data.contiguous(), gathered.scale.contiguous(), NVFP4)
+        if self.fp4_2d_weights:
+            return row, Quantized(*nvfp4_transposed_tiles(row.data, row.scale), NVFP4)
+        return row, _operand(nvfp4_recast_columns(dispatch.operand_f32(row), metadata))
+
+    def _weight_tile(self) -> int:
+        return NVFP4_BLOCK if self.fp4_2d_weights else 1
 
     # -- cost model -----------------------------------------------------------------------------------------
 
