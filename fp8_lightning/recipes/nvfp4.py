@@ -123,6 +123,7 @@ class NVFP4BlockScaling(Recipe):
     name: ClassVar[str] = "nvfp4"
     operand_kind: ClassVar = NVFP4
     global_weight_amax: ClassVar[bool] = True  # FSDP2: every shard is cast with the whole weight's global scale
+    wgrad_sums_padding: ClassVar[bool] = True  # the RHT spreads a group's tokens into its block padding
 
     fp8_format: Format = Format.E4M3  # the block scales' format (the values are E2M1)
     disable_rht: bool = False
@@ -193,6 +194,37 @@ class NVFP4BlockScaling(Recipe):
             return row.data, row.scale, None, None
         col = col()
         return row.data, row.scale, col.data, col.scale
+
+    # -- grouped GEMMs (mixtures of experts) ----------------------------------------------------------------
+
+    def grouped_operands(self, role, x, bounds, dtype, columnwise, state, record):
+        """The rowwise copy is one cast of ``x`` (1x16 blocks along K lie within a row, so within one expert's
+        tokens). Each group's wgrad copy is ``x[start:end].T`` zero-padded along its own tokens to whole 16-blocks,
+        through the RHT and cast with the group's own global scale: no block or scale spans two experts. Gradients
+        round stochastically, each group from its own key."""
+        signs = None if state is None else state.signs
+        counter = None if state is None else state.sr_casts
+        row, _ = self._copies(role, x, signs, counter, record)
+        if not columnwise:
+            return row, None
+        stochastic = role == "grad_output" and not self.disable_stochastic_rounding
+        columns = []
+        for group, (start, end) in enumerate(bounds):
+            if start == end:
+                columns.append(None)
+                continue
+            key = mix_seed(self.seed, _rank(), counter if counter is not None else 0, group) if stochastic else None
+            columns.append(self._activation_copy(self._wgrad_form(x[start:end].t(), signs), key, _COLUMN))
+        return row, columns
+
+    def grouped_weight_operands(self, weight, dtype, states, record):
+        """Each expert (E, N, K) cast on its own: its own global scale (from its own amax) and 16x16 tiles (or 1x16
+        blocks) inside it, the rowwise copy for fprop and the copy of ``W_e.T`` for dgrad."""
+        operands = []
+        for expert in weight:
+            row, column = self._copies("weight", expert, None, None, record)
+            operands.append((row, column()))
+        return operands
 
     def default_layers(self) -> dict:
         """The NVFP4 paper's policy: the last ~15% of the repeated blocks in high precision (``layers={"last": 0}``
