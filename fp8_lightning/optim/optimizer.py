@@ -286,9 +286,11 @@ class FP8Optimizer(torch.optim.Optimizer):
         }
         self.state = defaultdict(dict)
         for index, saved_state in state_dict["state"].items():
-            param = by_index[int(index)]
+            # torch keys the state by parameter index; torch.distributed.checkpoint by the parameter's name (FQN)
+            param = by_index[index] if index in by_index else by_index[int(index)]
             local = local_tensor(param)
-            if meta is not None:
+            # torch.distributed.checkpoint drops the "fp8_optimizer" entry: FP8 states are known by their scales
+            if meta is not None or any(key.endswith("_scale") for key in saved_state):
                 self.state[param] = {
                     key: value if key in ("step", "shape") else value.to(local.device)
                     for key, value in saved_state.items()

@@ -1,0 +1,54 @@
+"""NVFP4 under FP8FSDPStrategy on 2 gloo processes, through a real Trainer: mixed recipes in one model
+(``FP8Precision(recipe="nvfp4", layers={...})``: one MXFP8 layer, the rest NVFP4), FP8 gradient reduce-scatter, FP8
+optimizer states, a sharded checkpoint after epoch 1 and a resumed run.
+
+* every weight gathers in FP8 (NVFP4 as packed codes and block scales), each layer under the recipe the policy gave;
+* one amax all-reduce per optimizer step (the NVFP4 weights' global scales);
+* the FP8 all-gather trains exactly as the high-precision gather (both NVFP4 and MXFP8 gathers rebuild the operands a
+  gathered high-precision weight gives; MXFP8's dgrad copy from the gathered codes is within float32 rounding);
+* with AdamW the resumed run reproduces the uninterrupted one exactly (weights, optimizer states, NVFP4 rounding
+  counters and sign vectors travel in the checkpoint); with FP8 optimizer states it does not yet (xfail, reason
+  below).
+"""
+
+import pytest
+import torch.multiprocessing as mp
+
+from fp8_lightning.testing import free_port
+from tests.distributed._nvfp4_workers import nvfp4_strategy_worker
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore")]
+LAYERS = [f"net.blocks.{i}.{n}" for i in (0, 1) for n in ("down", "up")] + ["net.head"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = mp.Manager().dict()
+    mp.spawn(nvfp4_strategy_worker, args=(2, free_port(), str(tmp_path_factory.mktemp("nvfp4")), out), nprocs=2)
+    return dict(out)
+
+
+def test_mixed_recipes_all_gather_in_fp8(results):
+    assert results["report"] == (sorted(LAYERS), {})
+    assert results["recipes"] == {name: "mxfp8" if name == "net.blocks.0.up" else "nvfp4" for name in LAYERS}
+    assert results["amax_reductions"] == 4  # 2 epochs x 2 steps
+
+
+def test_fp8_gather_trains_as_the_high_precision_gather(results):
+    assert results["fp8"] == pytest.approx(results["hp_gather"], rel=1e-5)
+    assert results["fp8"][-1] < results["fp8"][0]
+
+
+def test_resume_reproduces_the_uninterrupted_run(results):
+    """AdamW: the sharded checkpoint carries the weights, the optimizer and the NVFP4 state (rounding counters, sign
+    vectors) of every layer."""
+    assert results["resume_adamw"] == pytest.approx(results["adamw"], rel=1e-6)
+    assert results["resumed_sr_casts_adamw"] == 4  # the stochastic-rounding counter continued from the checkpoint
+    assert results["ckpt_fp8_state"] == sorted(LAYERS)
+
+
+@pytest.mark.xfail(strict=True, reason="a sharded resume with FP8 optimizer states differs from the uninterrupted run "
+                   "from the first optimizer step after loading (not yet diagnosed; a likely cause: FP8Optimizer keeps "
+                   "each rank's shard states as plain tensors, which torch.distributed.checkpoint treats as replicated)")
+def test_resume_with_fp8_optimizer_states_reproduces_the_uninterrupted_run(results):
+    assert results["resume_fp8_adamw"] == pytest.approx(results["fp8"], rel=1e-6)
