@@ -19,6 +19,7 @@ import torch
 
 from fp8_lightning.optim import master_weights as mw
 from fp8_lightning.optim.config import FP8OptimizerConfig
+from fp8_lightning.optim.sharded_state import local_state
 from fp8_lightning.optim.state_formats import StateFormat, decode_state
 
 
@@ -48,7 +49,8 @@ def to_plain_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
         for name in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
             if name in entry:
                 fmt = _formats(config, entry, name)
-                out[name] = decode_state(entry[name], entry.get(f"{name}_scale"), fmt, shape).clone()
+                data, scale = local_state(entry[name]), local_state(entry.get(f"{name}_scale"))
+                out[name] = decode_state(data, scale, fmt, shape).clone()  # a sharded entry: this rank's shard
         plain_state[index] = out
     groups = [dict(group) for group in state_dict["param_groups"]]
     return {"state": plain_state, "param_groups": groups}

@@ -6,9 +6,8 @@ optimizer states, a sharded checkpoint after epoch 1 and a resumed run.
 * one amax all-reduce per optimizer step (the NVFP4 weights' global scales);
 * the FP8 all-gather trains exactly as the high-precision gather (both NVFP4 and MXFP8 gathers rebuild the operands a
   gathered high-precision weight gives; MXFP8's dgrad copy from the gathered codes is within float32 rounding);
-* with AdamW the resumed run reproduces the uninterrupted one exactly (weights, optimizer states, NVFP4 rounding
-  counters and sign vectors travel in the checkpoint); with FP8 optimizer states it does not yet (xfail, reason
-  below).
+* the resumed run reproduces the uninterrupted one exactly, with AdamW and with FP8 optimizer states (weights,
+  each rank's optimizer states, NVFP4 rounding counters and sign vectors travel in the checkpoint).
 """
 
 import pytest
@@ -47,8 +46,6 @@ def test_resume_reproduces_the_uninterrupted_run(results):
     assert results["ckpt_fp8_state"] == sorted(LAYERS)
 
 
-@pytest.mark.xfail(strict=True, reason="a sharded resume with FP8 optimizer states differs from the uninterrupted run "
-                   "from the first optimizer step after loading (not yet diagnosed; a likely cause: FP8Optimizer keeps "
-                   "each rank's shard states as plain tensors, which torch.distributed.checkpoint treats as replicated)")
 def test_resume_with_fp8_optimizer_states_reproduces_the_uninterrupted_run(results):
+    """The FP8 optimizer states of each rank's shards travel as DTensors, so each rank loads back its own."""
     assert results["resume_fp8_adamw"] == pytest.approx(results["fp8"], rel=1e-6)
