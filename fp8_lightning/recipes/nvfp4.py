@@ -36,6 +36,7 @@ from fp8_lightning.nvfp4 import (
     apply_rht,
     block_multipliers,
     e2m1_values,
+    global_scale_from_amax,
     mix_seed,
     quantize_nvfp4,
     rht_matrix,
@@ -53,6 +54,7 @@ from fp8_lightning.nvfp4_shards import (
 from fp8_lightning.ops import dispatch
 from fp8_lightning.quantize import OperandKind, Quantized
 from fp8_lightning.recipes.base import Recipe, check_flags, invalid
+from fp8_lightning.scaling import agreed_amax
 
 NVFP4 = OperandKind("nvfp4")
 NATIVE_NVFP4_MIN_CAPABILITY = (10, 0)
@@ -72,6 +74,13 @@ class NVFP4LayerState:
     def __init__(self, recipe: "NVFP4BlockScaling", device: torch.device | str = "cpu"):
         self.signs = rht_signs(recipe.seed).to(device)
         self.sr_casts = torch.zeros((), dtype=torch.int64, device=device)
+        # tensor parallelism: the group holding the parts of each split operand (role -> group), whose casts take
+        # the global scale of the whole tensor (NVFP4BlockScaling.tensor_parallel_bind)
+        self.amax_groups: dict = {}
+
+    def __getstate__(self) -> dict:
+        """For pickle and deepcopy: process groups do not travel (a copy casts as an unsplit layer)."""
+        return {**self.__dict__, "amax_groups": {}}
 
     def traced_tensors(self) -> tuple[torch.Tensor, ...]:
         return self.signs, self.sr_casts
@@ -95,6 +104,16 @@ def _rank() -> int:
 
 def _operand(q) -> Quantized:
     return Quantized(q.codes, block_multipliers(q)[: q.codes.shape[0]], NVFP4)
+
+
+def _agreed_copy(x: torch.Tensor, key, copy: int, group) -> Quantized:
+    """1x16 blocks of ``x`` with the global scale of the amax agreed across ``group`` (one part of a split
+    tensor); ``key``: stochastic rounding's key, or None (round to nearest)."""
+    uniform = None
+    if key is not None:
+        rows, k = x.shape
+        uniform = uniform_like((rows, k + (-k) % NVFP4_BLOCK), mix_seed(key, copy), x.device)
+    return _operand(quantize_nvfp4(x, global_scale_from_amax(agreed_amax(x, group)), uniform=uniform))
 
 
 def _pad_columns(x: torch.Tensor) -> torch.Tensor:
@@ -151,6 +170,8 @@ class NVFP4BlockScaling(Recipe):
         return {"input": state, "grad_output": state}
 
     def cast(self, role, x, dtype, columnwise, columnwise_f32, state, record):
+        if state is not None and role in state.amax_groups:  # a part of a tensor split by tensor parallelism
+            return self._split_copies(role, x, columnwise, state, record)
         signs = None if state is None else state.signs
         counter = None if state is None else state.sr_casts
         row, col = self._copies(role, x, signs, counter, record)
@@ -195,6 +216,11 @@ class NVFP4BlockScaling(Recipe):
         col = col()
         return row.data, row.scale, col.data, col.scale
 
+    def default_layers(self) -> dict:
+        """The NVFP4 paper's policy: the last ~15% of the repeated blocks in high precision (``layers={"last": 0}``
+        turns it off)."""
+        return {"last": 0.15}
+
     # -- grouped GEMMs (mixtures of experts) ----------------------------------------------------------------
 
     def grouped_operands(self, role, x, bounds, dtype, columnwise, state, record):
@@ -226,16 +252,46 @@ class NVFP4BlockScaling(Recipe):
             operands.append((row, column()))
         return operands
 
-    def default_layers(self) -> dict:
-        """The NVFP4 paper's policy: the last ~15% of the repeated blocks in high precision (``layers={"last": 0}``
-        turns it off)."""
-        return {"last": 0.15}
+    # -- tensor and sequence parallelism ---------------------------------------------------------------------
+
+    def tensor_parallel_bind(self, operands, roles, group) -> None:
+        """The layer's one state records the group of each split operand (the weight included: the state then also
+        serves the weight's casts), whose casts take the global scale of the whole tensor: the amax agreed across
+        the group (one MAX all-reduce per copy). Blocks and 16x16 tiles lie inside a shard (set-up checks it)."""
+        state = operands.get("input")
+        if state is None:
+            return
+        for role in roles:
+            state.amax_groups.setdefault(role, group)
+        if "weight" in roles:
+            operands.setdefault("weight", state)
+
+    def _split_copies(self, role, x, columnwise, state, record):
+        """The copies of this rank's part ``x`` of a split operand: each copy's global scale from the amax of the
+        whole tensor (for the wgrad copies, of the whole transformed tensor), so that the codes and block scales are
+        those the unsplit tensor's cast gives its part. Stochastic rounding keys as :meth:`cast` does."""
+        group = state.amax_groups[role]
+        if role == "weight":
+            tile = self._weight_tile()
+            global_scale = global_scale_from_amax(agreed_amax(x, group))
+            row = _operand(quantize_nvfp4(x, global_scale, tile))
+            return row, (_operand(quantize_nvfp4(x.t(), global_scale, tile)) if columnwise else None)
+        key = None
+        if role == "grad_output" and not self.disable_stochastic_rounding:
+            key = mix_seed(self.seed, _rank(), state.sr_casts)
+            if record:
+                state.sr_casts.add_(1)
+        row = _agreed_copy(x, key, _ROW, group)
+        if not columnwise:
+            return row, None
+        return row, _agreed_copy(self._wgrad_form(x.t(), state.signs), key, _COLUMN, group)
+
+    def sequence_cast(self, x, dtype, state, record, group, columnwise=True):
+        """None: a sequence-parallel input is gathered in high precision and cast whole (each rank's wgrad copy
+        would pad its own tokens to 16-blocks and carry its own global scale, which the gathered copy cannot)."""
+        return None
 
     # -- FSDP2 ----------------------------------------------------------------------------------------------
-
-    def tensor_parallel_unsupported_reason(self, in_features, out_features, sharded, tp_size) -> str | None:
-        return ("NVFP4's tensor-level scale is not agreed across tensor-parallel ranks: keep this layer in another "
-                "recipe (layers={...}) or out of the tensor-parallel plan")
 
     def fsdp_unsupported_reason(self, rows: int, cols: int, world_size: int) -> str | None:
         return nvfp4_shard_reason(rows, cols, world_size, self._weight_tile())
