@@ -30,7 +30,7 @@ from fp8_lightning.nvfp4 import (
     unpack_e2m1,
 )
 
-E4M3 = torch.float8_e4m3fn
+_E4M3 = torch.float8_e4m3fn
 
 
 def nvfp4_shard_reason(rows: int, cols: int, world_size: int, tile_rows: int) -> str | None:
@@ -72,11 +72,11 @@ def unpack_nvfp4_gathered(
     half = k // 2
     codes = gathered[:, :half]
     if tile_rows == 1:
-        scales = gathered[:, half : half + k // NVFP4_BLOCK].contiguous().view(E4M3)
+        scales = gathered[:, half : half + k // NVFP4_BLOCK].contiguous().view(_E4M3)
     else:
         k_tiles, tiles = k // NVFP4_BLOCK, -(-shard_rows // NVFP4_BLOCK)
         scales = torch.cat([
-            part[:, half:].contiguous().view(-1)[: tiles * k_tiles].view(E4M3).view(tiles, k_tiles)
+            part[:, half:].contiguous().view(-1)[: tiles * k_tiles].view(_E4M3).view(tiles, k_tiles)
             for part in gathered.split(shard_rows)
         ])
     return NVFP4Tensor(codes, scales, global_scale.float(), (gathered.shape[0], k), tile_rows)
