@@ -58,3 +58,16 @@ def test_shards_that_cut_a_tile_are_refused_with_the_fix():
     assert NVFP4BlockScaling(fp4_2d_weights=False).fsdp_unsupported_reason(48, 64, 2) is None
     assert NVFP4BlockScaling().fsdp_unsupported_reason(64, 64, 2) is None
     assert "in_features=40" in NVFP4BlockScaling().fsdp_unsupported_reason(64, 40, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the NVFP4 wire format on CUDA)")
+def test_on_cuda_the_wire_format_has_the_cpu_bits():
+    torch.manual_seed(2)
+    w = torch.randn(64, 256)
+    recipe = NVFP4BlockScaling()
+    cpu_bytes, (cpu_row, cpu_column) = _gather(recipe, w, 2)
+    cuda_bytes, (row, column) = _gather(recipe, w.cuda(), 2)
+    assert torch.equal(cuda_bytes.cpu(), cpu_bytes)
+    for got, want in ((row, cpu_row), (column, cpu_column)):
+        assert torch.equal(got.data.cpu(), want.data) and torch.equal(got.scale.cpu(), want.scale)

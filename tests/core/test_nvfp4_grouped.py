@@ -97,3 +97,15 @@ def test_each_expert_has_its_own_global_scale():
     y, _, _ = _run(RTN, a, b, offs, g)
     exact = a[16:32] @ b[1]
     assert ((y[16:32] - exact).norm() / exact.norm()).item() < 0.2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the NVFP4 grouped GEMMs on CUDA)")
+def test_on_cuda_the_grouped_gemms_match_the_cpu_run():
+    """On a GPU the same casts (emulated GEMMs) give the CPU run's output and gradients within float32 rounding."""
+    a, b, offs, g = _inputs()
+    cpu = _run(RTN, a, b, offs, g)
+    with pytest.warns(UserWarning, match="no FP8 grouped GEMM kernel"):
+        cuda = _run(RTN, a.cuda(), b.cuda(), offs.cuda(), g.cuda())
+    for name, here, there in zip(("y", "da", "db"), cpu, cuda):
+        torch.testing.assert_close(there.cpu(), here, rtol=1e-4, atol=1e-4 * here.abs().amax().item(), msg=name)
