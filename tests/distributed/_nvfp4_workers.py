@@ -63,6 +63,24 @@ def fit(strategy, epochs: int, ckpt_path=None, fp8_optimizer: bool = True):
     return module, trainer, (losses / 2).tolist()
 
 
+def moe_run(rank: int | None, strategy="fp8_fsdp", devices: int = 2) -> dict:
+    """transformers' Qwen3-MoE with every linear layer and expert module in NVFP4 (no high-precision tail), 4 SGD
+    steps: its losses (mean over ranks), converted experts and their grouped GEMM counts."""
+    from tests.distributed._moe_workers import experts_of, fit as moe_fit, make_module as moe_module
+
+    module = moe_module()
+    trainer = moe_fit(module, strategy, devices, rank, recipe="nvfp4", layers={"last": 0})
+    losses = torch.stack(module.losses)
+    if rank is not None:
+        dist.all_reduce(losses)
+        losses /= 2
+    return {
+        "moe": losses.tolist(),
+        "moe_experts": sorted(trainer.precision_plugin.conversion_report.experts),
+        "moe_gemms": [dict(m.fp8_gemm_counts) for m in experts_of(module).values()],
+    }
+
+
 def nvfp4_strategy_worker(rank: int, world: int, port: int, tmpdir: str, out: dict) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world)
@@ -92,6 +110,7 @@ def nvfp4_strategy_worker(rank: int, world: int, port: int, tmpdir: str, out: di
         resumed, _, second = fit(strategy(), epochs=2, ckpt_path=path, fp8_optimizer=fp8_optimizer)
         res[f"resume_{optimizer}"] = first + second
         res[f"resumed_sr_casts_{optimizer}"] = int(resumed.net.blocks[1].up.fp8_scaling().operands["grad_output"].sr_casts)
+    res.update(moe_run(rank))
     if rank == 0:
         meta = torch.load(os.path.join(tmpdir, "adamw", "meta.pt"), weights_only=False)
         res["ckpt_fp8_state"] = sorted(meta.get("FP8Precision", {}).get("modules", [{}])[0])
