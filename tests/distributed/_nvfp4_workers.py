@@ -116,3 +116,37 @@ def nvfp4_strategy_worker(rank: int, world: int, port: int, tmpdir: str, out: di
         res["ckpt_fp8_state"] = sorted(meta.get("FP8Precision", {}).get("modules", [{}])[0])
         out.update(res)
     end_worker()
+
+
+TP_KINDS = ("gpt", "qwen3")  # the project's GPT and transformers' Qwen3, every linear layer in NVFP4
+NVFP4_EVERYWHERE = {"layers": {"last": 0}}
+NVFP4_RTN = {"name": "nvfp4", "disable_stochastic_rounding": True}  # rounding noise keyed by rank left out
+
+
+def tp_fsdp_worker(rank: int, world: int, port: int, out: dict) -> None:
+    """TP=2 x DP=2 (4 processes, ``fp8_fsdp`` along DP): each rank's part of a split NVFP4 weight all-gathers as
+    codes and block scales along DP, its global scale agreed over both groups."""
+    import tests.distributed._tp_workers as tp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
+                      WORLD_SIZE=str(world))  # fmt: skip
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    from fp8_lightning.convert import fp8_state_dict
+    from fp8_lightning.lightning.fsdp import FP8FSDPStrategy
+
+    res = {}
+    for kind in TP_KINDS:
+        strategy = FP8FSDPStrategy(data_parallel_size=2, tensor_parallel_size=2)
+        module, trainer, losses = tp.fit(kind, NVFP4_RTN, strategy, world, 2, rank, precision_kwargs=NVFP4_EVERYWHERE)
+        mean = torch.tensor(losses)
+        dist.all_reduce(mean)
+        states = [None] * world
+        dist.all_gather_object(states, fp8_state_dict(module))
+        tp_peers = [states[r] for r in range(world) if r // 2 == rank // 2]
+        report = trainer.strategy.all_gather_report
+        res[kind] = {"losses": (mean / world).tolist(), "tp_states_equal": tp.same_state(*tp_peers),
+                     "fp8_gathered": sorted(report.fp8), "high_precision": dict(report.high_precision)}
+    if rank == 0:
+        out.update(res)
+    end_worker()
