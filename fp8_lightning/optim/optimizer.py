@@ -18,7 +18,7 @@ Design, in the order a step meets it:
   pass per block (the block of the state scales); the torch code below is its reference.
 * **Checkpoints.** ``state_dict`` holds the stored tensors unchanged (FP8 bytes, scales, remainders), so saving
   and loading is exact (a sharded parameter's states as DTensors, so a distributed checkpoint saves every rank's,
-  ``sharded_state.py``); ``load_state_dict`` also accepts a plain ``torch.optim`` state dict and quantizes it.
+  ``checkpoint.py``); ``load_state_dict`` also accepts a plain ``torch.optim`` state dict and quantizes it.
   ``to_plain_state_dict`` (``checkpoint.py``) goes the other way for users who leave FP8.
 """
 
@@ -33,7 +33,7 @@ import torch
 from fp8_lightning.kernels.availability import kernels_usable
 from fp8_lightning.optim import master_weights as mw
 from fp8_lightning.optim.config import FP8OptimizerConfig, config_from
-from fp8_lightning.optim.sharded_state import local_state, shard_state_dict
+from fp8_lightning.optim.checkpoint import local_state, shard_state_dict
 from fp8_lightning.optim.state_formats import StateFormat, decode_state, encode_state
 from fp8_lightning.optim.update_rules import adam_update, sgd_update
 from fp8_lightning.privates import mark_optimizer_stepped
