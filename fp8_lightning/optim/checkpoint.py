@@ -106,10 +106,8 @@ def to_plain_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
 @torch.no_grad()
 def master_parameters(optimizer) -> dict[torch.Tensor, torch.Tensor]:
     """``{parameter: exact float32 master value (local shard)}`` for every parameter the optimizer has stepped."""
-    from fp8_lightning.optim.optimizer import local_tensor
-
     result = {}
     for param, state in optimizer.state.items():
-        local = local_tensor(param)
+        local = local_state(param).detach()  # the local shard of a DTensor parameter
         result[param] = mw.load_master(local, state, optimizer.master_kind(local)).clone()
     return result
