@@ -9,7 +9,8 @@ counted apart: the amax all-reduces of the FP8 scales (``all_reduce``) and the g
 Two models:
 
 * ``weights`` has no biases and no norm parameters, so an all-gather carries Linear weights only: the ratio of
-  the FP8 wire format itself (1 byte per element, plus 1/32 byte of E8M0 scales for MXFP8).
+  the FP8 wire format itself (1 byte per element, plus 1/32 byte of E8M0 scales for MXFP8; NVFP4: half a byte of
+  E2M1 codes plus one E4M3 scale per 16x16 tile, or per 1x16 block with ``fp4_2d_weights=False``).
 * ``full`` has biases and LayerNorm parameters; under FP8 they travel in ``param_dtype`` next to the FP8 weights
   (float32 unless a bf16 ``MixedPrecisionPolicy`` is set), which is what a real run moves.
 
@@ -44,6 +45,9 @@ CONFIGS = [  # (name, FP8 recipe or None, FP8 all-gather, FSDP2 param_dtype)
     ("fp8 mxfp8", "mxfp8", True, None),
     ("fp8 tensorwise + bf16 params", "tensorwise", True, torch.bfloat16),
     ("fp8 mxfp8 + bf16 params", "mxfp8", True, torch.bfloat16),
+    ("fp4 nvfp4", "nvfp4", True, None),  # 16x16 weight tiles (the default)
+    ("fp4 nvfp4 1x16 blocks", {"name": "nvfp4", "fp4_2d_weights": False}, True, None),
+    ("fp4 nvfp4 + bf16 params", "nvfp4", True, torch.bfloat16),
 ]
 
 
@@ -72,14 +76,14 @@ class Stack(nn.Module):
 def one_step(model_kind: str, config, rank: int, width: int, depth: int) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from fp8_lightning import convert_to_fp8, fp8_autocast, sync_scales
+    from fp8_lightning import convert_to_fp8, fp8_autocast, recipe_from, sync_scales
     from fp8_lightning.distributed import enable_fp8_all_gather, shard_model
 
     name, recipe, fp8_gather, param_dtype = config
     torch.manual_seed(0)
     model = Stack(width, depth, bias=model_kind == "full")
     if recipe is not None:
-        convert_to_fp8(model, recipe)
+        convert_to_fp8(model, recipe_from(recipe), layers={"last": 0})  # no NVFP4 high-precision tail
         if fp8_gather:
             enable_fp8_all_gather(model, WORLD)
     shard_model(model, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype))
@@ -142,15 +146,18 @@ def main(argv: list[str] | None = None) -> int:
         "Bytes this rank contributes to all-gathers in one training step (forward gathers + backward re-gathers),\n"
         "counted at the torch.distributed call FSDP2 makes. All-reduce bytes: FP8 scale agreement (weight amaxes\n"
         "once per step; input/gradient amaxes of delayed scaling). Reduce-scatter: gradients, in param_dtype.\n"
+        "NVFP4 sends half a byte of E2M1 codes per element plus its E4M3 scales: one per 16x16 weight tile by\n"
+        "default (1/256 byte per element: 0.252x bf16), one per 1x16 block with fp4_2d_weights=False (1/16 byte:\n"
+        "0.281x bf16); its float32 global scale is agreed by the weight-amax all-reduce and never gathered.\n"
     )
     write_gloo_result(args.out, "allgather_bytes", argv, "FSDP2 weight all-gather bytes per training step (measured)",
                       f"backend gloo, {WORLD} processes", notes, table(rows), rows)
     weights = {r["config"]: r["bytes"]["all_gather"] for r in rows if r["model"] == "weights"}
     ok = all(
         weights[name] <= 0.52 * weights["bf16"] and weights[name] <= 0.26 * weights["fp32"]
-        for name in weights if name.startswith("fp8")
+        for name in weights if name.startswith(("fp8", "fp4"))
     )
-    print("FP8 <= 0.52x bf16 and <= 0.26x fp32 for weights:", "yes" if ok else "NO")
+    print("FP8/FP4 <= 0.52x bf16 and <= 0.26x fp32 for weights:", "yes" if ok else "NO")
     return 0 if ok else 1
 
 

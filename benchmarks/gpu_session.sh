@@ -83,7 +83,8 @@ case "$mode" in
     step gpu_check "$python" -m benchmarks gpu-check
     step kernels "$python" -m benchmarks kernels-gpu --out "$work/kernels_gpu.md"
     step pytest_gpu "$python" -m pytest -q -p no:cacheprovider -m gpu \
-      tests/kernels/test_gpu.py tests/lightning/test_gpu.py tests/optim/test_fused_adam_kernel.py tests/test_state_device.py tests/core/test_grouped_mm.py
+      tests/kernels/test_gpu.py tests/lightning/test_gpu.py tests/optim/test_fused_adam_kernel.py tests/test_state_device.py tests/core/test_grouped_mm.py \
+      tests/core/test_nvfp4_grouped.py tests/core/test_nvfp4_fsdp_wire.py
     step fsdp "$python" -m benchmarks fsdp-gpu-check
     ;;
   linear)

@@ -199,8 +199,12 @@ class LayerScaling:
         return {"recipe": self.recipe.to_dict(), "operands": {k: s.state_dict() for k, s in self.operands.items()}}
 
     def load_state_dict(self, state: dict) -> None:
+        loaded: set[int] = set()
         for role, s in self.operands.items():
+            if id(s) in loaded:  # one state serving several roles (NVFP4's) loads once, from its first role
+                continue
             s.load_state_dict(state["operands"][role])
+            loaded.add(id(s))
         self._weight_cache = self._weight_key = self._weight_checksum = None
 
 

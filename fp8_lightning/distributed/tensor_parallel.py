@@ -6,7 +6,9 @@ see the usual layout), and run an FP8 layer's GEMMs on its local shards between 
 
 * per-tensor recipes (delayed, tensorwise) cast each split operand with the one scale of the whole tensor: the
   shards' amaxes are agreed across the tensor-parallel group (the weight and, colwise, the output gradient;
-  rowwise, the input). Rowwise, blockwise and MXFP8 scale blocks that lie inside a shard, which set-up checks;
+  rowwise, the input); NVFP4 agrees the amax behind each split operand's global scale the same way
+  (:meth:`~fp8_lightning.recipes.base.Recipe.tensor_parallel_bind`). Rowwise, blockwise, MXFP8 and NVFP4 scale
+  blocks that lie inside a shard, which set-up checks;
 * a sequence-sharded input entering a colwise layer (``input_layouts=Shard(1)``) is cast once and its FP8 codes
   and scales are all-gathered (:func:`gather_sequence`; ``fp8_all_gather="fprop"`` sends the forward copy alone);
   its gradient is reduce-scattered in high precision;
@@ -86,11 +88,8 @@ class ShardedLinear:
     def bind(self, layer: FP8Linear) -> None:
         """Point the per-tensor scaling states of the split operands at the group (each recipe's, once)."""
         roles = _SPLIT_ROLES[self.style] + (("input",) if self.sequence_input else ())
-        for _, scaling in layer.fp8_scalings():
-            for role in roles:
-                state = scaling.operands.get(role)
-                if state is not None and hasattr(state, "amax_group") and state.amax_group is None:
-                    state.amax_group = self.group
+        for recipe, scaling in layer.fp8_scalings():
+            recipe.tensor_parallel_bind(scaling.operands, roles, self.group)
 
     def forward(self, layer: FP8Linear, x: torch.Tensor) -> torch.Tensor:
         """The layer on this rank: ``x`` is the local input the style's input hook made (plain tensor)."""

@@ -166,7 +166,7 @@ class FP8ShardedWeight(torch.Tensor):
                 raise RuntimeError("FP8 all-gather: FSDP2 refilled a different buffer than the one the weight views.")
             out._q, out._meta = q, meta
             return None
-        gathered = FP8GatheredWeight(q, recipe, meta, param_dtype)
+        gathered = FP8GatheredWeight(q, recipe, meta, param_dtype, (q.data.shape[0], self.shape[-1]))
         return gathered, tuple(outputs)
 
 
@@ -187,12 +187,15 @@ class FP8GatheredWeight(torch.Tensor):
     _meta: Any  # what the recipe's fsdp_pack sent beside the bytes (per-tensor: the scale and the agreed amax)
 
     @staticmethod
-    def __new__(cls, q: Quantized, recipe: Recipe, meta: Any, dtype: torch.dtype):
-        return torch.Tensor._make_wrapper_subclass(
-            cls, q.data.size(), strides=q.data.stride(), dtype=dtype, device=q.data.device, requires_grad=False
-        )
+    def __new__(cls, q: Quantized, recipe: Recipe, meta: Any, dtype: torch.dtype, shape: tuple | None = None):
+        if shape is None or tuple(shape) == tuple(q.data.shape):
+            return torch.Tensor._make_wrapper_subclass(
+                cls, q.data.size(), strides=q.data.stride(), dtype=dtype, device=q.data.device, requires_grad=False
+            )
+        # codes narrower than the weight (NVFP4 packs two per byte): the weight's shape, contiguous strides
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=q.data.device, requires_grad=False)
 
-    def __init__(self, q: Quantized, recipe: Recipe, meta: Any, dtype: torch.dtype):
+    def __init__(self, q: Quantized, recipe: Recipe, meta: Any, dtype: torch.dtype, shape: tuple | None = None):
         self._q, self._recipe, self._meta = q, recipe, meta
 
     def __repr__(self) -> str:
@@ -205,8 +208,10 @@ class FP8GatheredWeight(torch.Tensor):
         kwargs = kwargs or {}
         if func in _KEEP_GATHERED and isinstance(args[0], cls):
             w = args[0]
-            if func is aten.as_strided.default and tuple(args[1]) == tuple(w.shape):
-                return cls(w._q, w._recipe, w._meta, w.dtype)  # FSDP2 re-views the unsharded tensor as itself
+            if func in (aten.as_strided.default, aten.view.default) and tuple(args[1]) == tuple(w.shape):
+                return cls(w._q, w._recipe, w._meta, w.dtype, w.shape)  # FSDP2 re-views the weight as itself
+            if func in (aten.detach.default, aten.alias.default):
+                return cls(w._q, w._recipe, w._meta, w.dtype, w.shape)
             data = func(w._q.data, *args[1:], **kwargs)
             if data.shape != w._q.data.shape:
                 raise NotImplementedError(f"{func} would reshape an FP8-gathered weight; dequantize it first.")
@@ -228,7 +233,8 @@ class FP8GatheredWeight(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
         kind, recipe, recipe_meta, dtype = meta
-        return FP8GatheredWeight(Quantized(inner["_data"], inner["_scale"], kind), recipe, recipe_meta, dtype)
+        q = Quantized(inner["_data"], inner["_scale"], kind)
+        return FP8GatheredWeight(q, recipe, recipe_meta, dtype, tuple(outer_size))
 
     def dequantize(self) -> torch.Tensor:
         """The weight's value as gathered (FP8-rounded), in the weight's dtype."""

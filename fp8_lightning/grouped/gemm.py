@@ -23,13 +23,14 @@ first call warns once that no FP8 grouped kernel runs.
 from __future__ import annotations
 
 import collections
+import itertools
 import warnings
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from fp8_lightning.groups import group_bounds
+from fp8_lightning.groups import GroupBounds, group_bounds
 from fp8_lightning.linear import LayerScaling
 from fp8_lightning.ops.dispatch import dequantize_operand
 from fp8_lightning.quantize import Quantized
@@ -196,10 +197,17 @@ class FP8GroupedMMFunction(torch.autograd.Function):
             grad_w = native.wgrad(g_columns, x_columns, w_dtype)  # (E, N, K), zero for empty experts
             scaling.gemms["wgrad"] += 1
         elif needs_w:
-            sizes = [end - start for start, end in bounds]
-            g_t = torch.cat([_values(q, m) for q, m in zip(g_columns, sizes) if q is not None], dim=1)  # (N, M)
-            x_t = torch.cat([_values(q, m) for q, m in zip(x_columns, sizes) if q is not None], dim=1)  # (K, M)
-            grad_w = grouped_product(g_t, x_t.t(), offs, bounds).to(w_dtype)  # (E, N, K), zero for empty experts
+            g_values = [None if q is None else _values(q) for q in g_columns]
+            x_values = [None if q is None else _values(q) for q in x_columns]
+            padded = scaling.recipe.wgrad_sums_padding
+            widths = [0 if g is None else g.shape[1] if padded else end - start
+                      for g, (start, end) in zip(g_values, bounds)]  # fmt: skip
+            g_t = torch.cat([v[:, :w] for v, w in zip(g_values, widths) if v is not None], dim=1)  # (N, M')
+            x_t = torch.cat([v[:, :w] for v, w in zip(x_values, widths) if v is not None], dim=1)  # (K, M')
+            ends = list(itertools.accumulate(widths))
+            wgrad_offs = torch.tensor(ends, dtype=torch.int32, device=g_t.device) if padded else offs
+            wgrad_bounds = GroupBounds(zip([0, *ends], ends)) if padded else bounds
+            grad_w = grouped_product(g_t, x_t.t(), wgrad_offs, wgrad_bounds).to(w_dtype)  # (E, N, K), 0 if empty
             scaling.gemms["wgrad"] += 1
         ctx.saved = None
         return grad_a, grad_w, None

@@ -17,7 +17,8 @@ Design, in the order a step meets it:
 * **Fused on CUDA.** When Triton and a GPU are there, ``kernels/fp8_adam.py`` does decode + AdamW + encode in one
   pass per block (the block of the state scales); the torch code below is its reference.
 * **Checkpoints.** ``state_dict`` holds the stored tensors unchanged (FP8 bytes, scales, remainders), so saving
-  and loading is exact; ``load_state_dict`` also accepts a plain ``torch.optim`` state dict and quantizes it.
+  and loading is exact (a sharded parameter's states as DTensors, so a distributed checkpoint saves every rank's,
+  ``checkpoint.py``); ``load_state_dict`` also accepts a plain ``torch.optim`` state dict and quantizes it.
   ``to_plain_state_dict`` (``checkpoint.py``) goes the other way for users who leave FP8.
 """
 
@@ -32,6 +33,7 @@ import torch
 from fp8_lightning.kernels.availability import kernels_usable
 from fp8_lightning.optim import master_weights as mw
 from fp8_lightning.optim.config import FP8OptimizerConfig, config_from
+from fp8_lightning.optim.checkpoint import local_state, shard_state_dict
 from fp8_lightning.optim.state_formats import StateFormat, decode_state, encode_state
 from fp8_lightning.optim.update_rules import adam_update, sgd_update
 from fp8_lightning.privates import mark_optimizer_stepped
@@ -258,7 +260,7 @@ class FP8Optimizer(torch.optim.Optimizer):
     # -------------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        state_dict = super().state_dict()
+        state_dict = shard_state_dict(super().state_dict(), self.param_groups)  # per-shard states of DTensors
         state_dict["fp8_optimizer"] = {"config": self.config.to_dict(), "rule": self.rule}
         return state_dict
 
@@ -286,11 +288,13 @@ class FP8Optimizer(torch.optim.Optimizer):
         }
         self.state = defaultdict(dict)
         for index, saved_state in state_dict["state"].items():
-            param = by_index[int(index)]
+            # torch keys the state by parameter index; torch.distributed.checkpoint by the parameter's name (FQN)
+            param = by_index[index] if index in by_index else by_index[int(index)]
             local = local_tensor(param)
-            if meta is not None:
+            # torch.distributed.checkpoint drops the "fp8_optimizer" entry: FP8 states are known by their scales
+            if meta is not None or any(key.endswith("_scale") for key in saved_state):
                 self.state[param] = {
-                    key: value if key in ("step", "shape") else value.to(local.device)
+                    key: value if key in ("step", "shape") else local_state(value).to(local.device)
                     for key, value in saved_state.items()
                 }
             else:

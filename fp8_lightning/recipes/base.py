@@ -13,7 +13,8 @@ Recipe/Quantizer split:
   :meth:`Recipe.fsdp_operands`, :attr:`Recipe.global_weight_amax`;
 * grouped GEMMs of mixtures of experts: :meth:`Recipe.grouped_operands`, :meth:`Recipe.grouped_weight_operands`,
   :meth:`Recipe.grouped_native`, :meth:`Recipe.grouped_gemm_route`;
-* tensor and sequence parallelism: :meth:`Recipe.tensor_parallel_unsupported_reason`, :meth:`Recipe.sequence_cast`,
+* tensor and sequence parallelism: :meth:`Recipe.tensor_parallel_unsupported_reason`,
+  :meth:`Recipe.tensor_parallel_bind`, :meth:`Recipe.sequence_cast`,
   :meth:`Recipe.sequence_gather`;
 * the cost model: :meth:`Recipe.cast_bytes_per_element`, :meth:`Recipe.fp8_gemms`.
 
@@ -57,6 +58,9 @@ class Recipe:
     per_tensor: ClassVar[bool] = False  # one scale per tensor (the FP8 bytes transpose freely)
     operand_kind: ClassVar[OperandKind]  # the kind of the operands its casts make
     global_weight_amax: ClassVar[bool] = False  # FSDP2: the gathered weight's scale needs the whole weight's amax
+    # grouped wgrad: each group's columnwise copies carry values in their padding along the tokens (NVFP4's Hadamard
+    # transform spreads the group's values into it), so the product sums over the padded width, not the group's rows
+    wgrad_sums_padding: ClassVar[bool] = False
 
     fp8_format: Format = Format.HYBRID
     fprop_fast_accum: bool = True
@@ -192,6 +196,15 @@ class Recipe:
                                                                                                  size // tp_size)
         reason = self.shape_unsupported_reason(local_in, local_out)
         return None if reason is None else f"each rank's shard ({local_out}, {local_in}): {reason}"
+
+    def tensor_parallel_bind(self, operands: dict[str, Any], roles: tuple[str, ...], group: Any) -> None:
+        """Point the scaling state of each of ``roles`` (the operands a tensor-parallel split leaves each rank a part
+        of) at ``group``, once: its casts then take the amax of the whole tensor, agreed across the group. By default
+        the states that have an ``amax_group`` (per-tensor scales); block scales lie inside a shard."""
+        for role in roles:
+            state = operands.get(role)
+            if state is not None and hasattr(state, "amax_group") and state.amax_group is None:
+                state.amax_group = group
 
     def sequence_block(self) -> int:
         """Tokens per scale block of the copies quantized along the token dimension (a wgrad operand): a

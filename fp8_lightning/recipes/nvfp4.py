@@ -35,14 +35,24 @@ from fp8_lightning.nvfp4 import (
     NVFP4_BLOCK,
     block_multipliers,
     e2m1_values,
+    global_scale_from_amax,
     mix_seed,
     quantize_nvfp4,
+    rht_blocks,
     rht_signs,
     unpack_e2m1,
+)
+from fp8_lightning.nvfp4_shards import (
+    nvfp4_recast_columns,
+    nvfp4_shard_reason,
+    nvfp4_transposed_tiles,
+    pack_nvfp4_shard,
+    unpack_nvfp4_gathered,
 )
 from fp8_lightning.ops import dispatch
 from fp8_lightning.quantize import OperandKind, Quantized
 from fp8_lightning.recipes.base import Recipe, check_flags, invalid
+from fp8_lightning.scaling import agreed_amax
 
 NVFP4 = OperandKind("nvfp4")
 NATIVE_NVFP4_MIN_CAPABILITY = (10, 0)
@@ -62,6 +72,13 @@ class NVFP4LayerState:
     def __init__(self, recipe: "NVFP4BlockScaling", device: torch.device | str = "cpu"):
         self.signs = rht_signs(recipe.seed).to(device)
         self.sr_casts = torch.zeros((), dtype=torch.int64, device=device)
+        # tensor parallelism: the group holding the parts of each split operand (role -> group), whose casts take
+        # the global scale of the whole tensor (NVFP4BlockScaling.tensor_parallel_bind)
+        self.amax_groups: dict = {}
+
+    def __getstate__(self) -> dict:
+        """For pickle and deepcopy: process groups do not travel (a copy casts as an unsplit layer)."""
+        return {**self.__dict__, "amax_groups": {}}
 
     def traced_tensors(self) -> tuple[torch.Tensor, ...]:
         return self.signs, self.sr_casts
@@ -87,6 +104,18 @@ def _operand(q) -> Quantized:
     return Quantized(q.codes, block_multipliers(q)[: q.codes.shape[0]], NVFP4)
 
 
+def _agreed_copy(x: torch.Tensor, key, copy: int, group) -> Quantized:
+    """1x16 blocks of ``x`` with the global scale of the amax agreed across ``group`` (one part of a split
+    tensor); ``key``: stochastic rounding's key, or None (round to nearest)."""
+    sr_key = None if key is None else mix_seed(key, copy)
+    return _operand(quantize_nvfp4(x, global_scale_from_amax(agreed_amax(x, group)), sr_key=sr_key))
+
+
+def _pad_columns(x: torch.Tensor) -> torch.Tensor:
+    extra = (-x.shape[1]) % NVFP4_BLOCK
+    return torch.nn.functional.pad(x, (0, extra)) if extra else x
+
+
 @dataclasses.dataclass(frozen=True)
 class NVFP4BlockScaling(Recipe):
     """NVFP4: E2M1 codes, an E4M3 scale per 16 elements along K and a float32 scale per tensor.
@@ -107,6 +136,8 @@ class NVFP4BlockScaling(Recipe):
 
     name: ClassVar[str] = "nvfp4"
     operand_kind: ClassVar = NVFP4
+    global_weight_amax: ClassVar[bool] = True  # FSDP2: every shard is cast with the whole weight's global scale
+    wgrad_sums_padding: ClassVar[bool] = True  # the RHT spreads a group's tokens into its block padding
 
     fp8_format: Format = Format.E4M3  # the block scales' format (the values are E2M1)
     disable_rht: bool = False
@@ -134,6 +165,8 @@ class NVFP4BlockScaling(Recipe):
         return {"input": state, "grad_output": state}
 
     def cast(self, role, x, dtype, columnwise, columnwise_f32, state, record):
+        if state is not None and role in state.amax_groups:  # a part of a tensor split by tensor parallelism
+            return self._split_copies(role, x, columnwise, state, record)
         signs = None if state is None else state.signs
         counter = None if state is None else state.sr_casts
         row, col = self._copies(role, x, signs, counter, record)
@@ -154,6 +187,13 @@ class NVFP4BlockScaling(Recipe):
                 counter.add_(1)
         row = self._activation_copy(x, key, _ROW)
         return row, lambda: self._activation_copy(x.t(), key, _COLUMN, self._wgrad_signs(signs))
+
+    def _wgrad_form(self, x_t: torch.Tensor, signs: torch.Tensor | None) -> torch.Tensor:
+        """``x.T`` padded along M to whole blocks and, unless disabled, through the RHT: what a wgrad copy's cast
+        with :meth:`_wgrad_signs` quantizes, for the casts that need its amax first (split and grouped copies)."""
+        x_t = _pad_columns(x_t.float())
+        wgrad_signs = self._wgrad_signs(signs)
+        return x_t if wgrad_signs is None else rht_blocks(x_t, wgrad_signs)
 
     def _wgrad_signs(self, signs: torch.Tensor | None) -> torch.Tensor | None:
         """The RHT signs of the wgrad copies (``x.T`` padded along M to whole blocks, then transformed), or None."""
@@ -179,14 +219,99 @@ class NVFP4BlockScaling(Recipe):
         turns it off)."""
         return {"last": 0.15}
 
+    # -- grouped GEMMs (mixtures of experts) ----------------------------------------------------------------
+
+    def grouped_operands(self, role, x, bounds, dtype, columnwise, state, record):
+        """The rowwise copy is one cast of ``x`` (1x16 blocks along K lie within a row, so within one expert's
+        tokens). Each group's wgrad copy is ``x[start:end].T`` zero-padded along its own tokens to whole 16-blocks,
+        through the RHT and cast with the group's own global scale: no block or scale spans two experts. Gradients
+        round stochastically, each group from its own key."""
+        signs = None if state is None else state.signs
+        counter = None if state is None else state.sr_casts
+        row, _ = self._copies(role, x, signs, counter, record)
+        if not columnwise:
+            return row, None
+        stochastic = role == "grad_output" and not self.disable_stochastic_rounding
+        columns = []
+        for group, (start, end) in enumerate(bounds):
+            if start == end:
+                columns.append(None)
+                continue
+            key = mix_seed(self.seed, _rank(), counter if counter is not None else 0, group) if stochastic else None
+            columns.append(self._activation_copy(self._wgrad_form(x[start:end].t(), signs), key, _COLUMN))
+        return row, columns
+
+    def grouped_weight_operands(self, weight, dtype, states, record):
+        """Each expert (E, N, K) cast on its own: its own global scale (from its own amax) and 16x16 tiles (or 1x16
+        blocks) inside it, the rowwise copy for fprop and the copy of ``W_e.T`` for dgrad."""
+        operands = []
+        for expert in weight:
+            row, column = self._copies("weight", expert, None, None, record)
+            operands.append((row, column()))
+        return operands
+
+    # -- tensor and sequence parallelism ---------------------------------------------------------------------
+
+    def tensor_parallel_bind(self, operands, roles, group) -> None:
+        """The layer's one state records the group of each split operand (the weight included: the state then also
+        serves the weight's casts), whose casts take the global scale of the whole tensor: the amax agreed across
+        the group (one MAX all-reduce per copy). Blocks and 16x16 tiles lie inside a shard (set-up checks it)."""
+        state = operands.get("input")
+        if state is None:
+            return
+        for role in roles:
+            state.amax_groups.setdefault(role, group)
+        if "weight" in roles:
+            operands.setdefault("weight", state)
+
+    def _split_copies(self, role, x, columnwise, state, record):
+        """The copies of this rank's part ``x`` of a split operand: each copy's global scale from the amax of the
+        whole tensor (for the wgrad copies, of the whole transformed tensor), so that the codes and block scales are
+        those the unsplit tensor's cast gives its part. Stochastic rounding keys as :meth:`cast` does."""
+        group = state.amax_groups[role]
+        if role == "weight":
+            tile = self._weight_tile()
+            global_scale = global_scale_from_amax(agreed_amax(x, group))
+            row = _operand(quantize_nvfp4(x, global_scale, tile))
+            return row, (_operand(quantize_nvfp4(x.t(), global_scale, tile)) if columnwise else None)
+        key = None
+        if role == "grad_output" and not self.disable_stochastic_rounding:
+            key = mix_seed(self.seed, _rank(), state.sr_casts)
+            if record:
+                state.sr_casts.add_(1)
+        row = _agreed_copy(x, key, _ROW, group)
+        if not columnwise:
+            return row, None
+        return row, _agreed_copy(self._wgrad_form(x.t(), state.signs), key, _COLUMN, group)
+
+    def sequence_cast(self, x, dtype, state, record, group, columnwise=True):
+        """None: a sequence-parallel input is gathered in high precision and cast whole (each rank's wgrad copy
+        would pad its own tokens to 16-blocks and carry its own global scale, which the gathered copy cannot)."""
+        return None
+
     # -- FSDP2 ----------------------------------------------------------------------------------------------
 
-    def tensor_parallel_unsupported_reason(self, in_features, out_features, sharded, tp_size) -> str | None:
-        return ("NVFP4's tensor-level scale is not agreed across tensor-parallel ranks: keep this layer in another "
-                "recipe (layers={...}) or out of the tensor-parallel plan")
-
     def fsdp_unsupported_reason(self, rows: int, cols: int, world_size: int) -> str | None:
-        return "NVFP4 weights are all-gathered in high precision (the packed FP4 all-gather is not implemented yet)"
+        return nvfp4_shard_reason(rows, cols, world_size, self._weight_tile())
+
+    def fsdp_pack(self, shard, module, global_amax):
+        """This rank's rows as packed codes and E4M3 block scales, cast with the whole weight's global scale (from
+        the amax agreed across the shard group), which travels as metadata (:mod:`fp8_lightning.nvfp4_shards`)."""
+        return pack_nvfp4_shard(shard, global_amax(), self._weight_tile())
+
+    def fsdp_unpack(self, gathered, shard_rows, k, metadata):
+        return _operand(unpack_nvfp4_gathered(gathered, shard_rows, k, metadata, self._weight_tile()))
+
+    def fsdp_operands(self, gathered, scaling, metadata, record):
+        """dgrad's ``W.T``: the gathered 16x16 tiles transposed (the bits of casting ``W.T``), or with 1x16 blocks
+        re-cast along N from the gathered values (one more rounding, in dgrad only)."""
+        row = Quantized(gathered.data.contiguous(), gathered.scale.contiguous(), NVFP4)
+        if self.fp4_2d_weights:
+            return row, Quantized(*nvfp4_transposed_tiles(row.data, row.scale), NVFP4)
+        return row, _operand(nvfp4_recast_columns(dispatch.operand_f32(row), metadata))
+
+    def _weight_tile(self) -> int:
+        return NVFP4_BLOCK if self.fp4_2d_weights else 1
 
     # -- cost model -----------------------------------------------------------------------------------------
 

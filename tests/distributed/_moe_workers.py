@@ -46,13 +46,13 @@ def loader(rank: int | None) -> DataLoader:
     return DataLoader(TensorDataset(seq), batch_size=ROWS if rank is None else ROWS // 2)
 
 
-def fit(module, strategy, devices: int, rank: int | None):
+def fit(module, strategy, devices: int, rank: int | None, recipe: str = "delayed", layers: dict | None = None):
     import lightning.pytorch as pl
 
     from fp8_lightning import FP8Precision
 
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, plugins=[FP8Precision(recipe="delayed")],
+        accelerator="cpu", devices=devices, strategy=strategy, plugins=[FP8Precision(recipe=recipe, layers=layers)],
         max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False,
     )  # fmt: skip

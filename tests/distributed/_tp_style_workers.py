@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from fp8_lightning import convert_to_fp8, fp8_autocast
+from fp8_lightning import NVFP4BlockScaling, convert_to_fp8, fp8_autocast
 from fp8_lightning.convert import fp8_state_dict
 from fp8_lightning.distributed import FP8ColwiseParallel, FP8RowwiseParallel, PrepareFP8ModuleInput
 from fp8_lightning.distributed import sequence
@@ -97,7 +97,7 @@ def _errors(mesh) -> dict:
     errors = {}
     for label, build in (
         ("mxfp8_split_block", lambda: (nn.Sequential(nn.Linear(64, 96)), "mxfp8")),
-        ("nvfp4", lambda: (nn.Sequential(nn.Linear(64, 64)), "nvfp4")),
+        ("nvfp4", lambda: (nn.Sequential(nn.Linear(64, 48)), "nvfp4")),  # shards of 24 rows cut 16-blocks
     ):
         model, recipe = build()
         parallelize_module(model, mesh, {"0": FP8ColwiseParallel()})
@@ -136,10 +136,29 @@ def tp_worker(rank: int, world: int, port: int, out: dict) -> None:
             runs[name + "_bytes"] = counter.bytes
             runs[name + "_scales"] = fp8_state_dict(model)
         result[recipe] = runs
+    result["nvfp4"] = _nvfp4(mesh, rank, world, batches)
     result["short"] = _short_sequence(mesh, rank, world)
     result["mixer"] = _mixer(mesh, rank, world, batches[0])
     out[rank] = result
     dist.destroy_process_group()
+
+
+def _nvfp4(mesh, rank, world, batches) -> dict:
+    """NVFP4 split colwise and rowwise against one process: rounding to nearest and the full recipe (stochastic
+    rounding keyed by the rank); every layer in NVFP4 (no high-precision tail)."""
+    runs = {}
+    for label, recipe in (("rtn", NVFP4BlockScaling(disable_stochastic_rounding=True)), ("sr", NVFP4BlockScaling())):
+        torch.manual_seed(1)
+        base = MLP()
+        single = copy.deepcopy(base)
+        convert_to_fp8(single, recipe, layers={"last": 0})
+        runs[label] = {"single": _single(single, batches)}
+        model = copy.deepcopy(base)
+        parallelize_module(model, mesh, _plan(False))
+        convert_to_fp8(model, recipe, layers={"last": 0})
+        runs[label]["tp"] = _train(model, batches, rank, world, False)
+        runs[label]["scales"] = fp8_state_dict(model)
+    return runs
 
 
 def _evaluation_difference(base, single, mesh, recipe, x) -> float:

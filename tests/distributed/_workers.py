@@ -13,7 +13,8 @@ from fp8_lightning.testing import CollectiveCounter, end_worker, init_gloo
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WIDTH, HIDDEN, OUT = 64, 128, 32
-RECIPES = ("tensorwise", "delayed", "mxfp8", "rowwise")
+RECIPES = ("tensorwise", "delayed", "mxfp8", "rowwise", "nvfp4")
+NVFP4_1X16 = {"name": "nvfp4", "fp4_2d_weights": False}  # 1x16 weight blocks: row scales on the wire
 
 
 class Block(nn.Module):
@@ -37,6 +38,12 @@ class Net(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+def convert(model: nn.Module, recipe) -> None:
+    """FP8 conversion of every Linear (``last: 0`` turns NVFP4's default high-precision tail off; the other recipes
+    have none)."""
+    convert_to_fp8(model, recipe_from(recipe), layers={"last": 0})
 
 
 def batches(steps: int, rows: int = 64, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -81,7 +88,7 @@ def fsdp_run(
 
     torch.manual_seed(0)
     model = Net(bias=bias)
-    convert_to_fp8(model, recipe_from(recipe))
+    convert(model, recipe)
     report = enable_fp8_all_gather(model, world) if fp8_all_gather else None
     shard_model(model, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype))
     with CollectiveCounter() as counter:
@@ -101,7 +108,7 @@ def plain_fully_shard_run(recipe, rank: int, world: int, data) -> list[float]:
 
     torch.manual_seed(0)
     model = Net()
-    convert_to_fp8(model, recipe_from(recipe))
+    convert(model, recipe)
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
@@ -111,7 +118,7 @@ def plain_fully_shard_run(recipe, rank: int, world: int, data) -> list[float]:
 def single_run(recipe, data, momentum: float = 0.0) -> list[float]:
     torch.manual_seed(0)
     model = Net()
-    convert_to_fp8(model, recipe_from(recipe))
+    convert(model, recipe)
     return train_plain(model, data, 0, 1, momentum=momentum)
 
 
@@ -135,6 +142,7 @@ def parity_worker(rank: int, world: int, port: int, steps: int, out: dict) -> No
         "fp32": fsdp_run("tensorwise", rank, world, data[:1], False, bias=False)["allgather_bytes"],
         "bf16": fsdp_run("tensorwise", rank, world, data[:1], False, torch.bfloat16, bias=False)["allgather_bytes"],
         **{r: fsdp_run(r, rank, world, data[:1], True, bias=False)["allgather_bytes"] for r in RECIPES},
+        "nvfp4_1x16": fsdp_run(NVFP4_1X16, rank, world, data[:1], True, bias=False)["allgather_bytes"],
     }
     if rank == 0:
         out.update(results)

@@ -15,9 +15,14 @@ One spawn runs every case (process start-up dominates the cost). What each asser
 * Exactly one coalesced amax all-reduce per optimizer step for per-tensor weights, none for MXFP8 and rowwise.
 * Rowwise: each rank scales its own half batch per row (as one process would) and dgrad's column copy is
   re-quantized from the gathered FP8 weight: within 1e-3 of one process.
+* NVFP4 (16x16 weight tiles): every rank casts its whole tiles with the global scale of the agreed whole-weight
+  amax, so the gathered codes and scales are the unsharded cast's bits and the losses equal the high-precision
+  gather's exactly; versus one process within 5e-3 (each rank's activations get their own global scale and their
+  stochastic rounding is keyed by the rank; measured worst case 2.0e-3). One amax all-reduce per step.
 * Bytes this rank sends through all-gathers for one training step of a bias-free model (weights only):
   FP8 <= 0.52x bf16 and <= 0.26x fp32 (per-tensor: exactly 0.25x fp32; MX: 1 + 1/32 bytes per element; rowwise:
-  1 + 4/K).
+  1 + 4/K); NVFP4 between 0.25x and 0.26x bf16 with 16x16 tiles (half a byte of codes plus a tile scale per 256
+  elements), 0.28x with 1x16 blocks (plus a scale byte per 16 elements).
 """
 
 import pytest
@@ -37,7 +42,7 @@ def results():
     return dict(out)
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "nvfp4"])
 def test_fp8_all_gather_equals_high_precision_gather(results, recipe):
     assert results[recipe]["fp8"]["losses"] == pytest.approx(results[recipe]["hp"]["losses"], rel=1e-6)
 
@@ -49,7 +54,8 @@ def test_plain_fully_shard_sees_every_steps_weight(results, recipe):
     assert results[recipe]["plain_fully_shard"] == pytest.approx(results[recipe]["hp"]["losses"], rel=1e-6)
 
 
-@pytest.mark.parametrize("recipe,rel", [("tensorwise", 5e-3), ("delayed", 5e-3), ("mxfp8", 1e-5), ("rowwise", 1e-3)])
+@pytest.mark.parametrize("recipe,rel", [("tensorwise", 5e-3), ("delayed", 5e-3), ("mxfp8", 1e-5), ("rowwise", 1e-3),
+                                        ("nvfp4", 5e-3)])
 def test_losses_match_single_process(results, recipe, rel):
     fsdp, single = results[recipe]["fp8"]["losses"], results[recipe]["single"]
     assert len(fsdp) == STEPS
@@ -69,6 +75,21 @@ def test_one_amax_all_reduce_per_step(results):
     assert results["delayed"]["fp8"]["amax_reductions"] == STEPS
     assert results["mxfp8"]["fp8"]["amax_reductions"] == 0
     assert results["rowwise"]["fp8"]["amax_reductions"] == 0
+    assert results["nvfp4"]["fp8"]["amax_reductions"] == STEPS  # the global scale needs the whole weight's amax
+
+
+def test_nvfp4_gather_is_bit_exact(results):
+    """The packed codes, E4M3 tile scales and agreed global scale rebuild the unsharded cast bit for bit (both
+    GEMM operands of the weight), so every loss equals the high-precision gather's exactly."""
+    assert results["nvfp4"]["fp8"]["losses"] == results["nvfp4"]["hp"]["losses"]
+
+
+def test_nvfp4_all_gather_bytes(results):
+    """Half a byte per element of codes, plus one E4M3 byte per 16x16 tile (<= 1/64 byte per element here) or per
+    1x16 block (1/16 byte per element); never the 2 bytes of bf16."""
+    measured = results["bytes"]
+    assert 0.25 * measured["bf16"] < measured["nvfp4"] <= (0.25 + 1 / 128) * measured["bf16"]
+    assert measured["nvfp4_1x16"] == pytest.approx((0.5 + 1 / 16) / 2 * measured["bf16"], rel=1e-9)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -11,6 +11,9 @@ An MLP (colwise ``w1``, rowwise ``w2``) trains 3 SGD steps; one spawn runs every
   forward copy alone (same output, the weight gradient within FP8 rounding); a shard that holds no whole scale
   block (32 tokens per rank, blockwise's 128-token tiles) is gathered in high precision, with a warning;
 * all ranks end with identical scaling state;
+* NVFP4 splits too: each split operand's global scale comes from the amax agreed across the group, so rounding to
+  nearest the split layers compute the one-process casts (same losses, outputs and gradients to float32 summation
+  order); with stochastic rounding (keyed by the rank) the losses stay within 1%;
 * ``PrepareFP8ModuleInput`` gathers once for three consumers;
 * set-up refuses a shard that splits a scale block, a recipe that cannot be split, and a module of another type.
 """
@@ -97,6 +100,21 @@ def test_ranks_end_with_identical_scales(results, recipe):
         assert _flat(a).keys() == _flat(b).keys()
         for key, value in _flat(a).items():
             assert torch.equal(value, _flat(b)[key]), (run, key)
+
+
+def test_nvfp4_splits_with_agreed_global_scales(results):
+    rtn = results[0]["nvfp4"]["rtn"]
+    losses, (out, grads) = rtn["tp"]
+    single_losses, (single_out, single_grads) = rtn["single"]
+    assert losses == pytest.approx(single_losses, rel=1e-5)
+    torch.testing.assert_close(out, single_out, rtol=0, atol=1e-5 * single_out.abs().max().item())
+    for name, grad in single_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-4 * grad.abs().max().item(), msg=name)
+    sr = results[0]["nvfp4"]["sr"]
+    assert sr["tp"][0] == pytest.approx(sr["single"][0], rel=1e-2)
+    for label in ("rtn", "sr"):  # the signs and the stochastic-rounding counters agree
+        a, b = _flat(results[0]["nvfp4"][label]["scales"]), _flat(results[1]["nvfp4"][label]["scales"])
+        assert a.keys() == b.keys() and all(torch.equal(v, b[k]) for k, v in a.items())
 
 
 def test_prepare_fp8_module_input_gathers_once_for_every_consumer(results):
