@@ -239,6 +239,33 @@ class Recipe:
         """(fprop operand, columnwise operand or None) of a gathered weight, for the layer's ``scaling``."""
         raise NotImplementedError(f"{type(self).__name__} does not define fsdp_operands()")
 
+    # -- FSDP2 all-gather of fused expert weights (E, N, K), sharded by whole experts ----------------------
+
+    def fsdp_experts_unsupported_reason(self, experts: int, n: int, k: int, world_size: int) -> str | None:
+        """Why (E, N, K) expert weights sharded along E over ``world_size`` ranks cannot be gathered in FP8."""
+        if experts % world_size:
+            return (f"num_experts={experts} is not divisible by the shard world size {world_size}: a shard would cut "
+                    "an expert and its scales (use a number of experts that the data-parallel size divides)")
+        return self.fsdp_unsupported_reason(n, k, 1)
+
+    def fsdp_experts_pack(self, shard: torch.Tensor, scaling: Any, first: int, record: bool, global_amax: Any):
+        """(uint8 all-gather input, metadata) of this rank's experts ``shard`` (E_local, N, K), experts ``first`` on.
+        ``scaling``: the projection's grouped state; ``global_amax()``: every expert's weight amax (E,), agreed
+        across the shard group. By default each expert is packed as a whole linear weight, rows stacked."""
+        return torch.cat([self.fsdp_pack(w, None, None)[0] for w in shard]), None
+
+    def fsdp_experts_unpack(self, gathered: torch.Tensor, experts: int, n: int, k: int, metadata: Any):
+        """Each expert's fprop operand of W_e (N, K) from the gathered bytes (E * N rows) of all shards."""
+        return [self.fsdp_unpack(part, n, k, metadata) for part in gathered.split(n)]
+
+    def fsdp_experts_operands(self, gathered: list[Quantized], scaling: Any, metadata: Any, record: bool):
+        """What :meth:`grouped_weight_operands` returns, from the gathered operands: (W_e, W_e.T) per expert."""
+        pairs = []
+        for q in gathered:
+            row, column = self.fsdp_operands(q, None, metadata, record)
+            pairs.append((row, self.transposed(row, column)))
+        return pairs
+
     # -- cost model -----------------------------------------------------------------------------------------
 
     def cast_bytes_per_element(self) -> float:

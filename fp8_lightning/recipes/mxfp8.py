@@ -114,6 +114,16 @@ class MXFP8BlockScaling(Recipe):
         values = dispatch.operand_f32(row)
         return row, dispatch.fast_quantize_mx_columns(values, self.block_size, self.scale_rounding, row.data.dtype)
 
+    def fsdp_experts_operands(self, gathered, scaling, metadata, record):
+        """Stacked as :meth:`grouped_weight_operands` stacks them; W_e.T's blocks (along N) re-quantized from the
+        exactly dequantized gathered weights, as for a linear layer."""
+        experts, (n, k) = len(gathered), gathered[0].data.shape
+        rows = Quantized(torch.cat([q.data for q in gathered]), torch.cat([q.scale for q in gathered]), MX)
+        values = dispatch.operand_f32(rows).view(experts, n, k)
+        flipped = values.transpose(1, 2).reshape(experts * k, n)
+        columns = dispatch.fast_quantize_mx_operand(flipped, self.block_size, self.scale_rounding, rows.data.dtype)
+        return StackedWeights(rows, columns, experts)
+
     def cast_bytes_per_element(self) -> float:
         """Rowwise and columnwise copies each read bf16 and write codes and block scales."""
         return 2 * (2 + 1 + 1 / self.block_size)

@@ -200,6 +200,17 @@ class RowwiseScaling(FineGrainedRecipe):
         values = dequantize_rowwise(row.data, row.scale)
         return row, fine_operands(self, "weight", values, row.data.dtype, columnwise=True)[1]
 
+    def fsdp_experts_operands(self, gathered, scaling, metadata, record):
+        """Stacked as :meth:`grouped_weight_operands` stacks them (a grouped kernel reads the stacked casts), W_e.T's
+        rows re-quantized from the exactly dequantized gathered weights, as for a linear layer."""
+        if self.high_precision_wgrad:
+            return super().fsdp_experts_operands(gathered, scaling, metadata, record)
+        experts, (n, k) = len(gathered), gathered[0].data.shape
+        rows = Quantized(torch.cat([q.data for q in gathered]), torch.cat([q.scale for q in gathered]), ROW)
+        values = dequantize_rowwise(rows.data, rows.scale).view(experts, n, k)
+        flipped = values.transpose(1, 2).reshape(experts * k, n)
+        return StackedWeights(rows, self.cast("weight", flipped, rows.data.dtype, False, True, None, record)[0], experts)
+
     # -- cost model -----------------------------------------------------------------------------------------
 
     def fp8_gemms(self) -> int:
