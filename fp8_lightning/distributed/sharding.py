@@ -99,7 +99,7 @@ def enable_fp8_all_gather(model: nn.Module, world_size: int) -> AllGatherReport:
         for projection, stored_kn in experts.fp8_weights.items():
             where, weight = f"{name}.{projection}", getattr(experts, projection)
             reason = _experts_refusal(weight, stored_kn, world_size, experts, uses)
-            if reason is None and not isinstance(weight, FP8ShardedExperts):
+            if reason is None and not isinstance(weight, (DTensor, FP8ShardedExperts)):  # not yet wrapped
                 wrapped = FP8ShardedExperts(weight.detach(), sync, projection)
                 setattr(experts, projection, nn.Parameter(wrapped, requires_grad=weight.requires_grad))
             if reason is None:
