@@ -25,13 +25,11 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fp8_lightning.distributed.weight import FP8ShardedWeight
+from fp8_lightning.distributed.weight import FP8ShardedWeight, aten
 from fp8_lightning.ops.dispatch import dequantize_operand
 from fp8_lightning.privates import local_shard
 from fp8_lightning.recipes import Recipe
 from fp8_lightning.scaling import records_amax
-
-aten = torch.ops.aten
 
 # Ops through which a gathered expert weight stays FP8 (FSDP2 re-views it; the forward transposes it).
 _KEEP_GATHERED = {aten.detach.default, aten.alias.default, aten.view.default, aten.as_strided.default,
@@ -141,7 +139,8 @@ class FP8GatheredExperts(torch.Tensor):
         self._stored_shape, self._stored_kn, self._flipped = tuple(stored_shape), stored_kn, flipped
 
     def __repr__(self) -> str:
-        return f"FP8GatheredExperts(shape={tuple(self.shape)}, recipe={type(self._recipe).__name__}, dtype={self.dtype})"
+        recipe = type(self._recipe).__name__
+        return f"FP8GatheredExperts(shape={tuple(self.shape)}, recipe={recipe}, dtype={self.dtype})"
 
     def _view(self, flipped: bool) -> "FP8GatheredExperts":
         return FP8GatheredExperts(self._q, self._buffer, self._recipe, self._meta, self.dtype, self._stored_shape,

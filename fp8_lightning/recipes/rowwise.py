@@ -209,7 +209,8 @@ class RowwiseScaling(FineGrainedRecipe):
         rows = Quantized(torch.cat([q.data for q in gathered]), torch.cat([q.scale for q in gathered]), ROW)
         values = dequantize_rowwise(rows.data, rows.scale).view(experts, n, k)
         flipped = values.transpose(1, 2).reshape(experts * k, n)
-        return StackedWeights(rows, self.cast("weight", flipped, rows.data.dtype, False, True, None, record)[0], experts)
+        columns = self.cast("weight", flipped, rows.data.dtype, False, True, None, record)[0]
+        return StackedWeights(rows, columns, experts)
 
     # -- cost model -----------------------------------------------------------------------------------------
 
