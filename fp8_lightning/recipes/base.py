@@ -165,6 +165,15 @@ class Recipe:
         are emulated from the operands' exact values."""
         return None
 
+    def grouped_columns_from_rows(self) -> bool:
+        """Whether each group's ``x[start:end].T`` operand is a view of the rowwise cast of ``x`` (one scale for the
+        whole tensor): the traced grouped step then multiplies the rowwise values in wgrad too."""
+        return False
+
+    def traced_grouped_unsupported_reason(self) -> str | None:
+        """Why this recipe's experts cannot be traced into one graph by ``torch.compile`` (None: they can)."""
+        return None
+
     def grouped_gemm_route(self, capability: Capability, cuda: CudaVersion, has_grouped_api: bool) -> GemmRoute:
         """Which GEMM serves this recipe's grouped (expert) GEMMs on a CUDA device of ``capability`` with ``cuda``;
         ``has_grouped_api``: whether torch has ``torch._scaled_grouped_mm``. By default they are emulated in

@@ -86,6 +86,9 @@ class PerTensorRecipe(Recipe):
         return row, [None if start == end else Quantized(row.data[start:end].t(), row.scale, TENSOR)
                      for start, end in bounds]
 
+    def grouped_columns_from_rows(self) -> bool:
+        return True
+
     def traced_plan(self, device: torch.device, out_dtype: torch.dtype, emulate: bool) -> TracedPlan:
         return plan_for(self, device, out_dtype, emulate, scaled_mm=per_tensor_scaled_mm(device, emulate))
 
