@@ -1,0 +1,129 @@
+"""``torch.compile(experts, fullgraph=True)`` with every recipe: one graph, never recompiled, the eager bits.
+
+The FP8 experts trace into the graph (:mod:`fp8_lightning.grouped.traced`): the groups enter it as the device tensor
+``offs``, never read by the graph on the host, so a step whose tokens are routed differently runs the same graph.
+The counters prove one frame is compiled for ``STEPS`` training steps whose routing changes every step (an empty
+expert, a full one), with no graph break, and the losses, the input and weight gradients and the scaling state
+(delayed scaling's amax histories and scales) equal an eager run bit for bit under ``aot_eager`` (the same ops).
+NVFP4 cannot be traced and ``fullgraph=True`` says why.
+"""
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
+
+from fp8_lightning import (
+    BlockwiseScaling,
+    DelayedScaling,
+    MXFP8BlockScaling,
+    RowwiseScaling,
+    TensorwiseScaling,
+    convert_to_fp8,
+    fp8_autocast,
+    sync_scales,
+)
+from fp8_lightning.grouped.experts import GroupedExperts
+
+RECIPES = [
+    DelayedScaling(), TensorwiseScaling(), MXFP8BlockScaling(), RowwiseScaling(),
+    RowwiseScaling(high_precision_wgrad=True), BlockwiseScaling(),
+]
+STEPS = 4
+ROUTES = [(3, 3, 10, 24), (0, 8, 8, 24), (24, 24, 24, 24), (5, 12, 20, 24)]  # cumulative ends of 4 experts' groups
+
+
+def _id(recipe) -> str:
+    return recipe.name + ("_hp_wgrad" if getattr(recipe, "high_precision_wgrad", False) else "")
+
+
+def _state(module) -> list[torch.Tensor]:
+    out = []
+    for _, scaling in module.fp8_scalings():
+        for operand in scaling.operands.values():
+            out += [v for v in operand.state_dict().values() if torch.is_tensor(v)]
+    return out
+
+
+def _train(recipe, backend: str | None):
+    """Losses, gradients of the inputs and weights, compiled frames after each step, graph breaks, final state."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    experts = GroupedExperts(dim=32, hidden_dim=64, num_experts=4)
+    convert_to_fp8(experts, recipe)
+    optimizer = torch.optim.SGD(experts.parameters(), lr=0.1)
+    counter = CompileCounterWithBackend(backend) if backend else None
+    forward = torch.compile(experts, backend=counter, fullgraph=True) if counter else experts
+    g = torch.Generator().manual_seed(1)
+    losses, grads, frames = [], [], []
+    for step in range(STEPS):
+        x = torch.randn(24, 32, generator=g, requires_grad=True)
+        with fp8_autocast():
+            y = forward(x, torch.tensor(ROUTES[step], dtype=torch.int32))
+        loss = (y.float() ** 2).mean()
+        loss.backward()
+        losses.append(loss.item())
+        grads += [x.grad.clone()] + [p.grad.clone() for p in experts.parameters()]
+        optimizer.step()
+        optimizer.zero_grad()
+        sync_scales(experts)
+        frames.append(counter.frame_count if counter else 0)
+    return losses, grads, frames, sum(counters["graph_break"].values()), _state(experts)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=_id)
+def test_fullgraph_compiles_one_graph_once_and_matches_eager_bit_for_bit(recipe):
+    eager_losses, eager_grads, _, _, eager_state = _train(recipe, backend=None)
+    losses, grads, frames, breaks, state = _train(recipe, backend="aot_eager")
+    assert frames == [1] * STEPS, f"compiled frames after each step: {frames}"
+    assert breaks == 0
+    assert losses == eager_losses
+    assert all(torch.equal(a, b) for a, b in zip(grads, eager_grads))
+    assert len(state) == len(eager_state) and all(torch.equal(a, b) for a, b in zip(state, eager_state))
+    assert losses[-1] < losses[0]
+
+
+def test_delayed_state_moves_in_the_compiled_step():
+    *_, first = _train(DelayedScaling(amax_history_len=4), backend="aot_eager")
+    histories = [t for t in first if t.shape == (4,)]
+    assert histories and all((h[:STEPS - 1] > 0).all() for h in histories)
+
+
+@pytest.mark.parametrize("recipe", [TensorwiseScaling(), MXFP8BlockScaling()], ids=_id)
+def test_transformers_experts_compile_into_one_graph(recipe):
+    """transformers' fused experts (routing, biases-free Qwen3-MoE) called as the decoder layer calls them."""
+    pytest.importorskip("transformers", reason="needs transformers (dev extras)")
+    from tests.helpers.moe import tiny_moe
+
+    outputs = []
+    for backend in (None, "aot_eager"):
+        torch._dynamo.reset()
+        counters.clear()
+        model = tiny_moe("qwen3_moe")
+        convert_to_fp8(model, recipe)
+        experts = model.model.layers[0].mlp.experts
+        counter = CompileCounterWithBackend(backend) if backend else None
+        run = torch.compile(experts, backend=counter, fullgraph=True) if counter else experts
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(20, 64, generator=g, requires_grad=True)
+        index, weights = torch.randint(0, 8, (20, 2), generator=g), torch.rand(20, 2, generator=g)
+        with fp8_autocast():
+            y = run(x, index, weights)
+        y.square().sum().backward()
+        outputs.append((y.detach(), x.grad, experts.down_proj.grad))
+        if counter:
+            assert counter.frame_count == 1 and sum(counters["graph_break"].values()) == 0
+    assert all(torch.equal(a, b) for a, b in zip(*outputs))
+
+
+def test_nvfp4_experts_refuse_fullgraph_with_the_reason():
+    from fp8_lightning.recipes import NVFP4BlockScaling
+
+    experts = GroupedExperts(dim=32, hidden_dim=64, num_experts=4)
+    convert_to_fp8(experts, NVFP4BlockScaling())
+    torch._dynamo.reset()
+    x, offs = torch.randn(24, 32), torch.tensor(ROUTES[0], dtype=torch.int32)
+    with pytest.raises(Exception, match="NVFP4 experts: each group's weight-gradient cast draws"):
+        with fp8_autocast():
+            torch.compile(experts, backend="aot_eager", fullgraph=True)(x, offs)
