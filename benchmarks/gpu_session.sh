@@ -12,7 +12,8 @@
 #   bash benchmarks/gpu_session.sh grouped  # native grouped FP8 (rowwise) vs the CPU emulation, then MoE grouped GEMM
 #                                           # fwd+bwd (rowwise FP8 vs bf16 torch._grouped_mm, with profiles) at
 #                                           # DeepSeek-V3 and Qwen3-30B-A3B expert shapes with token skew, and the
-#                                           # weight cache's host time with accumulation (~4 minutes on an H200)
+#                                           # weight cache's host time with accumulation (~4 minutes on an H200),
+#                                           # and the FP8 experts compiled fullgraph on CUDA vs eager
 #   bash benchmarks/gpu_session.sh dry-run  # on any machine: list each call's steps, install the wheels offline
 #
 # Everything a call writes lands in one archive, $OUT/gpu-<mode>.tar.gz (OUT defaults to ./gpu-results), holding one
@@ -96,6 +97,8 @@ case "$mode" in
     STEP_TIMEOUT=60 step pytest_grouped "$python" -m pytest -q -p no:cacheprovider -m gpu \
       tests/core/test_grouped_native.py tests/core/test_grouped_mm.py tests/kernels/test_grouped_cast.py \
       tests/core/test_weight_cache.py
+    STEP_TIMEOUT=120 step pytest_experts_compile "$python" -m pytest -q -p no:cacheprovider -m gpu \
+      tests/perf/test_compile_experts.py
     STEP_TIMEOUT=120 step grouped "$python" -m benchmarks grouped --suite gpu --recipes rowwise --baselines \
       --rounds 3 --profile --out "$work/perf-grouped-gpu"
     STEP_TIMEOUT=40 step host_time_accumulate "$python" -m benchmarks host-time --device cuda --modes eager \
