@@ -12,8 +12,9 @@
 #   bash benchmarks/gpu_session.sh grouped  # native grouped FP8 (rowwise) vs the CPU emulation, then MoE grouped GEMM
 #                                           # fwd+bwd (rowwise FP8 vs bf16 torch._grouped_mm, with profiles) at
 #                                           # DeepSeek-V3 and Qwen3-30B-A3B expert shapes with token skew, and the
-#                                           # weight cache's host time with accumulation (~4 minutes on an H200),
-#                                           # and the FP8 experts compiled fullgraph on CUDA vs eager
+#                                           # weight cache's host time with accumulation (~4 minutes on an H200)
+#   bash benchmarks/gpu_session.sh experts  # the FP8 experts compiled fullgraph on CUDA vs eager, and the experts'
+#                                           # FP8 all-gather under FSDP2 on NCCL vs a high-precision gather
 #   bash benchmarks/gpu_session.sh dry-run  # on any machine: list each call's steps, install the wheels offline
 #
 # Everything a call writes lands in one archive, $OUT/gpu-<mode>.tar.gz (OUT defaults to ./gpu-results), holding one
@@ -39,7 +40,7 @@ install_wheels() {  # the wheels in wheels/, offline, into $site (on PYTHONPATH 
 }
 
 if [ "$mode" = dry-run ]; then
-  for call in checks linear llama gpt stack grouped lease; do
+  for call in checks linear llama gpt stack grouped experts lease; do
     echo "== call '$call' runs:"
     sed -n "/^  $call)/,/;;/p" "$0" | grep -o 'step [a-z_]* .*' | sed 's/^step /   /'
   done
@@ -97,12 +98,15 @@ case "$mode" in
     STEP_TIMEOUT=60 step pytest_grouped "$python" -m pytest -q -p no:cacheprovider -m gpu \
       tests/core/test_grouped_native.py tests/core/test_grouped_mm.py tests/kernels/test_grouped_cast.py \
       tests/core/test_weight_cache.py
-    STEP_TIMEOUT=120 step pytest_experts_compile "$python" -m pytest -q -p no:cacheprovider -m gpu \
-      tests/perf/test_compile_experts.py
     STEP_TIMEOUT=120 step grouped "$python" -m benchmarks grouped --suite gpu --recipes rowwise --baselines \
       --rounds 3 --profile --out "$work/perf-grouped-gpu"
     STEP_TIMEOUT=40 step host_time_accumulate "$python" -m benchmarks host-time --device cuda --modes eager \
       --rounds 100 --accumulate 4 --checksum-off-rows --out "$work/host_time_accumulate.md"
+    ;;
+  experts)  # the FP8 experts compiled fullgraph on CUDA vs eager; their FP8 all-gather under FSDP2 on NCCL
+    STEP_TIMEOUT=150 step pytest_experts_compile "$python" -m pytest -q -p no:cacheprovider -m gpu \
+      tests/perf/test_compile_experts.py
+    STEP_TIMEOUT=90 step fsdp_experts "$python" -m benchmarks fsdp-experts-gpu-check
     ;;
   lease)  # everything that fits one call: each step capped so the whole call ends inside ~9 minutes
     STEP_TIMEOUT=140 step gpu_check "$python" -m benchmarks gpu-check
@@ -116,7 +120,7 @@ case "$mode" in
       --out "$work/perf-linear-gpu-compiled"
     ;;
   *)
-    echo "usage: bash benchmarks/gpu_session.sh checks|linear|llama|gpt|stack|grouped|lease|dry-run (got '$mode')" >&2
+    echo "usage: bash benchmarks/gpu_session.sh checks|linear|llama|gpt|stack|grouped|experts|lease|dry-run (got '$mode')" >&2
     exit 2
     ;;
 esac
