@@ -93,9 +93,27 @@ def transformers_run(recipe, rank: int, world: int, fp8_all_gather: bool) -> dic
     return _fsdp(tiny_moe("gpt_oss"), recipe, world, fp8_all_gather, batches, rank, _lm_loss)
 
 
+def full_state_dict_check(world: int) -> bool:
+    """The full state dict of a model whose expert weights gather in FP8 holds plain tensors equal to its weights."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from fp8_lightning.distributed import enable_fp8_all_gather, shard_model
+
+    torch.manual_seed(0)
+    model = ExpertsNet()
+    plain = {k: v.clone() for k, v in model.state_dict().items()}
+    convert_to_fp8(model, recipe_from("tensorwise"))
+    enable_fp8_all_gather(model, world)
+    shard_model(model)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return sorted(full) == sorted(plain) and all(
+        type(v) is torch.Tensor and torch.equal(v, plain[k]) for k, v in full.items()
+    )
+
+
 def experts_gather_worker(rank: int, world: int, port: int, out: dict) -> None:
     init_gloo(rank, world, port)
-    results = {}
+    results = {"full_state_dict": full_state_dict_check(world)}
     for recipe in RECIPES:
         results[recipe] = {
             "fp8": experts_net_run(recipe, rank, world, True),

@@ -99,3 +99,7 @@ def test_transposed_transformers_experts_gather_in_fp8(results, recipe):
     assert run["losses"] == pytest.approx(hp["losses"], rel=TOLERANCE[recipe])
     assert run["allgather_bytes"] < hp["allgather_bytes"]
 
+
+
+def test_the_full_state_dict_holds_the_plain_expert_weights(results):
+    assert results["full_state_dict"]
