@@ -10,9 +10,12 @@ Recipe/Quantizer split:
 * the GEMM and the statistics: :attr:`Recipe.operand_kind`, whose behaviour (its GEMM, float32 form,
   dequantization and scale statistics, :class:`~fp8_lightning.quantize.OperandKind`) the recipe's module implements;
 * FSDP2: :meth:`Recipe.fsdp_unsupported_reason`, :meth:`Recipe.fsdp_pack`, :meth:`Recipe.fsdp_unpack`,
-  :meth:`Recipe.fsdp_operands`, :attr:`Recipe.global_weight_amax`;
+  :meth:`Recipe.fsdp_operands`, :attr:`Recipe.global_weight_amax`, and for fused expert weights
+  :meth:`Recipe.fsdp_experts_unsupported_reason`, :meth:`Recipe.fsdp_experts_pack`,
+  :meth:`Recipe.fsdp_experts_unpack`, :meth:`Recipe.fsdp_experts_operands`;
 * grouped GEMMs of mixtures of experts: :meth:`Recipe.grouped_operands`, :meth:`Recipe.grouped_weight_operands`,
-  :meth:`Recipe.grouped_native`, :meth:`Recipe.grouped_gemm_route`;
+  :meth:`Recipe.grouped_native`, :meth:`Recipe.grouped_gemm_route`, and under compile
+  :meth:`Recipe.grouped_columns_from_rows`, :meth:`Recipe.traced_grouped_unsupported_reason`;
 * tensor and sequence parallelism: :meth:`Recipe.tensor_parallel_unsupported_reason`, :meth:`Recipe.sequence_cast`,
   :meth:`Recipe.sequence_gather`;
 * the cost model: :meth:`Recipe.cast_bytes_per_element`, :meth:`Recipe.fp8_gemms`.
