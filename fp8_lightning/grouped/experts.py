@@ -17,6 +17,7 @@ import collections
 import contextlib
 import math
 import sys
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -47,9 +48,18 @@ _high_precision_island = torch.compiler.disable(high_precision_grouped_mm, reaso
                                                 "high precision (the compiler's grouped GEMM takes bf16 only)")
 
 
-def fp8_grouped_island(reason: str):
-    """``fp8_grouped_mm`` run eagerly between graphs under torch.compile; ``reason`` is what fullgraph=True reports."""
-    return torch.compiler.disable(fp8_grouped_mm, reason=f"FP8 experts run between graphs: {reason}")
+_ISLANDS: dict[str, Callable] = {}  # reason -> fp8_grouped_mm disabled for the compiler with that reason
+
+
+def fp8_grouped_island(reason: str) -> Callable:
+    """``fp8_grouped_mm`` run eagerly between graphs under torch.compile; ``reason`` is what fullgraph=True reports.
+    Made once per reason, outside any trace (kept here, not on the modules, which stay picklable)."""
+    if reason not in _ISLANDS:
+        _ISLANDS[reason] = torch.compiler.disable(fp8_grouped_mm, reason=f"FP8 experts run between graphs: {reason}")
+    return _ISLANDS[reason]
+
+
+_OBSERVED_ISLAND = fp8_grouped_island("an observer watches each cast, or the weights arrive gathered in FP8")
 
 
 class GroupedExperts(nn.Module):
@@ -113,9 +123,9 @@ class ExpertsScaling:
         self.recipe = recipe
         self.parts = {name: GroupedScaling(recipe, experts) for name, experts in projections.items()}
         reason = recipe.traced_grouped_unsupported_reason()
-        self.untraced = None if reason is None else fp8_grouped_island(reason)  # made here, outside any trace
+        if reason is not None:
+            fp8_grouped_island(reason)  # made here, outside any trace
         self.key = recipe_key(recipe)  # the recipe as the traced step's ops take it
-        self.island = fp8_grouped_island("an observer watches each cast, or the weights arrive gathered in FP8")
 
     @property
     def operands(self) -> dict:
@@ -215,11 +225,11 @@ class FP8ExpertsMixin:
         if record and not compiling and not gathered and scaling.step_boundary_passed(weight) and scaling.booked:
             scaling.update()  # no one advanced the scales after the optimizer step: advance locally
         with torch.autocast(device_type, enabled=False) if autocasting else contextlib.nullcontext():
-            run = fp8_grouped_mm
-            if compiling and experts_scaling.untraced is not None:
-                run = experts_scaling.untraced
+            run, untraced = fp8_grouped_mm, recipe.traced_grouped_unsupported_reason() if compiling else None
+            if untraced is not None:
+                run = fp8_grouped_island(untraced)
             elif compiling and (observer is not None or gathered):
-                run = experts_scaling.island
+                run = _OBSERVED_ISLAND
             elif compiling:
                 check_grouped_shapes(x, b, recipe)
                 return traced_grouped_mm(x.to(weight.dtype), b, offs, scaling, out_dtype, record, experts_scaling.key)

@@ -111,6 +111,21 @@ def test_on_cuda_fullgraph_compiles_one_graph_with_the_eager_bits(recipe):
     assert all(torch.equal(a, b) for a, b in zip(state, eager_state))
 
 
+def test_compiled_experts_still_pickle():
+    import io
+
+    experts = GroupedExperts(dim=32, hidden_dim=64, num_experts=4)
+    convert_to_fp8(experts, DelayedScaling())
+    torch._dynamo.reset()
+    with fp8_autocast():
+        torch.compile(experts, backend="aot_eager", fullgraph=True)(torch.randn(24, 32), torch.tensor(ROUTES[0]).int())
+    buffer = io.BytesIO()
+    torch.save(experts, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert torch.equal(loaded.w1, experts.w1) and type(loaded) is type(experts)
+
+
 def test_delayed_state_moves_in_the_compiled_step():
     *_, first = _train(DelayedScaling(amax_history_len=4), backend="aot_eager")
     histories = [t for t in first if t.shape == (4,)]
