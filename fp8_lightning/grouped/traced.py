@@ -11,11 +11,12 @@ pick each group's rows); here the graph never does:
   GEMM of the operands' exact values, the eager emulated GEMM), ``operand_values`` (an operand's float32 values)
   and ``grouped_column_values`` (each group's ``x.T`` operand quantized along that group's tokens, as (M, K)
   values, for the weight gradient). Per-tensor recipes need no per-group cast: each group's ``x.T`` is a view of
-  the rowwise codes (:meth:`~fp8_lightning.recipes.base.Recipe.grouped_columns_from_rows`).
+  the rowwise codes (:meth:`~fp8_lightning.recipes.base.Recipe.grouped_columns_from_rows`); MXFP8 and blockwise make
+  the per-group copies on the device (:meth:`~fp8_lightning.recipes.base.Recipe.traced_grouped_columns`).
 
 What the graph does not see is host work inside an op: on the CPU none (``torch._grouped_mm`` takes ``offs`` on
-the device); the per-group column casts of rowwise, blockwise and MXFP8 and the grouped products on CUDA read the
-group bounds inside their op, one host wait per op, as the eager path does. The traced path emulates the grouped
+the device); rowwise's per-group column casts and the grouped products on CUDA read the group bounds inside their
+op, one host wait per op, as the eager path does. The traced path emulates the grouped
 GEMMs (float32 products of the FP8 values), the eager path's CPU route; it saves float32 values for backward.
 """
 
@@ -97,7 +98,11 @@ def _columns(plan: TracedPlan, key: str, x: torch.Tensor, offs: torch.Tensor, ro
     recipe as :func:`recipe_key` gives it."""
     if plan.recipe.grouped_columns_from_rows():
         return rows
-    return grouped_column_values(x, offs, key, role, dtype)
+    made = plan.recipe.traced_grouped_columns(x, offs, dtype, role)
+    if made is None:
+        return grouped_column_values(x, offs, key, role, dtype)
+    operand, index = made
+    return operand_values(operand.data, operand.scale, operand.kind).t()[index]  # back to x's rows
 
 
 def recipe_key(recipe: Recipe) -> str:

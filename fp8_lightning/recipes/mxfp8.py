@@ -16,7 +16,7 @@ from fp8_lightning.ops import dispatch
 from fp8_lightning.formats import NATIVE_MX_MIN_CAPABILITY, NATIVE_MX_MIN_CUDA, Format, fp8_dtype
 from fp8_lightning.gemm_routes import GemmRoute, arch_name, cuda_name, native, triton_mx
 from fp8_lightning.gemm import mx_mm
-from fp8_lightning.groups import StackedWeights
+from fp8_lightning.groups import StackedWeights, padded_rows
 from fp8_lightning.ops.layer import mx_operand_cast
 from fp8_lightning.mx import E8M0_DTYPE, e8m0_to_float
 from fp8_lightning.quantize import MX, Quantized
@@ -81,6 +81,14 @@ class MXFP8BlockScaling(Recipe):
             weight.transpose(1, 2).reshape(experts * k, n), self.block_size, self.scale_rounding, dtype
         )
         return StackedWeights(rows, columns, experts)
+
+    def traced_grouped_columns(self, x, offs, dtype, role):
+        """Each group's tokens padded with zeros to whole blocks of 32 and the padded tensor's transpose cast along
+        the tokens: the blocks of casting each group on its own."""
+        index, length = padded_rows(offs, x.shape[0], self.block_size)
+        padded = x.new_zeros(length, x.shape[1]).index_copy(0, index, x)
+        data, scale, _, _ = mx_operand_cast(padded.t(), self.block_size, self.scale_rounding, dtype, False)
+        return Quantized(data, scale, MX), index
 
     # -- tensor and sequence parallelism ---------------------------------------------------------------------
 

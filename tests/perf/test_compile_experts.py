@@ -111,6 +111,20 @@ def test_on_cuda_fullgraph_compiles_one_graph_with_the_eager_bits(recipe):
     assert all(torch.equal(a, b) for a, b in zip(state, eager_state))
 
 
+@pytest.mark.parametrize("route", ROUTES + [(0, 0, 0, 24), (1, 2, 3, 24)])
+def test_padded_rows_places_each_group_on_whole_blocks(route):
+    """The device-side layout of the traced MX and blockwise wgrad casts, against a host loop over the groups."""
+    from fp8_lightning.groups import padded_rows
+
+    index, length = padded_rows(torch.tensor(route, dtype=torch.int32), 24, 8)
+    expected, start, out = [], 0, 0
+    for end in route:
+        expected += list(range(out, out + end - start))
+        out += max(-(-(end - start) // 8), 1) * 8  # whole blocks; an empty group takes one
+        start = end
+    assert index.tolist() == expected and length == 24 + 4 * 8 >= out
+
+
 def test_compiled_experts_still_pickle():
     import io
 
