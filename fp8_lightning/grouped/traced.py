@@ -11,12 +11,13 @@ pick each group's rows); here the graph never does:
   GEMM of the operands' exact values, the eager emulated GEMM), ``operand_values`` (an operand's float32 values)
   and ``grouped_column_values`` (each group's ``x.T`` operand quantized along that group's tokens, as (M, K)
   values, for the weight gradient). Per-tensor recipes need no per-group cast: each group's ``x.T`` is a view of
-  the rowwise codes (:meth:`~fp8_lightning.recipes.base.Recipe.grouped_columns_from_rows`); MXFP8 and blockwise make
-  the per-group copies on the device (:meth:`~fp8_lightning.recipes.base.Recipe.traced_grouped_columns`).
+  the rowwise codes (:meth:`~fp8_lightning.recipes.base.Recipe.grouped_columns_from_rows`); rowwise, MXFP8 and
+  blockwise make the per-group copies on the device (:meth:`~fp8_lightning.recipes.base.Recipe.
+  traced_grouped_columns`); ``grouped_column_values`` serves a recipe that does not.
 
 What the graph does not see is host work inside an op: on the CPU none (``torch._grouped_mm`` takes ``offs`` on
-the device); rowwise's per-group column casts and the grouped products on CUDA read the group bounds inside their
-op, one host wait per op, as the eager path does. The traced path emulates the grouped
+the device); the grouped products on CUDA read the group bounds inside their op, one host wait per op, as the
+eager path does. The traced path emulates the grouped
 GEMMs (float32 products of the FP8 values), the eager path's CPU route; it saves float32 values for backward.
 """
 
@@ -28,8 +29,8 @@ import torch
 
 from fp8_lightning.grouped.gemm import GroupedScaling, grouped_product
 from fp8_lightning.ops.dispatch import dequantize_operand
+from fp8_lightning.ops.layer import operand_values
 from fp8_lightning.ops.registry import hot_op
-from fp8_lightning.quantize import Quantized
 from fp8_lightning.recipes import Recipe, recipe_from
 from fp8_lightning.traced import TracedPlan, make_plan
 
@@ -56,16 +57,6 @@ def grouped_values_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> t
     reduced over each group's tokens (E, K, N). The CPU takes ``offs`` on the device; elsewhere the bounds are read
     here."""
     return grouped_product(a, b, offs, [] if a.is_cpu else _host_bounds(offs))
-
-
-def _operand_values_fake(data, scale, kind):
-    return data.new_empty(data.shape, dtype=torch.float32)
-
-
-@hot_op("operand_values", fake=_operand_values_fake)
-def operand_values(data: torch.Tensor, scale: torch.Tensor, kind: str) -> torch.Tensor:
-    """The float32 values of an operand (codes times scales), as the eager path multiplies them."""
-    return dequantize_operand(Quantized(data, scale, kind), torch.float32).contiguous()
 
 
 def _column_values_fake(x, offs, recipe, role, dtype):
@@ -99,10 +90,7 @@ def _columns(plan: TracedPlan, key: str, x: torch.Tensor, offs: torch.Tensor, ro
     if plan.recipe.grouped_columns_from_rows():
         return rows
     made = plan.recipe.traced_grouped_columns(x, offs, dtype, role)
-    if made is None:
-        return grouped_column_values(x, offs, key, role, dtype)
-    operand, index = made
-    return operand_values(operand.data, operand.scale, operand.kind).t()[index]  # back to x's rows
+    return grouped_column_values(x, offs, key, role, dtype) if made is None else made
 
 
 def recipe_key(recipe: Recipe) -> str:
@@ -177,5 +165,4 @@ def traced_grouped_mm(
     )
 
 
-__all__ = ["TracedGroupedFunction", "grouped_column_values", "grouped_values_mm", "operand_values", "recipe_key",
-           "traced_grouped_mm"]  # fmt: skip
+__all__ = ["TracedGroupedFunction", "grouped_column_values", "grouped_values_mm", "recipe_key", "traced_grouped_mm"]

@@ -5,6 +5,8 @@
         MXFP8 rowwise and (optionally) columnwise copies of a 2-D tensor from one read
     torch.ops.fp8_lightning.fine_tile_cast(x, dtype, tile_rows, tile_cols, power_of_2, eps) -> (data, scale)
         one rowwise or blockwise copy of a 2-D tensor
+    torch.ops.fp8_lightning.operand_values(data, scale, kind) -> float32 values
+        an operand's codes times its scales
     torch.ops.fp8_lightning.scaled_gemm(a, a_scale, b, b_scale, bias, kind, out_dtype, emulate, fast_accum) -> out
         ``a @ b.T (+ bias)`` for FP8 operands with K last (the CPU float GEMM, MX GEMMs)
 
@@ -30,7 +32,7 @@ import torch
 from fp8_lightning.fine_grained import reference_fine_cast, tile_kind
 from fp8_lightning.gemm import fp8_mm
 from fp8_lightning.mx import E8M0_DTYPE
-from fp8_lightning.ops.dispatch import fast_quantize_mx_operands, fine_caster
+from fp8_lightning.ops.dispatch import dequantize_operand, fast_quantize_mx_operands, fine_caster
 from fp8_lightning.ops.registry import hot_op
 from fp8_lightning.quantize import Quantized, is_transposed_2d
 
@@ -120,6 +122,21 @@ def traced_tile_cast(
     data, scale = fine_tile_cast(x, dtype, tile[0], tile[1], power_of_2, eps)
     kind = tile_kind(tile)
     return Quantized(data, scale, kind), (Quantized(data.t(), scale.t(), kind) if transpose else None)
+
+
+# --------------------------------------------------------------------------------------------------------
+# An operand's values
+# --------------------------------------------------------------------------------------------------------
+
+
+def _operand_values_fake(data, scale, kind):
+    return data.new_empty(data.shape, dtype=torch.float32)
+
+
+@hot_op("operand_values", fake=_operand_values_fake)
+def operand_values(data: torch.Tensor, scale: torch.Tensor, kind: str) -> torch.Tensor:
+    """The float32 values of an operand (codes times scales), as the emulated GEMMs multiply them."""
+    return dequantize_operand(Quantized(data, scale, kind), torch.float32).contiguous()
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -173,11 +173,12 @@ class Recipe:
         whole tensor): the traced grouped step then multiplies the rowwise values in wgrad too."""
         return False
 
-    def traced_grouped_columns(self, x: torch.Tensor, offs: torch.Tensor, dtype: torch.dtype, role: str):
-        """Every group's ``x.T`` operand made by traceable device operations: ``(operand, index)``, the operand
-        (K, P) of ``x``'s rows laid out with each group padded to whole blocks (:func:`~fp8_lightning.groups.
-        padded_rows`), and the position of each of ``x``'s rows in it; None where the traced step runs the eager
-        per-group casts inside one op (the default)."""
+    def traced_grouped_columns(
+        self, x: torch.Tensor, offs: torch.Tensor, dtype: torch.dtype, role: str
+    ) -> torch.Tensor | None:
+        """The float32 values (M, K) of every group's ``x.T`` operand (row ``i`` holds token ``i``'s values in its
+        group's copy), made by traceable device operations from ``offs`` on the device; None where the traced step
+        runs the eager per-group casts inside one op (the default)."""
         return None
 
     def traced_grouped_unsupported_reason(self) -> str | None:

@@ -17,7 +17,7 @@ from fp8_lightning.formats import NATIVE_MX_MIN_CAPABILITY, NATIVE_MX_MIN_CUDA, 
 from fp8_lightning.gemm_routes import GemmRoute, arch_name, cuda_name, native, triton_mx
 from fp8_lightning.gemm import mx_mm
 from fp8_lightning.groups import StackedWeights, padded_rows
-from fp8_lightning.ops.layer import mx_operand_cast
+from fp8_lightning.ops.layer import mx_operand_cast, operand_values
 from fp8_lightning.mx import E8M0_DTYPE, e8m0_to_float
 from fp8_lightning.quantize import MX, Quantized
 from fp8_lightning.kernels.availability import MX_BLOCK_SIZES, SCALE_ROUNDINGS
@@ -88,7 +88,7 @@ class MXFP8BlockScaling(Recipe):
         index, length = padded_rows(offs, x.shape[0], self.block_size)
         padded = x.new_zeros(length, x.shape[1]).index_copy(0, index, x)
         data, scale, _, _ = mx_operand_cast(padded.t(), self.block_size, self.scale_rounding, dtype, False)
-        return Quantized(data, scale, MX), index
+        return operand_values(data, scale, MX).t()[index]  # back to x's rows
 
     # -- tensor and sequence parallelism ---------------------------------------------------------------------
 

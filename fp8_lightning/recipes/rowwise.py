@@ -26,13 +26,14 @@ from fp8_lightning.gemm_routes import (
 )
 from fp8_lightning.kernels.fine_grained_layout import ROWWISE_TILES
 from fp8_lightning.ops import dispatch
-from fp8_lightning.quantize import HIGH_PRECISION, ROW, Quantized
+from fp8_lightning.quantize import HIGH_PRECISION, ROW, Quantized, to_fp8_saturated, wide
 from fp8_lightning.recipes.base import check_flags, invalid
 from fp8_lightning.recipes.fine_grained import FineGrainedRecipe
 from fp8_lightning.rowwise import (
     dequantize_rowwise,
     high_precision_operand,
     quantize_rowwise,
+    rowwise_scale,
     tensorwise_column_operand,
 )
 from fp8_lightning.scaling import max_across
@@ -128,6 +129,19 @@ class RowwiseScaling(FineGrainedRecipe):
             flipped = weight.transpose(1, 2).reshape(experts * k, n)
             columns = self.cast("weight", flipped, dtype, False, True, None, record)[0]
         return StackedWeights(rows, columns, experts)
+
+    def traced_grouped_columns(self, x, offs, dtype, role):
+        """A scale per group and column from one scattered amax over each group's tokens (the rowwise scale rule),
+        and each token's values with its group's scales: the bits of casting each group on its own. With a
+        high-precision weight gradient the values are ``x``'s own."""
+        if self.high_precision_wgrad:
+            return x.float()
+        group = torch.searchsorted(offs.to(torch.int64), torch.arange(x.shape[0], device=x.device), right=True)
+        magnitude = x.detach().abs().float()
+        index = group.unsqueeze(1).expand(x.shape)
+        amax = magnitude.new_zeros(offs.shape[0], x.shape[1]).scatter_reduce(0, index, magnitude, "amax")
+        scale = rowwise_scale(amax, dtype, self.eps, self.power_of_2_scales)[group]  # (M, K): each token's group's
+        return dequantize_rowwise(to_fp8_saturated(wide(x.detach()) * scale, dtype), scale)
 
     def grouped_native(self, device, experts):
         """``torch._scaled_grouped_mm`` (one launch per GEMM) where it takes this recipe's operands on ``device``."""

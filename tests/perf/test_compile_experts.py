@@ -125,6 +125,17 @@ def test_padded_rows_places_each_group_on_whole_blocks(route):
     assert index.tolist() == expected and length == 24 + 4 * 8 >= out
 
 
+@pytest.mark.parametrize("recipe", [RowwiseScaling(), MXFP8BlockScaling()], ids=_id)
+def test_a_recipe_without_device_side_columns_runs_the_eager_casts_in_one_op(recipe, monkeypatch):
+    """``Recipe.traced_grouped_columns`` returning None (a recipe defined elsewhere): the per-group casts run inside
+    ``grouped_column_values``, still one graph with the eager bits."""
+    monkeypatch.setattr(type(recipe), "traced_grouped_columns", lambda self, x, offs, dtype, role: None)
+    eager_losses, eager_grads, *_ = _train(recipe, backend=None)
+    losses, grads, frames, breaks, _ = _train(recipe, backend="aot_eager")
+    assert frames == [1] * STEPS and breaks == 0
+    assert losses == eager_losses and all(torch.equal(a, b) for a, b in zip(grads, eager_grads))
+
+
 def test_compiled_experts_still_pickle():
     import io
 
