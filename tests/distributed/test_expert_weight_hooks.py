@@ -117,6 +117,26 @@ def test_the_experts_forward_uses_the_gathered_casts():
     assert torch.equal(got, expected)
 
 
+def test_another_recipe_casts_the_gathered_value_afresh():
+    """Under ``fp8_autocast(recipe=...)`` with another recipe the experts cast the gathered (FP8-rounded) weights
+    with that recipe, as they would cast those values held in high precision."""
+    from fp8_lightning import MXFP8BlockScaling
+
+    model, experts = _experts("tensorwise")
+    x, offs = torch.randn(24, DIM), torch.tensor([3, 3, 10, 24], dtype=torch.int32)
+    enable_fp8_all_gather(model, WORLD)
+    gathered = {name: _gather(model, experts, name)[0] for name in ("w1", "w2", "w3")}
+    for name, weight in gathered.items():
+        setattr(experts, name, nn.Parameter(weight))
+    with fp8_autocast(recipe=MXFP8BlockScaling()):
+        got = experts(x, offs)
+    for name, weight in gathered.items():
+        setattr(experts, name, nn.Parameter(weight.dequantize()))  # the same values, in high precision
+    with fp8_autocast(recipe=MXFP8BlockScaling()):
+        expected = experts(x, offs)
+    assert torch.equal(got, expected)
+
+
 def test_uneven_experts_stay_in_high_precision_with_the_reason():
     model, _ = _experts("mxfp8", experts=3)
     report = enable_fp8_all_gather(model, WORLD)
