@@ -64,6 +64,8 @@ SUITES: dict[str, Suite] = {
                        "is it against the reference and a bf16 copy?"),
     "fsdp-gpu-check": Suite("fsdp_gpu_check", "Does FP8 all-gather under FSDP2 on NCCL run its hooks, move the "
                             "expected bytes and match unsharded?"),
+    "fsdp-experts-gpu-check": Suite("fsdp_experts_gpu_check", "Do fused expert weights all-gather in FP8 under "
+                                    "FSDP2 on NCCL and train like a high-precision gather?"),
     "tried-with": Suite("tried_with", "Do Hugging Face model families train through Trainer(precision='fp8-...') "
                         "like float32?"),
     "tried-with-strategies": Suite("tried_with_strategies", "Do Hugging Face models train under ddp, fp8_ddp and "

@@ -21,6 +21,8 @@
 #                                           # its CUDA kernels per step (torch.profiler); under a minute on an H100
 #   bash benchmarks/gpu_session.sh nvfp4    # the Triton NVFP4 cast's bytes vs the reference on CUDA (shapes up to
 #                                           # 4096x4096, both roundings, RHT on/off, 1x16/16x16) and its timing (<2 min)
+#   bash benchmarks/gpu_session.sh experts  # the FP8 experts compiled fullgraph on CUDA vs eager, and the experts'
+#                                           # FP8 all-gather under FSDP2 on NCCL vs a high-precision gather
 #   bash benchmarks/gpu_session.sh dry-run  # on any machine: list each call's steps, install the wheels offline
 #
 # Everything a call writes lands in one archive, $OUT/gpu-<mode>.tar.gz (OUT defaults to ./gpu-results), holding one
@@ -46,7 +48,7 @@ install_wheels() {  # the wheels in wheels/, offline, into $site (on PYTHONPATH 
 }
 
 if [ "$mode" = dry-run ]; then
-  for call in checks linear llama gpt stack grouped grouped-triton nvfp4 traced lease; do
+  for call in checks linear llama gpt stack grouped grouped-triton nvfp4 traced experts lease; do
     echo "== call '$call' runs:"
     sed -n "/^  $call)/,/;;/p" "$0" | grep -o 'step [a-z_]* .*' | sed 's/^step /   /'
   done
@@ -119,6 +121,11 @@ case "$mode" in
   nvfp4)  # needs no FP4 tensor cores: the cast runs wherever the Triton kernels do (sm89+)
     STEP_TIMEOUT=110 step nvfp4 "$python" -m benchmarks nvfp4-gpu --out "$work/nvfp4_gpu.md"
     ;;
+  experts)  # the FP8 experts compiled fullgraph on CUDA vs eager; their FP8 all-gather under FSDP2 on NCCL
+    STEP_TIMEOUT=150 step pytest_experts_compile "$python" -m pytest -q -p no:cacheprovider -m gpu \
+      tests/perf/test_compile_experts.py
+    STEP_TIMEOUT=90 step fsdp_experts "$python" -m benchmarks fsdp-experts-gpu-check
+    ;;
   lease)  # everything that fits one call: each step capped so the whole call ends inside ~9 minutes
     STEP_TIMEOUT=140 step gpu_check "$python" -m benchmarks gpu-check
     STEP_TIMEOUT=90 step kernels "$python" -m benchmarks kernels-gpu --out "$work/kernels_gpu.md"
@@ -131,7 +138,7 @@ case "$mode" in
       --out "$work/perf-linear-gpu-compiled"
     ;;
   *)
-    echo "usage: bash benchmarks/gpu_session.sh checks|linear|llama|gpt|stack|grouped|grouped-triton|nvfp4|traced|lease|dry-run (got '$mode')" >&2
+    echo "usage: bash benchmarks/gpu_session.sh checks|linear|llama|gpt|stack|grouped|grouped-triton|nvfp4|traced|experts|lease|dry-run (got '$mode')" >&2
     exit 2
     ;;
 esac

@@ -51,6 +51,16 @@ def device_layout(
     return starts.to(torch.int32), rows.to(torch.int32), out_ends - sizes, out_ends.to(torch.int32)
 
 
+def padded_rows(offs: torch.Tensor, rows: int, align: int) -> tuple[torch.Tensor, int]:
+    """(where each of ``rows`` rows goes in :func:`device_layout`'s layout padded to ``align``, that layout's length
+    upper bound): device operations only, and a length that depends on ``rows`` and the number of groups alone, so
+    a traced graph holds one shape whatever the group sizes (the rows past the last group are zeros)."""
+    starts, _, out_starts, _ = device_layout(offs, align)
+    row = torch.arange(rows, device=offs.device)
+    group = torch.searchsorted(offs.to(torch.int64), row, right=True)  # the group of each row
+    return out_starts[group] + (row - starts[group]), -(-rows // align) * align + offs.numel() * align
+
+
 def uniform_layout(
     groups: int, rows: int, out_stride: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

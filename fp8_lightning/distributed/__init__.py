@@ -3,6 +3,11 @@ FSDP2's extension hooks), the coalesced whole-weight amax reduction, and the hel
 model; FP8 gradient communication (a DDP communication hook and an FSDP2 reduce-scatter). No Lightning imports."""
 
 from fp8_lightning.distributed.amax import WeightAmaxSync
+from fp8_lightning.distributed.expert_weight import (
+    FP8GatheredExperts,
+    FP8ShardedExperts,
+    experts_gather_unsupported_reason,
+)
 from fp8_lightning.distributed.grad_comm import FP8CommState, fp8_all_reduce_mean, fp8_compress_hook
 from fp8_lightning.distributed.reduce_scatter import (
     FP8ReduceScatter,
@@ -35,7 +40,9 @@ __all__ = [
     "FP8ReduceScatter",
     "FP8RowwiseParallel",
     "PrepareFP8ModuleInput",
+    "FP8GatheredExperts",
     "FP8GatheredWeight",
+    "FP8ShardedExperts",
     "FP8ShardedWeight",
     "WeightAmaxSync",
     "apply_activation_checkpointing",
@@ -43,6 +50,7 @@ __all__ = [
     "disable_fp8_all_gather",
     "enable_fp8_all_gather",
     "enable_fp8_reduce_scatter",
+    "experts_gather_unsupported_reason",
     "fp8_all_gather_unsupported_reason",
     "fp8_all_reduce_mean",
     "fp8_compress_hook",

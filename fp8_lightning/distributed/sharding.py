@@ -29,6 +29,7 @@ from fp8_lightning.autocast import autocast_state, fp8_autocast
 from fp8_lightning.conv1d import FP8Conv1D
 from fp8_lightning.convert import fp8_expert_modules, fp8_modules
 from fp8_lightning.distributed.amax import WeightAmaxSync
+from fp8_lightning.distributed.expert_weight import FP8ShardedExperts, experts_gather_unsupported_reason
 from fp8_lightning.distributed.weight import FP8ShardedWeight, fp8_all_gather_unsupported_reason
 from fp8_lightning.privates import local_shard
 
@@ -49,11 +50,12 @@ class AllGatherReport:
 
 
 CONV1D_GATHER_REASON = "weight stored (in, out) (transformers Conv1D); FP8 all-gather needs (out, in)"
-EXPERTS_GATHER_REASON = "fused 3-D expert weights: gathered in high precision, cast to FP8 per expert after the gather"
+EXPERTS_GATHER_REASON = "fused 3-D expert weights gathered in high precision, cast to FP8 per expert after the gather"
 
 
 def enable_fp8_all_gather(model: nn.Module, world_size: int) -> AllGatherReport:
-    """Make the weight of every FP8Linear of ``model`` gather in FP8 under FSDP2. Call before ``fully_shard`` (and,
+    """Make the weight of every FP8Linear and every fused expert weight of ``model`` gather in FP8 under FSDP2
+    (expert weights are named ``"<module>.<projection>"`` in the report). Call before ``fully_shard`` (and,
     with tensor parallelism, before ``parallelize_module``: the FP8 styles keep the wrapper in each rank's part where
     its shards suit the recipe).
 
@@ -94,9 +96,31 @@ def enable_fp8_all_gather(model: nn.Module, world_size: int) -> AllGatherReport:
         layer.weight = nn.Parameter(wrapped, requires_grad=weight.requires_grad)
         report.fp8.append(name)
     for name, experts in fp8_expert_modules(model):
-        report.high_precision[name] = EXPERTS_GATHER_REASON
+        for projection, stored_kn in experts.fp8_weights.items():
+            where, weight = f"{name}.{projection}", getattr(experts, projection)
+            reason = _experts_refusal(weight, stored_kn, world_size, experts, uses)
+            if reason is None and not isinstance(weight, (DTensor, FP8ShardedExperts)):  # not yet wrapped
+                wrapped = FP8ShardedExperts(weight.detach(), sync, projection)
+                setattr(experts, projection, nn.Parameter(wrapped, requires_grad=weight.requires_grad))
+            if reason is None:
+                report.fp8.append(where)
+            else:
+                report.high_precision[where] = f"{EXPERTS_GATHER_REASON}: {reason}"
     sync.unbind()  # re-bind at the next gather
     return report
+
+
+def _experts_refusal(weight, stored_kn: bool, world_size: int, experts: nn.Module, uses: dict) -> str | None:
+    """Why a fused expert weight stays in a high-precision all-gather, or None."""
+    from torch.distributed.tensor import DTensor
+
+    if uses.get(id(weight), 0) > 1:
+        return "the weight is tied to another module's parameter"
+    if isinstance(weight, DTensor):
+        if isinstance(local_shard(weight), FP8ShardedExperts):
+            return None
+        return "sharded before FP8 all-gather was enabled (convert before sharding)"
+    return experts_gather_unsupported_reason(weight.shape, stored_kn, world_size, experts.fp8_recipe)
 
 
 def disable_fp8_all_gather(model: nn.Module, only_unsharded: bool = True) -> list[str]:
@@ -107,6 +131,12 @@ def disable_fp8_all_gather(model: nn.Module, only_unsharded: bool = True) -> lis
         if isinstance(weight, FP8ShardedWeight):
             layer.weight = nn.Parameter(weight._hp.detach(), requires_grad=weight.requires_grad)
             restored.append(name)
+    for name, experts in fp8_expert_modules(model):
+        for projection in experts.fp8_weights:
+            weight = getattr(experts, projection)
+            if isinstance(weight, FP8ShardedWeight):
+                setattr(experts, projection, nn.Parameter(weight._hp.detach(), requires_grad=weight.requires_grad))
+                restored.append(f"{name}.{projection}")
     return restored
 
 

@@ -124,14 +124,18 @@ class FP8ShardedWeight(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        sync = next(a._amax_sync for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
+        first = next(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
         plain_args, plain_kwargs = pytree.tree_map_only(cls, lambda t: t._hp, (args, kwargs))
         out = func(*plain_args, **plain_kwargs)
         if func not in _KEEP_SHARDED:
             return out
         if func._schema.is_mutable:  # in place (copy_): the wrapper itself is the result
             return args[0]
-        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, sync), out)
+        return pytree.tree_map_only(torch.Tensor, first.rewrap, out)
+
+    def rewrap(self, hp: torch.Tensor) -> "FP8ShardedWeight":
+        """``hp`` (a view or copy of this shard) wrapped as this weight is."""
+        return type(self)(hp, self._amax_sync)
 
     def __tensor_flatten__(self):
         return ["_hp"], self._amax_sync

@@ -17,14 +17,17 @@ import collections
 import contextlib
 import math
 import sys
+from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from fp8_lightning.autocast import autocast_state
-from fp8_lightning.grouped.gemm import GroupedScaling, fp8_grouped_mm
+from fp8_lightning.grouped.gemm import GroupedScaling, check_grouped_shapes, fp8_grouped_mm
+from fp8_lightning.grouped.traced import recipe_key, traced_grouped_mm
 from fp8_lightning.recipes import Recipe
+from fp8_lightning.scaling import records_amax
 
 
 def high_precision_grouped_mm(x: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -38,10 +41,25 @@ def high_precision_grouped_mm(x: torch.Tensor, b: torch.Tensor, offs: torch.Tens
     return out
 
 
-# Under torch.compile the grouped GEMMs run eagerly between graphs: their groups are read on the host, and the
-# compiler's grouped GEMM takes bf16 only.
-_fp8_grouped_island = torch.compiler.disable(fp8_grouped_mm)
-_high_precision_island = torch.compiler.disable(high_precision_grouped_mm)
+# Under torch.compile the high-precision grouped GEMMs run eagerly between graphs: the compiler's grouped GEMM takes
+# bf16 only. The FP8 ones trace into the graph (fp8_lightning.grouped.traced) except where they cannot (an observer
+# watches each cast in Python, the weight arrives gathered in FP8, or the recipe says why it cannot be traced).
+_high_precision_island = torch.compiler.disable(high_precision_grouped_mm, reason="grouped GEMM of the experts in "
+                                                "high precision (the compiler's grouped GEMM takes bf16 only)")
+
+
+_ISLANDS: dict[str, Callable] = {}  # reason -> fp8_grouped_mm disabled for the compiler with that reason
+
+
+def fp8_grouped_island(reason: str) -> Callable:
+    """``fp8_grouped_mm`` run eagerly between graphs under torch.compile; ``reason`` is what fullgraph=True reports.
+    Made once per reason, outside any trace (kept here, not on the modules, which stay picklable)."""
+    if reason not in _ISLANDS:
+        _ISLANDS[reason] = torch.compiler.disable(fp8_grouped_mm, reason=f"FP8 experts run between graphs: {reason}")
+    return _ISLANDS[reason]
+
+
+_OBSERVED_ISLAND = fp8_grouped_island("an observer watches each cast, or the weights arrive gathered in FP8")
 
 
 class GroupedExperts(nn.Module):
@@ -104,6 +122,10 @@ class ExpertsScaling:
     def __init__(self, recipe: Recipe, projections: dict[str, int]):
         self.recipe = recipe
         self.parts = {name: GroupedScaling(recipe, experts) for name, experts in projections.items()}
+        reason = recipe.traced_grouped_unsupported_reason()
+        if reason is not None:
+            fp8_grouped_island(reason)  # made here, outside any trace
+        self.key = recipe_key(recipe)  # the recipe as the traced step's ops take it
 
     @property
     def operands(self) -> dict:
@@ -193,14 +215,24 @@ class FP8ExpertsMixin:
         device_type = x.device.type
         autocasting = torch.is_autocast_enabled(device_type)
         out_dtype = torch.get_autocast_dtype(device_type) if autocasting else x.dtype
-        scaling = self.fp8_scaling(recipe).parts[name]
-        record = self.training and not torch.is_inference_mode_enabled()
+        experts_scaling = self.fp8_scaling(recipe)
+        scaling = experts_scaling.parts[name]
+        record = records_amax(self.training)
         observer = self.__dict__.get("fp8_observer")
         observe = None if observer is None else lambda role, t, q: observer(self, f"{name}.{role}", t, q)
-        if record and scaling.step_boundary_passed(weight) and scaling.booked:
+        gathered = hasattr(weight, "fp8_expert_operands")
+        compiling = torch.compiler.is_compiling()
+        if record and not compiling and not gathered and scaling.step_boundary_passed(weight) and scaling.booked:
             scaling.update()  # no one advanced the scales after the optimizer step: advance locally
         with torch.autocast(device_type, enabled=False) if autocasting else contextlib.nullcontext():
-            run = _fp8_grouped_island if torch.compiler.is_compiling() else fp8_grouped_mm
+            run, untraced = fp8_grouped_mm, recipe.traced_grouped_unsupported_reason() if compiling else None
+            if untraced is not None:
+                run = fp8_grouped_island(untraced)
+            elif compiling and (observer is not None or gathered):
+                run = _OBSERVED_ISLAND
+            elif compiling:
+                check_grouped_shapes(x, b, recipe)
+                return traced_grouped_mm(x.to(weight.dtype), b, offs, scaling, out_dtype, record, experts_scaling.key)
             return run(
                 x.to(weight.dtype), b, offs, out_dtype=out_dtype, scaling=scaling, training=record,
                 regathered=self.__dict__.get("_is_fsdp_managed_module", False),  # FSDP2 refills gathered weights
@@ -228,7 +260,8 @@ class FP8TransformersExperts(FP8ExpertsMixin):
         num_tokens, top_k = hidden_states.shape[0], top_k_index.shape[-1]
         expert_ids, perm = torch.sort(top_k_index.reshape(-1))
         x = hidden_states[perm // top_k]
-        counts = torch.bincount(expert_ids, minlength=self.num_experts)[: self.num_experts]
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=expert_ids.device)
+        counts = counts.index_add(0, expert_ids, torch.ones_like(expert_ids))  # a static shape, unlike bincount
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         first, down = self.fp8_weights  # gate_up_proj (or up_proj), down_proj
         h = self.fp8_project(x, first, offs, recipe)

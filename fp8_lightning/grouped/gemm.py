@@ -58,6 +58,9 @@ class GroupedScaling(LayerScaling):
         """Each expert's (W_e, W_e.T) operands: in training cast once per weight version and scale generation (and
         again after an edit through ``weight.data``), in evaluation cast afresh (see
         :class:`~fp8_lightning.linear.LayerScaling`)."""
+        provided = getattr(weight, "fp8_expert_operands", None)  # already FP8 (gathered in FP8 by FSDP2)
+        if provided is not None:
+            return provided(self, record)
         if regathered:
             self._weight_cache = None
         if not record:

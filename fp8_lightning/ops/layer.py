@@ -8,6 +8,8 @@
         writes, which are cuBLAS's
     torch.ops.fp8_lightning.block_cast_transposed(x, dtype, power_of_2, eps) -> (data, scale, inverse, data_t, ...)
         on CUDA, the 128x128 copy and the copy of x.T from the same blocks, from one launch
+    torch.ops.fp8_lightning.operand_values(data, scale, kind) -> float32 values
+        an operand's codes times its scales
     torch.ops.fp8_lightning.scaled_gemm(a, a_scale, a_inverse, b, b_scale, b_inverse, bias, kind, out_dtype,
                                         emulate, fast_accum) -> out
         ``a @ b.T (+ bias)`` for FP8 operands with K last (the CPU float GEMM, MX, rowwise and blockwise GEMMs)
@@ -33,7 +35,7 @@ from fp8_lightning.fine_grained import reference_fine_cast, tile_kind
 from fp8_lightning.gemm import fp8_mm
 from fp8_lightning.kernels.fine_grained_layout import BLOCKWISE_EDGE, output_layouts
 from fp8_lightning.mx import E8M0_DTYPE
-from fp8_lightning.ops.dispatch import fast_quantize_mx_operands, fine_caster
+from fp8_lightning.ops.dispatch import dequantize_operand, fast_quantize_mx_operands, fine_caster
 from fp8_lightning.ops.registry import hot_op
 from fp8_lightning.quantize import OperandCache, Quantized, is_transposed_2d
 
@@ -188,6 +190,21 @@ def traced_tile_cast(
 
 def _with_inverse(data, scale, kind, inverse) -> Quantized:
     return Quantized(data, scale, kind, OperandCache(inverse=inverse))
+
+
+# --------------------------------------------------------------------------------------------------------
+# An operand's values
+# --------------------------------------------------------------------------------------------------------
+
+
+def _operand_values_fake(data, scale, kind):
+    return data.new_empty(data.shape, dtype=torch.float32)
+
+
+@hot_op("operand_values", fake=_operand_values_fake)
+def operand_values(data: torch.Tensor, scale: torch.Tensor, kind: str) -> torch.Tensor:
+    """The float32 values of an operand (codes times scales), as the emulated GEMMs multiply them."""
+    return dequantize_operand(Quantized(data, scale, kind), torch.float32).contiguous()
 
 
 # --------------------------------------------------------------------------------------------------------

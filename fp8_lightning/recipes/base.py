@@ -10,9 +10,12 @@ Recipe/Quantizer split:
 * the GEMM and the statistics: :attr:`Recipe.operand_kind`, whose behaviour (its GEMM, float32 form,
   dequantization and scale statistics, :class:`~fp8_lightning.quantize.OperandKind`) the recipe's module implements;
 * FSDP2: :meth:`Recipe.fsdp_unsupported_reason`, :meth:`Recipe.fsdp_pack`, :meth:`Recipe.fsdp_unpack`,
-  :meth:`Recipe.fsdp_operands`, :attr:`Recipe.global_weight_amax`;
+  :meth:`Recipe.fsdp_operands`, :attr:`Recipe.global_weight_amax`, and for fused expert weights
+  :meth:`Recipe.fsdp_experts_unsupported_reason`, :meth:`Recipe.fsdp_experts_pack`,
+  :meth:`Recipe.fsdp_experts_unpack`, :meth:`Recipe.fsdp_experts_operands`;
 * grouped GEMMs of mixtures of experts: :meth:`Recipe.grouped_operands`, :meth:`Recipe.grouped_weight_operands`,
-  :meth:`Recipe.grouped_native`, :meth:`Recipe.grouped_gemm_route`;
+  :meth:`Recipe.grouped_native`, :meth:`Recipe.grouped_gemm_route`, and under compile
+  :meth:`Recipe.grouped_columns_from_rows`, :meth:`Recipe.traced_grouped_unsupported_reason`;
 * tensor and sequence parallelism: :meth:`Recipe.tensor_parallel_unsupported_reason`,
   :meth:`Recipe.tensor_parallel_bind`, :meth:`Recipe.sequence_cast`,
   :meth:`Recipe.sequence_gather`;
@@ -169,6 +172,23 @@ class Recipe:
         are emulated from the operands' exact values."""
         return None
 
+    def grouped_columns_from_rows(self) -> bool:
+        """Whether each group's ``x[start:end].T`` operand is a view of the rowwise cast of ``x`` (one scale for the
+        whole tensor): the traced grouped step then multiplies the rowwise values in wgrad too."""
+        return False
+
+    def traced_grouped_columns(
+        self, x: torch.Tensor, offs: torch.Tensor, dtype: torch.dtype, role: str
+    ) -> torch.Tensor | None:
+        """The float32 values (M, K) of every group's ``x.T`` operand (row ``i`` holds token ``i``'s values in its
+        group's copy), made by traceable device operations from ``offs`` on the device; None where the traced step
+        runs the eager per-group casts inside one op (the default)."""
+        return None
+
+    def traced_grouped_unsupported_reason(self) -> str | None:
+        """Why this recipe's experts cannot be traced into one graph by ``torch.compile`` (None: they can)."""
+        return None
+
     def grouped_gemm_route(self, capability: Capability, cuda: CudaVersion, has_grouped_api: bool) -> GemmRoute:
         """Which GEMM serves this recipe's grouped (expert) GEMMs on a CUDA device of ``capability`` with ``cuda``;
         ``has_grouped_api``: whether torch has ``torch._scaled_grouped_mm``. By default they are emulated in
@@ -251,6 +271,33 @@ class Recipe:
     def fsdp_operands(self, gathered: Quantized, scaling: Any, metadata: Any, record: bool):
         """(fprop operand, columnwise operand or None) of a gathered weight, for the layer's ``scaling``."""
         raise NotImplementedError(f"{type(self).__name__} does not define fsdp_operands()")
+
+    # -- FSDP2 all-gather of fused expert weights (E, N, K), sharded by whole experts ----------------------
+
+    def fsdp_experts_unsupported_reason(self, experts: int, n: int, k: int, world_size: int) -> str | None:
+        """Why (E, N, K) expert weights sharded along E over ``world_size`` ranks cannot be gathered in FP8."""
+        if experts % world_size:
+            return (f"num_experts={experts} is not divisible by the shard world size {world_size}: a shard would cut "
+                    "an expert and its scales (use a number of experts that the data-parallel size divides)")
+        return self.fsdp_unsupported_reason(n, k, 1)
+
+    def fsdp_experts_pack(self, shard: torch.Tensor, scaling: Any, first: int, record: bool, global_amax: Any):
+        """(uint8 all-gather input, metadata) of this rank's experts ``shard`` (E_local, N, K), experts ``first`` on.
+        ``scaling``: the projection's grouped state; ``global_amax()``: every expert's weight amax (E,), agreed
+        across the shard group. By default each expert is packed as a whole linear weight, rows stacked."""
+        return torch.cat([self.fsdp_pack(w, None, None)[0] for w in shard]), None
+
+    def fsdp_experts_unpack(self, gathered: torch.Tensor, experts: int, n: int, k: int, metadata: Any):
+        """Each expert's fprop operand of W_e (N, K) from the gathered bytes (E * N rows) of all shards."""
+        return [self.fsdp_unpack(part, n, k, metadata) for part in gathered.split(n)]
+
+    def fsdp_experts_operands(self, gathered: list[Quantized], scaling: Any, metadata: Any, record: bool):
+        """What :meth:`grouped_weight_operands` returns, from the gathered operands: (W_e, W_e.T) per expert."""
+        pairs = []
+        for q in gathered:
+            row, column = self.fsdp_operands(q, None, metadata, record)
+            pairs.append((row, self.transposed(row, column)))
+        return pairs
 
     # -- cost model -----------------------------------------------------------------------------------------
 

@@ -29,7 +29,9 @@ from fp8_lightning.fine_grained import (
 from fp8_lightning import cuda_rules
 from fp8_lightning.formats import Format, fp8_dtype
 from fp8_lightning.gemm_routes import GemmRoute, arch_name, cuda_name, emulated_on_gpu, native
+from fp8_lightning.groups import padded_rows
 from fp8_lightning.ops import dispatch
+from fp8_lightning.ops.layer import operand_values, traced_tile_cast
 from fp8_lightning.quantize import BLOCK, Quantized
 from fp8_lightning.recipes.base import check_flags
 from fp8_lightning.recipes.fine_grained import FineGrainedRecipe
@@ -80,6 +82,14 @@ class BlockwiseScaling(FineGrainedRecipe):
         return native(f"cuBLAS 1x128 / 128x128 block-scaled GEMM ({api})",
                       f"{arch_name(capability)}, {cuda_name(cuda)}; shapes cuBLAS cannot take are emulated "
                       "(fp8_lightning.cuda_rules.blockwise_gemm_plan)")
+
+    def traced_grouped_columns(self, x, offs, dtype, role):
+        """Each group's tokens padded with zeros to whole 128-token tiles and cast in tiles along the tokens: the
+        tiles of casting each group on its own."""
+        index, length = padded_rows(offs, x.shape[0], COLUMN_TILE[0])
+        padded = x.new_zeros(length, x.shape[1]).index_copy(0, index, x)
+        q = traced_tile_cast(padded, dtype, COLUMN_TILE, self.power_of_2_scales)[0]
+        return operand_values(q.data, q.scale, q.kind).t()[index]  # back to x's rows
 
     # -- tensor and sequence parallelism ---------------------------------------------------------------------
 

@@ -16,8 +16,8 @@ from fp8_lightning.ops import dispatch
 from fp8_lightning.formats import NATIVE_MX_MIN_CAPABILITY, NATIVE_MX_MIN_CUDA, Format, fp8_dtype
 from fp8_lightning.gemm_routes import GemmRoute, arch_name, cuda_name, native, triton_mx
 from fp8_lightning.gemm import mx_mm
-from fp8_lightning.groups import StackedWeights
-from fp8_lightning.ops.layer import mx_operand_cast
+from fp8_lightning.groups import StackedWeights, padded_rows
+from fp8_lightning.ops.layer import mx_operand_cast, operand_values
 from fp8_lightning.mx import E8M0_DTYPE, e8m0_to_float
 from fp8_lightning.quantize import MX, Quantized
 from fp8_lightning.kernels.availability import MX_BLOCK_SIZES, SCALE_ROUNDINGS
@@ -82,6 +82,14 @@ class MXFP8BlockScaling(Recipe):
         )
         return StackedWeights(rows, columns, experts)
 
+    def traced_grouped_columns(self, x, offs, dtype, role):
+        """Each group's tokens padded with zeros to whole blocks of 32 and the padded tensor's transpose cast along
+        the tokens: the blocks of casting each group on its own."""
+        index, length = padded_rows(offs, x.shape[0], self.block_size)
+        padded = x.new_zeros(length, x.shape[1]).index_copy(0, index, x)
+        data, scale, _, _ = mx_operand_cast(padded.t(), self.block_size, self.scale_rounding, dtype, False)
+        return operand_values(data, scale, MX).t()[index]  # back to x's rows
+
     # -- tensor and sequence parallelism ---------------------------------------------------------------------
 
     def tensor_parallel_block(self) -> int:
@@ -113,6 +121,16 @@ class MXFP8BlockScaling(Recipe):
         row = Quantized(gathered.data.contiguous(), gathered.scale.contiguous(), MX)  # dense for the GEMM
         values = dispatch.operand_f32(row)
         return row, dispatch.fast_quantize_mx_columns(values, self.block_size, self.scale_rounding, row.data.dtype)
+
+    def fsdp_experts_operands(self, gathered, scaling, metadata, record):
+        """Stacked as :meth:`grouped_weight_operands` stacks them; W_e.T's blocks (along N) re-quantized from the
+        exactly dequantized gathered weights, as for a linear layer."""
+        experts, (n, k) = len(gathered), gathered[0].data.shape
+        rows = Quantized(torch.cat([q.data for q in gathered]), torch.cat([q.scale for q in gathered]), MX)
+        values = dispatch.operand_f32(rows).view(experts, n, k)
+        flipped = values.transpose(1, 2).reshape(experts * k, n)
+        columns = dispatch.fast_quantize_mx_operand(flipped, self.block_size, self.scale_rounding, rows.data.dtype)
+        return StackedWeights(rows, columns, experts)
 
     def cast_bytes_per_element(self) -> float:
         """Rowwise and columnwise copies each read bf16 and write codes and block scales."""

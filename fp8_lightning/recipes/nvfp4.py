@@ -214,6 +214,12 @@ class NVFP4BlockScaling(Recipe):
         col = col()
         return row.data, row.scale, col.data, col.scale
 
+    def traced_grouped_unsupported_reason(self) -> str | None:
+        return ("NVFP4 experts: each group's weight-gradient cast draws its stochastic-rounding noise from the "
+                "layer's cast counter and advances it, state that the traced grouped step's custom ops do not carry "
+                "(they mutate nothing); compile without fullgraph=True (the experts run between graphs) or use "
+                "another recipe for the experts")
+
     def default_layers(self) -> dict:
         """The NVFP4 paper's policy: the last ~15% of the repeated blocks in high precision (``layers={"last": 0}``
         turns it off)."""

@@ -101,6 +101,9 @@ class PerTensorRecipe(Recipe):
             return emulated_on_gpu(f"grouped GEMMs emulated: torch has no per-tensor FP8 grouped GEMM; {reason}")
         return native_grouped_triton(f"{arch_name(capability)}: torch has no per-tensor FP8 grouped GEMM")
 
+    def grouped_columns_from_rows(self) -> bool:
+        return True
+
     def traced_plan(self, device: torch.device, out_dtype: torch.dtype, emulate: bool) -> TracedPlan:
         return plan_for(self, device, out_dtype, emulate, scaled_mm=per_tensor_scaled_mm(device, emulate))
 
@@ -154,6 +157,28 @@ class PerTensorRecipe(Recipe):
     def fsdp_operands(self, gathered, scaling, metadata, record):
         scaling.operands["weight"].book(metadata[1], record)  # counted as a local cast counts itself
         return gathered, None
+
+    def fsdp_experts_pack(self, shard, scaling, first, record, global_amax):
+        """One scale per expert, the same on every rank: each rank moves every expert's state with that expert's
+        agreed amax (so the states stay equal everywhere) and casts its own experts; only the codes travel."""
+        agreed = global_amax()
+        scales = []
+        for state, expert_amax in zip(scaling.expert_states, agreed):
+            state.move_to(agreed.device)
+            clean = finite_or_zero(expert_amax)
+            scales.append(state.scale_for(clean) if record else state.evaluation_scale(clean))
+        dtype = fp8_dtype(self.fp8_format)
+        codes = [dispatch.fast_quantize_with_scale(w, scales[first + i], dtype) for i, w in enumerate(shard)]
+        return torch.cat(codes).view(torch.uint8), (scales, agreed)
+
+    def fsdp_experts_unpack(self, gathered, experts, n, k, metadata):
+        codes = gathered.view(fp8_dtype(self.fp8_format))
+        return [Quantized(part, scale, TENSOR) for part, scale in zip(codes.split(n), metadata[0])]
+
+    def fsdp_experts_operands(self, gathered, scaling, metadata, record):
+        for state, expert_amax in zip(scaling.expert_states, metadata[1]):
+            state.book(expert_amax, record)  # counted as a local cast of the expert counts itself
+        return [(q, q.t()) for q in gathered]
 
 
 def _tensor_f32(q: Quantized) -> torch.Tensor:

@@ -27,13 +27,14 @@ from fp8_lightning.gemm_routes import (
 )
 from fp8_lightning.kernels.fine_grained_layout import ROWWISE_TILES
 from fp8_lightning.ops import dispatch
-from fp8_lightning.quantize import HIGH_PRECISION, ROW, Quantized
+from fp8_lightning.quantize import HIGH_PRECISION, ROW, Quantized, to_fp8_saturated, wide
 from fp8_lightning.recipes.base import check_flags, invalid
 from fp8_lightning.recipes.fine_grained import FineGrainedRecipe
 from fp8_lightning.rowwise import (
     dequantize_rowwise,
     high_precision_operand,
     quantize_rowwise,
+    rowwise_scale,
     tensorwise_column_operand,
 )
 from fp8_lightning.scaling import max_across
@@ -130,6 +131,19 @@ class RowwiseScaling(FineGrainedRecipe):
             columns = self.cast("weight", flipped, dtype, False, True, None, record)[0]
         return StackedWeights(rows, columns, experts)
 
+    def traced_grouped_columns(self, x, offs, dtype, role):
+        """A scale per group and column from one scattered amax over each group's tokens (the rowwise scale rule),
+        and each token's values with its group's scales: the bits of casting each group on its own. With a
+        high-precision weight gradient the values are ``x``'s own."""
+        if self.high_precision_wgrad:
+            return x.float()
+        group = torch.searchsorted(offs.to(torch.int64), torch.arange(x.shape[0], device=x.device), right=True)
+        magnitude = x.detach().abs().float()
+        index = group.unsqueeze(1).expand(x.shape)
+        amax = magnitude.new_zeros(offs.shape[0], x.shape[1]).scatter_reduce(0, index, magnitude, "amax")
+        scale = rowwise_scale(amax, dtype, self.eps, self.power_of_2_scales)[group]  # (M, K): each token's group's
+        return dequantize_rowwise(to_fp8_saturated(wide(x.detach()) * scale, dtype), scale)
+
     def grouped_native(self, device, experts):
         """One launch per GEMM: ``torch._scaled_grouped_mm`` where it takes this recipe's operands on ``device``,
         else the Triton grouped GEMM; ``FP8_LIGHTNING_GROUPED_GEMM`` picks (``auto``: torch's where it runs)."""
@@ -209,6 +223,18 @@ class RowwiseScaling(FineGrainedRecipe):
         row = Quantized(gathered.data.contiguous(), gathered.scale.contiguous(), ROW)  # dense for the GEMM
         values = dequantize_rowwise(row.data, row.scale)
         return row, fine_operands(self, "weight", values, row.data.dtype, columnwise=True)[1]
+
+    def fsdp_experts_operands(self, gathered, scaling, metadata, record):
+        """Stacked as :meth:`grouped_weight_operands` stacks them (a grouped kernel reads the stacked casts), W_e.T's
+        rows re-quantized from the exactly dequantized gathered weights, as for a linear layer."""
+        if self.high_precision_wgrad:
+            return super().fsdp_experts_operands(gathered, scaling, metadata, record)
+        experts, (n, k) = len(gathered), gathered[0].data.shape
+        rows = Quantized(torch.cat([q.data for q in gathered]), torch.cat([q.scale for q in gathered]), ROW)
+        values = dequantize_rowwise(rows.data, rows.scale).view(experts, n, k)
+        flipped = values.transpose(1, 2).reshape(experts * k, n)
+        columns = self.cast("weight", flipped, rows.data.dtype, False, True, None, record)[0]
+        return StackedWeights(rows, columns, experts)
 
     # -- cost model -----------------------------------------------------------------------------------------
 

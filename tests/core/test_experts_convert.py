@@ -152,9 +152,10 @@ def test_evaluation_changes_no_scaling_state():
                         assert torch.equal(entry_after["operands"][role][key], value), (name, role, key)
 
 
-def test_torch_compile_runs_the_fp8_experts_between_graphs():
-    """Under torch.compile (not fullgraph: the groups are read on the host) the FP8 grouped GEMMs run eagerly
-    between graphs with the same bits as an eager call."""
+def test_torch_compile_traces_the_fp8_experts_and_counts_eager_gemms_only():
+    """Under torch.compile the FP8 grouped GEMMs trace into the graph (``tests/perf/test_compile_experts.py`` checks
+    fullgraph=True for every recipe) with the bits of an eager call; the GEMM counters count eager calls only
+    (a compiled step has no Python side effects)."""
     torch.manual_seed(0)
     experts = GroupedExperts(dim=32, hidden_dim=32, num_experts=4)
     convert_to_fp8(experts, "tensorwise")
@@ -164,7 +165,7 @@ def test_torch_compile_runs_the_fp8_experts_between_graphs():
         compiled = torch.compile(experts)(x, offs)
     assert torch.equal(compiled, eager)
     compiled.sum().backward()
-    assert experts.fp8_gemm_counts == {"fprop": 6, "dgrad": 1, "wgrad": 3}  # x needs no gradient: one dgrad (w2)
+    assert experts.fp8_gemm_counts == {"fprop": 3}
 
 
 def test_statistics_and_the_guard_see_each_expert():

@@ -82,6 +82,7 @@ def moe_strategy_worker(rank: int, world: int, port: int, out: dict) -> None:
         res[f"{strategy}_steps"] = trainer.precision_plugin.optimizer_steps
         gathers = getattr(trainer.strategy, "all_gather_report", None)
         res[f"{strategy}_gathered_high_precision"] = dict(gathers.high_precision) if gathers else None
+        res[f"{strategy}_gathered_fp8"] = list(gathers.fp8) if gathers else None
     if rank == 0:
         out.update(res)
     end_worker()

@@ -1,6 +1,7 @@
 """A transformers Qwen3-MoE with its experts in FP8 trains under ``fp8_ddp`` and ``fp8_fsdp`` on 2 gloo processes
 (one spawn runs both): every step runs the experts' grouped FP8 GEMMs, and the losses follow a single-process FP8
-run on the same global batches (delayed scaling, amaxes agreed across ranks)."""
+run on the same global batches (delayed scaling, amaxes agreed across ranks); under ``fp8_fsdp`` the fused expert
+weights are all-gathered in FP8."""
 
 import pytest
 import torch.multiprocessing as mp
@@ -36,6 +37,7 @@ def test_moe_trains_with_fp8_experts_on_two_processes(strategy, results, single_
     assert results[f"{strategy}_gemms"] == [per_step] * len(experts)
     assert results[strategy][-1] < results[strategy][0]
     assert results[strategy] == pytest.approx(losses, rel=1.5e-2)  # measured: within 0.8%
-    if strategy == "fp8_fsdp":  # the report names the expert weights it gathers in high precision
-        gathered = results["fp8_fsdp_gathered_high_precision"]
-        assert all("fused 3-D expert weights" in gathered[name] for name in experts), gathered
+    if strategy == "fp8_fsdp":  # the report names each fused expert weight, gathered in FP8
+        gathered = results["fp8_fsdp_gathered_fp8"]
+        assert all(f"{name}.{p}" in gathered for name in experts for p in ("gate_up_proj", "down_proj")), gathered
+        assert not any(name.startswith(tuple(experts)) for name in results["fp8_fsdp_gathered_high_precision"])

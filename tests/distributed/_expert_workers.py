@@ -1,0 +1,129 @@
+"""Process body of the 2-process tests of the experts' FP8 all-gather (importable by spawned children): the same
+model trained under FSDP2 with the fused expert weights gathered in FP8 and in high precision, for every recipe."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fp8_lightning import convert_to_fp8, fp8_autocast, recipe_from, sync_scales
+from fp8_lightning.grouped.experts import GroupedExperts
+from fp8_lightning.testing import CollectiveCounter, end_worker, init_gloo
+
+RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8", "nvfp4")
+DIM, HIDDEN, EXPERTS, TOKENS, STEPS = 64, 128, 4, 40, 4
+OFFS = (5, 5, 25, 40)  # an empty expert, uneven groups
+
+
+class ExpertsNet(nn.Module):
+    """Two residual blocks of :class:`GroupedExperts` (each sharded on its own) and a high-precision head."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([GroupedExperts(DIM, HIDDEN, EXPERTS) for _ in range(2)])
+        self.head = nn.Linear(DIM, 8, bias=False)
+
+    def forward(self, x):
+        offs = torch.tensor(OFFS, dtype=torch.int32)
+        for block in self.blocks:
+            x = x + block(x, offs)
+        return self.head(x)
+
+
+def _train(model: nn.Module, batches, rank: int, world: int, loss_fn) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for batch in batches:
+        with fp8_autocast():
+            loss = loss_fn(model, batch[rank])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sync_scales(model)
+        value = loss.detach().clone()
+        dist.all_reduce(value)
+        losses.append(value.item() / world)
+    return losses
+
+
+def _fsdp(model: nn.Module, recipe, world: int, fp8_all_gather: bool, batches, rank: int, loss_fn) -> dict:
+    from fp8_lightning.distributed import enable_fp8_all_gather, shard_model, weight_amax_reductions
+    from fp8_lightning.linear import FP8Linear
+
+    convert_to_fp8(model, recipe_from(recipe))
+    report = enable_fp8_all_gather(model, world) if fp8_all_gather else None
+    for layer in model.modules():  # the linear layers gather in high precision: the runs differ by the experts only
+        if isinstance(layer, FP8Linear) and hasattr(layer.weight, "_hp"):
+            layer.weight = nn.Parameter(layer.weight._hp.detach())
+    shard_model(model)
+    with CollectiveCounter() as counter:
+        losses = _train(model, batches, rank, world, loss_fn)
+    return {
+        "losses": losses,
+        "allgather_bytes": counter.bytes["all_gather"],
+        "allgather_calls": counter.calls["all_gather"],
+        "amax_reductions": weight_amax_reductions(model),
+        "fp8": sorted(report.fp8) if report else [],
+        "high_precision": dict(report.high_precision) if report else {},
+    }
+
+
+def _experts_loss(model, x):
+    return (model(x) ** 2).mean()
+
+
+def experts_net_run(recipe, rank: int, world: int, fp8_all_gather: bool, steps: int = STEPS) -> dict:
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(world, TOKENS, DIM, generator=g) for _ in range(steps)]
+    torch.manual_seed(0)
+    return _fsdp(ExpertsNet(), recipe, world, fp8_all_gather, batches, rank, _experts_loss)
+
+
+def _lm_loss(model, seq):
+    return model(input_ids=seq, labels=seq).loss
+
+
+def transformers_run(recipe, rank: int, world: int, fp8_all_gather: bool) -> dict:
+    """gpt-oss: experts stored transposed, (E, K, N), with biases."""
+    from tests.helpers.moe import VOCAB, tiny_moe
+
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randint(3, VOCAB, (world, 4, 16), generator=g) for _ in range(3)]
+    return _fsdp(tiny_moe("gpt_oss"), recipe, world, fp8_all_gather, batches, rank, _lm_loss)
+
+
+def full_state_dict_check(world: int) -> bool:
+    """The full state dict of a model whose expert weights gather in FP8 holds plain tensors equal to its weights."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from fp8_lightning.distributed import enable_fp8_all_gather, shard_model
+
+    torch.manual_seed(0)
+    model = ExpertsNet()
+    plain = {k: v.clone() for k, v in model.state_dict().items()}
+    convert_to_fp8(model, recipe_from("tensorwise"))
+    enable_fp8_all_gather(model, world)
+    shard_model(model)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return sorted(full) == sorted(plain) and all(
+        type(v) is torch.Tensor and torch.equal(v, plain[k]) for k, v in full.items()
+    )
+
+
+def experts_gather_worker(rank: int, world: int, port: int, out: dict) -> None:
+    init_gloo(rank, world, port)
+    results = {"full_state_dict": full_state_dict_check(world)}
+    for recipe in RECIPES:
+        results[recipe] = {
+            "fp8": experts_net_run(recipe, rank, world, True),
+            "hp": experts_net_run(recipe, rank, world, False),
+        }
+    for recipe in ("tensorwise", "mxfp8"):
+        results[f"gpt_oss/{recipe}"] = {
+            "fp8": transformers_run(recipe, rank, world, True),
+            "hp": transformers_run(recipe, rank, world, False),
+        }
+    if rank == 0:
+        out.update(results)
+    end_worker()
