@@ -151,6 +151,7 @@ def speed(args, lines, device: str = "cuda") -> None:
     for model, (hidden, inner, experts, per_expert) in SHAPES.items():
         experts = args.deepseek_experts if model == "deepseek-v3" else experts
         counts = skewed_counts(experts * per_expert // 8, experts, 8, args.skew, 0.125)
+        counts = (counts + 15) // 16 * 16  # torch's grouped GEMMs assert 16-byte multiples along the ragged dimension
         offs = torch.cumsum(counts, 0).to(torch.int32).to(device)
         m = int(counts.sum())
         for name, k, n in (("gate_up", hidden, 2 * inner), ("down", inner, hidden)):

@@ -25,8 +25,9 @@ class TracedPlan(NamedTuple):
     """What the traced step needs besides tensors: hashable, a constant to the compiler."""
 
     recipe: Any  # the frozen recipe: its traced_cast makes the operands
-    kind: OperandKind  # the kind of the operands its casts make
-    wgrad_kind: OperandKind  # the weight-gradient GEMM's operand kind (``kind``, or high precision)
+    # The kinds as plain names (``OperandKind`` is a str subclass, which torch 2.11's compiler cannot put in a graph):
+    kind: str  # the kind of the operands its casts make
+    wgrad_kind: str  # the weight-gradient GEMM's operand kind (``kind``, or high precision)
     forward_dtype: torch.dtype
     backward_dtype: torch.dtype
     out_dtype: torch.dtype
@@ -49,7 +50,7 @@ class TracedPlan(NamedTuple):
         (x_row, x_t), (w_row, w_t) = self._operands(x_ops, self.wgrad_kind), self._operands(w_ops, self.kind)
         return x_row, x_t, w_row, w_t, grad_state
 
-    def _operands(self, cast: tuple, column_kind: OperandKind) -> tuple[tuple, tuple]:
+    def _operands(self, cast: tuple, column_kind: str) -> tuple[tuple, tuple]:
         row, scale, col, col_scale, row_inverse, col_inverse = (*cast, None, None)[:6]
         return (row, scale, self.kind, row_inverse), (col, scale if col_scale is None else col_scale, column_kind,
                                                       col_inverse)  # fmt: skip
@@ -88,7 +89,7 @@ def plan_for(
     ``traced_cast`` returns six tensors, the last two the copies' inverse scales)."""
     fmt = recipe.fp8_format
     return TracedPlan(
-        recipe, recipe.operand_kind, wgrad_kind or recipe.operand_kind, fmt.forward_dtype, fmt.backward_dtype,
+        recipe, str(recipe.operand_kind), str(wgrad_kind or recipe.operand_kind), fmt.forward_dtype, fmt.backward_dtype,
         out_dtype, emulate, device.type == "cuda", scaled_mm, recipe.fprop_fast_accum, recipe.grad_fast_accum,
         inverses,
     )

@@ -117,9 +117,9 @@ class TracedGroupedFunction(torch.autograd.Function):
         plan, (a_dtype, w_dtype) = ctx.plan, ctx.dtypes
         needs_a, needs_w = ctx.needs_input_grad[:2]
         g = grad_y.contiguous()
-        data, scale, _, _ = plan.recipe.traced_cast(
+        data, scale = plan.recipe.traced_cast(
             g, tuple(grad_state), plan, "grad_output", plan.backward_dtype, False, True
-        )
+        )[:2]  # a plan with inverses also hands out the copies' 1 / scale
         g_rows = operand_values(data, scale, plan.kind)
         grad_a = grad_w = None
         # ------------------------------------------------ dgrad ------------------------------------------------
@@ -147,8 +147,8 @@ def traced_grouped_mm(
     weight = b.transpose(1, 2)  # (E, N, K): each expert's weight as a linear layer holds it
     x = a.detach()
     cast = recipe.traced_cast
-    data, scale, _, _ = cast(x, _state(scaling.operands.get("input")), plan, "input", plan.forward_dtype, False,
-                             record)  # fmt: skip
+    data, scale = cast(x, _state(scaling.operands.get("input")), plan, "input", plan.forward_dtype, False,
+                       record)[:2]  # fmt: skip
     x_rows = operand_values(data, scale, plan.kind)
     x_columns = None
     if not recipe.grouped_columns_from_rows():
@@ -156,7 +156,7 @@ def traced_grouped_mm(
     w_kn, w_nk = [], []
     for expert, state in zip(weight.detach(), scaling.expert_states):
         row, row_scale, col, col_scale = cast(expert, _state(state), plan, "weight", plan.forward_dtype, True,
-                                              record)  # fmt: skip
+                                              record)[:4]  # fmt: skip
         w_kn.append(operand_values(row, row_scale, plan.kind).t())
         w_nk.append(operand_values(col, row_scale if col_scale is None else col_scale, plan.kind).t())
     grad_state = _state(scaling.operands.get("grad_output"))

@@ -126,7 +126,7 @@ class MXFP8BlockScaling(Recipe):
         """Stacked as :meth:`grouped_weight_operands` stacks them; W_e.T's blocks (along N) re-quantized from the
         exactly dequantized gathered weights, as for a linear layer."""
         experts, (n, k) = len(gathered), gathered[0].data.shape
-        rows = Quantized(torch.cat([q.data for q in gathered]), torch.cat([q.scale for q in gathered]), MX)
+        rows = Quantized(_cat_bytes([q.data for q in gathered]), _cat_bytes([q.scale for q in gathered]), MX)
         values = dispatch.operand_f32(rows).view(experts, n, k)
         flipped = values.transpose(1, 2).reshape(experts * k, n)
         columns = dispatch.fast_quantize_mx_operand(flipped, self.block_size, self.scale_rounding, rows.data.dtype)
@@ -159,5 +159,10 @@ MX.implement(
     scale_multiplier=_mx_multiplier,
     representative_scale=lambda q: e8m0_to_float(q.scale).amax().reciprocal(),
 )
+
+
+def _cat_bytes(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat`` of one-byte tensors through uint8 views (CUDA's cat has no float8_e8m0fnu kernel)."""
+    return torch.cat([p.view(torch.uint8) for p in parts]).view(parts[0].dtype)
 
 __all__ = ["MXFP8BlockScaling"]

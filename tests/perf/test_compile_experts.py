@@ -52,7 +52,7 @@ def _train(recipe, backend: str | None, device: str = "cpu"):
     counters.clear()
     torch.manual_seed(0)
     experts = GroupedExperts(dim=32, hidden_dim=64, num_experts=4).to(device)
-    convert_to_fp8(experts, recipe)
+    convert_to_fp8(experts, recipe, profitability=False)  # FP8 numerics even where the gate would keep bf16
     optimizer = torch.optim.SGD(experts.parameters(), lr=0.1)
     counter = CompileCounterWithBackend(backend) if backend else None
     forward = torch.compile(experts, backend=counter, fullgraph=True) if counter else experts
