@@ -183,6 +183,7 @@ class OperandKind(str):
             raise ValueError(f"operand kind {name!r} is declared already; use OperandKind.named({name!r}).")
         kind = super().__new__(cls, name)
         kind.transposable = transposable  # one scale for the whole tensor: its transpose is a view of the bytes
+        kind.name = str(name)  # a plain str, for code torch.compile traces (torch 2.11 cannot call str() on a kind)
         cls._declared[name] = kind
         return kind
 

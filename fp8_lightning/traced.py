@@ -87,9 +87,9 @@ def plan_for(
 ) -> TracedPlan:
     """The plan of one call of ``recipe`` (its ``traced_plan`` fills in what is its own; ``inverses``: its
     ``traced_cast`` returns six tensors, the last two the copies' inverse scales)."""
-    fmt = recipe.fp8_format
+    fmt, kind = recipe.fp8_format, recipe.operand_kind
     return TracedPlan(
-        recipe, str(recipe.operand_kind), str(wgrad_kind or recipe.operand_kind), fmt.forward_dtype, fmt.backward_dtype,
+        recipe, kind.name, (wgrad_kind or kind).name, fmt.forward_dtype, fmt.backward_dtype,
         out_dtype, emulate, device.type == "cuda", scaled_mm, recipe.fprop_fast_accum, recipe.grad_fast_accum,
         inverses,
     )
