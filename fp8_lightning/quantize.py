@@ -297,11 +297,14 @@ class Quantized:
 
     data: torch.Tensor
     scale: torch.Tensor
-    kind: OperandKind = TENSOR
+    # The defaults are None, not a kind or a cache: torch.compile (2.11) cannot trace a default that is an object
+    kind: OperandKind = None  # type: ignore[assignment]  # TENSOR
     cache: OperandCache = dataclasses.field(default=None, repr=False, compare=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
-        if type(self.kind) is not OperandKind:
+        if self.kind is None:
+            self.kind = TENSOR
+        elif type(self.kind) is not OperandKind:
             self.kind = OperandKind.named(self.kind)
         if self.cache is None:  # not a default_factory: torch.compile cannot trace one
             self.cache = OperandCache()

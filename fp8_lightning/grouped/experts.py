@@ -29,6 +29,14 @@ from fp8_lightning.grouped.traced import recipe_key, traced_grouped_mm
 from fp8_lightning.recipes import Recipe
 from fp8_lightning.scaling import records_amax
 
+# torch 2.11's compiler traces the experts' step into one graph but the compiled step drifts from the eager one from
+# the second step on (measured with tests/perf/test_compile_experts.py under torch 2.11; 2.13 matches bit for bit):
+# there the experts run eagerly between graphs.
+_TRACE_REFUSED = (
+    None if tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 12) else
+    f"torch {torch.__version__}: the traced expert step does not reproduce the eager one before torch 2.12"
+)
+
 
 def high_precision_grouped_mm(x: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``torch._grouped_mm(x, b, offs)`` where the device runs it for the dtype, else one GEMM per group."""
@@ -60,6 +68,8 @@ def fp8_grouped_island(reason: str) -> Callable:
 
 
 _OBSERVED_ISLAND = fp8_grouped_island("an observer watches each cast, or the weights arrive gathered in FP8")
+if _TRACE_REFUSED is not None:
+    fp8_grouped_island(_TRACE_REFUSED)  # made here, outside any trace
 
 
 class GroupedExperts(nn.Module):
@@ -225,7 +235,8 @@ class FP8ExpertsMixin:
         if record and not compiling and not gathered and scaling.step_boundary_passed(weight) and scaling.booked:
             scaling.update()  # no one advanced the scales after the optimizer step: advance locally
         with torch.autocast(device_type, enabled=False) if autocasting else contextlib.nullcontext():
-            run, untraced = fp8_grouped_mm, recipe.traced_grouped_unsupported_reason() if compiling else None
+            untraced = (_TRACE_REFUSED or recipe.traced_grouped_unsupported_reason()) if compiling else None
+            run = fp8_grouped_mm
             if untraced is not None:
                 run = fp8_grouped_island(untraced)
             elif compiling and (observer is not None or gathered):

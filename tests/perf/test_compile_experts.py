@@ -23,6 +23,7 @@ from fp8_lightning import (
     fp8_autocast,
     sync_scales,
 )
+from fp8_lightning.grouped import experts as experts_module
 from fp8_lightning.grouped.experts import GroupedExperts
 from tests.conftest import requires_cuda_fp8
 
@@ -103,6 +104,8 @@ def test_on_cuda_fullgraph_compiles_one_graph_with_the_eager_bits(recipe):
     still one, and the step computes what the eager (emulated) step does."""
     if recipe.grouped_native(torch.device("cuda"), 4) is not None:
         pytest.skip("a native grouped kernel serves this recipe here: the compiled step emulates it instead")
+    if experts_module._TRACE_REFUSED is not None:
+        pytest.skip(experts_module._TRACE_REFUSED)
     eager_losses, eager_grads, _, _, eager_state = _train(recipe, backend=None, device="cuda")
     losses, grads, frames, breaks, state = _train(recipe, backend="aot_eager", device="cuda")
     assert frames == [1] * STEPS and breaks == 0
@@ -182,6 +185,25 @@ def test_transformers_experts_compile_into_one_graph(recipe):
         if counter:
             assert counter.frame_count == 1 and sum(counters["graph_break"].values()) == 0
     assert all(torch.equal(a, b) for a, b in zip(*outputs))
+
+
+def test_before_torch_2_12_experts_refuse_fullgraph_and_run_eagerly_between_graphs(monkeypatch):
+    """Where the traced expert step is refused (torch < 2.12), fullgraph=True says why, and a plain compile runs the
+    experts eagerly between graphs with the eager bits."""
+    monkeypatch.setattr(experts_module, "_TRACE_REFUSED", "torch 2.11: refused for this test")
+    experts_module.fp8_grouped_island(experts_module._TRACE_REFUSED)  # as the module makes its own at import
+    experts = GroupedExperts(dim=32, hidden_dim=64, num_experts=4)
+    convert_to_fp8(experts, TensorwiseScaling())
+    torch._dynamo.reset()
+    x, offs = torch.randn(24, 32), torch.tensor(ROUTES[0], dtype=torch.int32)
+    with pytest.raises(Exception, match="torch 2.11: refused for this test"):
+        with fp8_autocast():
+            torch.compile(experts, backend="aot_eager", fullgraph=True)(x, offs)
+    torch._dynamo.reset()
+    with fp8_autocast():
+        eager = experts(x, offs)
+        compiled = torch.compile(experts, backend="aot_eager")(x, offs)
+    assert torch.equal(compiled, eager)
 
 
 def test_nvfp4_experts_refuse_fullgraph_with_the_reason():
