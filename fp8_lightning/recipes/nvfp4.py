@@ -300,6 +300,10 @@ class NVFP4BlockScaling(Recipe):
     def fsdp_unsupported_reason(self, rows: int, cols: int, world_size: int) -> str | None:
         return nvfp4_shard_reason(rows, cols, world_size, self._weight_tile())
 
+    def fsdp_experts_unsupported_reason(self, experts: int, n: int, k: int, world_size: int) -> str | None:
+        return ("NVFP4 expert weights are all-gathered in high precision (the packed FP4 all-gather covers linear "
+                "weights; each expert's global scale would need its own agreed amax)")
+
     def fsdp_pack(self, shard, module, global_amax):
         """This rank's rows as packed codes and E4M3 block scales, cast with the whole weight's global scale (from
         the amax agreed across the shard group), which travels as metadata (:mod:`fp8_lightning.nvfp4_shards`)."""
