@@ -4,8 +4,7 @@
                                          -> (row, row_scale, col, col_scale)
         MXFP8 rowwise and (optionally) columnwise copies of a 2-D tensor from one read
     torch.ops.fp8_lightning.fine_tile_cast(x, dtype, tile_rows, tile_cols, power_of_2, eps) -> (data, scale, inverse)
-        one rowwise or blockwise copy of a 2-D tensor with its 1 / scale, on CUDA in the layouts the Triton cast
-        writes, which are cuBLAS's
+        one rowwise or blockwise copy of a 2-D tensor with its 1 / scale, in the cast's (cuBLAS's) layouts
     torch.ops.fp8_lightning.block_cast_transposed(x, dtype, power_of_2, eps) -> (data, scale, inverse, data_t, ...)
         on CUDA, the 128x128 copy and the copy of x.T from the same blocks, from one launch
     torch.ops.fp8_lightning.operand_values(data, scale, kind) -> float32 values

@@ -17,8 +17,7 @@ Recipe/Quantizer split:
   :meth:`Recipe.grouped_native`, :meth:`Recipe.grouped_gemm_route`, and under compile
   :meth:`Recipe.grouped_columns_from_rows`, :meth:`Recipe.traced_grouped_unsupported_reason`;
 * tensor and sequence parallelism: :meth:`Recipe.tensor_parallel_unsupported_reason`,
-  :meth:`Recipe.tensor_parallel_bind`, :meth:`Recipe.sequence_cast`,
-  :meth:`Recipe.sequence_gather`;
+  :meth:`Recipe.tensor_parallel_bind`, :meth:`Recipe.sequence_cast`, :meth:`Recipe.sequence_gather`;
 * the cost model: :meth:`Recipe.cast_bytes_per_element`, :meth:`Recipe.fp8_gemms`.
 
 A subclass registers itself under its ``name`` (:func:`recipe_from` and checkpoints find it by that name), so a
