@@ -72,6 +72,12 @@ class WeightAmaxSync:
                     "(it binds itself at the first all-gather)."
                 )
         self._layers, self._keys, self._params, self._shards, self._key = layers, keys, params, shards, None
+        # a weight split by tensor parallelism has parts on the other ranks of its tensor-parallel group too: the
+        # amaxes agreed over the shard group are then agreed over that group as well (a weight only sharded along
+        # data parallelism is the same on its tensor-parallel peers, so the second reduction changes nothing for it)
+        split = [m.fp8_tensor_parallel for m in layers if "fp8_tensor_parallel" in m.__dict__]
+        self._tensor_parallel_group = split[0].group if split else None
+
     def unbind(self) -> None:
         """Forget the weights found by :meth:`bind` (the model's FP8-gathered weights changed): the next gather
         binds again."""

@@ -33,7 +33,7 @@ from fp8_lightning.scaling import records_amax
 # the second step on (measured with tests/perf/test_compile_experts.py under torch 2.11; 2.13 matches bit for bit):
 # there the experts run eagerly between graphs.
 _TRACE_REFUSED = (
-    None if tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 12) else
+    None if tuple(int(part) for part in str(torch.__version__).split(".")[:2]) >= (2, 12) else
     f"torch {torch.__version__}: the traced expert step does not reproduce the eager one before torch 2.12"
 )
 
