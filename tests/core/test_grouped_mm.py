@@ -7,7 +7,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fp8_lightning import FP8Linear, MXFP8BlockScaling, RowwiseScaling, TensorwiseScaling, fp8_autocast, fp8_grouped_mm
+from fp8_lightning import (
+    FP8Linear, MXFP8BlockScaling, NVFP4BlockScaling, RowwiseScaling, TensorwiseScaling, fp8_autocast, fp8_grouped_mm,
+)
 from fp8_lightning.grouped.gemm import GroupedScaling, group_bounds
 from tests.conftest import requires_cuda_fp8
 from tests.helpers.layers import EVERY_RECIPE
@@ -108,7 +110,8 @@ def test_error_is_that_of_the_recipe_on_nn_linear(recipe):
         assert grouped < 1.5 * linear + 1e-3, f"{name}: grouped error {grouped:.4f} vs nn.Linear {linear:.4f}"
 
 
-@pytest.mark.parametrize("recipe", EVERY_RECIPE, ids=_ids)
+@pytest.mark.parametrize("recipe", [*EVERY_RECIPE, NVFP4BlockScaling(disable_stochastic_rounding=True),
+                                    NVFP4BlockScaling()], ids=[*map(_ids, EVERY_RECIPE), "nvfp4_rtn", "nvfp4_stochastic"])
 def test_empty_experts_get_zero_gradients_and_no_nan(recipe):
     a, b, offs, g = _inputs(sizes=[0, 7, 0, 0, 25, 0])
     y, da, db = _run(recipe, a, b, offs, g)

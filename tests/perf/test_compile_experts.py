@@ -187,18 +187,24 @@ def test_transformers_experts_compile_into_one_graph(recipe):
     assert all(torch.equal(a, b) for a, b in zip(*outputs))
 
 
+def _refused_fullgraph(recipe, reason: str):
+    """Converted experts whose fullgraph compile stops with ``reason``; returns (experts, x, offs) for further use."""
+    experts = GroupedExperts(dim=32, hidden_dim=64, num_experts=4)
+    convert_to_fp8(experts, recipe)
+    torch._dynamo.reset()
+    x, offs = torch.randn(24, 32), torch.tensor(ROUTES[0], dtype=torch.int32)
+    with pytest.raises(Exception, match=reason):
+        with fp8_autocast():
+            torch.compile(experts, backend="aot_eager", fullgraph=True)(x, offs)
+    return experts, x, offs
+
+
 def test_before_torch_2_12_experts_refuse_fullgraph_and_run_eagerly_between_graphs(monkeypatch):
     """Where the traced expert step is refused (torch < 2.12), fullgraph=True says why, and a plain compile runs the
     experts eagerly between graphs with the eager bits."""
     monkeypatch.setattr(experts_module, "_TRACE_REFUSED", "torch 2.11: refused for this test")
     experts_module.fp8_grouped_island(experts_module._TRACE_REFUSED)  # as the module makes its own at import
-    experts = GroupedExperts(dim=32, hidden_dim=64, num_experts=4)
-    convert_to_fp8(experts, TensorwiseScaling())
-    torch._dynamo.reset()
-    x, offs = torch.randn(24, 32), torch.tensor(ROUTES[0], dtype=torch.int32)
-    with pytest.raises(Exception, match="torch 2.11: refused for this test"):
-        with fp8_autocast():
-            torch.compile(experts, backend="aot_eager", fullgraph=True)(x, offs)
+    experts, x, offs = _refused_fullgraph(TensorwiseScaling(), "torch 2.11: refused for this test")
     torch._dynamo.reset()
     with fp8_autocast():
         eager = experts(x, offs)
@@ -209,10 +215,4 @@ def test_before_torch_2_12_experts_refuse_fullgraph_and_run_eagerly_between_grap
 def test_nvfp4_experts_refuse_fullgraph_with_the_reason():
     from fp8_lightning.recipes import NVFP4BlockScaling
 
-    experts = GroupedExperts(dim=32, hidden_dim=64, num_experts=4)
-    convert_to_fp8(experts, NVFP4BlockScaling())
-    torch._dynamo.reset()
-    x, offs = torch.randn(24, 32), torch.tensor(ROUTES[0], dtype=torch.int32)
-    with pytest.raises(Exception, match="NVFP4 experts: each group's weight-gradient cast draws"):
-        with fp8_autocast():
-            torch.compile(experts, backend="aot_eager", fullgraph=True)(x, offs)
+    _refused_fullgraph(NVFP4BlockScaling(), "NVFP4 experts: each group's weight-gradient cast draws")
