@@ -29,6 +29,9 @@ import torch
 from benchmarks.bench_common import bar_plot, header, interleaved_medians, markdown_table, run_folder, write_results
 
 from fp8_lightning import fp8_grouped_mm
+from fp8_lightning.grouped.gemm import GroupedScaling
+from fp8_lightning.profitability import device_roofline, experts_cost
+from fp8_lightning.recipes import recipe_from
 from fp8_lightning.settings import reload_settings
 
 MODELS = {  # hidden, expert hidden, experts, experts per token
@@ -59,19 +62,31 @@ def projections(model: str, shrink: int, experts: int | None) -> tuple[list[tupl
 BASELINES = ["bf16 grouped", "fp32 grouped", "bf16 per-expert loop"]
 
 
-def configurations(a, b, offs, counts, dtype, recipes=RECIPES, baselines=BASELINES, grad_fast_accum=False):
-    """name -> a function that runs one forward + backward ("bf16 grouped", the reference, always runs);
-    ``grad_fast_accum``: each recipe also with fast accumulation in its two gradient GEMMs."""
+def configurations(a, b, offs, counts, dtype, recipes=RECIPES, baselines=BASELINES, grad_fast_accum=False,
+                   microbatches: int = 1):
+    """name -> a function that runs one training step ("bf16 grouped", the reference, always runs): the weight
+    changed in place (an optimizer step), then ``microbatches`` forward + backward passes accumulating its gradient.
+    Each FP8 row keeps its scaling state across steps, so its micro-batches share one weight cast, as a converted
+    experts module's do. ``grad_fast_accum``: each recipe also with fast accumulation in its two gradient GEMMs."""
     g = torch.randn(a.shape[0], b.shape[2], dtype=dtype, device=a.device)
+    experts = b.shape[0]
 
     def step(fn):
+        w = b.detach().clone().requires_grad_()
+
         def run():
-            x, w = a.detach().requires_grad_(), b.detach().requires_grad_()
-            fn(x, w).backward(g)
+            with torch.no_grad():
+                w.mul_(1.0)  # a new weight version: the FP8 weight cast is made again
+            for _ in range(microbatches):
+                fn(a.detach().requires_grad_(), w).backward(g)
         return run
 
     def loop(x, w):
         return torch.cat([x[s:e] @ w[i] for i, (s, e) in enumerate(zip([0, *offs.tolist()[:-1]], offs.tolist()))])
+
+    def fp8(recipe):
+        scaling = GroupedScaling(recipe_from(recipe), experts)
+        return lambda x, w: fp8_grouped_mm(x, w, offs, out_dtype=dtype, scaling=scaling)
 
     fns = {
         "bf16 grouped": step(lambda x, w: torch._grouped_mm(x.bfloat16(), w.bfloat16(), offs)),
@@ -83,11 +98,21 @@ def configurations(a, b, offs, counts, dtype, recipes=RECIPES, baselines=BASELIN
     if grad_fast_accum:
         variants.update({f"fp8 {name} grad-fast-accum": {"name": name, "grad_fast_accum": True} for name in recipes})
     for label, recipe in variants.items():
-        fns[label] = step(lambda x, w, r=recipe: fp8_grouped_mm(x, w, offs, recipe=r, out_dtype=dtype))
+        fns[label] = step(fp8(recipe))
     if "rowwise" in recipes and a.is_cuda:  # the rowwise recipe through each grouped kernel, named
         for route in ("torch", "triton"):
             fns[f"fp8 rowwise {route}"] = with_route(route, fns["fp8 rowwise"])
     return fns
+
+
+def modelled_speedup(config: str, m: int, experts: int, k: int, n: int, microbatches: int, device) -> float | None:
+    """What the roofline of :func:`fp8_lightning.profitability.experts_cost` gives an FP8 row on a CUDA device
+    (None for the high-precision rows and off CUDA): the ceiling that the casts' bytes leave the measured row."""
+    if device.type != "cuda" or not config.startswith("fp8 "):
+        return None
+    recipe = recipe_from(config.split()[1])
+    roofline = device_roofline(device)
+    return experts_cost(m, experts, k, n, recipe, roofline, weight_casts=1 / microbatches).speedup
 
 
 def with_route(route: str, fn):
@@ -127,7 +152,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", choices=sorted(SUITES), default="gpu" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS))
-    parser.add_argument("--tokens", type=int, help="tokens per step (each routed to top-k experts)")
+    parser.add_argument("--tokens", type=int, nargs="+", help="tokens per micro-batch (each routed to top-k experts); "
+                        "several values run one after the other")
+    parser.add_argument("--microbatches", type=int, default=1,
+                        help="micro-batches per step sharing one weight (gradient accumulation)")
     parser.add_argument("--shrink", type=int, help="divide hidden sizes by this (CPU runs)")
     parser.add_argument("--experts", type=int, help="experts to run (default: the model's on GPU)")
     parser.add_argument("--skew", type=float, default=1.0)
@@ -144,11 +172,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="output folder (default benchmarks/results/perf-grouped-<device>-<date>)")
     args = parser.parse_args(argv)
     preset = SUITES[args.suite]
-    tokens, shrink = args.tokens or preset["tokens"], args.shrink or preset["shrink"]
+    token_counts, shrink = args.tokens or [preset["tokens"]], args.shrink or preset["shrink"]
     device = torch.device("cuda" if args.suite == "gpu" else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows, groups, series, profiles = [], [], {}, {}
-    for model in args.models:
+    for model, tokens in ((model, tokens) for model in args.models for tokens in token_counts):
         shapes, experts, top_k = projections(model, shrink, args.experts or preset["experts"])
         counts = skewed_counts(tokens, experts, top_k, args.skew, args.empty)
         offs = torch.cumsum(counts, 0).to(torch.int32).to(device)
@@ -156,9 +184,10 @@ def main(argv: list[str] | None = None) -> None:
             torch.manual_seed(0)
             a = torch.randn(int(counts.sum()), k, dtype=dtype, device=device)
             b = torch.randn(experts, n, k, dtype=dtype, device=device).transpose(-2, -1) / k**0.5  # (E, K, N)
-            fns = configurations(a, b, offs, counts, dtype, args.recipes, args.baselines, args.grad_fast_accum)
+            fns = configurations(a, b, offs, counts, dtype, args.recipes, args.baselines, args.grad_fast_accum,
+                                 args.microbatches)
             times = interleaved_medians(fns, device, args.warmup, args.rounds)
-            label = f"{model} {name}"
+            label = f"{model} {name}" + (f" {tokens} tokens" if len(token_counts) > 1 else "")
             if args.profile:
                 for config in (c for c in fns if c.startswith("fp8 ")):
                     tag = config[4:].replace(" ", "-")
@@ -166,18 +195,23 @@ def main(argv: list[str] | None = None) -> None:
             groups.append(label)
             for config, seconds in times.items():
                 ratio = times["bf16 grouped"] / seconds
+                model_ratio = modelled_speedup(config, a.shape[0], experts, k, n, args.microbatches, device)
                 rows.append(dict(shape=label, experts=experts, rows=int(counts.sum()), k=k, n=n,
                                  empty_experts=int((counts == 0).sum()), max_tokens=int(counts.max()),
-                                 config=config, ms=1e3 * seconds, vs_bf16=ratio))  # fmt: skip
+                                 config=config, ms=1e3 * seconds, vs_bf16=ratio,
+                                 modelled="-" if model_ratio is None else f"{model_ratio:.2f}x"))  # fmt: skip
                 series.setdefault(config, []).append(ratio)
     folder = run_folder("grouped", device, args.out)
     head = header("grouped", device, argv)
     columns = [("shape", "shape", "{}"), ("experts", "experts", "{}"), ("rows", "routed rows", "{}"),
                ("empty_experts", "empty", "{}"), ("max_tokens", "max/expert", "{}"), ("k", "K", "{}"),
                ("n", "N", "{}"), ("config", "config", "{}"), ("ms", "ms (fwd+bwd)", "{:.2f}"),
-               ("vs_bf16", "speed vs bf16 grouped", "{:.2f}x")]  # fmt: skip
-    notes = (f"Suite {args.suite}: {tokens} tokens, top-k routing with skew {args.skew} and {args.empty:.0%} of the "
-             f"experts empty, hidden sizes divided by {shrink}. Goal on a GPU: FP8 >= {TARGET}x bf16 grouped.")
+               ("vs_bf16", "speed vs bf16 grouped", "{:.2f}x"), ("modelled", "roofline ceiling", "{}")]  # fmt: skip
+    notes = (f"Suite {args.suite}: {', '.join(map(str, token_counts))} tokens per micro-batch, "
+             f"{args.microbatches} micro-batch(es) per weight step, top-k routing with skew {args.skew} and {args.empty:.0%} of the "
+             f"experts empty, hidden sizes divided by {shrink}. Goal on a GPU: FP8 >= {TARGET}x bf16 grouped. "
+             "Roofline ceiling (CUDA only): fp8_lightning.profitability.experts_cost for the row's recipe, the speed "
+             "the casts' bytes leave it at best.")
     write_results(folder, head, rows, markdown_table(columns, rows), notes)
     for file, table in profiles.items():
         (folder / file).write_text(table)

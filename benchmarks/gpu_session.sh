@@ -17,6 +17,9 @@
 #                                           # CUDA, then timed against bf16 torch._grouped_mm and torch._scaled_grouped_mm,
 #                                           # GEMM alone and the whole fwd+bwd step, DeepSeek-V3 and Qwen3-30B-A3B expert
 #                                           # shapes with skewed routing (under 3 minutes; no pytest needed)
+#   bash benchmarks/gpu_session.sh grouped-tokens  # the grouped step (rowwise, MXFP8 on sm_100) vs bf16 as tokens per
+#                                           # expert grow (4096 and 16384 tokens) and with 4 micro-batches sharing one
+#                                           # weight cast, beside the roofline ceiling of each row (~4 minutes)
 #   bash benchmarks/gpu_session.sh traced   # compiled rowwise/blockwise/MXFP8 layer step vs eager, bit for bit, and
 #                                           # its CUDA kernels per step (torch.profiler); under a minute on an H100
 #   bash benchmarks/gpu_session.sh nvfp4    # the Triton NVFP4 cast's bytes vs the reference on CUDA (shapes up to
@@ -48,7 +51,7 @@ install_wheels() {  # the wheels in wheels/, offline, into $site (on PYTHONPATH 
 }
 
 if [ "$mode" = dry-run ]; then
-  for call in checks linear llama gpt stack grouped grouped-triton nvfp4 traced experts lease; do
+  for call in checks linear llama gpt stack grouped grouped-tokens grouped-triton nvfp4 traced experts lease; do
     echo "== call '$call' runs:"
     sed -n "/^  $call)/,/;;/p" "$0" | grep -o 'step [a-z_]* .*' | sed 's/^step /   /'
   done
@@ -112,6 +115,12 @@ case "$mode" in
     STEP_TIMEOUT=40 step host_time_accumulate "$python" -m benchmarks host-time --device cuda --modes eager \
       --rounds 100 --accumulate 4 --checksum-off-rows --out "$work/host_time_accumulate.md"
     ;;
+  grouped-tokens)  # where FP8 experts pay off: more tokens per expert, and micro-batches sharing the weight cast
+    STEP_TIMEOUT=110 step grouped_tokens "$python" -m benchmarks grouped --suite gpu --experts 64 --recipes rowwise \
+      mxfp8 --baselines --tokens 4096 16384 --rounds 3 --out "$work/perf-grouped-tokens"
+    STEP_TIMEOUT=110 step grouped_microbatches "$python" -m benchmarks grouped --suite gpu --experts 64 --recipes \
+      rowwise mxfp8 --baselines --tokens 4096 16384 --microbatches 4 --rounds 3 --out "$work/perf-grouped-microbatches"
+    ;;
   grouped-triton)  # check first (exit 1 skips the timings), then GEMM-alone and whole-step timings
     STEP_TIMEOUT=175 step grouped_triton "$python" -m benchmarks grouped-triton --rounds 5 --out "$work/grouped_triton.md"
     ;;
@@ -138,7 +147,7 @@ case "$mode" in
       --out "$work/perf-linear-gpu-compiled"
     ;;
   *)
-    echo "usage: bash benchmarks/gpu_session.sh checks|linear|llama|gpt|stack|grouped|grouped-triton|nvfp4|traced|experts|lease|dry-run (got '$mode')" >&2
+    echo "usage: bash benchmarks/gpu_session.sh checks|linear|llama|gpt|stack|grouped|grouped-tokens|grouped-triton|nvfp4|traced|experts|lease|dry-run (got '$mode')" >&2
     exit 2
     ;;
 esac

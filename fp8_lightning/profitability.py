@@ -103,16 +103,30 @@ def layer_cost(
 ) -> LayerCost:
     """The roofline model of the module docstring for one (M, K, N) layer. ``fp8_flops``: the rate of the
     recipe's FP8 GEMMs where they do not run on FP8 tensor cores (:mod:`fp8_lightning.capability_table`)."""
+    return experts_cost(m, 1, k, n, recipe, device, fp8_flops)
+
+
+def experts_cost(
+    m: int, experts: int, k: int, n: int, recipe: Recipe, device: DeviceRoofline, fp8_flops: float | None = None,
+    weight_casts: float = 1.0,
+) -> LayerCost:
+    """The same roofline for one grouped projection: ``m`` routed tokens over ``experts`` weights (K, N) each.
+
+    The GEMMs' FLOPs follow the tokens, but every expert's weight is read (and, in FP8, cast with its copies) each
+    step, whatever its tokens: with few tokens per expert the weight casts alone outweigh what FP8 saves.
+    ``weight_casts``: weight casts per forward+backward, 1 per step, ``1 / k`` where ``k`` micro-batches of
+    gradient accumulation share the cast of an unchanged weight (the layer caches it by weight version)."""
 
     def gemm(flops: float, nbytes: float, peak: float) -> float:
         return max(flops / peak, nbytes / device.bandwidth)
 
     flops = 2.0 * m * k * n
-    bf16 = 3 * gemm(flops, 2.0 * (m * k + n * k + m * n), device.bf16_flops)
+    weight = experts * n * k
+    bf16 = 3 * gemm(flops, 2.0 * (m * k + weight + m * n), device.bf16_flops)
     fp8_gemms = recipe.fp8_gemms()  # rowwise: wgrad may stay in bf16
     rate = fp8_flops or device.fp8_flops
-    fp8 = fp8_gemms * gemm(flops, (m * k + n * k) + 2.0 * m * n, rate) + (3 - fp8_gemms) * bf16 / 3
-    fp8 += cast_bytes_per_element(recipe) * (m * k + n * k + m * n) / device.bandwidth
+    fp8 = fp8_gemms * gemm(flops, (m * k + weight) + 2.0 * m * n, rate) + (3 - fp8_gemms) * bf16 / 3
+    fp8 += cast_bytes_per_element(recipe) * (m * k + weight_casts * weight + m * n) / device.bandwidth
     fp8 += EXTRA_KERNELS * device.launch_s
     return LayerCost(bf16, fp8)
 

@@ -8,6 +8,7 @@ from fp8_lightning.profitability import (
     KNOWN_DEVICES,
     DeviceRoofline,
     ProfitabilityGate,
+    experts_cost,
     layer_cost,
     profitability_setting,
     resolve_gate,
@@ -47,6 +48,32 @@ def test_rowwise_and_blockwise_costs_are_the_documented_roofline():
         assert layer_cost(m, k, n, recipe, TOY).fp8_s == pytest.approx(3 * fp8_gemm + casts, rel=1e-12)
     hp_wgrad = layer_cost(m, k, n, RowwiseScaling(high_precision_wgrad=True), TOY)
     assert hp_wgrad.fp8_s == pytest.approx(2 * fp8_gemm + bf16_gemm + casts, rel=1e-12)
+
+
+def test_experts_cost_reads_and_casts_every_expert_weight():
+    """A grouped projection: the tokens' FLOPs, every expert's weight read each step and cast once per weight
+    version; micro-batches sharing one cast pay a fraction of it."""
+    m, e, k, n = 96, 4, 128, 32
+    w = e * n * k
+    bf16 = 3 * max(2 * m * k * n / 1e12, 2 * (m * k + w + m * n) / 1e9)
+    gemms = 3 * max(2 * m * k * n / 2e12, ((m * k + w) + 2 * m * n) / 1e9)
+    for share in (1.0, 0.25):
+        fp8 = gemms + 7.0 * (m * k + share * w + m * n) / 1e9 + 9 * 1e-6  # tensorwise casts, extra kernels
+        cost = experts_cost(m, e, k, n, TensorwiseScaling(), TOY, weight_casts=share)
+        assert cost.bf16_s == pytest.approx(bf16, rel=1e-12)
+        assert cost.fp8_s == pytest.approx(fp8, rel=1e-12)
+
+
+def test_few_tokens_per_expert_keep_fp8_experts_below_bf16_on_h100():
+    """DeepSeek-V3's gate/up projection (64 experts, K 7168, N 4096) on an H100: at ~134 tokens per expert the
+    weight casts leave FP8 below bf16; more tokens, or micro-batches sharing the weight cast, lift it above."""
+    def speedup(tokens_per_expert, share=1.0):
+        return experts_cost(64 * tokens_per_expert, 64, 7168, 4096, RowwiseScaling(), H100, weight_casts=share).speedup
+
+    assert speedup(134) < 0.6
+    assert speedup(134) < speedup(1024) < speedup(4096)
+    assert speedup(4096) > 1.0
+    assert speedup(134, share=1 / 8) > 1.0
 
 
 def test_speedup_grows_with_size_on_h100():
