@@ -148,6 +148,29 @@ def profile_table(fn, device: torch.device, steps: int = 3) -> str:
             + averages.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
 
 
+def roofline_table(devices: list[str], token_counts: list[int], recipes: list[str]) -> str:
+    """The roofline ceiling (:func:`~fp8_lightning.profitability.experts_cost`) of each recipe's grouped step vs bf16
+    at the models' full shapes, on datasheet devices, per tokens per expert, with 1 and 8 micro-batches per weight
+    cast: where FP8 experts can pay off at all, computed without a GPU."""
+    from fp8_lightning.profitability import KNOWN_DEVICES
+
+    table = dict(KNOWN_DEVICES)
+    lines = ["| device | projection | K | N | recipe | " + " | ".join(
+        f"{t} tok/expert{' x8 mb' if mb > 1 else ''}" for mb in (1, 8) for t in token_counts) + " |"]
+    lines.append("|---" * 5 + "|---:" * (2 * len(token_counts)) + "|")
+    for name in devices:
+        roofline = table[name]
+        for model in MODELS:
+            shapes, experts, _ = projections(model, 1, None)
+            for projection, k, n in shapes:
+                for recipe in recipes:
+                    cells = [experts_cost(t * experts, experts, k, n, recipe_from(recipe), roofline,
+                                          weight_casts=1 / mb).speedup for mb in (1, 8) for t in token_counts]
+                    lines.append(f"| {roofline.name} | {model} {projection} | {k} | {n} | {recipe} | "
+                                 + " | ".join(f"{c:.2f}x" for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", choices=sorted(SUITES), default="gpu" if torch.cuda.is_available() else "cpu")
@@ -167,10 +190,15 @@ def main(argv: list[str] | None = None) -> None:
                         help="also write a torch.profiler kernel table of each FP8 row (profile-<shape>-<row>.txt)")
     parser.add_argument("--grad-fast-accum", action="store_true",
                         help="also time each recipe with fast accumulation in the gradient GEMMs")
+    parser.add_argument("--roofline", nargs="+", metavar="DEVICE",
+                        help="print the roofline ceilings on these datasheet devices (e.g. H100 B200) and exit")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--out", help="output folder (default benchmarks/results/perf-grouped-<device>-<date>)")
     args = parser.parse_args(argv)
+    if args.roofline:
+        print(roofline_table(args.roofline, args.tokens or [128, 512, 2048, 8192], args.recipes))
+        return
     preset = SUITES[args.suite]
     token_counts, shrink = args.tokens or [preset["tokens"]], args.shrink or preset["shrink"]
     device = torch.device("cuda" if args.suite == "gpu" else "cpu")
