@@ -205,8 +205,8 @@ def test_the_sign_vector_and_the_rounding_counter_are_saved_and_a_resumed_run_is
 
 
 def test_torch_compile_gives_the_eager_bits():
-    """torch.compile (aot_eager, graphs may break) computes what eager mode does. fullgraph=True fails for every
-    recipe on torch 2.13 (torch.is_inference_mode_enabled in the layer step), so it is not checked here."""
+    """torch.compile (aot_eager, graphs may break) computes what eager mode does (one graph with fullgraph=True:
+    tests/perf/test_compile.py)."""
     x = torch.randn(16, 64)
     out = {}
     for compiled in (False, True):

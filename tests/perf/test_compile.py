@@ -20,6 +20,7 @@ from fp8_lightning import (
     BlockwiseScaling,
     DelayedScaling,
     MXFP8BlockScaling,
+    NVFP4BlockScaling,
     RowwiseScaling,
     TensorwiseScaling,
     convert_to_fp8,
@@ -31,7 +32,7 @@ from fp8_lightning.models import GPT
 
 RECIPES = [
     DelayedScaling(), TensorwiseScaling(), MXFP8BlockScaling(), RowwiseScaling(),
-    RowwiseScaling(high_precision_wgrad=True), BlockwiseScaling(),
+    RowwiseScaling(high_precision_wgrad=True), BlockwiseScaling(), NVFP4BlockScaling(),
 ]
 STEPS = 10
 
