@@ -400,5 +400,10 @@ def _recipe_class(name: str) -> type[Recipe]:
     key = ALIASES.get(key, key)
     if key not in RECIPES:
         allowed = sorted(RECIPES) + sorted(ALIASES)
-        raise ValueError(f"recipe name {name!r} is unknown; allowed: {', '.join(allowed)}.")
+        hint = ""
+        if key.startswith(("fp8_", "fp4_")):  # a Trainer(precision=...) string given where a recipe is asked
+            hint = (f" {name!r} looks like a Trainer(precision=...) string, which stands for a recipe with settings: "
+                    "pass the recipe name, or the recipe the string stands for "
+                    f"(fp8_lightning.lightning.strings.recipe_for_precision({name!r})).")
+        raise ValueError(f"recipe name {name!r} is unknown; allowed: {', '.join(allowed)}.{hint}")
     return RECIPES[key]

@@ -76,6 +76,9 @@ def test_construction_from_names_and_dicts():
 def test_bad_names_and_dicts_are_explained():
     with pytest.raises(ValueError, match="unknown; allowed: blockwise, delayed, mxfp8, nvfp4, rowwise, tensorwise"):
         recipe_from("columnwise")
+    for string in ("fp8-hybrid", "fp4-nvfp4"):  # a precision string where a recipe is asked: the way to the recipe
+        with pytest.raises(ValueError, match=rf"looks like a Trainer\(precision=...\) string.*for_precision\('{string}'\)"):
+            recipe_from(string)
     with pytest.raises(ValueError, match="needs a 'name' key"):
         recipe_from({"margin": 1})
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['history'\]"):
