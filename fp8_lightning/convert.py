@@ -303,7 +303,8 @@ def load_fp8_state_dict(module: nn.Module, state: dict, strict: bool = True, sou
         None; the layers' scaling states hold the restored values.
 
     Raises:
-        ValueError: a missing or unexpected layer (with ``strict``), or a state that fails the checks above.
+        KeyError: a missing or unexpected layer (with ``strict``).
+        ValueError: a state that fails the checks above.
     """
     where = _where(source)
     layers = dict(scaled_modules(module))
