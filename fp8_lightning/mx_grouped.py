@@ -31,7 +31,7 @@ from fp8_lightning.quantize import MX, Quantized
 
 MX_BLOCK = 32  # the kernel's block of K elements per E8M0 scale
 ROW_TILE, COL_TILE = 128, 4  # the swizzled layout's tile: 128 rows by 4 block columns, 512 bytes
-MAX_GROUPS = 1024  # set_grouped_gemm_args_kernel<<<1, G>>>: one thread per group, in one block
+MX_MAX_GROUPS = 1024  # set_grouped_gemm_args_kernel<<<1, G>>>: one thread per group, in one block
 MX_GROUPED_GEMM = "MSLK MXFP8 grouped GEMM (torch._scaled_grouped_mm, e8m0 SWIZZLE_32_4_4 scales)"
 
 
@@ -162,7 +162,7 @@ def grouped_mx_columns(
                             padded)  # fmt: skip
 
 
-def fprop_args(x: Quantized, weights: StackedWeights, offs: torch.Tensor):
+def mx_fprop_args(x: Quantized, weights: StackedWeights, offs: torch.Tensor):
     """``(mat_a, mat_b, scale_a, scale_b)`` of ``y_e = x_e @ W_e.T``: the (M, K) codes with per-group swizzled
     scales, and the (E, K, N) column-major view of the stacked (E * N, K) weight codes with per-expert scales."""
     rows, experts = weights.rows, weights.experts
@@ -171,7 +171,7 @@ def fprop_args(x: Quantized, weights: StackedWeights, offs: torch.Tensor):
     return x.data.contiguous(), mat_b, grouped_row_scales(x.scale, offs), stacked_scales(rows.scale, experts)
 
 
-def dgrad_args(g: Quantized, weights: StackedWeights, offs: torch.Tensor):
+def mx_dgrad_args(g: Quantized, weights: StackedWeights, offs: torch.Tensor):
     """``(mat_a, mat_b, scale_a, scale_b)`` of ``dx_e = g_e @ W_e``: the (M, N) gradient codes, and the (E, N, K)
     column-major view of the stacked transposed weights (E * K, N), blocks along N."""
     columns, experts = weights.columns, weights.experts
@@ -180,7 +180,7 @@ def dgrad_args(g: Quantized, weights: StackedWeights, offs: torch.Tensor):
     return g.data.contiguous(), mat_b, grouped_row_scales(g.scale, offs), stacked_scales(columns.scale, experts)
 
 
-def wgrad_args(g_columns: MXGroupedColumns, x_columns: MXGroupedColumns):
+def mx_wgrad_args(g_columns: MXGroupedColumns, x_columns: MXGroupedColumns):
     """``(mat_a, mat_b, scale_a, scale_b, offs)`` of ``dW_e = g_e.T @ x_e``: the (N, M_pad) gradient codes, the
     (M_pad, K) column-major view of the input's (K, M_pad) codes, their per-group swizzled scales and the padded
     group ends."""
@@ -195,13 +195,13 @@ class MXGroupedGemm:
     kernel's only output dtype, converted to the requested one)."""
 
     def fprop(self, x: Quantized, weights: StackedWeights, offs: torch.Tensor, out_dtype: torch.dtype):
-        return _launch(*fprop_args(x, weights, offs), offs).to(out_dtype)
+        return _launch(*mx_fprop_args(x, weights, offs), offs).to(out_dtype)
 
     def dgrad(self, g: Quantized, weights: StackedWeights, offs: torch.Tensor, out_dtype: torch.dtype):
-        return _launch(*dgrad_args(g, weights, offs), offs).to(out_dtype)
+        return _launch(*mx_dgrad_args(g, weights, offs), offs).to(out_dtype)
 
     def wgrad(self, g_columns: MXGroupedColumns, x_columns: MXGroupedColumns, out_dtype: torch.dtype):
-        return _launch(*wgrad_args(g_columns, x_columns)).to(out_dtype)
+        return _launch(*mx_wgrad_args(g_columns, x_columns)).to(out_dtype)
 
 
 def _launch(mat_a, mat_b, scale_a, scale_b, offs) -> torch.Tensor:
@@ -237,11 +237,11 @@ def probe(device: torch.device) -> torch.Tensor:
     return out
 
 
-def native_unavailable_reason(device: torch.device, experts: int) -> str | None:
+def mx_native_unavailable_reason(device: torch.device, experts: int) -> str | None:
     """Why the MXFP8 grouped GEMMs cannot run as ``torch._scaled_grouped_mm`` on ``device``, or None."""
     if device.type != "cuda":
         return f"{device.type}: the MXFP8 grouped kernel is CUDA's"
-    if experts > MAX_GROUPS:
-        return f"{experts} experts: torch's MXFP8 grouped kernel takes at most {MAX_GROUPS} groups"
+    if experts > MX_MAX_GROUPS:
+        return f"{experts} experts: torch's MXFP8 grouped kernel takes at most {MX_MAX_GROUPS} groups"
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _device_reason(torch.device("cuda", index))

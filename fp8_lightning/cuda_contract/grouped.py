@@ -106,9 +106,9 @@ def mx_expert_calls(sizes: list[int], k: int, n: int) -> list[tuple[str, dict, l
     weights = StackedWeights(_mx_operand(experts * n, k), _mx_operand(experts * k, n), experts)
     offs = _meta((experts,), torch.int32)
     names = ("mat_a", "mat_b", "scale_a", "scale_b")
-    calls = [("fprop", dict(zip(names, mx_grouped.fprop_args(_mx_operand(m, k), weights, offs)), offs=offs), sizes),
-             ("dgrad", dict(zip(names, mx_grouped.dgrad_args(_mx_operand(m, n), weights, offs)), offs=offs), sizes)]
-    wgrad = mx_grouped.wgrad_args(_mx_columns(sizes, n), _mx_columns(sizes, k))
+    calls = [("fprop", dict(zip(names, mx_grouped.mx_fprop_args(_mx_operand(m, k), weights, offs)), offs=offs), sizes),
+             ("dgrad", dict(zip(names, mx_grouped.mx_dgrad_args(_mx_operand(m, n), weights, offs)), offs=offs), sizes)]
+    wgrad = mx_grouped.mx_wgrad_args(_mx_columns(sizes, n), _mx_columns(sizes, k))
     padded = padded_group_sizes([(0, s) for s in sizes], mx_grouped.MX_BLOCK)
     calls.append(("wgrad", dict(zip((*names, "offs"), wgrad)), padded))
     return calls

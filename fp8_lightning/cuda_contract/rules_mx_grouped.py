@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from fp8_lightning.cuda_contract.rules import Facts, Outcome, Target, c10_name
+from fp8_lightning.cuda_contract.rules import E8M0, Facts, Outcome, Target, c10_name
 from fp8_lightning.cuda_contract.rules_grouped import _transposed
 
-KERNEL = "MSLK mx8mx8bf16_grouped_mm (sm_100a)"
-E8M0 = torch.float8_e8m0fnu
+MX_GROUPED_KERNEL = "MSLK mx8mx8bf16_grouped_mm (sm_100a)"
 DEVICE_MESSAGE = ("torch._scaled_grouped_mm is only supported on CUDA devices with compute capability = [9.0, 10.0], "
                   "or ROCm MI300+")
 
@@ -102,7 +101,8 @@ def mx_scaled_grouped_mm(
         return Outcome("none", f"Expected trailing dimension of mat_a to be divisible by 16 but got mat1 shape: "
                                f"({list(mat_a.shape)}).")
     if mat_b.shape[-2] % 16 or mat_b.shape[-1] % 16:
-        return Outcome("none", f"Expected mat_b shape to be divisible by 16 but got mat_b shape: ({list(mat_b.shape)}).")
+        return Outcome("none", "Expected mat_b shape to be divisible by 16 but got mat_b shape: "
+                               f"({list(mat_b.shape)}).")
     if (offs is not None) != (a2 or b2):
         return Outcome("none", "Have to provide offsets if there is a 2d matrix")
     if offs is not None and (len(offs.shape) != 1 or offs.dtype != torch.int32):
@@ -122,34 +122,35 @@ def mx_scaled_grouped_mm(
     if v2 is None and not (mat_a.dtype == mat_b.dtype == torch.float8_e4m3fn):  # the rowwise path takes the call
         return Outcome("CUTLASS rowwise grouped GEMM", "For grouped FP8 rowwise, both scales must be float32 tensors")
     if not a2:
-        return Outcome(KERNEL, "MXFP8 grouped GEMM currently only supports 2d-2d and 2d-3d cases")
+        return Outcome(MX_GROUPED_KERNEL, "MXFP8 grouped GEMM currently only supports 2d-2d and 2d-3d cases")
     return _kernel_outcome(target, mat_a, mat_b, scale_a, scale_b, offs, group_sizes)
 
 
 def _kernel_outcome(target, mat_a, mat_b, scale_a, scale_b, offs, group_sizes) -> Outcome:
     """MSLK's host checks, the built architectures and the device-side asserts."""
+    kernel = MX_GROUPED_KERNEL
     if not mat_a.is_contiguous():
-        return Outcome(KERNEL, "XQ must be row major.")
+        return Outcome(kernel, "XQ must be row major.")
     if not mat_b.t().is_contiguous() if len(mat_b.shape) == 2 else not _batched_t_contiguous(mat_b):
-        return Outcome(KERNEL, "WQ must be column major.")
+        return Outcome(kernel, "WQ must be column major.")
     if not scale_a.is_contiguous() or not scale_b.is_contiguous():
-        return Outcome(KERNEL, f"{'x' if not scale_a.is_contiguous() else 'w'}_scale must be contiguous.")
+        return Outcome(kernel, f"{'x' if not scale_a.is_contiguous() else 'w'}_scale must be contiguous.")
     groups = offs.shape[0]
     if len(mat_b.shape) == 3 and mat_b.shape[0] != groups:
-        return Outcome(KERNEL, "for 2d-3d grouped GEMM, XQ shape must be (total_M, K) and WQ shape must be (G, K, N).")
+        return Outcome(kernel, "for 2d-3d grouped GEMM, XQ shape must be (total_M, K) and WQ shape must be (G, K, N).")
     if groups > 1024:
-        return Outcome(KERNEL, f"{groups} groups: set_grouped_gemm_args_kernel<<<1, G>>> launches one thread per "
-                               "group in one block (at most 1024)")
+        return Outcome(kernel, f"{groups} groups: set_grouped_gemm_args_kernel<<<1, G>>> launches one thread per group "
+                               "in one block (at most 1024)")
     if target.capability[0] != 10:
-        return Outcome(KERNEL, f"{target.arch}: the MXFP8 grouped kernel is built for sm_100a / sm_103a only (no "
+        return Outcome(kernel, f"{target.arch}: the MXFP8 grouped kernel is built for sm_100a / sm_103a only (no "
                                "kernel image for this device)")
     if not target.cuda_at_least((12, 8)):
-        return Outcome(KERNEL, "CUDA version is older than 12.8")
+        return Outcome(kernel, "CUDA version is older than 12.8")
     if group_sizes is not None:
         reason = _group_violation(mat_a, mat_b, scale_a, group_sizes)
         if reason:
-            return Outcome(KERNEL, reason)
-    return Outcome(KERNEL, None, f"c10 {c10_name(mat_a.dtype)} x {c10_name(mat_b.dtype)} -> BFloat16")
+            return Outcome(kernel, reason)
+    return Outcome(kernel, None, f"c10 {c10_name(mat_a.dtype)} x {c10_name(mat_b.dtype)} -> BFloat16")
 
 
 def _batched_t_contiguous(mat: Facts) -> bool:

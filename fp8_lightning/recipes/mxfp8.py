@@ -20,7 +20,7 @@ from fp8_lightning.gemm import mx_mm
 from fp8_lightning.groups import StackedWeights, padded_rows
 from fp8_lightning.ops.layer import mx_operand_cast, operand_values
 from fp8_lightning.mx import E8M0_DTYPE, e8m0_to_float
-from fp8_lightning.mx_grouped import MX_GROUPED_GEMM, MXGroupedGemm, grouped_mx_columns, native_unavailable_reason
+from fp8_lightning.mx_grouped import MX_GROUPED_GEMM, MXGroupedGemm, grouped_mx_columns, mx_native_unavailable_reason
 from fp8_lightning.quantize import MX, Quantized
 from fp8_lightning.kernels.availability import MX_BLOCK_SIZES, SCALE_ROUNDINGS
 from fp8_lightning.recipes.base import Recipe, multiple_reason, invalid
@@ -89,7 +89,7 @@ class MXFP8BlockScaling(Recipe):
         names why."""
         if self._grouped_unsupported_reason() or settings().gemm == "emulate" or settings().emulate:
             return None
-        reason = native_unavailable_reason(device, experts)
+        reason = mx_native_unavailable_reason(device, experts)
         if reason is None:
             return MXGroupedGemm()
         if device.type == "cuda" and (device.type, reason) not in _WARNED and not reason.startswith("sm_"):

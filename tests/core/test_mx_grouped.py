@@ -14,7 +14,7 @@ from fp8_lightning.cuda_contract.rules_grouped import meta_error
 from fp8_lightning.cuda_contract.rules_mx_grouped import mx_scaled_grouped_mm
 from fp8_lightning.grouped.gemm import GroupedScaling, fp8_grouped_mm
 from fp8_lightning.groups import group_bounds
-from fp8_lightning.mx_grouped import MXGroupedGemm, dgrad_args, fprop_args, wgrad_args
+from fp8_lightning.mx_grouped import MXGroupedGemm, mx_dgrad_args, mx_fprop_args, mx_wgrad_args
 from fp8_lightning.recipes import MXFP8BlockScaling, Recipe
 
 E4M3 = torch.float8_e4m3fn
@@ -94,9 +94,9 @@ def test_the_arguments_give_each_gemm_of_the_operands():
     fprop and dgrad per expert, wgrad per expert over its own tokens, zero for empty experts."""
     a, b, offs, g = _inputs()
     bounds, x, x_cols, w, gq, g_cols = _operands(MXFP8BlockScaling(), a, b, offs, g)
-    y = kernel_f64(*fprop_args(x, w, offs), offs)
-    da = kernel_f64(*dgrad_args(gq, w, offs), offs)
-    db = kernel_f64(*wgrad_args(g_cols, x_cols))
+    y = kernel_f64(*mx_fprop_args(x, w, offs), offs)
+    da = kernel_f64(*mx_dgrad_args(gq, w, offs), offs)
+    db = kernel_f64(*mx_wgrad_args(g_cols, x_cols))
     for e, (s, t) in enumerate(bounds):
         torch.testing.assert_close(y[s:t], _values(x)[s:t] @ _values(w[e][0]).t(), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(da[s:t], _values(gq)[s:t] @ _values(w[e][1]).t(), rtol=1e-12, atol=1e-12)
@@ -190,7 +190,7 @@ def test_a_build_without_the_kernel_falls_back_with_one_warning(monkeypatch):
         assert len(caught) == 1 and "requires compile with USE_MSLK" in str(caught[0].message)
         mx_grouped._device_reason.cache_clear()
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-        assert "compute capability 10.x" in mx_grouped.native_unavailable_reason(cuda, 8)
+        assert "compute capability 10.x" in mx_grouped.mx_native_unavailable_reason(cuda, 8)
     finally:
         mx_grouped._device_reason.cache_clear()
 
@@ -205,3 +205,22 @@ def test_the_route_is_native_on_sm_100_only():
     assert grouped_route_on(MXFP8BlockScaling(fp8_format="HYBRID"), (10, 0), (13, 0), True).verdict == "fallback"
     assert grouped_route_on(MXFP8BlockScaling(block_size=64), (10, 0), (13, 0), True).verdict == "fallback"
     assert MXFP8BlockScaling().grouped_native(torch.device("cpu"), 8) is None
+
+
+def _gpu_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA sm_100 device with torch's MXFP8 grouped kernel: CUDA is not available"
+    reason = mx_grouped.mx_native_unavailable_reason(torch.device("cuda"), 8)
+    return None if reason is None else f"needs torch's MXFP8 grouped kernel: {reason}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
+def test_on_sm_100_the_kernel_reads_the_arguments_as_the_interpreter_does():
+    """The kernel's bf16 output on the library's arguments against the float64 interpreter of the same arguments."""
+    a, b, offs, g = (t.cuda() for t in _inputs())
+    _, x, x_cols, w, gq, g_cols = _operands(MXFP8BlockScaling(), a, b, offs, g)
+    for args in (mx_fprop_args(x, w, offs) + (offs,), mx_dgrad_args(gq, w, offs) + (offs,), mx_wgrad_args(g_cols, x_cols)):
+        got = mx_grouped._launch(*args).double().cpu()
+        ref = kernel_f64(*(t.cpu() for t in args))
+        torch.testing.assert_close(got, ref, rtol=2**-8, atol=2**-8 * ref.abs().max().item())
