@@ -8,7 +8,6 @@ operand kind ``MX`` runs cuBLAS's native MX GEMM (sm100+), the Triton MX GEMM, o
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import ClassVar
 
 import torch
@@ -25,8 +24,6 @@ from fp8_lightning.quantize import MX, Quantized
 from fp8_lightning.kernels.availability import MX_BLOCK_SIZES, SCALE_ROUNDINGS
 from fp8_lightning.recipes.base import Recipe, multiple_reason, invalid
 from fp8_lightning.settings import settings
-
-_WARNED: set[tuple[str, str]] = set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,18 +81,19 @@ class MXFP8BlockScaling(Recipe):
         return row, grouped_mx_columns(x, bounds, dtype, self.block_size, self.scale_rounding)
 
     def grouped_native(self, device, experts):
-        """One ``torch._scaled_grouped_mm`` launch per GEMM on sm_100 (torch's MSLK MXFP8 grouped kernel), else
-        None (emulated); on a CUDA device that should run it but cannot (a build without the kernel), one warning
-        names why."""
+        """One ``torch._scaled_grouped_mm`` launch per GEMM on sm_100 (torch's MSLK MXFP8 grouped kernel), else None
+        (emulated)."""
         if self._grouped_unsupported_reason() or settings().gemm == "emulate" or settings().emulate:
             return None
+        return MXGroupedGemm() if mx_native_unavailable_reason(device, experts) is None else None
+
+    def grouped_fallback_reason(self, device, experts):
+        """On a CUDA device of compute capability 10.x that cannot run torch's MXFP8 grouped kernel (a build without
+        it, a probe call that fails, too many experts), why; elsewhere None (the route says why)."""
+        if device.type != "cuda" or self._grouped_unsupported_reason() or settings().gemm == "emulate":
+            return None
         reason = mx_native_unavailable_reason(device, experts)
-        if reason is None:
-            return MXGroupedGemm()
-        if device.type == "cuda" and (device.type, reason) not in _WARNED and not reason.startswith("sm_"):
-            _WARNED.add((device.type, reason))
-            warnings.warn(f"MXFP8 grouped GEMMs emulated on {device}: {reason}.")
-        return None
+        return None if reason is None or reason.startswith("sm_") else reason
 
     def grouped_gemm_route(self, capability, cuda, has_grouped_api) -> GemmRoute:
         # GroupedBlas.cpp (_scaled_grouped_mm_cuda): e4m3 operands with e8m0 scales go to MSLK's mx8mx8bf16_grouped_mm,

@@ -164,18 +164,20 @@ def test_the_layer_runs_one_launch_per_gemm_and_equals_the_emulation(sizes, monk
 
 def test_a_build_without_the_kernel_falls_back_with_one_warning(monkeypatch):
     """On a (simulated) sm_100 the recipe hands out its grouped kernels when the probe call runs; when torch lacks the
-    kernel it warns once with torch's reason and the grouped GEMMs are emulated; on sm_90 nothing is asked."""
-    from fp8_lightning.recipes import mxfp8
+    kernel the grouped GEMMs are emulated and the emulation's one warning gives torch's reason; on sm_90 no reason
+    beyond the route's."""
+    from fp8_lightning.grouped import gemm as grouped_gemm
 
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
-    monkeypatch.setattr(mxfp8, "_WARNED", set())
+    monkeypatch.setattr(grouped_gemm, "_WARNED", set())
     mx_grouped._device_reason.cache_clear()
     try:
         monkeypatch.setattr(mx_grouped, "probe", lambda device: torch.full((32, 32), 32.0))
         assert isinstance(MXFP8BlockScaling().grouped_native(cuda, 64), MXGroupedGemm)
-        with pytest.warns(UserWarning, match="at most 1024 groups"):
-            assert MXFP8BlockScaling().grouped_native(cuda, 1025) is None
+        assert MXFP8BlockScaling().grouped_fallback_reason(cuda, 64) is None
+        assert MXFP8BlockScaling().grouped_native(cuda, 1025) is None
+        assert "at most 1024 groups" in MXFP8BlockScaling().grouped_fallback_reason(cuda, 1025)
         assert MXFP8BlockScaling(fp8_format="HYBRID").grouped_native(cuda, 8) is None  # e5m2 gradients
         mx_grouped._device_reason.cache_clear()
 
@@ -183,14 +185,17 @@ def test_a_build_without_the_kernel_falls_back_with_one_warning(monkeypatch):
             raise NotImplementedError("mxfp8_mxfp8 grouped gemm requires compile with USE_MSLK")
 
         monkeypatch.setattr(mx_grouped, "probe", missing)
+        assert MXFP8BlockScaling().grouped_native(cuda, 8) is None
+        reason = MXFP8BlockScaling().grouped_fallback_reason(cuda, 8)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            assert MXFP8BlockScaling().grouped_native(cuda, 8) is None
-            assert MXFP8BlockScaling().grouped_native(cuda, 8) is None
+            for _ in range(3):
+                grouped_gemm.warn_once(cuda, reason)
         assert len(caught) == 1 and "requires compile with USE_MSLK" in str(caught[0].message)
         mx_grouped._device_reason.cache_clear()
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
         assert "compute capability 10.x" in mx_grouped.mx_native_unavailable_reason(cuda, 8)
+        assert MXFP8BlockScaling().grouped_fallback_reason(cuda, 8) is None  # the generic warning covers sm_90
     finally:
         mx_grouped._device_reason.cache_clear()
 
