@@ -89,10 +89,13 @@ def _operands(recipe, a, b, offs, g):
     return bounds, x, x_cols, w, gq, g_cols
 
 
-def test_the_arguments_give_each_gemm_of_the_operands():
+@pytest.mark.parametrize("sizes, k, n", [(SIZES, 64, 96), ([300, 0, 129, 7], 288, 160)],
+                         ids=["small", "several 128x4 tiles per group"])
+def test_the_arguments_give_each_gemm_of_the_operands(sizes, k, n):
     """Each call's arguments, read as the kernel reads them, give the float64 products of the recipe's operands:
-    fprop and dgrad per expert, wgrad per expert over its own tokens, zero for empty experts."""
-    a, b, offs, g = _inputs()
+    fprop and dgrad per expert, wgrad per expert over its own tokens, zero for empty experts; with groups and
+    experts spanning several 128-row and 4-block tiles of the swizzled scales."""
+    a, b, offs, g = _inputs(sizes, k, n)
     bounds, x, x_cols, w, gq, g_cols = _operands(MXFP8BlockScaling(), a, b, offs, g)
     y = kernel_f64(*mx_fprop_args(x, w, offs), offs)
     da = kernel_f64(*mx_dgrad_args(gq, w, offs), offs)
