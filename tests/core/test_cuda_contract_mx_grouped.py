@@ -90,3 +90,25 @@ def test_the_expert_calls_pass_on_sm_100_and_fall_back_elsewhere():
         assert {v.status for v in fallback} == {"fallback"} and "10.x" in fallback[0].reasons[0]
     role, args, padded = mx_expert_calls([0, 5, 40], 64, 96)[2]
     assert role == "wgrad" and padded == [32, 32, 64] and args["mat_a"].shape == (96, 128)
+
+
+def _meta_like(f: Facts) -> torch.Tensor:
+    return torch.empty_strided(f.shape, f.stride, dtype=f.dtype, device="meta")
+
+
+@pytest.mark.parametrize("change", [
+    {},
+    {"scale_b": Facts((4, 4 * 96), (384, 1), E8M0)},  # the 3-D scale's blocked size
+    {"scale_a": Facts((1024,), (1,), E8M0)},  # 1-D scale of a 2-D operand
+    {"scale_a": Facts((512, 4), (8, 1), E8M0)},  # a strided 2-D scale
+    {"mat_b": Facts((4, 64, 96), (64 * 96, 96, 1), E4M3)},  # row-major mat_b
+], ids=["valid", "3-D scale size", "1-D scale", "strided scale", "row-major mat_b"])
+def test_torch_meta_function_agrees_with_the_rules_on_the_layouts_it_checks(change):
+    """The installed torch's meta function (what torch.compile checks) and the port of torch 2.11's CUDA checks
+    accept the same valid call and refuse the same broken layouts."""
+    from fp8_lightning.cuda_contract.rules_grouped import meta_error
+
+    facts = {**_facts_2d_3d(), **change}
+    rules = mx_scaled_grouped_mm(SM100, *facts.values(), torch.bfloat16)
+    meta = meta_error(*(_meta_like(f) for f in facts.values()))
+    assert (rules.violation is None) == (meta is None) == (not change), (rules.violation, meta)
