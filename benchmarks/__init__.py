@@ -58,6 +58,10 @@ SUITES: dict[str, Suite] = {
                        "GEMMs)?"),
     "grouped-gpu-check": Suite("grouped_gpu_check", "Does the native grouped FP8 GEMM (rowwise, "
                                "torch._scaled_grouped_mm) match the CPU emulation on a GPU, with one launch per GEMM?"),
+    "mx-grouped-gpu": Suite("mx_grouped_gpu_check", "Do the MXFP8 grouped GEMMs on sm_100 (torch._scaled_grouped_mm) "
+                            "match the emulation, and how fast are they vs bf16 torch._grouped_mm?"),
+    "mx-grouped-launches": Suite("mx_grouped_launches", "How many tensor operations does one MXFP8 fp8_grouped_mm "
+                                 "forward+backward run at 4, 16 and 64 experts (casts, emulated, native route)?"),
     "grouped-triton": Suite("grouped_triton_gpu", "Does the Triton grouped FP8 GEMM match float64 math on a GPU, and "
                             "how fast is it, alone and in a whole fwd+bwd step, vs bf16 and torch's FP8 grouped GEMM?"),
     "nvfp4-gpu": Suite("nvfp4_gpu_check", "Does the Triton NVFP4 cast write the reference's bytes on a GPU, and how fast "

@@ -9,7 +9,8 @@
 #   bash benchmarks/gpu_session.sh gpt      # 350M GPT step, same configurations, compiled (ROUNDS=8 by default)
 #   bash benchmarks/gpu_session.sh stack    # four Llama-3-8B-shaped decoder layers, 8 x 1024 tokens, the same
 #   bash benchmarks/gpu_session.sh lease    # one ~9-minute call for a 15-minute lease: the checks, then compiled linear
-#   bash benchmarks/gpu_session.sh grouped  # native grouped FP8 (rowwise) vs the CPU emulation, then MoE grouped GEMM
+#   bash benchmarks/gpu_session.sh grouped  # native grouped FP8 (rowwise; MXFP8 on sm_100, else its skip reason) vs
+#                                           # the emulation, then MoE grouped GEMM
 #                                           # fwd+bwd (rowwise FP8 vs bf16 torch._grouped_mm, with profiles) at
 #                                           # DeepSeek-V3 and Qwen3-30B-A3B expert shapes with token skew, and the
 #                                           # weight cache's host time with accumulation (~4 minutes on an H200)
@@ -107,9 +108,11 @@ case "$mode" in
     ;;
   grouped)  # also the weight cache's GPU rule (a reuse casts again, no device sync) and its host time
     STEP_TIMEOUT=60 step grouped_check "$python" -m benchmarks grouped-gpu-check --out "$work/grouped_gpu_check.md"
+    # MXFP8 on sm_100: native grouped GEMMs vs emulation, then timed vs bf16; elsewhere it prints the skip reason
+    STEP_TIMEOUT=120 step mx_grouped "$python" -m benchmarks mx-grouped-gpu --rounds 10 --out "$work/mx_grouped_gpu.md"
     STEP_TIMEOUT=60 step pytest_grouped "$python" -m pytest -q -p no:cacheprovider -m gpu \
       tests/core/test_grouped_native.py tests/core/test_grouped_mm.py tests/kernels/test_grouped_cast.py tests/kernels/test_grouped_gemm.py \
-      tests/core/test_weight_cache.py
+      tests/core/test_weight_cache.py tests/core/test_mx_grouped.py
     STEP_TIMEOUT=120 step grouped "$python" -m benchmarks grouped --suite gpu --recipes rowwise --baselines \
       --rounds 3 --profile --out "$work/perf-grouped-gpu"
     STEP_TIMEOUT=40 step host_time_accumulate "$python" -m benchmarks host-time --device cuda --modes eager \

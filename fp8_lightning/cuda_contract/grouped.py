@@ -14,11 +14,13 @@ import torch
 from fp8_lightning.cuda_contract.check import FALLBACK, NATIVE, VIOLATION, Verdict
 from fp8_lightning.cuda_contract.rules import Facts, Target
 from fp8_lightning.cuda_contract.rules_grouped import meta_error, scaled_grouped_mm
+from fp8_lightning.cuda_contract.rules_mx_grouped import mx_scaled_grouped_mm
 from fp8_lightning.cuda_contract.simulate import Call, GemmRecord
 from fp8_lightning.gemm_routes import NATIVE as NATIVE_ROUTE
 from fp8_lightning.gemm_routes import TRITON_GROUPED_GEMM
 from fp8_lightning.groups import StackedWeights, padded_group_sizes
-from fp8_lightning.quantize import ROW, Quantized
+from fp8_lightning import mx_grouped
+from fp8_lightning.quantize import MX, ROW, Quantized
 from fp8_lightning.rowwise_grouped import (
     GROUP_ALIGN,
     GroupedColumns,
@@ -84,13 +86,43 @@ def expert_calls(sizes: list[int], k: int, n: int) -> list[tuple[str, dict, list
     return calls
 
 
+def _mx_operand(rows: int, k: int) -> Quantized:
+    """An MX cast's output as the CUDA cast kernels write it: (rows, K) codes, (rows, K/32) e8m0 scales."""
+    return Quantized(_meta((rows, k), E4M3), _meta((rows, k // 32), torch.float8_e8m0fnu), MX)
+
+
+def _mx_columns(sizes: list[int], k: int) -> mx_grouped.MXGroupedColumns:
+    """:func:`~fp8_lightning.mx_grouped.grouped_mx_columns`'s layout for ``sizes``: (K, M_pad) codes, (K, M_pad/32)
+    scales, (E,) int32 padded ends."""
+    padded = padded_group_sizes([(0, s) for s in sizes], mx_grouped.MX_BLOCK)
+    total = sum(padded)
+    return mx_grouped.MXGroupedColumns(_meta((k, total), E4M3), _meta((k, total // 32), torch.float8_e8m0fnu),
+                                       _meta((len(sizes),), torch.int32), [], sizes, padded)
+
+
+def mx_expert_calls(sizes: list[int], k: int, n: int) -> list[tuple[str, dict, list[int] | None]]:
+    """(role, arguments, ragged group sizes) of the three MXFP8 grouped calls of one (E, K -> N) expert projection."""
+    experts, m = len(sizes), sum(sizes)
+    weights = StackedWeights(_mx_operand(experts * n, k), _mx_operand(experts * k, n), experts)
+    offs = _meta((experts,), torch.int32)
+    names = ("mat_a", "mat_b", "scale_a", "scale_b")
+    calls = [("fprop", dict(zip(names, mx_grouped.mx_fprop_args(_mx_operand(m, k), weights, offs)), offs=offs), sizes),
+             ("dgrad", dict(zip(names, mx_grouped.mx_dgrad_args(_mx_operand(m, n), weights, offs)), offs=offs), sizes)]
+    wgrad = mx_grouped.mx_wgrad_args(_mx_columns(sizes, n), _mx_columns(sizes, k))
+    padded = padded_group_sizes([(0, s) for s in sizes], mx_grouped.MX_BLOCK)
+    calls.append(("wgrad", dict(zip((*names, "offs"), wgrad)), padded))
+    return calls
+
+
 def judge_call(target: Target, role: str, args: dict, group_sizes: list[int] | None) -> Verdict:
-    """The verdict on one grouped call: torch 2.11's rules, then the installed torch's meta function."""
+    """The verdict on one grouped call: torch 2.11's rules (MXFP8's where the scales are e8m0), then the installed
+    torch's meta function."""
     facts = {name: Facts.of(t) for name, t in args.items()}
     record = GemmRecord(role, "grouped", facts["mat_a"], facts["mat_b"], torch.bfloat16,
                         [Call(GROUPED_API, facts)])
-    outcome = scaled_grouped_mm(target, facts["mat_a"], facts["mat_b"], facts["scale_a"], facts["scale_b"],
-                                facts["offs"], torch.bfloat16, group_sizes)
+    rules = mx_scaled_grouped_mm if facts["scale_a"].dtype == torch.float8_e8m0fnu else scaled_grouped_mm
+    outcome = rules(target, facts["mat_a"], facts["mat_b"], facts["scale_a"], facts["scale_b"], facts["offs"],
+                    torch.bfloat16, group_sizes)
     reasons = [f"{GROUPED_API}: {outcome.violation}"] if outcome.violation else []
     meta = meta_error(args["mat_a"], args["mat_b"], args["scale_a"], args["scale_b"], args["offs"])
     reasons += [f"{GROUPED_API}: torch's meta function: {meta}"] if meta else []
@@ -109,7 +141,8 @@ def check_experts(target: Target, recipe, sizes: list[int], k: int, n: int) -> l
         empty = Facts((0,), (1,), torch.float32)
         return [Verdict(GemmRecord(role, "grouped", empty, empty, torch.bfloat16), FALLBACK, route.gemm,
                         [route.why], []) for role in ("fprop", "dgrad", "wgrad")]
-    return [judge_call(target, role, args, groups) for role, args, groups in expert_calls(sizes, k, n)]
+    calls = mx_expert_calls if route.gemm == mx_grouped.MX_GROUPED_GEMM else expert_calls
+    return [judge_call(target, role, args, groups) for role, args, groups in calls(sizes, k, n)]
 
 
 def expert_shapes(models=EXPERT_MODELS, tokens=EXPERT_TOKENS):

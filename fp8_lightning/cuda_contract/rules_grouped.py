@@ -8,8 +8,8 @@ in ``GroupedMMUtils.h`` (mat_a row-major, mat_b column-major, leading strides mu
 ``f8f8bf16_grouped_gemm_impl_sm90`` in ``ScaledGroupMM.cu`` (fewer than 1024 groups; e4m3 operands);
 ``prepare_grouped_gemm_data`` in ``GroupMMCommon.cuh`` (2-D x 2-D: every group non-empty, every group but the last a
 multiple of 16 bytes along the ragged K). torch PR #188063 (June 2026, after 2.11) brought the rowwise grouped kernel
-to sm_100; before it the kernel is built for sm_90 only. MXFP8 (e8m0 scales, ``SWIZZLE_32_4_4`` blocked per group)
-needs torch built with FBGEMM GenAI and sm_100; the library does not issue it.
+to sm_100; before it the kernel is built for sm_90 only. MXFP8 calls (e8m0 scales, ``SWIZZLE_32_4_4`` blocked per
+group, sm_100) have their own rules: :mod:`.rules_mx_grouped`.
 """
 
 from __future__ import annotations

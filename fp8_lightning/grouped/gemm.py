@@ -216,13 +216,16 @@ class FP8GroupedMMFunction(torch.autograd.Function):
         return grad_a, grad_w, None
 
 
-def warn_once(device: torch.device) -> None:
-    """One warning per process and device type where the grouped GEMM runs emulated on an accelerator."""
-    if device.type != "cpu" and device.type not in _WARNED:
-        _WARNED.add(device.type)
+def warn_once(device: torch.device, reason: str | None = None) -> None:
+    """One warning per process, device type and reason where the grouped GEMM runs emulated on an accelerator;
+    ``reason``: the recipe's (:meth:`~fp8_lightning.recipes.base.Recipe.grouped_fallback_reason`), if it gives one."""
+    key = device.type if reason is None else f"{device.type}: {reason}"
+    if device.type != "cpu" and key not in _WARNED:
+        _WARNED.add(key)
+        why = f"its grouped kernel cannot run: {reason}" if reason else "no FP8 grouped GEMM kernel runs here yet"
         warnings.warn(
-            f"fp8_grouped_mm on {device.type}: no FP8 grouped GEMM kernel runs here yet; the grouped GEMMs multiply "
-            "the FP8 operands' exact values in float32 (FP8 numerics, high-precision speed)."
+            f"fp8_grouped_mm on {device.type}: {why}; the grouped GEMMs multiply the FP8 operands' exact values in "
+            "float32 (FP8 numerics, high-precision speed)."
         )
 
 
@@ -271,6 +274,6 @@ def fp8_grouped_mm(
         raise ValueError(f"fp8_grouped_mm: scaling holds {scaling.experts} experts but b holds {experts}.")
     native = recipe.grouped_native(a.device, experts)
     if native is None:
-        warn_once(a.device)
+        warn_once(a.device, recipe.grouped_fallback_reason(a.device, experts))
     step = GroupedStep(scaling, bounds, offs, out_dtype or a.dtype, training, regathered, observer, native)
     return FP8GroupedMMFunction.apply(a, b.transpose(1, 2), step).contiguous()

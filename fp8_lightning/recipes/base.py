@@ -14,8 +14,8 @@ Recipe/Quantizer split:
   :meth:`Recipe.fsdp_experts_unsupported_reason`, :meth:`Recipe.fsdp_experts_pack`,
   :meth:`Recipe.fsdp_experts_unpack`, :meth:`Recipe.fsdp_experts_operands`;
 * grouped GEMMs of mixtures of experts: :meth:`Recipe.grouped_operands`, :meth:`Recipe.grouped_weight_operands`,
-  :meth:`Recipe.grouped_native`, :meth:`Recipe.grouped_gemm_route`, and under compile
-  :meth:`Recipe.grouped_columns_from_rows`, :meth:`Recipe.traced_grouped_unsupported_reason`;
+  :meth:`Recipe.grouped_native`, :meth:`Recipe.grouped_fallback_reason`, :meth:`Recipe.grouped_gemm_route`, and under
+  compile :meth:`Recipe.grouped_columns_from_rows`, :meth:`Recipe.traced_grouped_unsupported_reason`;
 * tensor and sequence parallelism: :meth:`Recipe.tensor_parallel_unsupported_reason`,
   :meth:`Recipe.tensor_parallel_bind`, :meth:`Recipe.sequence_cast`, :meth:`Recipe.sequence_gather`;
 * the cost model: :meth:`Recipe.cast_bytes_per_element`, :meth:`Recipe.fp8_gemms`.
@@ -169,6 +169,12 @@ class Recipe:
         ``wgrad(g_columns, x_columns, out_dtype)`` taking the operands :meth:`grouped_operands` and
         :meth:`grouped_weight_operands` made, one grouped launch each; None (the default) where the grouped GEMMs
         are emulated from the operands' exact values."""
+        return None
+
+    def grouped_fallback_reason(self, device: torch.device, experts: int) -> str | None:
+        """Why :meth:`grouped_native` gives nothing on ``device`` where this recipe has a native grouped kernel for
+        such devices (a torch build without it, say), for the emulation's one warning; None (the default): no reason
+        beyond the route's own."""
         return None
 
     def grouped_columns_from_rows(self) -> bool:

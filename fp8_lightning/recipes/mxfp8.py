@@ -14,14 +14,16 @@ import torch
 
 from fp8_lightning.ops import dispatch
 from fp8_lightning.formats import NATIVE_MX_MIN_CAPABILITY, NATIVE_MX_MIN_CUDA, Format, fp8_dtype
-from fp8_lightning.gemm_routes import GemmRoute, arch_name, cuda_name, native, triton_mx
+from fp8_lightning.gemm_routes import GemmRoute, arch_name, cuda_name, emulated_on_gpu, native, triton_mx
 from fp8_lightning.gemm import mx_mm
 from fp8_lightning.groups import StackedWeights, padded_rows
 from fp8_lightning.ops.layer import mx_operand_cast, operand_values
 from fp8_lightning.mx import E8M0_DTYPE, e8m0_to_float
+from fp8_lightning.mx_grouped import MX_GROUPED_GEMM, MXGroupedGemm, grouped_mx_columns, mx_native_unavailable_reason
 from fp8_lightning.quantize import MX, Quantized
 from fp8_lightning.kernels.availability import MX_BLOCK_SIZES, SCALE_ROUNDINGS
 from fp8_lightning.recipes.base import Recipe, multiple_reason, invalid
+from fp8_lightning.settings import settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +70,51 @@ class MXFP8BlockScaling(Recipe):
 
     def traced_cast(self, x, state, plan, role, dtype, columnwise, record):
         return mx_operand_cast(x, self.block_size, self.scale_rounding, dtype, columnwise)
+
+    def grouped_operands(self, role, x, bounds, dtype, columnwise, state, record):
+        """The rowwise copy is one cast of ``x``; every group's columnwise copy comes from one cast of a layout where
+        each group starts at a whole block (:func:`~fp8_lightning.mx_grouped.grouped_mx_columns`): the bits of
+        casting each group on its own, laid out as the 2-D x 2-D grouped GEMM reads them."""
+        row = self.cast(role, x, dtype, False, True, state, record)[0]
+        if not columnwise:
+            return row, None
+        return row, grouped_mx_columns(x, bounds, dtype, self.block_size, self.scale_rounding)
+
+    def grouped_native(self, device, experts):
+        """One ``torch._scaled_grouped_mm`` launch per GEMM on sm_100 (torch's MSLK MXFP8 grouped kernel), else None
+        (emulated)."""
+        if self._grouped_unsupported_reason() or settings().gemm == "emulate" or settings().emulate:
+            return None
+        return MXGroupedGemm() if mx_native_unavailable_reason(device, experts) is None else None
+
+    def grouped_fallback_reason(self, device, experts):
+        """On a CUDA device of compute capability 10.x that cannot run torch's MXFP8 grouped kernel (a build without
+        it, a probe call that fails, too many experts), why; elsewhere None (the route says why)."""
+        if device.type != "cuda" or self._grouped_unsupported_reason() or settings().gemm == "emulate":
+            return None
+        reason = mx_native_unavailable_reason(device, experts)
+        return None if reason is None or reason.startswith("sm_") else reason
+
+    def grouped_gemm_route(self, capability, cuda, has_grouped_api) -> GemmRoute:
+        # GroupedBlas.cpp (_scaled_grouped_mm_cuda): e4m3 operands with e8m0 scales go to MSLK's mx8mx8bf16_grouped_mm,
+        # built for sm_100a / sm_103a in torch 2.11's CUDA wheels; _scaled_mm_allowed_device admits 9.x and 10.x only
+        arch = arch_name(capability)
+        reason = self._grouped_unsupported_reason()
+        if reason is None and not has_grouped_api:
+            reason = "torch has no torch._scaled_grouped_mm"
+        if reason is None and capability[0] != 10:
+            reason = f"{arch}: torch's MXFP8 grouped kernel runs on compute capability 10.x only"
+        if reason is not None:
+            return emulated_on_gpu(f"grouped GEMMs emulated: {reason}")
+        return native(MX_GROUPED_GEMM, f"{arch}, {cuda_name(cuda)} (needs a torch built with MSLK / FBGEMM GenAI)")
+
+    def _grouped_unsupported_reason(self) -> str | None:
+        if self.block_size != 32:
+            return f"block_size={self.block_size}: torch's MXFP8 grouped kernel takes blocks of 32"
+        if self.fp8_format is not Format.E4M3:
+            return (f"fp8_format={self.fp8_format.name}: the MXFP8 grouped kernel multiplies e4m3 operands only (E5M2 "
+                    "gradients); use fp8_format='E4M3'")
+        return None
 
     def grouped_weight_operands(self, weight, dtype, states, record):
         """Every expert's operands from two casts, whatever the number of experts: ``weight`` (E, N, K) as E*N rows

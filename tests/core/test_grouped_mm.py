@@ -218,7 +218,7 @@ def test_on_cuda_the_grouped_gemms_match_the_cpu_run(recipe, monkeypatch):
     monkeypatch.setattr(gemm, "_WARNED", set())
     a, b, offs, g = _inputs()
     cpu = _run(recipe, a, b, offs, g)
-    with pytest.warns(UserWarning, match="no FP8 grouped GEMM kernel"):
+    with pytest.warns(UserWarning, match="no FP8 grouped GEMM kernel|grouped kernel cannot run"):
         cuda = _run(recipe, a.cuda(), b.cuda(), offs.cuda(), g.cuda())
     for name, here, there in zip(("y", "da", "db"), cpu, cuda):
         torch.testing.assert_close(there.cpu(), here, rtol=1e-4, atol=1e-4 * here.abs().amax().item(), msg=name)
