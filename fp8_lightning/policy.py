@@ -10,8 +10,9 @@ three ways, tried in this order (the first that decides wins):
 2. **Positions in the stack of repeated blocks** (the model's longest ``nn.ModuleList``, or the one named by
    ``"stack"``): ``"first": n`` / ``"last": n`` keep the first / last ``n`` blocks in high precision; a float in
    (0, 1) is a fraction of the blocks, rounded up (``"last": 0.15`` of 8 blocks is 2 blocks: at least one whenever
-   the fraction is positive); an experts module belongs to the block it is inside. Megatron's ``first_last_layers_bf16`` is ``{"first": n, "last": n}``; the NVFP4 paper
-   keeps the last ~15% of blocks in bf16 (:meth:`~fp8_lightning.recipes.base.Recipe.default_layers`).
+   the fraction is positive); an experts module belongs to the block it is inside. Megatron's
+   ``first_last_layers_bf16`` is ``{"first": n, "last": n}``; the NVFP4 paper keeps the last ~15% of blocks in bf16
+   (:meth:`~fp8_lightning.recipes.base.Recipe.default_layers`), their experts included.
 3. **The default recipe** (``convert_to_fp8(recipe=...)``).
 
 A value is a recipe (object, name or dict) or high precision: ``None``, ``"high_precision"``, ``"bf16"``, ``"hp"``.

@@ -82,7 +82,7 @@ def log_guard_events(model: Any, events: list[GuardEvent]) -> None:
 
 
 class FP8Precision(FP8TrainerHooks, Precision):
-    """Train the model's ``nn.Linear`` layers in FP8 (``lightning.pytorch`` precision plugin).
+    """Train the model's ``nn.Linear`` layers and fused experts in FP8 (``lightning.pytorch`` precision plugin).
 
     Args:
         recipe: scaling recipe: a :class:`~fp8_lightning.recipes.Recipe`, a name (``"delayed"``,
@@ -96,6 +96,8 @@ class FP8Precision(FP8TrainerHooks, Precision):
         profitability: keep layers too small to gain from FP8 in high precision (see
             :mod:`fp8_lightning.profitability`): ``"auto"`` gates on CUDA and converts everything on CPU; True,
             False or a ``ProfitabilityGate(tokens=...)``.
+        layers: the per-layer recipe policy (:mod:`fp8_lightning.policy`), for linear layers and fused experts
+            modules alike: name patterns, first/last blocks or a callable -> a recipe or None (high precision).
 
-    After the model is set up, ``conversion_report`` lists converted and skipped layers (with the reasons).
+    After the model is set up, ``conversion_report`` lists converted and skipped layers and experts (with the reasons).
     """

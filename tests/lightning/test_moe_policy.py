@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fp8_lightning import FP8Precision, GroupedExperts, MXFP8BlockScaling, NVFP4BlockScaling
+from fp8_lightning import FP8Precision, GroupedExperts, MXFP8BlockScaling, NVFP4BlockScaling, convert_to_fp8
 from fp8_lightning.grouped.experts import FP8ExpertsMixin
 
 from .user_model import CausalLM, loader, trainer_kwargs
@@ -90,3 +90,12 @@ def test_the_converted_nothing_warning_counts_experts(recwarn):
     plugin.convert_module(_Experts())
     assert plugin.conversion_report.experts == ["experts"] and plugin.conversion_report.converted == []
     assert not [w for w in recwarn if "converted no layer" in str(w.message)]
+
+
+def test_experts_the_user_converted_keep_their_recipe_under_the_plugin():
+    module = _Experts()
+    convert_to_fp8(module, "tensorwise")
+    plugin = FP8Precision(recipe="mxfp8")
+    plugin.convert_module(module)
+    assert module.experts.fp8_recipe.name == "tensorwise" and module.proj.fp8_recipe.name == "tensorwise"
+    assert plugin.conversion_report.experts == ["experts"] and plugin.conversion_report.experts_skipped == {}
