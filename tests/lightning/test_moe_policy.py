@@ -13,14 +13,14 @@ from fp8_lightning.grouped.experts import FP8ExpertsMixin
 
 from .user_model import CausalLM, loader, trainer_kwargs
 
-pytest.importorskip("transformers", reason="needs transformers (dev extras)")
-from tests.helpers.moe import tiny_moe  # noqa: E402
-
 STEPS = 4
 FIRST, LAST = "model.model.layers.0.mlp.experts", "model.model.layers.1.mlp.experts"
 
 
 def _fit(steps: int = STEPS, epochs: int | None = None, ckpt_path=None, **kwargs):
+    pytest.importorskip("transformers", reason="needs transformers (dev extras)")
+    from tests.helpers.moe import tiny_moe
+
     L.seed_everything(0, verbose=False)
     module = CausalLM(lambda: tiny_moe("qwen3_moe"))
     limit = dict(max_epochs=epochs) if epochs else dict(max_steps=steps)
