@@ -35,7 +35,7 @@ from fp8_lightning.grouped.experts import (
 )
 from fp8_lightning.linear import FP8Linear, shape_unsupported_reason
 from fp8_lightning.capability_table import warn_if_not_native
-from fp8_lightning.policy import POLICY_SKIP, LayersLike, RecipePolicy
+from fp8_lightning.policy import POLICY_SKIP, Choice, LayersLike, RecipePolicy
 from fp8_lightning.profitability import ProfitabilityLike, resolve_gate
 from fp8_lightning.recipes import RecipeLike, recipe_from
 from fp8_lightning.scaling import OperandScaling, update_scales
@@ -46,9 +46,9 @@ ModuleFilter = Callable[[nn.Module, str], bool]
 @dataclasses.dataclass
 class ConversionReport:
     """What :func:`convert_to_fp8` did: converted layer names, skipped ones with the reason, each converted layer's
-    recipe with why it got it (``recipes``: name -> ``"<recipe name>: <why>"``); the same for fused expert modules
-    (``experts``, ``experts_skipped``, which also names any other module holding a 3-D weight), and the routers of
-    mixtures of experts, kept in high precision by design (``routers``)."""
+    and experts module's recipe with why it got it (``recipes``: name -> ``"<recipe name> (<why>)"``); the fused
+    expert modules (``experts``, ``experts_skipped``, which also names any other module holding a 3-D weight), and
+    the routers of mixtures of experts, kept in high precision by design (``routers``)."""
 
     converted: list[str] = dataclasses.field(default_factory=list)
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -63,7 +63,8 @@ class ConversionReport:
             lines[0] += f"; {len(self.experts)} expert module(s) converted, {len(self.experts_skipped)} skipped"
         lines += [f"  {name}: {self.recipes[name]}" for name in self.converted if name in self.recipes]
         lines += [f"  skipped {name}: {reason}" for name, reason in self.skipped.items()]
-        lines += [f"  experts converted: {name}" for name in self.experts]
+        lines += [f"  experts converted: {name}" + (f": {self.recipes[name]}" if name in self.recipes else "")
+                  for name in self.experts]
         lines += [f"  experts skipped {name}: {reason}" for name, reason in self.experts_skipped.items()]
         lines += [f"  router kept in high precision: {name}" for name in self.routers]
         return "\n".join(lines)
@@ -88,10 +89,10 @@ def convert_to_fp8(
         profitability: keep layers too small to gain from FP8 in high precision
             (:mod:`fp8_lightning.profitability`): ``"auto"`` (the default, also for None) gates layers on CUDA
             and converts every eligible layer on CPU; True, False, or a ``ProfitabilityGate(tokens=...)``.
-        layers: per-layer recipes (:mod:`fp8_lightning.policy`): ``{pattern: recipe or None, "first": n,
-            "last": n}``, a callable ``fn(name, module)`` or a :class:`~fp8_lightning.policy.RecipePolicy`, on top
-            of the recipe's own default (NVFP4: the last 15% of the repeated blocks in high precision). The report
-            names each layer's recipe and why.
+        layers: per-layer recipes (:mod:`fp8_lightning.policy`) for linear layers and experts modules alike:
+            ``{pattern: recipe or None, "first": n, "last": n}``, a callable ``fn(name, module)`` or a
+            :class:`~fp8_lightning.policy.RecipePolicy`, on top of the recipe's own default (NVFP4: the last 15% of
+            the repeated blocks in high precision). The report names each layer's recipe and why.
 
     Returns:
         A :class:`ConversionReport`: converted layers and experts, and each one left in high precision with the
@@ -107,10 +108,11 @@ def convert_to_fp8(
     recipe = recipe_from(recipe)
     gate = resolve_gate(profitability)
     report = ConversionReport()
-    candidates = [(name, child) for name, child in module.named_modules() if linear_features(child) is not None]
-    choices = RecipePolicy.from_arg(layers, recipe).resolve(module, [name for name, _ in candidates], recipe)
+    candidates = [name for name, child in module.named_modules()
+                  if linear_features(child) is not None or expert_weights(child) is not None]
+    choices = RecipePolicy.from_arg(layers, recipe).resolve(module, candidates, recipe)
     for name, child in module.named_modules():
-        if _convert_experts(child, name or "<root>", recipe, module_filter_fn, emulate, report, gate):
+        if _convert_experts(child, name or "<root>", choices.get(name), module_filter_fn, emulate, report, gate):
             continue
         features = linear_features(child)
         if features is None:
@@ -145,21 +147,21 @@ def convert_to_fp8(
         report.converted.append(name or "<root>")
         report.recipes[name or "<root>"] = f"{layer_recipe.name} ({choice.why})"
     warned = set()
-    for name in report.converted:  # once per recipe and device: where its GEMMs fall back or are refused, say so
+    for name in report.converted + report.experts:  # once per recipe and device: where its GEMMs fall back, say so
         layer = module.get_submodule(name) if name != "<root>" else module
         if layer.fp8_recipe not in warned:
             warned.add(layer.fp8_recipe)
-            device = gate.device if gate is not None and gate.device is not None else layer.weight.device
+            device = gate.device if gate is not None and gate.device is not None else next(layer.parameters()).device
             warn_if_not_native(layer.fp8_recipe, device)
     return report
 
 
 def _convert_experts(
-    child: nn.Module, name: str, recipe, module_filter_fn: ModuleFilter | None, emulate: bool,
+    child: nn.Module, name: str, choice: Choice | None, module_filter_fn: ModuleFilter | None, emulate: bool,
     report: ConversionReport, gate=None,
 ) -> bool:
-    """Convert (or report) a fused experts module, or name a module with a 3-D weight left alone; True when
-    ``child`` was such a module."""
+    """Convert (or report) a fused experts module under the recipe the layer policy chose for it (``choice``), or
+    name a module with a 3-D weight left alone; True when ``child`` was such a module."""
     if expert_weights(child) is None:
         if holds_3d_weight(child):
             report.experts_skipped[name] = (
@@ -167,12 +169,15 @@ def _convert_experts(
                 "(transformers' use_experts_implementation experts, fp8_lightning.GroupedExperts): no FP8 conversion"
             )
         return holds_3d_weight(child)
+    recipe = choice.recipe
     if module_filter_fn is not None and not module_filter_fn(child, name):
         reason = "excluded by module_filter_fn"
+    elif recipe is None:
+        reason = f"{POLICY_SKIP} ({choice.why})"
     else:
         reason = experts_skip_reason(child, recipe)
     if reason is None and gate is not None and not isinstance(child, FP8ExpertsMixin):
-        reason = gate.experts_skip_reason(next(child.parameters()).device, recipe_from(recipe))
+        reason = gate.experts_skip_reason(next(child.parameters()).device, recipe)
     if reason is not None:
         if isinstance(child, FP8ExpertsMixin):
             reason = f"left in FP8 as an earlier conversion made it ({child.fp8_recipe.name}); {reason}"
@@ -180,6 +185,7 @@ def _convert_experts(
     else:
         convert_experts(child, recipe, emulate)
         report.experts.append(name)
+        report.recipes[name] = f"{recipe.name} ({choice.why})"
     return True
 
 

@@ -1,6 +1,8 @@
-"""Per-layer recipe selection: which recipe each linear layer trains under, or high precision, and why.
+"""Per-layer recipe selection: which recipe each layer trains under, or high precision, and why.
 
-A policy maps layers to recipes in three ways, tried in this order (the first that decides wins):
+A "layer" is a linear layer (``nn.Linear``, transformers' ``Conv1D``) or a fused experts module of a mixture of
+experts (:mod:`fp8_lightning.grouped.experts`): the policy treats both alike. A policy maps layers to recipes in
+three ways, tried in this order (the first that decides wins):
 
 1. **Name patterns**, in the order given: a glob (``"blocks.*.attn.*"``, matched with :func:`fnmatch.fnmatchcase`
    against the layer's fully qualified name, or naming a module the layer is inside: ``"blocks.0"`` matches
@@ -8,14 +10,16 @@ A policy maps layers to recipes in three ways, tried in this order (the first th
 2. **Positions in the stack of repeated blocks** (the model's longest ``nn.ModuleList``, or the one named by
    ``"stack"``): ``"first": n`` / ``"last": n`` keep the first / last ``n`` blocks in high precision; a float in
    (0, 1) is a fraction of the blocks, rounded up (``"last": 0.15`` of 8 blocks is 2 blocks: at least one whenever
-   the fraction is positive). Megatron's ``first_last_layers_bf16`` is ``{"first": n, "last": n}``; the NVFP4 paper
-   keeps the last ~15% of blocks in bf16 (:meth:`~fp8_lightning.recipes.base.Recipe.default_layers`).
+   the fraction is positive); an experts module belongs to the block it is inside. Megatron's
+   ``first_last_layers_bf16`` is ``{"first": n, "last": n}``; the NVFP4 paper keeps the last ~15% of blocks in bf16
+   (:meth:`~fp8_lightning.recipes.base.Recipe.default_layers`), their experts included.
 3. **The default recipe** (``convert_to_fp8(recipe=...)``).
 
 A value is a recipe (object, name or dict) or high precision: ``None``, ``"high_precision"``, ``"bf16"``, ``"hp"``.
 ``layers`` may also be a callable ``fn(name, module)`` returning a recipe, high precision, or :data:`DEFAULT` (the
-default recipe). A pattern that matches no linear layer is an error (a typo would otherwise silently change
-nothing). Example::
+default recipe); it is asked for experts modules too (``isinstance(module, nn.Linear)`` tells them apart). A
+pattern that matches no layer is an error (a typo would otherwise silently change nothing); one that matches
+only experts modules is valid. Example::
 
     convert_to_fp8(model, "nvfp4", layers={"last": 0.15, "lm_head": None, "blocks.0": "mxfp8"})
 """
@@ -118,7 +122,8 @@ class RecipePolicy:
         return cls(patterns=patterns, **_positions(merged))
 
     def resolve(self, model: nn.Module, names: list[str], default: Recipe) -> dict[str, Choice]:
-        """Each of the linear layers ``names`` of ``model``: its recipe (None for high precision) and why."""
+        """Each of the layers ``names`` of ``model`` (linear layers and experts modules, ``""`` for the model
+        itself): its recipe (None for high precision) and why."""
         stack, blocks = repeated_blocks(model, self.stack)
         first = _count(self.first, blocks, "first")
         last = _count(self.last, blocks, "last")
@@ -128,10 +133,11 @@ class RecipePolicy:
             out[name] = self._choose(model, name, default, stack, blocks, first, last, used)
         unused = [p for p in self.patterns if p not in used]
         if unused:
-            shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
-            raise ValueError(f"layer pattern(s) {unused} match no linear layer of {type(model).__name__}; its linear "
-                             f"layers are: {shown}. Fix the pattern (globs match the full name or a parent module's; "
-                             "'re:<expr>' is a regular expression) or remove it.")
+            listed = [name or "<root>" for name in names]
+            shown = ", ".join(listed[:8]) + (", ..." if len(listed) > 8 else "")
+            raise ValueError(f"layer pattern(s) {unused} match no linear layer or experts module of "
+                             f"{type(model).__name__}; its layers are: {shown}. Fix the pattern (globs match the full "
+                             "name or a parent module's; 're:<expr>' is a regular expression) or remove it.")
         return out
 
     def _choose(self, model, name, default, stack, blocks, first, last, used) -> Choice:

@@ -18,6 +18,7 @@ from fp8_lightning.autocast import fp8_autocast
 from fp8_lightning.convert import (
     ConversionReport,
     convert_to_fp8,
+    fp8_expert_modules,
     fp8_modules,
     scaled_modules,
     check_fp8_state,
@@ -128,10 +129,11 @@ class FP8PrecisionMixin:
     # -- conversion -----------------------------------------------------------------------------------------
 
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """Convert ``module``'s eligible ``nn.Linear`` layers to FP8 in place (idempotent) and return it."""
-        before = {name: layer.fp8_recipe for name, layer in fp8_modules(module)}
-        # layers the user converted keep their recipe; those an FP8 plugin converted take this plugin's
-        users = {name for name, layer in fp8_modules(module) if not getattr(layer, PLUGIN_CONVERTED, False)}
+        """Convert ``module``'s eligible ``nn.Linear`` layers and fused experts modules to FP8 in place (idempotent)
+        and return it."""
+        before = {name or "<root>": layer.fp8_recipe for name, layer in scaled_modules(module)}
+        # layers and experts the user converted keep their recipe; those an FP8 plugin converted take this plugin's
+        users = {name for name, layer in scaled_modules(module) if not getattr(layer, PLUGIN_CONVERTED, False)}
         if self.replace_layers:
             user_filter = self.module_filter_fn
 
@@ -140,23 +142,26 @@ class FP8PrecisionMixin:
 
             report = convert_to_fp8(module, self.recipe, keep, self.emulate, layers=self.layers)
             report.skipped = {k: v for k, v in report.skipped.items() if k not in before}
-            for name, layer in fp8_modules(module):
-                if name in report.converted:
-                    setattr(layer, PLUGIN_CONVERTED, True)
-            self._warn_recipe_change(before, report.converted, dict(fp8_modules(module)))
+            report.experts_skipped = {k: v for k, v in report.experts_skipped.items() if k not in before}
+            now = {name or "<root>": layer for name, layer in scaled_modules(module)}
+            for name in report.converted + report.experts:
+                setattr(now[name], PLUGIN_CONVERTED, True)
+            self._warn_recipe_change(before, report.converted + report.experts, now)
         else:
             report = ConversionReport()
         report.converted = [name or "<root>" for name, _ in fp8_modules(module)]
-        if report.converted != (self.conversion_report.converted if self.conversion_report else None):
+        report.experts = [name or "<root>" for name, _ in fp8_expert_modules(module)]
+        previous = self.conversion_report
+        if previous is None or (report.converted, report.experts) != (previous.converted, previous.experts):
             headline, _, skipped = str(report).partition("\n")
             context = f" (recipe {type(self.recipe).__name__}, precision {self.precision!r})"
             rank_zero_info(headline + context + ("\n" + skipped if skipped else ""))
-        if not report.converted:
+        if not report.converted and not report.experts:
             rank_zero_warn(
                 f"FP8 conversion converted no layer of {type(module).__name__}: it trains entirely in high precision "
                 f"under precision {self.precision!r}. FP8 applies to nn.Linear layers (and transformers' Conv1D) "
-                "with both dimensions divisible by 16 (32 for MXFP8); the conversion report lists what it skipped "
-                "and why."
+                "with both dimensions divisible by 16 (32 for MXFP8) and to fused experts modules, unless the layer "
+                "policy (layers=) keeps them in high precision; the conversion report lists what it skipped and why."
             )
         self.conversion_report = report
         check_tensor_parallel_strategy(module)
@@ -172,10 +177,11 @@ class FP8PrecisionMixin:
         moved = [name for name in converted if name in before and before[name] != layers[name].fp8_recipe]
         if moved:
             old = sorted({type(before[name]).__name__ for name in moved})
+            new = sorted({type(layers[name].fp8_recipe).__name__ for name in moved})
             rank_zero_warn(
-                f"{len(moved)} layer(s) converted earlier under {', '.join(old)} now train under "
-                f"{type(self.recipe).__name__}, this plugin's recipe: {', '.join(moved)}. Pass replace_layers=False "
-                "to train them under the recipe they were converted with."
+                f"{len(moved)} layer(s) converted earlier under {', '.join(old)} now train under {', '.join(new)}, "
+                f"as this plugin's recipe ({type(self.recipe).__name__}) and layer policy say: {', '.join(moved)}. "
+                "Pass replace_layers=False to train them under the recipe they were converted with."
             )
 
     def _warn_skipped(self, report: ConversionReport) -> None:

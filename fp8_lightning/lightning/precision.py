@@ -20,6 +20,7 @@ from typing_extensions import override
 from fp8_lightning.guard import DivergenceGuard, GuardEvent
 from fp8_lightning.lightning.plugin_base import FP8PrecisionMixin, ModuleFilter
 from fp8_lightning.capability_table import warn_if_not_native
+from fp8_lightning.convert import scaled_modules
 from fp8_lightning.policy import LayersLike
 from fp8_lightning.profitability import ProfitabilityLike, profitability_setting, resolve_gate
 from fp8_lightning.recipes import RecipeLike
@@ -50,8 +51,9 @@ class FP8TrainerHooks(FP8PrecisionMixin):
         device = getattr(strategy, "root_device", None)
         with profitability_setting(resolve_gate(self.profitability, device) or False):
             module = super().convert_module(module)
-        if device is not None and self.conversion_report is not None and self.conversion_report.converted:
-            warn_if_not_native(self.recipe, device)  # also when the gate is off (profitability=False)
+        if device is not None:  # each recipe the layer policy gave, also when the gate is off (profitability=False)
+            for recipe in dict.fromkeys(layer.fp8_recipe for _, layer in scaled_modules(module)):
+                warn_if_not_native(recipe, device)
         return module
 
     @override
@@ -80,7 +82,7 @@ def log_guard_events(model: Any, events: list[GuardEvent]) -> None:
 
 
 class FP8Precision(FP8TrainerHooks, Precision):
-    """Train the model's ``nn.Linear`` layers in FP8 (``lightning.pytorch`` precision plugin).
+    """Train the model's ``nn.Linear`` layers and fused experts in FP8 (``lightning.pytorch`` precision plugin).
 
     Args:
         recipe: scaling recipe: a :class:`~fp8_lightning.recipes.Recipe`, a name (``"delayed"``,
@@ -94,6 +96,8 @@ class FP8Precision(FP8TrainerHooks, Precision):
         profitability: keep layers too small to gain from FP8 in high precision (see
             :mod:`fp8_lightning.profitability`): ``"auto"`` gates on CUDA and converts everything on CPU; True,
             False or a ``ProfitabilityGate(tokens=...)``.
+        layers: the per-layer recipe policy (:mod:`fp8_lightning.policy`), for linear layers and fused experts
+            modules alike: name patterns, first/last blocks or a callable -> a recipe or None (high precision).
 
-    After the model is set up, ``conversion_report`` lists converted and skipped layers (with the reasons).
+    After the model is set up, ``conversion_report`` lists converted and skipped layers and experts (with the reasons).
     """

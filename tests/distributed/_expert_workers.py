@@ -12,6 +12,7 @@ from fp8_lightning.grouped.experts import GroupedExperts
 from fp8_lightning.testing import CollectiveCounter, end_worker, init_gloo
 
 RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8", "nvfp4")
+MIXED = ("delayed", {"blocks.1": "mxfp8"})  # a layer policy: block 0's experts delayed, block 1's MXFP8
 DIM, HIDDEN, EXPERTS, TOKENS, STEPS = 64, 128, 4, 40, 4
 OFFS = (5, 5, 25, 40)  # an empty expert, uneven groups
 
@@ -47,11 +48,12 @@ def _train(model: nn.Module, batches, rank: int, world: int, loss_fn) -> list[fl
     return losses
 
 
-def _fsdp(model: nn.Module, recipe, world: int, fp8_all_gather: bool, batches, rank: int, loss_fn) -> dict:
+def _fsdp(model: nn.Module, recipe, world: int, fp8_all_gather: bool, batches, rank: int, loss_fn,
+          layers=None) -> dict:
     from fp8_lightning.distributed import enable_fp8_all_gather, shard_model, weight_amax_reductions
     from fp8_lightning.linear import FP8Linear
 
-    convert_to_fp8(model, recipe_from(recipe))
+    convert_to_fp8(model, recipe_from(recipe), layers=layers)
     report = enable_fp8_all_gather(model, world) if fp8_all_gather else None
     for layer in model.modules():  # the linear layers gather in high precision: the runs differ by the experts only
         if isinstance(layer, FP8Linear) and hasattr(layer.weight, "_hp"):
@@ -73,11 +75,11 @@ def _experts_loss(model, x):
     return (model(x) ** 2).mean()
 
 
-def experts_net_run(recipe, rank: int, world: int, fp8_all_gather: bool, steps: int = STEPS) -> dict:
+def experts_net_run(recipe, rank: int, world: int, fp8_all_gather: bool, steps: int = STEPS, layers=None) -> dict:
     g = torch.Generator().manual_seed(1)
     batches = [torch.randn(world, TOKENS, DIM, generator=g) for _ in range(steps)]
     torch.manual_seed(0)
-    return _fsdp(ExpertsNet(), recipe, world, fp8_all_gather, batches, rank, _experts_loss)
+    return _fsdp(ExpertsNet(), recipe, world, fp8_all_gather, batches, rank, _experts_loss, layers)
 
 
 def _lm_loss(model, seq):
@@ -114,11 +116,16 @@ def full_state_dict_check(world: int) -> bool:
 def experts_gather_worker(rank: int, world: int, port: int, out: dict) -> None:
     init_gloo(rank, world, port)
     results = {"full_state_dict": full_state_dict_check(world)}
+    every_block = {"last": 0}  # both blocks' experts in the recipe (NVFP4's default keeps the last one in bf16)
     for recipe in RECIPES:
         results[recipe] = {
-            "fp8": experts_net_run(recipe, rank, world, True),
-            "hp": experts_net_run(recipe, rank, world, False),
+            "fp8": experts_net_run(recipe, rank, world, True, layers=every_block),
+            "hp": experts_net_run(recipe, rank, world, False, layers=every_block),
         }
+    results["mixed"] = {
+        "fp8": experts_net_run(MIXED[0], rank, world, True, layers=MIXED[1]),
+        "hp": experts_net_run(MIXED[0], rank, world, False, layers=MIXED[1]),
+    }
     for recipe in ("tensorwise", "mxfp8"):
         results[f"gpt_oss/{recipe}"] = {
             "fp8": transformers_run(recipe, rank, world, True),

@@ -152,3 +152,29 @@ def test_enable_is_idempotent_and_disable_restores_plain_parameters():
     assert isinstance(experts.w1, nn.Parameter) and isinstance(experts.w1.data, FP8ShardedExperts)
     assert sorted(disable_fp8_all_gather(model)) == ["0.w1", "0.w2", "0.w3"]
     assert all(type(getattr(experts, n).data) is torch.Tensor for n in ("w1", "w2", "w3"))
+
+
+def test_experts_of_one_model_gather_under_the_recipe_the_layer_policy_gave_each():
+    """Two experts modules of one model, given tensorwise and MXFP8 by the layer policy: each gathers in its own
+    recipe's wire format (per-tensor: one byte per element, the scales stay on every rank; MXFP8: the E8M0 scale bytes
+    travel too), and each expert's gathered operand equals its recipe's reference cast of that expert."""
+    torch.manual_seed(0)
+    model = nn.Sequential(GroupedExperts(DIM, HIDDEN, EXPERTS), GroupedExperts(DIM, HIDDEN, EXPERTS))
+    with torch.no_grad():
+        for w in (p for p in model.parameters()):
+            w.mul_(torch.logspace(-2, 1, EXPERTS)[:, None, None] * torch.linspace(0.1, 2, w.shape[1])[None, :, None])
+    report = convert_to_fp8(model, "tensorwise", layers={"1": "mxfp8"})
+    assert report.recipes == {"0": "tensorwise (the default recipe)", "1": "mxfp8 (matches '1')"}
+    assert enable_fp8_all_gather(model, WORLD).fp8 == ["0.w1", "0.w3", "0.w2", "1.w1", "1.w3", "1.w2"]
+    per_tensor, full, wire = _gather(model, model[0], "w2")
+    assert wire.numel() == full.numel() and per_tensor._recipe == recipe_from("tensorwise")
+    for e, q in enumerate(per_tensor._q):
+        scale = 448.0 / full[e].double().abs().max()
+        codes = (full[e].double() * scale).clamp(-448, 448).to(E4M3)
+        assert torch.equal(q.data.view(torch.uint8), codes.view(torch.uint8))
+    mx, full, wire = _gather(model, model[1], "w2")
+    assert wire.numel() == full.numel() + full.numel() // 32 and mx._recipe == recipe_from("mxfp8")
+    values = mx.dequantize()
+    for e in range(EXPERTS):
+        reference = dequantize_mxfp8(*quantize_mxfp8(full[e], block_size=32, scale_rounding="rceil"))
+        assert torch.equal(values[e], reference.float()), e

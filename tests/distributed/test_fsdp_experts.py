@@ -14,6 +14,8 @@ One spawn runs every case. The standards are those ``test_fsdp_parity.py`` holds
   amaxes travel together), none for the others; bytes: per-tensor 1/4 of float32, block recipes 1/4 plus their
   scale bytes.
 * gpt-oss experts, stored transposed (E, K, N) with biases: the same equalities under tensorwise and MXFP8.
+* Mixed recipes (a layer policy: one block's experts delayed, the other's MXFP8): each gathers in its own recipe's
+  wire format, within MXFP8's tolerance of the high-precision gather, with one amax all-reduce per step.
 
 The linear layers gather in high precision in both runs (their FP8 gather is tested in ``test_fsdp_parity.py``),
 so the two runs differ only by how the experts gather.
@@ -99,6 +101,18 @@ def test_transposed_transformers_experts_gather_in_fp8(results, recipe):
     assert run["losses"] == pytest.approx(hp["losses"], rel=TOLERANCE[recipe])
     assert run["allgather_bytes"] < hp["allgather_bytes"]
 
+
+
+def test_experts_of_mixed_recipes_each_gather_in_their_own(results):
+    fp8, hp = results["mixed"]["fp8"], results["mixed"]["hp"]
+    assert fp8["fp8"] == sorted(EXPERT_WEIGHTS) and fp8["high_precision"] == {}
+    assert fp8["losses"] == pytest.approx(hp["losses"], rel=TOLERANCE["mxfp8"]) and fp8["losses"][-1] < fp8["losses"][0]
+    assert fp8["amax_reductions"] == STEPS  # block 0's delayed experts; block 1's MXFP8 scales need none
+    shapes = [(HIDDEN, DIM), (DIM, HIDDEN), (HIDDEN, DIM)]
+    per_gather_fp32 = sum(EXPERTS // 2 * n * k * 4 for n, k in shapes) * 2
+    per_gather_fp8 = sum(EXPERTS // 2 * n * (2 * k + SCALE_BYTES_PER_ROW["mxfp8"](n, k)) for n, k in shapes)
+    rest = hp["allgather_bytes"] - STEPS * 2 * per_gather_fp32
+    assert fp8["allgather_bytes"] - rest == STEPS * 2 * per_gather_fp8
 
 
 def test_the_full_state_dict_holds_the_plain_expert_weights(results):
