@@ -329,7 +329,10 @@ def build(cfg: DictConfig) -> dict[str, Any]:
 def conversion_summary(model: torch.nn.Module, plugins: list) -> dict[str, Any]:
     report = next((p.conversion_report for p in plugins if getattr(p, "conversion_report", None)), None)
     if report is not None:
-        return {"converted": list(report.converted), "skipped": dict(report.skipped)}
+        summary = {"converted": list(report.converted), "skipped": dict(report.skipped)}
+        if report.experts or report.experts_skipped:  # mixtures of experts: the fused expert modules too
+            summary.update(experts=list(report.experts), experts_skipped=dict(report.experts_skipped))
+        return summary
     from fp8_lightning.convert import fp8_modules
 
     return {"converted": [name for name, _ in fp8_modules(model)], "skipped": {}}
@@ -434,6 +437,9 @@ def format_summary(s: dict[str, Any]) -> str:
     if layers["converted"]:
         lines.append("  converted: " + ", ".join(layers["converted"]))
     lines += [f"  skipped {name}: {reason}" for name, reason in layers["skipped"].items()]
+    if layers.get("experts"):
+        lines.append("  experts converted: " + ", ".join(layers["experts"]))
+    lines += [f"  experts skipped {name}: {reason}" for name, reason in layers.get("experts_skipped", {}).items()]
     lines += [f"checkpoint        {s['checkpoint'] or 'none (no ModelCheckpoint callback)'}",
               f"outputs           {s['output_dir']}", ""]
     return "\n".join(lines)

@@ -116,3 +116,21 @@ def test_nvfp4_layer_policy_reaches_the_plugin(compose_train):
     cfg = compose_train("precision=fp4_nvfp4", "precision.layers={last: 0.25, lm_head: null, blocks.0: mxfp8}")
     _, (plugin,) = build_precision(cfg)
     assert plugin.layers == {"last": 0.25, "lm_head": None, "blocks.0": "mxfp8"}
+
+
+def test_run_summary_lists_the_fused_experts_modules():
+    """A mixture of experts' run summary names its expert modules beside its linear layers."""
+    from types import SimpleNamespace
+
+    from fp8_lightning.convert import ConversionReport
+    from fp8_lightning.train import conversion_summary, format_summary
+
+    report = ConversionReport(converted=["attn.q"], experts=["layers.0.mlp.experts"],
+                              experts_skipped={"layers.1.mlp.experts": "kept by the layer policy"})
+    layers = conversion_summary(None, [SimpleNamespace(conversion_report=report)])
+    assert layers["experts"] == ["layers.0.mlp.experts"]
+    summary = dict(precision="fp4-nvfp4", steps=1, val_loss=None, val_ppl=None, tokens_per_s=None,
+                   peak_memory_mib=None, peak_memory_kind="cpu", layers=layers, checkpoint=None, output_dir="out")
+    text = format_summary(summary)
+    assert "  experts converted: layers.0.mlp.experts" in text
+    assert "  experts skipped layers.1.mlp.experts: kept by the layer policy" in text
