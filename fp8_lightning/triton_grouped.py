@@ -14,7 +14,7 @@ import importlib
 
 import torch
 
-from fp8_lightning.groups import StackedWeights
+from fp8_lightning.groups import ExpertTensorWeights, StackedWeights
 from fp8_lightning.quantize import Quantized
 from fp8_lightning.rowwise_grouped import GroupedColumns, dgrad_args, fprop_args, wgrad_args
 
@@ -59,6 +59,8 @@ class TritonPerTensorGroupedGemm(_FastAccum):
         self._offs: torch.Tensor | None = None
 
     def _stacked(self, weights) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(weights, ExpertTensorWeights):  # one stacked cast: no stacking
+            return weights.codes, weights.inverse.reshape(-1, 1).float()
         if self._stack is None or self._stack[0] is not weights:
             codes = torch.stack([w.data for w, _ in weights])
             inverse = torch.stack([w.inverse_scale().reshape(()) for w, _ in weights]).reshape(-1, 1).float()
