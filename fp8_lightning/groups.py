@@ -226,3 +226,28 @@ class PaddedGroupColumns(collections.abc.Sequence):
         """The float32 values (K, M) of every group's operand side by side in ``x``'s row order: the groups' values
         as the weight-gradient GEMM reduces them."""
         return self.whole.kind.dequantize(self.whole, torch.float32).index_select(1, self.index)
+
+
+class RowGroupColumns(collections.abc.Sequence):
+    """Every group's operand of ``x[start:end].T`` under one scale for the whole tensor: views of ``row``, the cast of
+    ``x`` (M, K), made on first use (None for an empty group)."""
+
+    def __init__(self, row: Quantized, bounds: list[tuple[int, int]]):
+        self.row, self.bounds = row, bounds
+
+    @functools.cached_property
+    def _views(self) -> list[Quantized | None]:
+        row = self.row
+        return [None if start == end else Quantized(row.data[start:end].t(), row.scale, row.kind)
+                for start, end in self.bounds]  # fmt: skip
+
+    def __getitem__(self, index):
+        return self._views[index]
+
+    def __len__(self) -> int:
+        return len(self.bounds)
+
+    def token_values(self) -> torch.Tensor:
+        """The float32 values (K, M) of every group's operand side by side: ``x``'s values, transposed."""
+        row = self.row
+        return row.kind.dequantize(Quantized(row.data, row.scale, row.kind), torch.float32).t()

@@ -17,7 +17,7 @@ import torch
 from fp8_lightning.ops import dispatch
 from fp8_lightning.formats import fp8_dtype
 from fp8_lightning.gemm import per_tensor_mm, per_tensor_scaled_mm
-from fp8_lightning.groups import ExpertTensorWeights
+from fp8_lightning.groups import ExpertTensorWeights, RowGroupColumns
 from fp8_lightning.gemm_routes import GemmRoute, arch_name, emulated_on_gpu, native, native_grouped_triton
 from fp8_lightning.quantize import TENSOR, OperandCache, Quantized, amax, to_fp8_saturated, wide
 from fp8_lightning.recipes.base import Recipe
@@ -91,8 +91,7 @@ class PerTensorRecipe(Recipe):
         row = self.cast(role, x, dtype, False, True, state, record)[0]
         if not columnwise:
             return row, None
-        return row, [None if start == end else Quantized(row.data[start:end].t(), row.scale, TENSOR)
-                     for start, end in bounds]
+        return row, RowGroupColumns(row, bounds)
 
     def grouped_weight_operands(self, weight, dtype, states, record):
         """Every expert's operand from one cast of the stacked weight, whatever the number of experts: the experts'
@@ -120,12 +119,14 @@ class PerTensorRecipe(Recipe):
             if self.keeps_history and any(initialized):
                 scale = torch.where(torch.tensor(initialized, device=prev.device), prev, scale)
         pending = torch.maximum(torch.stack([s.pending_amax for s in states]), clean) if self.keeps_history else None
-        for e, state in enumerate(states):
-            state.last_amax, state.nonfinite_count = x_amax[e], nonfinite[e]
-            if not (self.keeps_history and initialized[e]):
-                state.scale = scale[e]
-            if pending is not None:
-                state.pending_amax, state._dirty = pending[e], True
+        pendings = pending.unbind(0) if pending is not None else [None] * len(states)
+        columns = zip(states, initialized, x_amax.unbind(0), nonfinite.unbind(0), scale.unbind(0), pendings)
+        for state, seen, expert_amax, count, fresh, booked in columns:
+            state.last_amax, state.nonfinite_count = expert_amax, count
+            if not (self.keeps_history and seen):
+                state.scale = fresh
+            if booked is not None:
+                state.pending_amax, state._dirty = booked, True
             state.initialized = True
             state.casts += 1
         codes = dispatch.fast_quantize_with_scale(weight, scale.reshape(-1, 1, 1), states[0].dtype)

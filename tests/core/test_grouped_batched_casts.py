@@ -1,0 +1,97 @@
+"""The grouped casts that cast every expert (or group) at once give the bits of casting each one on its own.
+
+Tensorwise and delayed scaling cast the stacked experts' weights with one scale per expert; blockwise casts them with
+each expert padded to whole 128x128 blocks, and every group's wgrad copy from the groups padded to 128-token tiles.
+Each is held against the per-expert / per-group cast of the recipe protocol's default
+(:meth:`Recipe.grouped_weight_operands`, :meth:`Recipe.grouped_operands`): codes, scales, the dequantized values the
+emulated GEMMs take, and, for the per-tensor recipes, every expert's scaling state over several steps (first use,
+delayed scales, an all-zero expert, non-finite values).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8_lightning.grouped.gemm import GroupedScaling
+from fp8_lightning.groups import group_bounds
+from fp8_lightning.recipes import recipe_from
+from fp8_lightning.recipes.base import Recipe
+
+E, N, K = 5, 80, 144  # N and K no multiple of 128: blocks cut at the edge
+SIZES = [0, 130, 3, 0, 257]  # empty groups, groups of more than one 128-token tile
+
+
+def _bits(q) -> torch.Tensor:
+    return q.data.contiguous().view(torch.uint8)
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)  # bit for bit, NaN where NaN
+
+
+def _same(q1, q2) -> None:
+    assert torch.equal(_bits(q1), _bits(q2))
+    _equal(q1.scale.float(), q2.scale.float())
+    _equal(q1.kind.dequantize(q1, torch.float32), q2.kind.dequantize(q2, torch.float32))
+
+
+def _weights(seed: int = 0) -> torch.Tensor:
+    torch.manual_seed(seed)
+    w = torch.randn(E, N, K) * torch.logspace(-3, 2, E).view(E, 1, 1)  # experts of very different ranges
+    w[2] = 0.0  # an all-zero expert keeps its previous scale
+    return w
+
+
+def _state(state) -> dict:
+    return {} if state is None else state.state_dict()
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "delayed", "blockwise"])
+def test_stacked_weight_casts_match_per_expert_casts(name):
+    recipe = recipe_from(name)
+    stacked, single = GroupedScaling(recipe, E), GroupedScaling(recipe, E)
+    w = _weights()
+    for step in range(3):
+        if step == 2:
+            w[3, 0, 0] = float("nan")  # counted as a non-finite amax, kept out of the history
+        ours = recipe.grouped_weight_operands(w, stacked.forward_dtype, stacked.expert_states, True)
+        theirs = Recipe.grouped_weight_operands(recipe, w, single.forward_dtype, single.expert_states, True)
+        assert len(ours) == len(theirs) == E
+        for (w1, t1), (w2, t2) in zip(ours, theirs):
+            _same(w1, w2)
+            _same(t1, t2)
+        if hasattr(ours, "values"):
+            _equal(ours.values(), torch.stack([w2.kind.dequantize(w2, torch.float32) for w2, _ in theirs]))
+            expected = torch.stack([t2.kind.dequantize(t2, torch.float32).t() for _, t2 in theirs])
+            _equal(ours.transposed_values(), expected)
+        for s1, s2 in zip(stacked.expert_states, single.expert_states):
+            one, other = _state(s1), _state(s2)
+            assert one.keys() == other.keys()
+            for key, value in one.items():
+                if torch.is_tensor(value):
+                    _equal(value, other[key])
+                else:
+                    assert value == other[key], key
+        stacked.update()
+        single.update()
+        w = w * 1.7
+
+
+@pytest.mark.parametrize("name", ["rowwise", "blockwise"])
+def test_grouped_column_copies_match_per_group_casts(name):
+    recipe = recipe_from(name)
+    torch.manual_seed(1)
+    x = torch.randn(sum(SIZES), K) * torch.logspace(-2, 2, K)
+    offs = torch.cumsum(torch.tensor(SIZES), 0).to(torch.int32)
+    bounds = group_bounds(offs, x.shape[0], E)
+    dtype = recipe.fp8_format.forward_dtype
+    state = GroupedScaling(recipe, E).operands.get("input")
+    ours = recipe.grouped_operands("input", x, bounds, dtype, True, state, True)[1]
+    theirs = Recipe.grouped_operands(recipe, "input", x, bounds, dtype, True, state, True)[1]
+    for q1, q2, (start, end) in zip(ours, theirs, bounds):
+        assert (q1 is None) == (q2 is None) == (start == end)
+        if q1 is not None:
+            assert torch.equal(q1.kind.dequantize(q1, torch.float32), q2.kind.dequantize(q2, torch.float32))
+    parts = [q.kind.dequantize(q, torch.float32) for q in theirs if q is not None]
+    assert torch.equal(ours.token_values(), torch.cat(parts, dim=1))
