@@ -19,7 +19,7 @@ from fp8_lightning.formats import fp8_dtype
 from fp8_lightning.gemm import per_tensor_mm, per_tensor_scaled_mm
 from fp8_lightning.groups import ExpertTensorWeights, RowGroupColumns
 from fp8_lightning.gemm_routes import GemmRoute, arch_name, emulated_on_gpu, native, native_grouped_triton
-from fp8_lightning.quantize import TENSOR, OperandCache, Quantized, amax, to_fp8_saturated, wide
+from fp8_lightning.quantize import TENSOR, OperandCache, Quantized, amax, quantize_with_scale, to_fp8_saturated, wide
 from fp8_lightning.recipes.base import Recipe
 from fp8_lightning.scaling import OperandScaling, finite_or_zero, records_amax
 from fp8_lightning.settings import settings
@@ -129,7 +129,8 @@ class PerTensorRecipe(Recipe):
                 state.pending_amax, state._dirty = booked, True
             state.initialized = True
             state.casts += 1
-        codes = dispatch.fast_quantize_with_scale(weight, scale.reshape(-1, 1, 1), states[0].dtype)
+        # clamped before the cast always: torch 2.11's CPU cast to E4M3 gives NaN past the range (2.13 saturates)
+        codes = quantize_with_scale(weight, scale.reshape(-1, 1, 1), states[0].dtype)
         return ExpertTensorWeights(codes, scale, scale.reciprocal(), TENSOR)
 
     def grouped_native(self, device, experts):
