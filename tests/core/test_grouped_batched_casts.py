@@ -5,7 +5,8 @@ each expert padded to whole 128x128 blocks, and every group's wgrad copy from th
 Each is held against the per-expert / per-group cast of the recipe protocol's default
 (:meth:`Recipe.grouped_weight_operands`, :meth:`Recipe.grouped_operands`): codes, scales, the dequantized values the
 emulated GEMMs take, and, for the per-tensor recipes, every expert's scaling state over several steps (first use,
-delayed scales, an all-zero expert, non-finite values).
+delayed scales, an all-zero expert, non-finite values). On CUDA (marked ``gpu``) the per-expert casts run the Triton
+cast kernels and the batched ones torch's operations: the same bits there too.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from fp8_lightning.grouped.gemm import GroupedScaling
 from fp8_lightning.groups import group_bounds
 from fp8_lightning.recipes import recipe_from
 from fp8_lightning.recipes.base import Recipe
+from tests.conftest import requires_cuda_fp8
 
 E, N, K = 5, 80, 144  # N and K no multiple of 128: blocks cut at the edge
 SIZES = [0, 130, 3, 0, 257]  # empty groups, groups of more than one 128-token tile
@@ -36,9 +38,13 @@ def _same(q1, q2) -> None:
     _equal(q1.kind.dequantize(q1, torch.float32), q2.kind.dequantize(q2, torch.float32))
 
 
-def _weights(seed: int = 0) -> torch.Tensor:
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_cuda_fp8])]
+
+
+def _weights(device: str, seed: int = 0) -> torch.Tensor:
     torch.manual_seed(seed)
     w = torch.randn(E, N, K) * torch.logspace(-3, 2, E).view(E, 1, 1)  # experts of very different ranges
+    w = w.to(device)
     w[2] = 0.0  # an all-zero expert keeps its previous scale
     return w
 
@@ -47,11 +53,12 @@ def _state(state) -> dict:
     return {} if state is None else state.state_dict()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["tensorwise", "delayed", "blockwise"])
-def test_stacked_weight_casts_match_per_expert_casts(name):
+def test_stacked_weight_casts_match_per_expert_casts(name, device):
     recipe = recipe_from(name)
     stacked, single = GroupedScaling(recipe, E), GroupedScaling(recipe, E)
-    w = _weights()
+    w = _weights(device)
     for step in range(3):
         if step == 2:
             w[3, 0, 0] = float("nan")  # counted as a non-finite amax, kept out of the history
@@ -78,12 +85,13 @@ def test_stacked_weight_casts_match_per_expert_casts(name):
         w = w * 1.7
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["rowwise", "blockwise"])
-def test_grouped_column_copies_match_per_group_casts(name):
+def test_grouped_column_copies_match_per_group_casts(name, device):
     recipe = recipe_from(name)
     torch.manual_seed(1)
-    x = torch.randn(sum(SIZES), K) * torch.logspace(-2, 2, K)
-    offs = torch.cumsum(torch.tensor(SIZES), 0).to(torch.int32)
+    x = (torch.randn(sum(SIZES), K) * torch.logspace(-2, 2, K)).to(device)
+    offs = torch.cumsum(torch.tensor(SIZES), 0).to(torch.int32).to(device)
     bounds = group_bounds(offs, x.shape[0], E)
     dtype = recipe.fp8_format.forward_dtype
     state = GroupedScaling(recipe, E).operands.get("input")
