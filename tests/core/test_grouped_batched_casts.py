@@ -103,3 +103,17 @@ def test_grouped_column_copies_match_per_group_casts(name, device):
             assert torch.equal(q1.kind.dequantize(q1, torch.float32), q2.kind.dequantize(q2, torch.float32))
     parts = [q.kind.dequantize(q, torch.float32) for q in theirs if q is not None]
     assert torch.equal(ours.token_values(), torch.cat(parts, dim=1))
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "delayed", "rowwise", "blockwise", "mxfp8"])
+def test_stacked_weight_values_match_each_experts_operands(name):
+    """The emulated GEMMs take every expert's weight values from one dequantization of the stacked casts: the values
+    of each expert's W_e and W_e.T operands, dequantized one by one."""
+    recipe = recipe_from(name)
+    scaling = GroupedScaling(recipe, E)
+    w = _weights("cpu")[:, :64, :128]  # MXFP8's 32-blocks fit
+    operands = recipe.grouped_weight_operands(w, scaling.forward_dtype, scaling.expert_states, True)
+    assert hasattr(operands, "values"), f"{name}: the experts' weights are not cast stacked"
+    _equal(operands.values(), torch.stack([q.kind.dequantize(q, torch.float32) for q, _ in operands]))
+    expected = torch.stack([q.kind.dequantize(q, torch.float32).t() for _, q in operands])
+    _equal(operands.transposed_values(), expected)
