@@ -128,22 +128,25 @@ def count_bf16(experts: int) -> collections.Counter:
     return counted.ops
 
 
-def moe_rows(recipes) -> dict[str, collections.Counter]:
-    """``{"<recipe>, E experts": operations}`` for each of ``recipes`` ((name, recipe) pairs) and bf16."""
+def moe_rows(recipes, sizes: tuple[int, ...] = EXPERTS) -> dict[str, collections.Counter]:
+    """``{"<recipe>, E experts": operations}`` for each of ``recipes`` ((name, recipe) pairs) and bf16, at each number
+    of experts in ``sizes``."""
     rows = {}
     for name, recipe in recipes:
-        for experts in EXPERTS:
+        for experts in sizes:
             rows[f"{name}, {experts} experts"] = count_moe(recipe, experts)
-    for experts in EXPERTS:
+    for experts in sizes:
         rows[f"bf16 torch._grouped_mm, {experts} experts"] = count_bf16(experts)
     return rows
 
 
-MOE_NOTE = [
-    "Mixture of experts: one `fp8_grouped_mm` step of K = N = 64 experts (weight (E, 64, 64) changed by the",
-    f"stand-in optimizer's `mul_`, then forward and backward) on skewed groups ({', '.join(map(str, EXPERTS))}",
-    "experts; expert 0 takes 40 tokens, every fourth expert from the second none). Triton grouped GEMM launches",
-    "count as `grouped_mm_2d3d` / `grouped_mm_2d2d`; blockwise, MXFP8 and NVFP4 have no FP8 grouped kernel and",
-    "their GEMMs are emulated (one float32 `_grouped_mm` per GEMM here, as on CPU; one GEMM per non-empty group on",
-    "a GPU). Includes `mul_` and autograd's gradient accumulations into `a` and the weight.",
-]
+def moe_note(sizes: tuple[int, ...] = EXPERTS) -> list[str]:
+    """The markdown lines that explain the rows of :func:`moe_rows`."""
+    return [
+        "Mixture of experts: one `fp8_grouped_mm` step of K = N = 64 experts (weight (E, 64, 64) changed by the",
+        f"stand-in optimizer's `mul_`, then forward and backward) on skewed groups ({', '.join(map(str, sizes))}",
+        "experts; expert 0 takes 40 tokens, every fourth expert from the second none). Triton grouped GEMM launches",
+        "count as `grouped_mm_2d3d` / `grouped_mm_2d2d`; blockwise, MXFP8 and NVFP4 have no FP8 grouped kernel and",
+        "their GEMMs are emulated (one float32 `_grouped_mm` per GEMM here, as on CPU; one GEMM per non-empty group",
+        "on a GPU). Includes `mul_` and autograd's gradient accumulations into `a` and the weight.",
+    ]
