@@ -1,4 +1,5 @@
-"""The grouped casts that cast every expert (or group) at once give the bits of casting each one on its own.
+"""The grouped casts that cast every expert (or group) at once: the bits of casting each one on its own, and a
+number of tensor operations per step that does not grow with the number of experts.
 
 Tensorwise and delayed scaling cast the stacked experts' weights with one scale per expert; blockwise casts them with
 each expert padded to whole 128x128 blocks, and every group's wgrad copy from the groups padded to 128-token tiles.
@@ -7,13 +8,23 @@ Each is held against the per-expert / per-group cast of the recipe protocol's de
 emulated GEMMs take, and, for the per-tensor recipes, every expert's scaling state over several steps (first use,
 delayed scales, an all-zero expert, non-finite values). On CUDA (marked ``gpu``) the per-expert casts run the Triton
 cast kernels and the batched ones torch's operations: the same bits there too.
+
+On a GPU each tensor operation is a kernel launch whose host cost does not depend on its size: a step whose casts
+loop over the experts pays it once per expert. The operations of a grouped GEMM step (forward, backward, the weight
+changed between steps as an optimizer changes it) are counted with a ``TorchDispatchMode`` on CPU (deterministic):
+at 4 and at 16 experts, with skewed groups and empty experts, the counts must be equal (a structural check, not a
+timing).
 """
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from fp8_lightning import fp8_grouped_mm
 from fp8_lightning.grouped.gemm import GroupedScaling
 from fp8_lightning.groups import group_bounds
 from fp8_lightning.recipes import recipe_from
@@ -117,3 +128,64 @@ def test_stacked_weight_values_match_each_experts_operands(name):
     _equal(operands.values(), torch.stack([q.kind.dequantize(q, torch.float32) for q, _ in operands]))
     expected = torch.stack([q.kind.dequantize(q, torch.float32).t() for _, q in operands])
     _equal(operands.transposed_values(), expected)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Operations per step
+# ---------------------------------------------------------------------------------------------------------
+
+STEP_K, STEP_N = 64, 64  # MXFP8's 32-blocks fit
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _sizes(experts: int) -> list[int]:
+    """Expert 0 takes 40 tokens, every fourth from the second none, the rest 1 to 13 (the benchmark's skew)."""
+    return [40 if e == 0 else 0 if e % 4 == 1 else 1 + (7 * e) % 13 for e in range(experts)]
+
+
+def _step_ops(recipe_name: str, experts: int) -> collections.Counter:
+    torch.manual_seed(0)
+    sizes = _sizes(experts)
+    offs = torch.cumsum(torch.tensor(sizes), 0).to(torch.int32)
+    weight = torch.randn(experts, STEP_N, STEP_K).requires_grad_()
+    a, grad_y = torch.randn(sum(sizes), STEP_K), torch.randn(sum(sizes), STEP_N)
+    a[0, 0] = grad_y[0, 0] = 8.0  # the largest magnitude positive at every size (the CPU amax negates a negative one)
+    a.requires_grad_()
+    scaling = GroupedScaling(recipe_from(recipe_name), experts)
+
+    def step():
+        with torch.no_grad():
+            weight.mul_(1.01)  # the optimizer's change: the weight is cast again
+        fp8_grouped_mm(a, weight.transpose(1, 2), offs, scaling=scaling).backward(grad_y)
+
+    for _ in range(2):  # past delayed scaling's first, just-in-time casts
+        step()
+        scaling.update()
+    with _Count() as counted:
+        step()
+    return counted.ops
+
+
+@pytest.mark.parametrize("recipe_name", ["tensorwise", "delayed", "rowwise", "blockwise"])
+def test_grouped_step_operations_do_not_grow_with_experts(recipe_name):
+    few, many = _step_ops(recipe_name, 4), _step_ops(recipe_name, 16)
+    assert sum(few.values()) == sum(many.values()), (
+        f"{recipe_name}: {sum(few.values())} operations at 4 experts, {sum(many.values())} at 16; "
+        f"grown: {dict(many - few)}"
+    )
+    assert few["_grouped_mm"] == 3  # fprop, dgrad and wgrad: one grouped GEMM each (emulated on CPU)
+
+
+def test_the_count_sees_a_per_expert_loop():
+    """The same count tells a per-expert cast apart: MXFP8's weights are still cast expert by expert."""
+    few, many = _step_ops("mxfp8", 4), _step_ops("mxfp8", 16)
+    assert sum(many.values()) > sum(few.values())
