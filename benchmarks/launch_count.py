@@ -13,9 +13,12 @@ the part of a step that does not depend on it: the casts of x, W and the output 
 copies, and the layout of the three GEMMs' ``torch._scaled_mm`` arguments, on the Triton kernels and on the
 pure-torch chain the CUDA branch ran before them.
 
+The mixture-of-experts rows (:mod:`benchmarks.launch_count_moe`) count one ``fp8_grouped_mm`` step per recipe at
+4, 16 and 64 experts, its grouped GEMMs on the route a GPU takes.
+
 Usage::
 
-    python -m benchmarks launch-count [--out FILE.md]
+    python -m benchmarks launch-count [--out FILE.md] [--moe-only] [--experts 4,16,64]
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ from fp8_lightning.gemm import swizzled_scales  # noqa: E402
 from fp8_lightning.blockwise import blockwise_scaled_mm_args  # noqa: E402
 from fp8_lightning.recipes import BlockwiseScaling, MXFP8BlockScaling, RowwiseScaling  # noqa: E402
 from fp8_lightning.rowwise import rowwise_scaled_mm_args  # noqa: E402
+from fp8_lightning.recipes import recipe_from  # noqa: E402
+from benchmarks.launch_count_moe import EXPERTS, moe_note, moe_rows  # noqa: E402
+
+MOE_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8", "nvfp4")
 
 VIEWS = {"view", "t", "transpose", "permute", "reshape", "_unsafe_view", "as_strided", "detach", "alias", "expand",
          "slice", "_reshape_alias", "empty", "empty_strided", "unsqueeze"}  # fmt: skip
@@ -130,19 +137,12 @@ def _table(rows: dict) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="markdown file to write (default: print only)")
-    args = parser.parse_args(argv)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
+def _linear_lines(rows: dict) -> list[str]:
+    """The linear layer's rows (added to ``rows``) as markdown lines."""
     recipes = (("delayed", DelayedScaling()), ("tensorwise", TensorwiseScaling()))
-    rows = {name: count(recipe) for name, recipe in recipes}
+    rows.update({name: count(recipe) for name, recipe in recipes})
     rows.update({f"{name}, bf16 autocast": count(recipe, torch.bfloat16) for name, recipe in recipes})
-    lines = [f"# Tensor operations per FP8 layer training step on the CUDA branch (commit {commit or '?'})", "",
-             f"- command: `{front_door_command('launch_count', argv)}`",
-             f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}", "",
-             *_table(rows)]  # fmt: skip
+    lines = _table(rows)
     lines += ["", "Includes the stand-in optimizer's `mul_` and autograd's three gradient accumulations (`add_`): the",
               "layer's own step is the rest (casts, GEMMs, the bias add where it is not in the GEMM, the bias gradient)."]
     fine = {}
@@ -161,6 +161,28 @@ def main(argv: list[str] | None = None) -> dict:
               "of micro-batches).",
               "", *_table(mx_rows)]  # fmt: skip
     rows.update(mx_rows)
+    return lines
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="markdown file to write (default: print only)")
+    parser.add_argument("--moe-only", action="store_true", help="only the mixture-of-experts rows")
+    parser.add_argument("--experts", default=",".join(map(str, EXPERTS)),
+                        help="numbers of experts of the mixture-of-experts rows, comma-separated (default %(default)s)")
+    args = parser.parse_args(argv)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
+    lines = [f"# Tensor operations per FP8 layer training step on the CUDA branch (commit {commit or '?'})", "",
+             f"- command: `{front_door_command('launch_count', argv)}`",
+             f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}", ""]
+    rows: dict = {}
+    if not args.moe_only:
+        lines += _linear_lines(rows)
+    sizes = tuple(int(part) for part in args.experts.split(","))
+    moe = moe_rows([(name, recipe_from(name)) for name in MOE_RECIPES], sizes)
+    lines += ["", *moe_note(sizes), "", *_table(moe)]
+    rows.update(moe)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

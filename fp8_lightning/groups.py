@@ -15,7 +15,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from fp8_lightning.quantize import Quantized
+from fp8_lightning.quantize import OperandCache, Quantized
 
 
 class GroupBounds(list):
@@ -90,6 +90,15 @@ class StackedWeights(collections.abc.Sequence):
     def __len__(self) -> int:
         return self.experts
 
+    def values(self) -> torch.Tensor:
+        """Every W_e's float32 values (E, N, K) from one dequantization of the stacked rows."""
+        return self.rows.kind.dequantize(self.rows, torch.float32).reshape(self.experts, -1, self.rows.data.shape[1])
+
+    def transposed_values(self) -> torch.Tensor:
+        """The values of every W_e.T operand (its own scales), transposed back to (E, N, K)."""
+        values = self.columns.kind.dequantize(self.columns, torch.float32)
+        return values.reshape(self.experts, -1, values.shape[1]).transpose(1, 2)
+
 
 def _rows_of(q: Quantized, start: int, count: int) -> Quantized:
     """Rows ``start`` to ``start + count`` of a stacked operand and of its scales (views): one expert's part."""
@@ -123,3 +132,122 @@ def group_bounds(offs: torch.Tensor, rows: int, experts: int) -> GroupBounds:
             "every row of a (drop unrouted rows from a, or add them to a group)."
         )
     return GroupBounds(zip(starts, ends), offs)
+
+
+class ExpertTensorWeights(collections.abc.Sequence):
+    """Each expert's (W_e, W_e.T) operands under one scale per expert, as
+    :meth:`~fp8_lightning.recipes.base.Recipe.grouped_weight_operands` returns them, made on first use (views), and
+    the one cast they come from: ``codes`` (E, N, K), ``scale`` and ``inverse`` (``1 / scale``), each (E,)."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, inverse: torch.Tensor, kind):
+        self.codes, self.scale, self.inverse, self.kind = codes, scale, inverse, kind
+
+    @functools.cached_property
+    def _pairs(self) -> list[tuple[Quantized, Quantized]]:
+        pairs = []
+        for codes, scale, inverse in zip(self.codes.unbind(0), self.scale.unbind(0), self.inverse.unbind(0)):
+            q = Quantized(codes, scale, self.kind, OperandCache(inverse=inverse))
+            pairs.append((q, q.t()))
+        return pairs
+
+    def __getitem__(self, index):
+        return self._pairs[index]
+
+    def __len__(self) -> int:
+        return self.codes.shape[0]
+
+    def values(self) -> torch.Tensor:
+        """Every W_e's float32 values (E, N, K), in one pass: what each expert's operand dequantizes to."""
+        experts, n, k = self.codes.shape
+        whole = Quantized(self.codes.reshape(experts, n * k), self.scale.reshape(experts, 1), self.kind)
+        return self.kind.dequantize(whole, torch.float32).reshape(experts, n, k)
+
+    transposed_values = values  # W_e.T's operand holds the same codes and scale
+
+
+class ExpertBlockWeights(collections.abc.Sequence):
+    """Each expert's (W_e, W_e.T) operands under 128x128 blocks (views), from one cast of the experts stacked with each
+    expert's N rows padded to whole blocks: ``rows`` (E * N', K) and ``columns`` (K, E * N'), W.T's operand from the
+    same blocks; ``n`` each expert's rows, ``block`` the block edge."""
+
+    def __init__(self, rows: Quantized, columns: Quantized, experts: int, n: int, block: int):
+        self.rows, self.columns, self.experts, self.n, self.block = rows, columns, experts, n, block
+
+    @functools.cached_property
+    def _pairs(self) -> list[tuple[Quantized, Quantized]]:
+        padded, blocks = self.rows.data.shape[0] // self.experts, -(-self.n // self.block)
+        rows, columns, kind, pairs = self.rows, self.columns, self.rows.kind, []
+        for e in range(self.experts):
+            first, scales = e * padded, slice(e * blocks, (e + 1) * blocks)
+            pairs.append((Quantized(rows.data[first : first + self.n], rows.scale[scales], kind),
+                          Quantized(columns.data[:, first : first + self.n], columns.scale[:, scales], kind)))
+        return pairs
+
+    def __getitem__(self, index):
+        return self._pairs[index]
+
+    def __len__(self) -> int:
+        return self.experts
+
+    def values(self) -> torch.Tensor:
+        """Every W_e's float32 values (E, N, K) from one dequantization of the stacked cast."""
+        values = self.rows.kind.dequantize(self.rows, torch.float32)
+        return values.reshape(self.experts, -1, values.shape[1])[:, : self.n]
+
+    def transposed_values(self) -> torch.Tensor:
+        """The values of every W_e.T operand, transposed back to (E, N, K)."""
+        values = self.columns.kind.dequantize(self.columns, torch.float32)  # (K, E * N')
+        return values.reshape(values.shape[0], self.experts, -1)[:, :, : self.n].permute(1, 2, 0)
+
+
+class PaddedGroupColumns(collections.abc.Sequence):
+    """Every group's operand of ``x[start:end].T`` (a view; None for an empty group) from one cast of ``x``'s rows laid
+    out with each group padded with zeros to whole tiles of ``align`` tokens (:func:`device_layout`): ``whole``, the
+    operand of that layout's transpose (K, length); ``index`` (device) each token's position in the layout."""
+
+    def __init__(self, whole: Quantized, index: torch.Tensor, bounds: list[tuple[int, int]], align: int):
+        self.whole, self.index, self.align = whole, index, align
+        self.sizes = [end - start for start, end in bounds]
+        self.starts = padded_starts(padded_group_sizes(bounds, align))
+
+    @functools.cached_property
+    def _views(self) -> list[Quantized | None]:
+        whole, align = self.whole, self.align
+        return [Quantized(whole.data[:, s : s + m], whole.scale[:, s // align : (s + m + align - 1) // align],
+                          whole.kind) if m else None for s, m in zip(self.starts, self.sizes)]  # fmt: skip
+
+    def __getitem__(self, index):
+        return self._views[index]
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def token_values(self) -> torch.Tensor:
+        """The float32 values (K, M) of every group's operand side by side in ``x``'s row order: the groups' values
+        as the weight-gradient GEMM reduces them."""
+        return self.whole.kind.dequantize(self.whole, torch.float32).index_select(1, self.index)
+
+
+class RowGroupColumns(collections.abc.Sequence):
+    """Every group's operand of ``x[start:end].T`` under one scale for the whole tensor: views of ``row``, the cast of
+    ``x`` (M, K), made on first use (None for an empty group)."""
+
+    def __init__(self, row: Quantized, bounds: list[tuple[int, int]]):
+        self.row, self.bounds = row, bounds
+
+    @functools.cached_property
+    def _views(self) -> list[Quantized | None]:
+        row = self.row
+        return [None if start == end else Quantized(row.data[start:end].t(), row.scale, row.kind)
+                for start, end in self.bounds]  # fmt: skip
+
+    def __getitem__(self, index):
+        return self._views[index]
+
+    def __len__(self) -> int:
+        return len(self.bounds)
+
+    def token_values(self) -> torch.Tensor:
+        """The float32 values (K, M) of every group's operand side by side: ``x``'s values, transposed."""
+        row = self.row
+        return row.kind.dequantize(Quantized(row.data, row.scale, row.kind), torch.float32).t()

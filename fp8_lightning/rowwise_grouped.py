@@ -30,6 +30,7 @@ from fp8_lightning.groups import (
     StackedWeights,
     device_layout,
     padded_group_sizes,
+    padded_rows,
     padded_starts,
     uniform_layout,
 )
@@ -48,8 +49,22 @@ class GroupedColumns(collections.abc.Sequence):
     each group's tokens at its padded offset (``starts``) and zeros between; ``scale`` (E, K) float32 quantization
     multipliers; ``offs`` the padded cumulative ends (int32, on the device)."""
 
-    def __init__(self, codes_t: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor, starts=(), sizes=()):
+    def __init__(self, codes_t: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor, starts=(), sizes=(),
+                 source_offs: torch.Tensor | None = None):
         self.codes_t, self.scale, self.offs, self.starts, self.sizes = codes_t, scale, offs, starts, sizes
+        self.source_offs = source_offs  # the groups' cumulative ends in x's rows, on the device (token_values)
+
+    def token_values(self) -> torch.Tensor:
+        """The float32 values (K, M) of every group's operand side by side in ``x``'s row order (each token's codes
+        over its group's scales, as each group's operand dequantizes), from the whole layout in one pass."""
+        source = self.source_offs
+        if source is None:  # the group sizes from the host (a host-to-device copy, no wait)
+            source = torch.tensor(self.sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(self.codes_t.device)
+        offs, rows = source.to(torch.int64), sum(self.sizes)
+        index = padded_rows(source, rows, GROUP_ALIGN)[0]
+        group = torch.searchsorted(offs, torch.arange(rows, device=offs.device), right=True)
+        values = Quantized(self.codes_t.index_select(1, index), self.scale.float()[group].t(), ROW)
+        return ROW.dequantize(values, torch.float32)
 
     @functools.cached_property
     def _views(self) -> list[Quantized | None]:
@@ -86,7 +101,8 @@ def grouped_columnwise(
     else:
         codes_t, scale = _columnwise_torch(x, bounds, starts, total, dtype, eps, power_of_2)
         ends = torch.tensor([s + p for s, p in zip(starts, padded)], dtype=torch.int32, device=x.device)
-    return GroupedColumns(codes_t, scale, ends, starts, sizes)
+    source = offs.to(x.device, non_blocking=True) if offs is not None else None
+    return GroupedColumns(codes_t, scale, ends, starts, sizes, source)
 
 
 def _columnwise_torch(x, bounds, starts, total, dtype, eps, power_of_2) -> tuple[torch.Tensor, torch.Tensor]:

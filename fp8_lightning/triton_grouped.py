@@ -14,7 +14,7 @@ import importlib
 
 import torch
 
-from fp8_lightning.groups import StackedWeights
+from fp8_lightning.groups import ExpertTensorWeights, RowGroupColumns, StackedWeights
 from fp8_lightning.quantize import Quantized
 from fp8_lightning.rowwise_grouped import GroupedColumns, dgrad_args, fprop_args, wgrad_args
 
@@ -59,6 +59,8 @@ class TritonPerTensorGroupedGemm(_FastAccum):
         self._offs: torch.Tensor | None = None
 
     def _stacked(self, weights) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(weights, ExpertTensorWeights):  # one stacked cast: no stacking
+            return weights.codes, weights.inverse.reshape(-1, 1).float()
         if self._stack is None or self._stack[0] is not weights:
             codes = torch.stack([w.data for w, _ in weights])
             inverse = torch.stack([w.inverse_scale().reshape(()) for w, _ in weights]).reshape(-1, 1).float()
@@ -78,9 +80,12 @@ class TritonPerTensorGroupedGemm(_FastAccum):
     def wgrad(self, g_columns: list, x_columns: list, out_dtype: torch.dtype):
         """``g_columns``, ``x_columns``: each group's transposed view of the same codes (None where empty), so the
         whole (M, N) and (M, K) codes are the groups' rows in order."""
-        present = [(g, x) for g, x in zip(g_columns, x_columns) if g is not None]
-        g_rows = torch.cat([g.data.t() for g, _ in present])
-        x_rows = torch.cat([x.data.t() for _, x in present])
+        if isinstance(g_columns, RowGroupColumns):  # views of the two whole casts: their codes, no copy
+            g_rows, x_rows, present = g_columns.row.data, x_columns.row.data, [(g_columns.row, x_columns.row)]
+        else:
+            present = [(g, x) for g, x in zip(g_columns, x_columns) if g is not None]
+            g_rows = torch.cat([g.data.t() for g, _ in present])
+            x_rows = torch.cat([x.data.t() for _, x in present])
         offs = self._offs
         if offs is None:  # the sizes the views hold (a host-to-device copy, no wait)
             sizes = [0 if g is None else g.data.shape[1] for g in g_columns]

@@ -127,6 +127,19 @@ def _values(q: Quantized, width: int | None = None) -> torch.Tensor:
     return values if width is None else values[:, :width]
 
 
+def _weight_values(w_operands, transposed: bool) -> torch.Tensor:
+    """The experts' float32 weight values as the emulated GEMMs take them: (E, K, N) from each W_e operand for fprop,
+    (E, N, K) from each W_e.T operand for dgrad; in one pass where the operands come from one stacked cast (their
+    ``values`` / ``transposed_values``), else one dequantization per expert."""
+    stacked = getattr(w_operands, "transposed_values" if transposed else "values", None)
+    if stacked is not None:
+        values = stacked()  # (E, N, K)
+        return (values if transposed else values.transpose(1, 2)).contiguous()
+    if transposed:
+        return torch.stack([_values(w_t).t() for _, w_t in w_operands])
+    return torch.stack([_values(w).t() for w, _ in w_operands])
+
+
 class GroupedStep:
     """What one call needs besides its tensors: the recipe's state, the groups and the output dtype."""
 
@@ -164,7 +177,7 @@ class FP8GroupedMMFunction(torch.autograd.Function):
         if step.native is not None:
             y = step.native.fprop(x_row, w_operands, offs, step.out_dtype)
         else:
-            w_kn = torch.stack([_values(w).t() for w, _ in w_operands])  # (E, K, N)
+            w_kn = _weight_values(w_operands, transposed=False)  # (E, K, N)
             y = grouped_product(_values(x_row), w_kn, offs, bounds)
         scaling.gemms["fprop"] += 1
         ctx.saved = (x_columns, w_operands)
@@ -192,12 +205,16 @@ class FP8GroupedMMFunction(torch.autograd.Function):
             if native is not None:
                 grad_a = native.dgrad(g_row, w_operands, offs, a_dtype)
             else:
-                w_nk = torch.stack([_values(w_t).t() for _, w_t in w_operands])  # (E, N, K): W_e as right operand
+                w_nk = _weight_values(w_operands, transposed=True)  # (E, N, K): W_e as right operand
                 grad_a = grouped_product(_values(g_row), w_nk, offs, bounds).to(a_dtype)
             scaling.gemms["dgrad"] += 1
         # ------------------------------------------------ wgrad ------------------------------------------------
         if needs_w and native is not None:
             grad_w = native.wgrad(g_columns, x_columns, w_dtype)  # (E, N, K), zero for empty experts
+            scaling.gemms["wgrad"] += 1
+        elif needs_w and hasattr(g_columns, "token_values") and not scaling.recipe.wgrad_sums_padding:
+            g_t, x_t = g_columns.token_values(), x_columns.token_values()  # (N, M), (K, M): every group, one pass
+            grad_w = grouped_product(g_t, x_t.t(), offs, bounds).to(w_dtype)
             scaling.gemms["wgrad"] += 1
         elif needs_w:
             g_values = [None if q is None else _values(q) for q in g_columns]

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+import torch.nn.functional as F
+
 from fp8_lightning.blockwise import (
     COLUMN_TILE,
     ROW_TILE,
@@ -20,6 +22,7 @@ from fp8_lightning.blockwise import (
     quantize_blockwise,
 )
 from fp8_lightning.fine_grained import (
+    reference_fine_cast,
     block_mm,
     block_scale_columns,
     blockwise_shard_reason,
@@ -29,7 +32,7 @@ from fp8_lightning.fine_grained import (
 from fp8_lightning import cuda_rules
 from fp8_lightning.formats import Format, fp8_dtype
 from fp8_lightning.gemm_routes import GemmRoute, arch_name, cuda_name, emulated_on_gpu, native
-from fp8_lightning.groups import padded_rows
+from fp8_lightning.groups import ExpertBlockWeights, PaddedGroupColumns, padded_group_sizes, padded_rows
 from fp8_lightning.ops import dispatch
 from fp8_lightning.ops.layer import operand_values, traced_tile_cast
 from fp8_lightning.quantize import BLOCK, Quantized
@@ -73,6 +76,37 @@ class BlockwiseScaling(FineGrainedRecipe):
             return cast(x, dtype, WEIGHT_BLOCK, self.power_of_2_scales, transpose=columnwise)
         row = cast(x, dtype, ROW_TILE, self.power_of_2_scales)[0]
         return row, (cast(x, dtype, COLUMN_TILE, self.power_of_2_scales)[0] if columnwise else None)
+
+    # -- grouped GEMMs (mixtures of experts) ----------------------------------------------------------------
+
+    def grouped_operands(self, role, x, bounds, dtype, columnwise, state, record):
+        """The fprop copy is one cast of ``x``; every group's ``x[start:end].T`` copy comes from one cast of x's rows
+        laid out with each group padded with zeros to whole 128-token tiles, whatever the number of groups: a tile
+        never spans two groups and zeros change no tile's amax (the bits of casting each group on its own)."""
+        offs = getattr(bounds, "offs", None)
+        if not columnwise or offs is None or x.numel() == 0:
+            return super().grouped_operands(role, x, bounds, dtype, columnwise, state, record)
+        row = self.cast(role, x, dtype, False, True, state, record)[0]
+        align = COLUMN_TILE[0]
+        index = padded_rows(offs.to(x.device), x.shape[0], align)[0]
+        length = sum(padded_group_sizes(bounds, align))
+        padded = x.detach().new_zeros(length, x.shape[1]).index_copy_(0, index, x.detach())
+        cast = dispatch.fine_caster(padded) or reference_fine_cast
+        return row, PaddedGroupColumns(cast(padded, dtype, COLUMN_TILE, self.power_of_2_scales)[0], index, bounds,
+                                       align)  # fmt: skip
+
+    def grouped_weight_operands(self, weight, dtype, states, record):
+        """Every expert's 128x128 blocks (and W_e.T's, the same blocks transposed) from one cast of the experts
+        stacked, each expert's rows padded with zeros to whole blocks: no block spans two experts and zeros change
+        no block's amax (the bits of casting each expert on its own), whatever the number of experts."""
+        experts, n, k = weight.shape
+        if weight.numel() == 0:
+            return super().grouped_weight_operands(weight, dtype, states, record)
+        block = WEIGHT_BLOCK[0]
+        padded = F.pad(weight, (0, 0, 0, -n % block)) if n % block else weight
+        stacked = padded.reshape(-1, k)
+        row, column = dispatch.fast_fine_operands(self, "weight", stacked, dtype, True)
+        return ExpertBlockWeights(row, column, experts, n, block)
 
     def gemm_route(self, capability, cuda, has_scaled_mm_v2) -> GemmRoute:
         refused = cuda_rules.device_violation(capability, cuda)

@@ -84,6 +84,9 @@ class DelayedScaling(PerTensorRecipe):
             clean_amax.reshape(1), state.scale, fp8_max(state.dtype), self.margin, "max", self.power_of_2_scales
         )
 
+    def stacked_just_in_time_scales(self, clean, prev, dtype):
+        return delayed_scale(clean.unsqueeze(-1), prev, fp8_max(dtype), self.margin, "max", self.power_of_2_scales)
+
     def traced_scale(self, clean, scale, flags, dtype):
         """The stored scale; the first use scales just in time."""
         fresh = delayed_scale(clean.reshape(1), scale, fp8_max(dtype), self.margin, "max", self.power_of_2_scales)

@@ -17,8 +17,9 @@ import torch
 from fp8_lightning.ops import dispatch
 from fp8_lightning.formats import fp8_dtype
 from fp8_lightning.gemm import per_tensor_mm, per_tensor_scaled_mm
+from fp8_lightning.groups import ExpertTensorWeights, RowGroupColumns
 from fp8_lightning.gemm_routes import GemmRoute, arch_name, emulated_on_gpu, native, native_grouped_triton
-from fp8_lightning.quantize import TENSOR, OperandCache, Quantized, amax, to_fp8_saturated, wide
+from fp8_lightning.quantize import TENSOR, OperandCache, Quantized, amax, quantize_with_scale, to_fp8_saturated, wide
 from fp8_lightning.recipes.base import Recipe
 from fp8_lightning.scaling import OperandScaling, finite_or_zero, records_amax
 from fp8_lightning.settings import settings
@@ -55,6 +56,11 @@ class PerTensorRecipe(Recipe):
         ``[initialized, observed]``."""
         raise NotImplementedError(f"{type(self).__name__} does not define traced_scale()")
 
+    def stacked_just_in_time_scales(self, clean: torch.Tensor, prev: torch.Tensor, dtype: torch.dtype):
+        """:meth:`just_in_time_scale` of many tensors at once: ``clean`` their amaxes (NaN and inf replaced by 0),
+        ``prev`` their states' scales, both (E,); the same bits element by element."""
+        raise NotImplementedError(f"{type(self).__name__} does not define stacked_just_in_time_scales()")
+
     def state_cast(self, state: OperandScaling, x: torch.Tensor, record: bool, transpose: bool):
         """The whole cast with its bookkeeping in a fused kernel where one runs (CUDA), else None."""
         return None
@@ -85,8 +91,47 @@ class PerTensorRecipe(Recipe):
         row = self.cast(role, x, dtype, False, True, state, record)[0]
         if not columnwise:
             return row, None
-        return row, [None if start == end else Quantized(row.data[start:end].t(), row.scale, TENSOR)
-                     for start, end in bounds]
+        return row, RowGroupColumns(row, bounds)
+
+    def grouped_weight_operands(self, weight, dtype, states, record):
+        """Every expert's operand from one cast of the stacked weight, whatever the number of experts: the experts'
+        amaxes from one reduction, their scales as one vector, each expert's state booked as its own cast books it
+        (the same bits, :meth:`_stacked_weight_cast`). Evaluation, and states agreed across tensor-parallel ranks,
+        cast each expert on its own."""
+        if not record or weight.numel() == 0 or any(s is None or s.amax_group is not None for s in states):
+            return super().grouped_weight_operands(weight, dtype, states, record)
+        return self._stacked_weight_cast(weight.detach(), states)
+
+    def _stacked_weight_cast(self, weight: torch.Tensor, states: list[OperandScaling]) -> ExpertTensorWeights:
+        """:meth:`OperandScaling.quantize` (training) of each ``weight[e]`` with ``states[e]``, in a number of tensor
+        operations that does not depend on the number of experts."""
+        for state in states:
+            state.move_to(weight.device)
+        x_amax = weight.abs().amax(dim=(1, 2)).float()  # (E,): each expert's amax, as quantize.amax takes it
+        clean = finite_or_zero(x_amax)
+        nonfinite = torch.stack([s.nonfinite_count for s in states]) + (clean != x_amax)
+        prev = torch.stack([s.scale for s in states])
+        initialized = [s.initialized for s in states]
+        if self.keeps_history and all(initialized):
+            scale = prev  # the delayed scales
+        else:
+            scale = self.stacked_just_in_time_scales(clean, prev, states[0].dtype)
+            if self.keeps_history and any(initialized):
+                scale = torch.where(torch.tensor(initialized, device=prev.device), prev, scale)
+        pending = torch.maximum(torch.stack([s.pending_amax for s in states]), clean) if self.keeps_history else None
+        pendings = pending.unbind(0) if pending is not None else [None] * len(states)
+        columns = zip(states, initialized, x_amax.unbind(0), nonfinite.unbind(0), scale.unbind(0), pendings)
+        for state, seen, expert_amax, count, fresh, booked in columns:
+            state.last_amax, state.nonfinite_count = expert_amax, count
+            if not (self.keeps_history and seen):
+                state.scale = fresh
+            if booked is not None:
+                state.pending_amax, state._dirty = booked, True
+            state.initialized = True
+            state.casts += 1
+        # clamped before the cast always: torch 2.11's CPU cast to E4M3 gives NaN past the range (2.13 saturates)
+        codes = quantize_with_scale(weight, scale.reshape(-1, 1, 1), states[0].dtype)
+        return ExpertTensorWeights(codes, scale, scale.reciprocal(), TENSOR)
 
     def grouped_native(self, device, experts):
         """The Triton grouped GEMM (one launch per GEMM, per-tensor and per-expert scales) where it runs on

@@ -52,6 +52,9 @@ class TensorwiseScaling(PerTensorRecipe):
         value = tensorwise_scale_value(host_amax, state.dtype, self.eps, self.power_of_2_scales)
         return torch.scalar_tensor(value, dtype=torch.float32, device=clean_amax.device)
 
+    def stacked_just_in_time_scales(self, clean, prev, dtype):
+        return torch.where(clean > 0, tensorwise_scale(clean, dtype, self.eps, self.power_of_2_scales), prev)
+
     def traced_scale(self, clean, scale, flags, dtype):
         """The current scale; an all-zero or non-finite tensor keeps the previous one."""
         return torch.where(clean > 0, tensorwise_scale(clean, dtype, self.eps, self.power_of_2_scales), scale)

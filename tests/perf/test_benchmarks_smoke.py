@@ -56,8 +56,9 @@ def test_memory_suite_counts_saved_bytes_optimizer_and_allgather(tmp_path):
 def test_launch_count_reports_both_per_tensor_recipes(tmp_path):
     """Runs in its own process: it turns on Triton's interpreter, which must happen before triton is imported."""
     out = tmp_path / "launches.md"
-    run_suite("launch-count", "--out", str(out), env={"TRITON_INTERPRET": None})
-    rows = [line for line in out.read_text().splitlines() if line.startswith(("| delayed", "| tensorwise"))]
+    run_suite("launch-count", "--out", str(out), "--experts", "4", env={"TRITON_INTERPRET": None})
+    rows = [line for line in out.read_text().splitlines()
+            if line.startswith(("| delayed", "| tensorwise")) and "experts" not in line]  # fmt: skip
     assert len(rows) == 4 and all("_scaled_mm 3" in row for row in rows)
     bf16 = [row for row in rows if "bf16 autocast" in row]
     assert len(bf16) == 2 and all("| add " not in row and ", add " not in row for row in bf16)  # bias in the GEMM
@@ -65,6 +66,9 @@ def test_launch_count_reports_both_per_tensor_recipes(tmp_path):
     assert fine[:2] == ["| rowwise, Triton casts | 6 | fine_cast 6 |", "| blockwise, Triton casts | 5 | fine_cast 5 |"]
     # MXFP8: three casts (each both copies), then per operand one pad of its scales and one swizzling copy
     assert fine[2] == "| mxfp8, Triton casts | 15 | constant_pad_nd 6, clone 6, mx_quantize 3 |"
+    # a mixture-of-experts step: each per-tensor grouped GEMM is one Triton launch (two 2-D x 3-D, one 2-D x 2-D)
+    moe = [line for line in out.read_text().splitlines() if line.startswith(("| tensorwise, 4", "| delayed, 4"))]
+    assert len(moe) == 2 and all("grouped_mm_2d3d 2" in row and "grouped_mm_2d2d 1" in row for row in moe)
 
 
 def test_host_time_reports_every_layer_eagerly(tmp_path):
