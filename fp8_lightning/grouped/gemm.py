@@ -152,6 +152,9 @@ class GroupedStep:
         self.native = native  # the recipe's grouped kernels (Recipe.grouped_native), or None: emulated
 
 
+OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 class FP8GroupedMMFunction(torch.autograd.Function):
     """``y = grouped(a @ W_e.T)`` from FP8 operands; ``weight`` is (E, N, K), each ``weight[e]`` a linear layer's
     (out, in) weight. Saves the FP8 columnwise copies of ``a`` and the weights' transposed operands."""
@@ -161,6 +164,7 @@ class FP8GroupedMMFunction(torch.autograd.Function):
         scaling, bounds, offs = step.scaling, step.bounds, step.offs
         recipe = scaling.recipe
         ctx.step, ctx.dtypes, ctx.weight_shape = step, (a.dtype, weight.dtype), weight.shape
+        ctx.freed = False
         if a.shape[0] == 0:  # an empty batch: nothing to cast; zero gradients
             ctx.saved = None
             return a.new_zeros(0, weight.shape[1], dtype=step.out_dtype)
@@ -187,6 +191,17 @@ class FP8GroupedMMFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         step, (a_dtype, w_dtype) = ctx.step, ctx.dtypes
         needs_a, needs_w = ctx.needs_input_grad[:2]
+        if torch.is_grad_enabled():  # create_graph=True: the gradients would silently carry no graph
+            raise RuntimeError(
+                "fp8_grouped_mm has no second derivative: its backward GEMMs run on FP8 copies outside autograd, so "
+                "create_graph=True (double backward, gradient penalties) cannot differentiate them. Run these "
+                "experts in high precision (torch._grouped_mm) for that computation."
+            )
+        if ctx.freed:
+            raise RuntimeError(
+                "fp8_grouped_mm: backward ran twice through the same graph (retain_graph=True). Its FP8 operands are "
+                "freed by the first backward; run the forward again for each backward, or sum the losses first."
+            )
         if ctx.saved is None:  # an empty batch
             grad_w = grad_y.new_zeros(ctx.weight_shape, dtype=w_dtype) if needs_w else None
             return grad_y.new_zeros(0, ctx.weight_shape[2], dtype=a_dtype), grad_w, None
@@ -229,7 +244,7 @@ class FP8GroupedMMFunction(torch.autograd.Function):
             wgrad_bounds = GroupBounds(zip([0, *ends], ends)) if padded else bounds
             grad_w = grouped_product(g_t, x_t.t(), wgrad_offs, wgrad_bounds).to(w_dtype)  # (E, N, K), 0 if empty
             scaling.gemms["wgrad"] += 1
-        ctx.saved = None
+        ctx.saved, ctx.freed = None, True
         return grad_a, grad_w, None
 
 
@@ -280,10 +295,15 @@ def fp8_grouped_mm(
     Raises:
         TypeError: ``offs`` is not an int32 tensor.
         ValueError: ``offs`` not non-decreasing or not ending at M; K not a multiple of the recipe's block; a weight
-            of the wrong shape (each message names the argument and the fix).
+            of the wrong shape; an ``out_dtype`` that is not float32, bfloat16, float16 or float64 (each message names
+            the argument and the fix).
+        RuntimeError: a second backward through the same graph (``retain_graph=True``).
     """
     recipe = scaling.recipe if scaling is not None else recipe_from(recipe)
     experts, k, n = check_grouped_shapes(a, b, recipe)
+    if out_dtype is not None and out_dtype not in OUT_DTYPES:
+        raise ValueError(f"fp8_grouped_mm: out_dtype={out_dtype} is not allowed; allowed: "
+                         f"{', '.join(map(str, OUT_DTYPES))} (None: a's dtype).")
     bounds = group_bounds(offs, a.shape[0], experts)
     if scaling is None:
         scaling = GroupedScaling(recipe, experts)

@@ -188,6 +188,26 @@ def test_bad_shapes_are_refused_with_the_fix():
         fp8_grouped_mm(torch.randn(8, 48), torch.randn(2, 48, 64), offs, recipe="mxfp8")
 
 
+def test_a_second_backward_and_a_double_backward_are_refused_clearly():
+    """retain_graph=True: the second backward says its FP8 operands were freed (not a shape error from the empty-batch
+    path); create_graph=True: no second derivative, said at once (not gradients that silently carry no graph)."""
+    a, b, offs, g = _inputs()
+    a, b = a.requires_grad_(), b.requires_grad_()
+    y = fp8_grouped_mm(a, b, offs, recipe="tensorwise")
+    (y * g).sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice through the same graph"):
+        (y * g).sum().backward()
+    with pytest.raises(RuntimeError, match="fp8_grouped_mm has no second derivative.*create_graph=True"):
+        torch.autograd.grad((fp8_grouped_mm(a, b, offs) * g).sum(), a, create_graph=True)
+
+
+def test_a_non_floating_output_dtype_is_refused():
+    a, b, offs, _ = _inputs()
+    for dtype in (torch.int32, torch.float8_e4m3fn):
+        with pytest.raises(ValueError, match=f"out_dtype={dtype} is not allowed; allowed: torch.float32"):
+            fp8_grouped_mm(a, b, offs, out_dtype=dtype)
+
+
 @pytest.mark.parametrize("recipe", EVERY_RECIPE + [RowwiseScaling(high_precision_wgrad=True)], ids=_ids)
 def test_a_recipe_s_stacked_weight_cast_has_the_bits_of_casting_each_expert(recipe):
     """Recipes that cast all experts' weights at once (MXFP8, rowwise) make the operands of casting each expert on
