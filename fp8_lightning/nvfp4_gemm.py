@@ -19,9 +19,13 @@ call: :mod:`fp8_lightning.cuda_contract.rules_nvfp4`. Packed K is zero-padded to
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from fp8_lightning import blockwise
+from fp8_lightning.gemm import requested_backend, swizzle_mx_scales
+from fp8_lightning.ops.dispatch import operand_f32
 from fp8_lightning.nvfp4 import NVFP4_BLOCK, NVFP4Tensor
 from fp8_lightning.quantize import Quantized, pad_dim, row_major
 
@@ -90,8 +94,6 @@ def nvfp4_shape_reason(a: Quantized, b: Quantized) -> str | None:
 
 def _swizzled(q: Quantized) -> tuple[torch.Tensor, torch.Tensor]:
     """(block scales in cuBLAS's swizzled layout, global scale) of ``q``, the former kept on the operand."""
-    from fp8_lightning.gemm import swizzle_mx_scales
-
     blocks, global_scale = split_gemm_scales(q.cache.native, q.data.shape[0])
     if q.cache.swizzled is None:
         q.cache.swizzled = swizzle_mx_scales(blocks)
@@ -134,6 +136,34 @@ def native_nvfp4_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: to
     return out.to(out_dtype)
 
 
+def nvfp4_mm(a: Quantized, b: Quantized, out_dtype, emulate=False, bias=None, fast_accum=False) -> torch.Tensor:
+    """``a @ b.T (+ bias)`` of two NVFP4 operands: cuBLAS's FP4 GEMM where it runs (CUDA sm_100+, a torch with the
+    BlockWise1x16 call, operands with GEMM scales), else their dequantized values multiplied in float32 (on such a
+    device with a warning once per reason). Both accumulate in float32 and round the output once."""
+    if not emulate and a.data.device.type == "cuda" and requested_backend() != "emulate":
+        ok = native_nvfp4_gemm_support(a.data.device)[0]
+        reason = nvfp4_shape_reason(a, b) if ok else None
+        if ok and reason is None:
+            return native_nvfp4_mm(a, b, out_dtype, bias)
+        if ok:
+            _warn_once(f"NVFP4BlockScaling emulates the GEMM a {tuple(a.data.shape)} @ b.T (codes) in float32: "
+                       f"{reason}")
+    out = operand_f32(a) @ operand_f32(b).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(f"{message}. Results are right but slower; FP8_LIGHTNING_EMULATE=1 chooses the emulation and "
+                      "silences this warning.", stacklevel=4)
+
+
 __all__ = [
     "NATIVE_NVFP4_MIN_CAPABILITY",
     "NATIVE_NVFP4_MIN_CUDA",
@@ -141,6 +171,7 @@ __all__ = [
     "has_scaled_mm_fp4",
     "native_nvfp4_gemm_support",
     "native_nvfp4_mm",
+    "nvfp4_mm",
     "nvfp4_scaled_mm_args",
     "nvfp4_shape_reason",
     "nvfp4_tensor",

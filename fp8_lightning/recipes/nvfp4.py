@@ -23,14 +23,12 @@ operands are padded alike, so zeros add nothing.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
 from fp8_lightning.formats import Format
-from fp8_lightning.gemm import requested_backend
 from fp8_lightning.gemm_routes import GemmRoute, arch_name, cuda_name, emulated_on_gpu, native_fp4
 from fp8_lightning.nvfp4 import (
     E2M1_MAX,
@@ -55,9 +53,7 @@ from fp8_lightning.nvfp4_gemm import (
     NATIVE_NVFP4_MIN_CAPABILITY,
     NATIVE_NVFP4_MIN_CUDA,
     gemm_scales,
-    native_nvfp4_gemm_support,
-    native_nvfp4_mm,
-    nvfp4_shape_reason,
+    nvfp4_mm,
     nvfp4_tensor,
 )
 from fp8_lightning.ops import dispatch
@@ -348,6 +344,10 @@ class NVFP4BlockScaling(Recipe):
         """Rowwise and columnwise copies each read bf16 twice (amax, cast) and write half a byte and the scales."""
         return 2 * (2 + 2 + 0.5 + 1 / NVFP4_BLOCK)
 
+    def grouped_gemm_route(self, capability, cuda, has_grouped_api) -> GemmRoute:
+        return emulated_on_gpu("NVFP4 experts' grouped GEMMs are emulated: torch 2.11's scaled grouped GEMM takes "
+                               "E4M3 operands only (its meta function, _meta_grouped_mm_common)")
+
     def gemm_route(self, capability, cuda, has_scaled_mm_v2) -> GemmRoute:
         arch = arch_name(capability)
         if capability < NATIVE_NVFP4_MIN_CAPABILITY:
@@ -368,36 +368,8 @@ def nvfp4_to_f32(q: Quantized) -> torch.Tensor:
     return values * q.scale.float().repeat_interleave(NVFP4_BLOCK, dim=-1)
 
 
-def nvfp4_mm(a: Quantized, b: Quantized, out_dtype, emulate=False, bias=None, fast_accum=False) -> torch.Tensor:
-    """``a @ b.T (+ bias)`` of two NVFP4 operands: cuBLAS's FP4 GEMM where it runs (CUDA sm_100+, a torch with the
-    BlockWise1x16 call, operands with GEMM scales), else their dequantized values multiplied in float32 (on such a
-    device with a warning once per reason). Both accumulate in float32 and round the output once."""
-    if not emulate and a.data.device.type == "cuda" and requested_backend() != "emulate":
-        ok, why = native_nvfp4_gemm_support(a.data.device)
-        reason = nvfp4_shape_reason(a, b) if ok else None
-        if ok and reason is None:
-            return native_nvfp4_mm(a, b, out_dtype, bias)
-        if ok:
-            _warn_once(f"NVFP4BlockScaling emulates the GEMM a {tuple(a.data.shape)} @ b.T (codes) in float32: "
-                       f"{reason}")
-    out = dispatch.operand_f32(a) @ dispatch.operand_f32(b).t()
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(out_dtype)
-
-
 def _multiplier(q: Quantized, k: int) -> torch.Tensor:
     return q.scale.float().reciprocal().repeat_interleave(NVFP4_BLOCK, dim=-1)[..., :k]
-
-
-_WARNED: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        warnings.warn(f"{message}. Results are right but slower; FP8_LIGHTNING_EMULATE=1 chooses the emulation and "
-                      "silences this warning.", stacklevel=4)
 
 
 NVFP4.implement(

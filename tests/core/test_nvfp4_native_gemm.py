@@ -27,7 +27,7 @@ from fp8_lightning.cuda_contract.simulate import simulated_device
 from fp8_lightning.gemm_routes import NATIVE as NATIVE_ROUTE
 from fp8_lightning.nvfp4_gemm import nvfp4_scaled_mm_args
 from fp8_lightning.quantize import Quantized
-from fp8_lightning.recipes import nvfp4 as nvfp4_recipe
+from fp8_lightning import nvfp4_gemm
 from fp8_lightning.recipes.nvfp4 import NVFP4, NVFP4BlockScaling
 
 SM100, SM90 = Target("sm_100", (12, 9), (2, 11)), Target("sm_90", (12, 9), (2, 11))
@@ -98,7 +98,7 @@ def test_the_scaled_mm_call_computes_the_emulated_gemm(name, m, k, n, monkeypatc
         for out_dtype, rel in ((torch.float32, 0.0), (torch.bfloat16, 2.0**-8)):
             kw = nvfp4_scaled_mm_args(a, b, out_dtype)
             exact = interpret_scaled_mm(kw)[:, : b.data.shape[0]]
-            emulated = nvfp4_recipe.nvfp4_mm(a, b, out_dtype, emulate=True).double()
+            emulated = nvfp4_gemm.nvfp4_mm(a, b, out_dtype, emulate=True).double()
             # float32 sums (each dequantized value rounded once, then K additions) and the output's one rounding
             terms = (a.kind.to_f32(a).double().abs() @ b.kind.to_f32(b).double().abs().t())
             f32_error = (kk + 2) * 2.0**-24 * terms
@@ -164,12 +164,12 @@ def test_routes_sm100_native_sm90_emulated_with_one_warning(monkeypatch):
 
 
 def test_an_operand_without_gemm_scales_is_emulated_with_the_reason(monkeypatch):
-    monkeypatch.setattr(nvfp4_recipe, "_WARNED", set())
+    monkeypatch.setattr(nvfp4_gemm, "_WARNED", set())
     calls = []
     with simulated_device(SM100):
         monkeypatch.setattr(torch.nn.functional, "scaled_mm", lambda **kw: calls.append(kw))
         codes = torch.empty(32, 32, dtype=torch.uint8, device="cuda")
         bare = Quantized(codes, torch.empty(32, 4, device="cuda"), NVFP4)
         with pytest.warns(UserWarning, match="carries no GEMM scales"):
-            out = nvfp4_recipe.nvfp4_mm(bare, bare, torch.bfloat16)
+            out = nvfp4_gemm.nvfp4_mm(bare, bare, torch.bfloat16)
     assert out.shape == (32, 32) and not calls
