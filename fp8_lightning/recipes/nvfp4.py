@@ -14,10 +14,12 @@ Per GEMM operand, as in TE and the NVFP4 paper:
   a resumed run continues exactly; everything else rounds to nearest even.
 
 The operand kind ``NVFP4`` holds the packed codes (uint8, K / 2 bytes per row) and each 16-block's float32
-multiplier ``s_global * s_block`` (the divisor the cast used, so ``x_q = e2m1 * multiplier`` exactly). Its GEMM is
-emulated everywhere: the dequantized operands multiplied in float32 (CPU, and CUDA: cuBLAS's FP4 GEMM on sm_100+ is
-not wired yet). Rows of columnwise copies (the token dimension M) are zero-padded to whole blocks; both wgrad
-operands are padded alike, so zeros add nothing.
+multiplier ``s_global * s_block`` (the divisor the cast used, so ``x_q = e2m1 * multiplier`` exactly), and in its
+cache the GEMM scales (E4M3 block scales and the float32 global scale, :mod:`fp8_lightning.nvfp4_gemm`), which
+:func:`_operand`, the one place operands are made, fills. Its GEMM runs cuBLAS's FP4 GEMM on CUDA sm_100+ (CUDA 12.8,
+torch's ``scaled_mm`` with BlockWise1x16), else the dequantized operands multiplied in float32. Rows of columnwise
+copies (the token dimension M) are zero-padded to whole blocks; both wgrad operands are padded alike, so zeros add
+nothing.
 """
 
 from __future__ import annotations
@@ -133,11 +135,12 @@ class NVFP4BlockScaling(Recipe):
     ``disable_rht``: no random Hadamard transform on the wgrad operands. ``disable_stochastic_rounding``: gradients
     round to nearest even too. ``fp4_2d_weights``: 16x16 weight tiles (the rowwise and columnwise weight copies are
     the same numbers); False: 1x16 blocks along each GEMM's K. ``seed``: the RHT sign vector's seed and the base of
-    the stochastic-rounding seeds. The GEMMs are emulated (dequantized operands multiplied in float32).
+    the stochastic-rounding seeds. The GEMMs run on cuBLAS's FP4 tensor cores on sm_100+ and are emulated
+    (dequantized operands multiplied in float32) elsewhere.
 
     Args:
-        fp8_format, fprop_fast_accum, grad_fast_accum: the fields every recipe has (:class:`Recipe`); the
-            emulated FP4 GEMMs accumulate in float32.
+        fp8_format, fprop_fast_accum, grad_fast_accum: the fields every recipe has (:class:`Recipe`); both FP4
+            GEMMs accumulate in float32 (cuBLAS refuses fast accumulation for FP4).
         disable_rht: skip the random Hadamard transform of the weight-gradient operands.
         disable_stochastic_rounding: round gradients to nearest instead of stochastically.
         fp4_2d_weights: 16x16 weight tiles (the same numbers in both weight copies) instead of 1x16 blocks.
