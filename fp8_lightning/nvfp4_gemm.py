@@ -40,7 +40,10 @@ def gemm_scales(q: NVFP4Tensor, rows: int) -> torch.Tensor:
     blocks = q.block_scales
     if q.tile_rows > 1:  # each tile's scale on its rows: a broadcast copy
         blocks = blocks.unsqueeze(1).expand(-1, q.tile_rows, -1).reshape(-1, blocks.shape[1])
-    header = q.global_scale.float().reshape(1).view(torch.uint8)
+    # the global scale's four bytes, little-endian, by integer shifts: a same-size bitcast, which torch 2.11's inductor
+    # lowers whatever the stride (a float32 -> uint8 view needs stride 1, which its lowering of a scalar lacks)
+    bits = q.global_scale.float().reshape(1).view(torch.int32)
+    header = ((bits >> torch.arange(0, 32, 8, device=bits.device, dtype=torch.int32)) & 0xFF).to(torch.uint8)
     return torch.cat([header, blocks[:rows].reshape(-1).view(torch.uint8)])
 
 

@@ -146,6 +146,12 @@ def grid_shapes(models: Iterable[str] = MODELS, tokens: Iterable[int] = TOKENS) 
                 yield model, m, k, n
 
 
+def _describe(value) -> str:
+    if torch.is_tensor(value):
+        value = Facts.of(value)
+    return value.describe() if isinstance(value, Facts) else str(getattr(value, "name", value))
+
+
 def describe_call(call: Call) -> str:
     """One line per call: each tensor argument's shape, strides and dtype."""
     parts = []
@@ -153,7 +159,7 @@ def describe_call(call: Call) -> str:
         if name in ("mat1", "mat_a"):
             continue
         if isinstance(value, list):
-            value = value[0] if len(value) == 1 else value
+            value = value[0] if len(value) == 1 else "[" + ", ".join(_describe(v) for v in value) + "]"
         if isinstance(value, Facts):
             parts.append(f"{name}={value.describe()}")
         elif value is not None:

@@ -162,3 +162,29 @@ def test_an_operand_without_gemm_scales_is_emulated_with_the_reason(monkeypatch)
         with pytest.warns(UserWarning, match="carries no GEMM scales"):
             out = nvfp4_gemm.nvfp4_mm(bare, bare, torch.bfloat16)
     assert out.shape == (32, 32) and not calls
+
+
+def test_fullgraph_compile_carries_the_gemm_scales_and_keeps_the_eager_bits(monkeypatch):
+    """The traced step's casts hand each copy's GEMM scales to the GEMM op: one graph, the eager bits, and the
+    compiled GEMMs see the same GEMM scales as the eager ones."""
+    x = torch.randn(20, 64, requires_grad=True)
+    out, scales, original = {}, {}, NVFP4.gemm
+    for compiled in (False, True):
+        seen = []
+
+        def record(a, b, out_dtype, emulate=False, bias=None, fast_accum=False):
+            seen.append((a.cache.native.clone(), b.cache.native.clone()))
+            return original(a, b, out_dtype, emulate, bias, fast_accum)
+
+        monkeypatch.setattr(NVFP4, "gemm", record)
+        torch.manual_seed(0)
+        layer = FP8Linear.from_linear(nn.Linear(64, 32), NVFP4BlockScaling())
+        run = torch.compile(layer, backend="aot_eager", fullgraph=True) if compiled else layer
+        with fp8_autocast():
+            y = run(x)
+        y.sum().backward()
+        out[compiled], scales[compiled] = (y.detach(), layer.weight.grad.clone()), seen
+    torch._dynamo.reset()
+    assert torch.equal(out[False][0], out[True][0]) and torch.equal(out[False][1], out[True][1])
+    assert len(scales[False]) == len(scales[True]) == 3 and all(torch.equal(p, q) for e, c in zip(scales[False], scales[True])
+                                          for p, q in zip(e, c))
