@@ -40,11 +40,18 @@ def gemm_scales(q: NVFP4Tensor, rows: int) -> torch.Tensor:
     blocks = q.block_scales
     if q.tile_rows > 1:  # each tile's scale on its rows: a broadcast copy
         blocks = blocks.unsqueeze(1).expand(-1, q.tile_rows, -1).reshape(-1, blocks.shape[1])
-    # the global scale's four bytes, little-endian, by integer shifts: a same-size bitcast, which torch 2.11's inductor
-    # lowers whatever the stride (a float32 -> uint8 view needs stride 1, which its lowering of a scalar lacks)
-    bits = q.global_scale.float().reshape(1).view(torch.int32)
-    header = ((bits >> torch.arange(0, 32, 8, device=bits.device, dtype=torch.int32)) & 0xFF).to(torch.uint8)
-    return torch.cat([header, blocks[:rows].reshape(-1).view(torch.uint8)])
+    return torch.cat([_header(q.global_scale), blocks[:rows].reshape(-1).view(torch.uint8)])
+
+
+def _header(global_scale: torch.Tensor) -> torch.Tensor:
+    """The global scale's four bytes (little-endian, as a CUDA or x86 float32 lies in memory). Traced, by integer
+    shifts of a same-size bitcast: torch 2.11's inductor refuses a float32 -> uint8 view of the scalar (its lowering
+    gives it stride 0); eager, by that view (one operation instead of four: a cast is paid per step)."""
+    value = global_scale.float().reshape(1)
+    if not torch.compiler.is_compiling():
+        return value.view(torch.uint8)
+    bits = value.view(torch.int32)
+    return ((bits >> torch.arange(0, 32, 8, device=bits.device, dtype=torch.int32)) & 0xFF).to(torch.uint8)
 
 
 def split_gemm_scales(native: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
