@@ -66,6 +66,8 @@ SUITES: dict[str, Suite] = {
                             "how fast is it, alone and in a whole fwd+bwd step, vs bf16 and torch's FP8 grouped GEMM?"),
     "nvfp4-gpu": Suite("nvfp4_gpu_check", "Does the Triton NVFP4 cast write the reference's bytes on a GPU, and how fast "
                        "is it against the reference and a bf16 copy?"),
+    "nvfp4-gemm-gpu": Suite("nvfp4_gemm_gpu_check", "Do the NVFP4 layer's native cuBLAS FP4 GEMMs (sm_100+) match "
+                            "the emulation and float64 math, and how fast are they against the emulation and bf16?"),
     "fsdp-gpu-check": Suite("fsdp_gpu_check", "Does FP8 all-gather under FSDP2 on NCCL run its hooks, move the "
                             "expected bytes and match unsharded?"),
     "fsdp-experts-gpu-check": Suite("fsdp_experts_gpu_check", "Do fused expert weights all-gather in FP8 under "

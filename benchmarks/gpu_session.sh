@@ -24,7 +24,9 @@
 #   bash benchmarks/gpu_session.sh traced   # compiled rowwise/blockwise/MXFP8 layer step vs eager, bit for bit, and
 #                                           # its CUDA kernels per step (torch.profiler); under a minute on an H100
 #   bash benchmarks/gpu_session.sh nvfp4    # the Triton NVFP4 cast's bytes vs the reference on CUDA (shapes up to
-#                                           # 4096x4096, both roundings, RHT on/off, 1x16/16x16) and its timing (<2 min)
+#                                           # 4096x4096, both roundings, RHT on/off, 1x16/16x16) and its timing (<2 min);
+#                                           # on sm_100+ the layer's native FP4 GEMMs vs the emulation and float64 math
+#                                           # on the same operands, timed vs bf16 (sm_90: prints why it skips)
 #   bash benchmarks/gpu_session.sh experts  # the FP8 experts compiled fullgraph on CUDA vs eager, and the experts'
 #                                           # FP8 all-gather under FSDP2 on NCCL vs a high-precision gather
 #   bash benchmarks/gpu_session.sh dry-run  # on any machine: list each call's steps, install the wheels offline
@@ -54,7 +56,7 @@ install_wheels() {  # the wheels in wheels/, offline, into $site (on PYTHONPATH 
 if [ "$mode" = dry-run ]; then
   for call in checks linear llama gpt stack grouped grouped-tokens grouped-triton nvfp4 traced experts lease; do
     echo "== call '$call' runs:"
-    sed -n "/^  $call)/,/;;/p" "$0" | grep -o 'step [a-z_]* .*' | sed 's/^step /   /'
+    sed -n "/^  $call)/,/;;/p" "$0" | grep -o 'step [a-z0-9_]* .*' | sed 's/^step /   /'
   done
   install_wheels || { echo "wheels did not install offline"; exit 1; }
   "$python" -c "import torchao.float8; print('torchao.float8 imports:', torchao.__version__)" || exit 1
@@ -131,8 +133,9 @@ case "$mode" in
   traced)  # the compiled fine-grained layer: same bits as eager, CUDA kernels counted
     STEP_TIMEOUT=150 step traced_gpu_check "$python" -m benchmarks traced-gpu-check --out "$work/traced_gpu_check.md"
     ;;
-  nvfp4)  # needs no FP4 tensor cores: the cast runs wherever the Triton kernels do (sm89+)
+  nvfp4)  # the cast needs no FP4 tensor cores (sm89+); the native GEMM check needs sm_100+ (else it says why it skips)
     STEP_TIMEOUT=110 step nvfp4 "$python" -m benchmarks nvfp4-gpu --out "$work/nvfp4_gpu.md"
+    STEP_TIMEOUT=150 step nvfp4_gemm "$python" -m benchmarks nvfp4-gemm-gpu --out "$work/nvfp4_gemm_gpu.md"
     ;;
   experts)  # the FP8 experts compiled fullgraph on CUDA vs eager; their FP8 all-gather under FSDP2 on NCCL
     STEP_TIMEOUT=150 step pytest_experts_compile "$python" -m pytest -q -p no:cacheprovider -m gpu \

@@ -4,7 +4,8 @@ Each recipe answers :meth:`~fp8_lightning.recipes.base.Recipe.gemm_route` for a 
 capability, CUDA version, whether torch has the v2 ``scaled_mm``); the answer is a :class:`GemmRoute`. The rates
 are GEMM throughput relative to a bf16 GEMM on the same device, used by the profitability model:
 
-* native FP8 tensor cores run at twice the dense bf16 rate (Ada, Hopper and Blackwell datasheets);
+* native FP8 tensor cores run at twice the dense bf16 rate (Ada, Hopper and Blackwell datasheets), FP4 tensor cores
+  at four times it (B200 datasheet: 9 dense FP4 PFLOP/s against 2.25 bf16; not yet measured here);
 * the Triton MX GEMM on Hopper, which has no MX tensor cores, ran at 213 TFLOP/s against bf16's 683 at 8192 cubed
   on an H100 (``benchmarks/results/gpu-h100-20261126/kernels_gpu.md``);
 * a GEMM emulated in float32 runs at the float32 rate: 63.9 ms against bf16's 4.31 ms for an 8192 linear layer on
@@ -26,6 +27,7 @@ NATIVE, FALLBACK, REFUSED, EMULATED, UNKNOWN = "native", "fallback", "refused", 
 CUBLAS_ROWWISE_MIN_CUDA = (12, 9)
 
 NATIVE_FP8_RATE = 2.0
+NATIVE_FP4_RATE = 4.0
 TRITON_MX_RATE = 213 / 683
 FLOAT32_RATE = 4.31 / 63.9
 ROWWISE_GROUPED_STEP_RATE = 19.34 / 51.83  # DeepSeek-V3 gate_up at 32768 rows on an H200 (rowwise defaults)
@@ -58,6 +60,10 @@ class GemmRoute(NamedTuple):
 
 def native(gemm: str, why: str) -> GemmRoute:
     return GemmRoute(NATIVE, gemm, why, NATIVE_FP8_RATE)
+
+
+def native_fp4(gemm: str, why: str) -> GemmRoute:
+    return GemmRoute(NATIVE, gemm, why, NATIVE_FP4_RATE)
 
 
 def native_grouped_rowwise(why: str) -> GemmRoute:

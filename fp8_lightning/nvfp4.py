@@ -78,7 +78,7 @@ def _nan_codes(v: torch.Tensor) -> torch.Tensor:
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """The float32 value of each 4-bit code (uint8, 0-15)."""
     table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=codes.device)
-    return table[codes.long()]
+    return table.index_select(0, codes.reshape(-1).long()).view(codes.shape)  # a lookup fake CUDA tensors take too
 
 
 def stochastic_e2m1_codes(v: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

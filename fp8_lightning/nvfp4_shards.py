@@ -82,13 +82,13 @@ def unpack_nvfp4_gathered(
     return NVFP4Tensor(codes, scales, global_scale.float(), (gathered.shape[0], k), tile_rows)
 
 
-def nvfp4_transposed_tiles(codes: torch.Tensor, multipliers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, multipliers) of ``W.T`` from those of ``W`` (N, K) cast in 16x16 tiles: the codes transposed, and
-    each tile's multiplier ``s_global * s_tile`` (repeated on the 16 rows of the tile) moved to the transposed tile;
-    the same numbers, bit for bit, as casting ``W.T``."""
-    values = unpack_e2m1(codes).t().contiguous()
-    tiles = multipliers[::NVFP4_BLOCK].t()  # (K / 16, N / 16): one multiplier per tile
-    return pack_e2m1(values), tiles.repeat_interleave(NVFP4_BLOCK, dim=0).contiguous()
+def nvfp4_transposed_tiles(weight: NVFP4Tensor) -> NVFP4Tensor:
+    """``W.T`` from ``W`` (N, K) cast in 16x16 tiles: the codes transposed and each tile's scale moved to the
+    transposed tile, with the same global scale; the same numbers, bit for bit, as casting ``W.T``."""
+    values = unpack_e2m1(weight.codes).t().contiguous()
+    rows, k = weight.shape
+    return NVFP4Tensor(pack_e2m1(values), weight.block_scales.t().contiguous(), weight.global_scale, (k, rows),
+                       weight.tile_rows)
 
 
 def nvfp4_recast_columns(values: torch.Tensor, global_scale: torch.Tensor) -> NVFP4Tensor:

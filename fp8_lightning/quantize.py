@@ -198,7 +198,8 @@ class OperandKind(str):
             raise ValueError(f"operand kind {name!r} is unknown; declared: {sorted(cls._declared)}.") from None
 
     def implement(
-        self, gemm, to_f32, dequantize, scale_multiplier, representative_scale, value_limits=None, code_values=None
+        self, gemm, to_f32, dequantize, scale_multiplier, representative_scale, value_limits=None, code_values=None,
+        traced_cache=None,
     ) -> None:
         """Give the kind its behaviour (once, from the recipe module that makes it):
 
@@ -209,7 +210,9 @@ class OperandKind(str):
         * ``representative_scale(q)``: one number for the operand's scale (its smallest multiplier);
         * ``value_limits(q)`` (optional): (largest code value, the scaled magnitude above which the cast saturated),
           by default the float8 dtype's (:func:`float8_limits`);
-        * ``code_values(q)`` (optional): each element's code value in float32, by default ``q.data`` as float32.
+        * ``code_values(q)`` (optional): each element's code value in float32, by default ``q.data`` as float32;
+        * ``traced_cache(extra)`` (optional): the cache of an operand the traced step's GEMM op rebuilds from the
+          extra tensor its cast handed out, by default ``OperandCache(inverse=extra)`` (its ``1 / scale``).
         """
         # instance attributes: a call goes straight to the implementation (the GEMM is on the hot path)
         self.gemm, self.to_f32, self.dequantize = gemm, to_f32, dequantize
@@ -218,12 +221,17 @@ class OperandKind(str):
             self.value_limits = value_limits
         if code_values is not None:
             self.code_values = code_values
+        if traced_cache is not None:
+            self.traced_cache = traced_cache
 
     def value_limits(self, q: "Quantized") -> tuple[float, float]:
         return float8_limits(q.data.dtype)
 
     def code_values(self, q: "Quantized") -> torch.Tensor:
         return q.data.float()
+
+    def traced_cache(self, extra: torch.Tensor | None) -> "OperandCache":
+        return OperandCache(inverse=extra)
 
     def _unimplemented(self, *args, **kwargs):
         raise NotImplementedError(
@@ -270,18 +278,24 @@ class OperandCache:
     # ``data.T`` as a contiguous copy, when the cast wrote one (CUDA): the layout a scaled GEMM needs for the
     # operand's transposed uses, which Quantized.t then hands out instead of a view to copy.
     transposed: torch.Tensor | None = None
-    # MX scales in cuBLAS's swizzled layout, made by the first native MX GEMM that reads the operand
-    # (``gemm.swizzled_scales``) and kept for its later GEMMs (the cached weight's: once per optimizer step).
+    # MX or NVFP4 block scales in cuBLAS's swizzled layout, made by the first native GEMM that reads the operand
+    # (``gemm.swizzled_scales``, ``nvfp4_gemm``) and kept for its later GEMMs (the cached weight's: once per
+    # optimizer step).
     swizzled: torch.Tensor | None = None
     # ``data`` is a transposed copy that a cast wrote (handed out by Quantized.t) where a cast without one hands out
     # a transposed view: a CPU float GEMM reads it in the view's layout, so its bits (MKL sums transposed inputs in
     # another order) do not depend on whether a kernel wrote the copy.
     from_copy: bool = False
+    # What a native GEMM reads besides ``data`` and ``scale`` where ``scale`` cannot give it back: an NVFP4 cast's E4M3
+    # block scales and float32 global scale (``scale`` holds their rounded product; :mod:`fp8_lightning.nvfp4_gemm`).
+    # Without it such an operand's GEMM is emulated.
+    native: torch.Tensor | None = None
 
     def for_backward(self, keep_f32: bool) -> "OperandCache":
         """The part worth saving for the backward GEMMs: the small facts, and the float32 form only when asked
         (a weight's, made once per optimizer step; an activation's would double the saved bytes)."""
-        return OperandCache(self.f32 if keep_f32 else None, self.nan_free, self.inverse, from_copy=self.from_copy)
+        return OperandCache(self.f32 if keep_f32 else None, self.nan_free, self.inverse, from_copy=self.from_copy,
+                            native=self.native)
 
 
 @dataclasses.dataclass

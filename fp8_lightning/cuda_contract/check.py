@@ -17,7 +17,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from fp8_lightning.cuda_contract import rules_v2
+from fp8_lightning.cuda_contract import rules_nvfp4, rules_v2
 from fp8_lightning.cuda_contract.rules import CONTRACT_ARCHS, FLOAT8, Facts, Outcome, Target, scaled_mm_v1
 from fp8_lightning.cuda_contract.simulate import MODES, TRITON_API, V1_API, Call, GemmRecord, run_layer
 from fp8_lightning.recipes import RECIPES
@@ -49,7 +49,7 @@ class Verdict:
 
 def contract_recipes() -> list[str]:
     """The registered recipes whose GEMMs reach torch's scaled GEMMs on some architecture; a recipe emulated in
-    float32 everywhere (NVFP4 today) issues no call for the contract to check."""
+    float32 everywhere issues no call for the contract to check."""
     from fp8_lightning.capability_table import MATRIX_ARCHS, MATRIX_CUDA, route_on
     from fp8_lightning.gemm_routes import FLOAT32_RATE
 
@@ -65,6 +65,8 @@ def _v1_outcome(target: Target, args: dict) -> Outcome:
 
 
 def _v2_outcome(target: Target, args: dict) -> tuple[Outcome, str | None]:
+    if rules_nvfp4.FP4 in (args["mat_a"].dtype, args["mat_b"].dtype):
+        return _nvfp4_outcome(target, args), None
     scales = [args[k][0] if isinstance(args[k], list) else args[k] for k in ("scale_a", "scale_b")]
     recipes = [args[k][0] if isinstance(args[k], list) else args[k] for k in ("scale_recipe_a", "scale_recipe_b")]
     scale_a, scale_b = (s if isinstance(s, Facts) else Facts.of(s) for s in scales)
@@ -74,6 +76,16 @@ def _v2_outcome(target: Target, args: dict) -> tuple[Outcome, str | None]:
     )
     meta = rules_v2.meta_violation(target, args["mat_a"], args["mat_b"], scale_a, recipes[0], scale_b, recipes[1])
     return outcome, meta
+
+
+def _nvfp4_outcome(target: Target, args: dict) -> Outcome:
+    """The FP4 call's outcome under :mod:`.rules_nvfp4` (lists of block and global scales per operand)."""
+    listed = [v if isinstance(v, list) else [v] for v in (args["scale_a"], args["scale_b"])]
+    facts = [[f if isinstance(f, Facts) else Facts.of(f) for f in scales] for scales in listed]
+    recipes = [v if isinstance(v, list) else [v] for v in (args["scale_recipe_a"], args["scale_recipe_b"])]
+    return rules_nvfp4.nvfp4_scaled_mm_v2(
+        target, args["mat_a"], args["mat_b"], facts[0], recipes[0], facts[1], recipes[1], args.get("swizzle_a"),
+        args.get("swizzle_b"), args.get("bias"), args["out_dtype"], args["use_fast_accum"])
 
 
 def call_outcome(target: Target, call: Call) -> tuple[str, str | None, str | None]:
@@ -93,7 +105,7 @@ def call_outcome(target: Target, call: Call) -> tuple[str, str | None, str | Non
 def judge(record: GemmRecord, target: Target) -> Verdict:
     """The verdict on one recorded GEMM for ``target``."""
     if not record.calls:
-        if record.a.dtype not in FLOAT8:
+        if record.a.dtype.is_floating_point and record.a.dtype not in FLOAT8:  # (NVFP4's codes are uint8)
             return Verdict(record, FALLBACK, "high precision", ["the recipe computes this GEMM in high precision"], [])
         reasons = record.warnings or ["emulated: the operands dequantized and multiplied in float32"]
         return Verdict(record, FALLBACK, "float32 emulation", reasons, [])
@@ -134,6 +146,12 @@ def grid_shapes(models: Iterable[str] = MODELS, tokens: Iterable[int] = TOKENS) 
                 yield model, m, k, n
 
 
+def _describe(value) -> str:
+    if torch.is_tensor(value):
+        value = Facts.of(value)
+    return value.describe() if isinstance(value, Facts) else str(getattr(value, "name", value))
+
+
 def describe_call(call: Call) -> str:
     """One line per call: each tensor argument's shape, strides and dtype."""
     parts = []
@@ -141,7 +159,7 @@ def describe_call(call: Call) -> str:
         if name in ("mat1", "mat_a"):
             continue
         if isinstance(value, list):
-            value = value[0] if len(value) == 1 else value
+            value = value[0] if len(value) == 1 else "[" + ", ".join(_describe(v) for v in value) + "]"
         if isinstance(value, Facts):
             parts.append(f"{name}={value.describe()}")
         elif value is not None:

@@ -23,7 +23,7 @@ import torch.utils._pytree as pytree
 
 from fp8_lightning.ops.dispatch import dequantize_operand
 from fp8_lightning.privates import local_shard
-from fp8_lightning.quantize import Quantized
+from fp8_lightning.quantize import OperandCache, Quantized
 from fp8_lightning.recipes import Recipe
 
 aten = torch.ops.aten
@@ -219,12 +219,14 @@ class FP8GatheredWeight(torch.Tensor):
             data = func(w._q.data, *args[1:], **kwargs)
             if data.shape != w._q.data.shape:
                 raise NotImplementedError(f"{func} would reshape an FP8-gathered weight; dequantize it first.")
-            return cls(Quantized(data, w._q.scale, w._q.kind), w._recipe, w._meta, w.dtype)
+            kept = OperandCache(native=w._q.cache.native)  # a view of the same codes: its GEMM scales still hold
+            return cls(Quantized(data, w._q.scale, w._q.kind, kept), w._recipe, w._meta, w.dtype)
         plain_args, plain_kwargs = pytree.tree_map_only(cls, lambda t: t.dequantize(), (args, kwargs))
         return func(*plain_args, **plain_kwargs)
 
     def __tensor_flatten__(self):
-        return ["_data", "_scale"], (self._q.kind, self._recipe, self._meta, self.dtype)
+        native = ["_native"] if self._q.cache.native is not None else []  # NVFP4's GEMM scales travel too
+        return ["_data", "_scale", *native], (self._q.kind, self._recipe, self._meta, self.dtype)
 
     @property
     def _data(self) -> torch.Tensor:
@@ -234,10 +236,14 @@ class FP8GatheredWeight(torch.Tensor):
     def _scale(self) -> torch.Tensor:
         return self._q.scale
 
+    @property
+    def _native(self) -> torch.Tensor | None:
+        return self._q.cache.native
+
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
         kind, recipe, recipe_meta, dtype = meta
-        q = Quantized(inner["_data"], inner["_scale"], kind)
+        q = Quantized(inner["_data"], inner["_scale"], kind, OperandCache(native=inner.get("_native")))
         return FP8GatheredWeight(q, recipe, recipe_meta, dtype, tuple(outer_size))
 
     def dequantize(self) -> torch.Tensor:

@@ -36,7 +36,7 @@ from fp8_lightning.kernels.fine_grained_layout import BLOCKWISE_EDGE, output_lay
 from fp8_lightning.mx import E8M0_DTYPE
 from fp8_lightning.ops.dispatch import dequantize_operand, fast_quantize_mx_operands, fine_caster
 from fp8_lightning.ops.registry import hot_op
-from fp8_lightning.quantize import OperandCache, Quantized, is_transposed_2d
+from fp8_lightning.quantize import OperandCache, OperandKind, Quantized, is_transposed_2d
 
 
 def _empty(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -221,7 +221,10 @@ def scaled_gemm(
     b_scale: torch.Tensor, b_inverse: Optional[torch.Tensor], bias: Optional[torch.Tensor], kind: str,
     out_dtype: torch.dtype, emulate: bool, fast_accum: bool,
 ) -> torch.Tensor:
-    """``a @ b.T (+ bias)``; ``a_inverse``, ``b_inverse``: the operands' ``1 / scale`` where their casts wrote it
-    (in the layout the GEMM reads), else None."""
-    a_q, b_q = _with_inverse(a, a_scale, kind, a_inverse), _with_inverse(b, b_scale, kind, b_inverse)
+    """``a @ b.T (+ bias)``; ``a_inverse``, ``b_inverse``: what the operands' casts handed out besides data and scale
+    for the GEMM, else None: their ``1 / scale`` (in the layout the GEMM reads), or what the kind's
+    ``traced_cache`` makes of it (NVFP4: the GEMM scales)."""
+    operand_kind = OperandKind.named(kind)
+    a_q = Quantized(a, a_scale, operand_kind, operand_kind.traced_cache(a_inverse))
+    b_q = Quantized(b, b_scale, operand_kind, operand_kind.traced_cache(b_inverse))
     return fp8_mm(a_q, b_q, out_dtype, emulate, bias, fast_accum)

@@ -14,10 +14,12 @@ Per GEMM operand, as in TE and the NVFP4 paper:
   a resumed run continues exactly; everything else rounds to nearest even.
 
 The operand kind ``NVFP4`` holds the packed codes (uint8, K / 2 bytes per row) and each 16-block's float32
-multiplier ``s_global * s_block`` (the divisor the cast used, so ``x_q = e2m1 * multiplier`` exactly). Its GEMM is
-emulated everywhere: the dequantized operands multiplied in float32 (CPU, and CUDA: cuBLAS's FP4 GEMM on sm_100+ is
-not wired yet). Rows of columnwise copies (the token dimension M) are zero-padded to whole blocks; both wgrad
-operands are padded alike, so zeros add nothing.
+multiplier ``s_global * s_block`` (the divisor the cast used, so ``x_q = e2m1 * multiplier`` exactly), and in its
+cache the GEMM scales (E4M3 block scales and the float32 global scale, :mod:`fp8_lightning.nvfp4_gemm`), which
+:func:`_operand`, the one place operands are made, fills. Its GEMM runs cuBLAS's FP4 GEMM on CUDA sm_100+ (CUDA 12.8,
+torch's ``scaled_mm`` with BlockWise1x16), else the dequantized operands multiplied in float32. Rows of columnwise
+copies (the token dimension M) are zero-padded to whole blocks; both wgrad operands are padded alike, so zeros add
+nothing.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from fp8_lightning.formats import Format
-from fp8_lightning.gemm_routes import GemmRoute, arch_name, emulated_on_gpu
+from fp8_lightning.gemm_routes import GemmRoute, arch_name, cuda_name, emulated_on_gpu, native_fp4
 from fp8_lightning.nvfp4 import (
     E2M1_MAX,
     NVFP4_BLOCK,
@@ -49,13 +51,20 @@ from fp8_lightning.nvfp4_shards import (
     pack_nvfp4_shard,
     unpack_nvfp4_gathered,
 )
+from fp8_lightning.nvfp4_gemm import (
+    NATIVE_NVFP4_MIN_CAPABILITY,
+    NATIVE_NVFP4_MIN_CUDA,
+    gemm_scales,
+    nvfp4_mm,
+    nvfp4_tensor,
+)
 from fp8_lightning.ops import dispatch
-from fp8_lightning.quantize import OperandKind, Quantized
+from fp8_lightning.quantize import OperandCache, OperandKind, Quantized
+from fp8_lightning.traced import plan_for
 from fp8_lightning.recipes.base import Recipe, check_flags, invalid
 from fp8_lightning.scaling import agreed_amax
 
 NVFP4 = OperandKind("nvfp4")
-NATIVE_NVFP4_MIN_CAPABILITY = (10, 0)
 _ROW, _COLUMN = 0, 1  # which copy a stochastic cast makes: part of its seed
 
 
@@ -101,7 +110,10 @@ def _rank() -> int:
 
 
 def _operand(q) -> Quantized:
-    return Quantized(q.codes, block_multipliers(q)[: q.codes.shape[0]], NVFP4)
+    """The GEMM operand of a cast: its codes, each block's multiplier (the emulation's) and, in its cache, the GEMM
+    scales cuBLAS's FP4 GEMM reads (:mod:`fp8_lightning.nvfp4_gemm`)."""
+    rows = q.codes.shape[0]
+    return Quantized(q.codes, block_multipliers(q)[:rows], NVFP4, OperandCache(native=gemm_scales(q, rows)))
 
 
 def _agreed_copy(x: torch.Tensor, key, copy: int, group) -> Quantized:
@@ -123,11 +135,12 @@ class NVFP4BlockScaling(Recipe):
     ``disable_rht``: no random Hadamard transform on the wgrad operands. ``disable_stochastic_rounding``: gradients
     round to nearest even too. ``fp4_2d_weights``: 16x16 weight tiles (the rowwise and columnwise weight copies are
     the same numbers); False: 1x16 blocks along each GEMM's K. ``seed``: the RHT sign vector's seed and the base of
-    the stochastic-rounding seeds. The GEMMs are emulated (dequantized operands multiplied in float32).
+    the stochastic-rounding seeds. The GEMMs run on cuBLAS's FP4 tensor cores on sm_100+ and are emulated
+    (dequantized operands multiplied in float32) elsewhere.
 
     Args:
-        fp8_format, fprop_fast_accum, grad_fast_accum: the fields every recipe has (:class:`Recipe`); the
-            emulated FP4 GEMMs accumulate in float32.
+        fp8_format, fprop_fast_accum, grad_fast_accum: the fields every recipe has (:class:`Recipe`); both FP4
+            GEMMs accumulate in float32 (cuBLAS refuses fast accumulation for FP4).
         disable_rht: skip the random Hadamard transform of the weight-gradient operands.
         disable_stochastic_rounding: round gradients to nearest instead of stochastically.
         fp4_2d_weights: 16x16 weight tiles (the same numbers in both weight copies) instead of 1x16 blocks.
@@ -206,13 +219,17 @@ class NVFP4BlockScaling(Recipe):
         sr_key = None if key is None else mix_seed(key, copy)
         return _operand(quantize_nvfp4(x, rht_signs=signs, sr_key=sr_key))
 
+    def traced_plan(self, device, out_dtype, emulate):
+        """Each cast hands out its copies' GEMM scales too (the plan's extra tensors per copy)."""
+        return plan_for(self, device, out_dtype, emulate, inverses=True)
+
     def traced_cast(self, x, state, plan, role, dtype, columnwise, record):
         signs, counter = state if state else (None, None)
         row, col = self._copies(role, x, signs, counter, record)
         if not columnwise:
-            return row.data, row.scale, None, None
+            return row.data, row.scale, None, None, row.cache.native, None
         col = col()
-        return row.data, row.scale, col.data, col.scale
+        return row.data, row.scale, col.data, col.scale, row.cache.native, col.cache.native
 
     def traced_grouped_unsupported_reason(self) -> str | None:
         return ("NVFP4 experts: each group's weight-gradient cast draws its stochastic-rounding noise from the "
@@ -315,9 +332,10 @@ class NVFP4BlockScaling(Recipe):
     def fsdp_operands(self, gathered, scaling, metadata, record):
         """dgrad's ``W.T``: the gathered 16x16 tiles transposed (the bits of casting ``W.T``), or with 1x16 blocks
         re-cast along N from the gathered values (one more rounding, in dgrad only)."""
-        row = Quantized(gathered.data.contiguous(), gathered.scale.contiguous(), NVFP4)
+        weight = nvfp4_tensor(gathered, self._weight_tile())
+        row = _operand(weight._replace(codes=weight.codes.contiguous()))
         if self.fp4_2d_weights:
-            return row, Quantized(*nvfp4_transposed_tiles(row.data, row.scale), NVFP4)
+            return row, _operand(nvfp4_transposed_tiles(weight))
         return row, _operand(nvfp4_recast_columns(dispatch.operand_f32(row), metadata))
 
     def _weight_tile(self) -> int:
@@ -329,52 +347,28 @@ class NVFP4BlockScaling(Recipe):
         """Rowwise and columnwise copies each read bf16 twice (amax, cast) and write half a byte and the scales."""
         return 2 * (2 + 2 + 0.5 + 1 / NVFP4_BLOCK)
 
+    def grouped_gemm_route(self, capability, cuda, has_grouped_api) -> GemmRoute:
+        return emulated_on_gpu("NVFP4 experts' grouped GEMMs are emulated: torch 2.11's scaled grouped GEMM takes "
+                               "E4M3 operands only (its meta function, _meta_grouped_mm_common)")
+
     def gemm_route(self, capability, cuda, has_scaled_mm_v2) -> GemmRoute:
         arch = arch_name(capability)
-        if capability >= NATIVE_NVFP4_MIN_CAPABILITY:
-            return emulated_on_gpu(f"{arch} has FP4 tensor cores and torch 2.11 takes the cuBLAS NVFP4 GEMM "
-                                   "(torch.nn.functional.scaled_mm, [BlockWise1x16, TensorWise] scales: "
-                                   "nvfp4_scaled_mm_args), but the layer's operands do not carry their E4M3 block "
-                                   "scales to it yet")
-        return emulated_on_gpu(f"{arch} has no FP4 tensor cores (sm_100 and later have them)")
-
-
-def nvfp4_scaled_mm_args(a, b, out_dtype: torch.dtype = torch.bfloat16) -> dict:
-    """The keyword arguments of ``torch.nn.functional.scaled_mm`` (torch 2.10+) for ``a @ b.T`` of two NVFP4 tensors
-    (:class:`fp8_lightning.nvfp4.NVFP4Tensor`, K last in both): packed ``float4_e2m1fn_x2`` operands, each with
-    ``[E4M3 block scales in cuBLAS's swizzled layout, float32 global scale]`` under ``[BlockWise1x16, TensorWise]``,
-    so cuBLAS applies ``g_a * g_b`` itself. 16x16 tiles become the 1x16 blocks cuBLAS reads (each tile's scale on
-    its 16 rows). Where torch takes the call: :mod:`fp8_lightning.cuda_contract.rules_nvfp4`."""
-    from torch.nn.functional import ScalingType, SwizzleType
-
-    from fp8_lightning.gemm import swizzle_mx_scales
-
-    def blocks(q):  # each 16x16 tile's scale on its 16 rows (a broadcast copy: no index tensor to build)
-        s = q.block_scales
-        return s.unsqueeze(1).expand(-1, q.tile_rows, -1).reshape(-1, s.shape[1]) if q.tile_rows > 1 else s
-
-    recipe = [ScalingType.BlockWise1x16, ScalingType.TensorWise]
-    swizzle = [SwizzleType.SWIZZLE_32_4_4, SwizzleType.NO_SWIZZLE]
-    return {
-        "mat_a": a.as_float4(), "mat_b": b.as_float4().t(),
-        "scale_a": [swizzle_mx_scales(blocks(a)), a.global_scale.float().reshape(())], "scale_recipe_a": recipe,
-        "scale_b": [swizzle_mx_scales(blocks(b)), b.global_scale.float().reshape(())], "scale_recipe_b": recipe,
-        "swizzle_a": swizzle, "swizzle_b": swizzle, "output_dtype": out_dtype,
-    }
+        if capability < NATIVE_NVFP4_MIN_CAPABILITY:
+            return emulated_on_gpu(f"{arch} has no FP4 tensor cores (sm_100 and later have them)")
+        if cuda is None or cuda < NATIVE_NVFP4_MIN_CUDA:
+            return emulated_on_gpu(f"{arch} has FP4 tensor cores, but the cuBLAS of {cuda_name(cuda)} has no NVFP4 "
+                                   "GEMM (12.8+)")
+        if not has_scaled_mm_v2:
+            return emulated_on_gpu(f"{arch} has FP4 tensor cores, but this torch has no torch.nn.functional.scaled_mm "
+                                   "with BlockWise1x16 scales (torch 2.10+)")
+        return native_fp4("cuBLAS NVFP4 block-scaled GEMM (torch.nn.functional.scaled_mm, E4M3 1x16 scales)",
+                          f"{arch} has FP4 tensor cores")
 
 
 def nvfp4_to_f32(q: Quantized) -> torch.Tensor:
     """The dequantized values of an NVFP4 operand, float32: each code's value times its block's multiplier."""
     values = e2m1_values(unpack_e2m1(q.data))
     return values * q.scale.float().repeat_interleave(NVFP4_BLOCK, dim=-1)
-
-
-def nvfp4_mm(a: Quantized, b: Quantized, out_dtype, emulate=False, bias=None, fast_accum=False) -> torch.Tensor:
-    """``a @ b.T (+ bias)`` of two NVFP4 operands: their dequantized values multiplied in float32."""
-    out = dispatch.operand_f32(a) @ dispatch.operand_f32(b).t()
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(out_dtype)
 
 
 def _multiplier(q: Quantized, k: int) -> torch.Tensor:
@@ -389,6 +383,7 @@ NVFP4.implement(
     representative_scale=lambda q: q.scale.float().amax().reciprocal(),
     value_limits=lambda q: (E2M1_MAX, E2M1_MAX + 1.0),  # half of the top binade's step (2) above 6
     code_values=lambda q: e2m1_values(unpack_e2m1(q.data)),
+    traced_cache=lambda native: OperandCache(native=native),
 )
 
-__all__ = ["NVFP4BlockScaling", "NVFP4LayerState", "nvfp4_scaled_mm_args"]
+__all__ = ["NVFP4BlockScaling", "NVFP4LayerState"]

@@ -53,6 +53,11 @@ def _blockwise_fallback_is_planned(verdict, target: Target) -> bool:
     return plan[0] == cuda_rules.EMULATE
 
 
+def _native_route(name: str, target: Target) -> bool:
+    """Whether the recipe's route on ``target`` is native (NVFP4 emulates below sm_100 or CUDA 12.8, as planned)."""
+    return RECIPES[name]().gemm_route(target.capability, target.cuda, target.has_scaled_mm_v2).verdict == NATIVE
+
+
 def _check_grid(target: Target, shapes, dtype=torch.bfloat16):
     counts = {}
     for name in contract_recipes():
@@ -62,7 +67,9 @@ def _check_grid(target: Target, shapes, dtype=torch.bfloat16):
             for v in eager + traced:
                 where = (str(target), name, model, m, k, n, v.record.mode, v.record.role, v.reasons)
                 assert v.status != VIOLATION, where
-                if v.status == FALLBACK:
+                if v.status == FALLBACK and name == "nvfp4":
+                    assert not _native_route(name, target), where
+                elif v.status == FALLBACK:
                     assert name == "blockwise" and _blockwise_fallback_is_planned(v, target), where
                 counts[name, v.status] = counts.get((name, v.status), 0) + 1
             assert [v.kernel for v in eager] == [v.kernel for v in traced], (name, model, m, k, n)
@@ -74,14 +81,16 @@ def test_the_shape_grid_has_no_violation_and_only_planned_fallbacks(arch):
     """GPT-2, Llama-3-8B, Qwen3 (0.6B, 8B, 30B-A3B experts) and ragged feature counts, bf16, at 1, 77 and 4113
     tokens on sm_90 (where the blockwise path depends on the shape) and 77 elsewhere (``python -m
     fp8_lightning.cuda_contract --grid --arch all --recipe all`` runs them all): every GEMM of every recipe is legal
-    where it runs natively; the only fallbacks are blockwise's planned ones."""
+    where it runs natively; the only fallbacks are blockwise's planned ones and NVFP4's emulation below sm_100."""
     target = Target(arch, (12, 9), (2, 11))
     counts = _check_grid(target, list(grid_shapes(tokens=(1, 77, 4113) if arch == "sm_90" else (77,))))
     if arch == "sm_90":
         assert counts.get(("blockwise", NATIVE), 0) > counts.get(("blockwise", FALLBACK), 0) > 0  # ragged K only
     else:
         assert ("blockwise", NATIVE) not in counts  # emulated off sm_90, as planned
-    assert all(counts.get((name, NATIVE), 0) > 0 for name in contract_recipes() if name != "blockwise")
+    assert all(counts.get((name, NATIVE), 0) > 0 for name in contract_recipes()
+               if name != "blockwise" and _native_route(name, target))
+    assert (counts.get(("nvfp4", NATIVE), 0) > 0) == (target.capability >= (10, 0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])

@@ -3,7 +3,7 @@
 Each rule's failing case is refused with torch's words and its passing neighbour is taken (the rules as read in
 ScaledBlas.cpp: packed K / 2 a multiple of 16 for v1, unpacked K for v2; swizzled E4M3 scale counts; no fast
 accumulation; SWIZZLE_32_4_4; FP4 tensor cores on sm_100 with CUDA 12.8). The arguments
-``recipes.nvfp4.nvfp4_scaled_mm_args`` builds from NVFP4 tensors on fake CUDA tensors pass both the contract and
+``nvfp4_gemm.nvfp4_scaled_mm_args`` builds from the recipe's NVFP4 operands on fake CUDA tensors pass both the contract and
 torch's own meta function, and their swizzled scales sit where cuBLAS's documented 128x4 tile layout puts them.
 """
 
@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from fp8_lightning import nvfp4
 from fp8_lightning.cuda_contract.rules import Facts, Target
 from fp8_lightning.cuda_contract.rules_nvfp4 import KERNEL, nvfp4_scaled_mm_v1, nvfp4_scaled_mm_v2, scale_elements
-from fp8_lightning.recipes.nvfp4 import nvfp4_scaled_mm_args
-from tests.core.fake_cuda import fake_cuda
+from fp8_lightning.nvfp4_gemm import nvfp4_scaled_mm_args
+from fp8_lightning.recipes.nvfp4 import _operand
+from fp8_lightning.cuda_contract.simulate import simulated_device
 
 FP4, E4M3 = torch.float4_e2m1fn_x2, torch.float8_e4m3fn
 SM100, SM90 = Target("sm_100", (12, 8), (2, 11)), Target("sm_90", (12, 9), (2, 11))
@@ -112,9 +113,9 @@ def _fake_nvfp4(rows: int, k: int, tile_rows: int) -> nvfp4.NVFP4Tensor:
 
 @pytest.mark.parametrize("m, n, k", [(256, 128, 512), (40, 96, 64), (1000, 48, 4096)])
 def test_the_recipes_call_passes_the_contract_and_torchs_meta_on_fake_cuda(m, n, k):
-    with fake_cuda():
+    with simulated_device(SM100):  # fake CUDA tensors, with the bridges a CPU build of torch needs
         a, b = _fake_nvfp4(m, k, 1), _fake_nvfp4(n, k, 16)  # activations 1x16, weight 16x16 tiles
-        args = nvfp4_scaled_mm_args(a, b)
+        args = nvfp4_scaled_mm_args(_operand(a), _operand(b))
         y = F.scaled_mm(**args)
         assert y.shape == (m, n) and y.dtype == torch.bfloat16 and y.device.type == "cuda"
         facts = {key: [Facts.of(t) for t in args[key]] for key in ("scale_a", "scale_b")}
@@ -131,7 +132,7 @@ def test_swizzled_scales_sit_where_cublas_reads_them():
     rows, k = 130, 96  # 2 row tiles, 6 -> 8 scale columns: 2 column tiles
     q = nvfp4.quantize_nvfp4(torch.randn(rows, k) * torch.logspace(-2, 2, k))
     q = q._replace(global_scale=torch.tensor(0.5))
-    args = nvfp4_scaled_mm_args(q, q)
+    args = nvfp4_scaled_mm_args(_operand(q), _operand(q))
     swizzled = args["scale_a"][0].view(torch.uint8)
     assert swizzled.numel() == scale_elements(rows, k // 2) and swizzled.dtype == torch.uint8
     col_tiles = 2

@@ -1,11 +1,13 @@
 """NVFP4's FSDP2 wire format in one process: shards packed by ``fsdp_pack`` and gathered by concatenation give the
 operands of casting the whole weight (16x16 tiles: both copies bit for bit; 1x16 blocks: the fprop copy bit for bit,
-dgrad's re-cast within one E2M1 step of the exact weight), the byte counts the format promises, and the refusals."""
+dgrad's re-cast within one E2M1 step of the exact weight), with the GEMM scales cuBLAS reads (the whole weight's), the
+byte counts the format promises, and the refusals."""
 
 import pytest
 import torch
 
 from fp8_lightning import NVFP4BlockScaling, dequantize_nvfp4, quantize_nvfp4
+from fp8_lightning.nvfp4_gemm import gemm_scales, split_gemm_scales
 from fp8_lightning.ops.dispatch import dequantize_operand
 
 
@@ -33,6 +35,8 @@ def test_tiles_gather_to_the_unsharded_cast(world, shape):
                                rtol=0, atol=0)  # fmt: skip
     torch.testing.assert_close(dequantize_operand(column, torch.float64), dequantize_nvfp4(whole_t, torch.float64),
                                rtol=0, atol=0)  # fmt: skip
+    for operand, cast in ((row, whole), (column, whole_t)):  # cuBLAS's scales: those of the whole weight's casts
+        assert torch.equal(operand.cache.native, gemm_scales(cast, cast.codes.shape[0]))
     rows, k = shape
     tile_bytes = -(-(rows // world // 16) * (k // 16) // (rows // world))
     assert gathered.dtype == torch.uint8 and gathered.shape == (rows, k // 2 + tile_bytes)
@@ -50,6 +54,9 @@ def test_row_blocks_gather_to_the_unsharded_fprop_cast():
     got_t = dequantize_operand(column, torch.float64)
     step = w.abs().amax().double() / 6 * 2  # the largest block multiplier times the top binade's step
     assert (got_t - want.t()).abs().max() <= step
+    assert torch.equal(row.cache.native, gemm_scales(quantize_nvfp4(w), 48))
+    blocks, global_scale = split_gemm_scales(column.cache.native, column.data.shape[0])  # the multiplier's factors
+    assert torch.equal(column.scale, global_scale * blocks.float())
 
 
 def test_shards_that_cut_a_tile_are_refused_with_the_fix():
