@@ -152,7 +152,7 @@ class GroupedStep:
         self.native = native  # the recipe's grouped kernels (Recipe.grouped_native), or None: emulated
 
 
-OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+GROUPED_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 class FP8GroupedMMFunction(torch.autograd.Function):
@@ -301,9 +301,9 @@ def fp8_grouped_mm(
     """
     recipe = scaling.recipe if scaling is not None else recipe_from(recipe)
     experts, k, n = check_grouped_shapes(a, b, recipe)
-    if out_dtype is not None and out_dtype not in OUT_DTYPES:
+    if out_dtype is not None and out_dtype not in GROUPED_OUT_DTYPES:
         raise ValueError(f"fp8_grouped_mm: out_dtype={out_dtype} is not allowed; allowed: "
-                         f"{', '.join(map(str, OUT_DTYPES))} (None: a's dtype).")
+                         f"{', '.join(map(str, GROUPED_OUT_DTYPES))} (None: a's dtype).")
     bounds = group_bounds(offs, a.shape[0], experts)
     if scaling is None:
         scaling = GroupedScaling(recipe, experts)
