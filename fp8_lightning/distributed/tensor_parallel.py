@@ -92,7 +92,14 @@ class ShardedLinear:
             recipe.tensor_parallel_bind(scaling.operands, roles, self.group)
 
     def forward(self, layer: FP8Linear, x: torch.Tensor) -> torch.Tensor:
-        """The layer on this rank: ``x`` is the local input the style's input hook made (plain tensor)."""
+        """The layer on this rank: ``x`` is the local input the style's input hook made (plain tensor). Under
+        ``torch.compile`` it runs eagerly between graphs (:data:`TENSOR_PARALLEL_TRACE_REFUSED`)."""
+        if torch.compiler.is_compiling():
+            return _local_step_island(self, layer, x)
+        return self.local_step(layer, x)
+
+    def local_step(self, layer: FP8Linear, x: torch.Tensor) -> torch.Tensor:
+        """The local GEMMs of :meth:`forward` between the style's collectives, run eagerly."""
         self.bind(layer)
         weight = _local(layer.fp8_gemm_weight)  # the layer's weight cache keys on the DTensor's version counter
         if self.style == "colwise":
@@ -108,6 +115,16 @@ class ShardedLinear:
         if isinstance(self.output_layout, Shard):  # each rank sums its tokens' share of the bias gradient
             bias = GradientAllReduce.apply(bias, self.group)
         return y + bias.to(y.dtype)
+
+
+TENSOR_PARALLEL_TRACE_REFUSED = (
+    "an FP8 layer split by tensor parallelism runs its local step eagerly between graphs: the casts of its split "
+    "operands agree their amax (per-tensor scales, NVFP4's global scales) with an all-reduce over the tensor-parallel "
+    "group inside the eager cast, which the traced layer step's custom ops do not carry; compile without "
+    "fullgraph=True (the split layers run between graphs, with the eager step's losses) or leave the layer out of "
+    "the tensor-parallel plan"
+)
+_local_step_island = torch.compiler.disable(ShardedLinear.local_step, reason=TENSOR_PARALLEL_TRACE_REFUSED)
 
 
 def sequence_gather_mode(value, where: str) -> bool | str:

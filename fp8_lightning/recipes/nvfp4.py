@@ -300,10 +300,6 @@ class NVFP4BlockScaling(Recipe):
     def fsdp_unsupported_reason(self, rows: int, cols: int, world_size: int) -> str | None:
         return nvfp4_shard_reason(rows, cols, world_size, self._weight_tile())
 
-    def fsdp_experts_unsupported_reason(self, experts: int, n: int, k: int, world_size: int) -> str | None:
-        return ("NVFP4 expert weights are all-gathered in high precision (the packed FP4 all-gather covers linear "
-                "weights; each expert's global scale would need its own agreed amax)")
-
     def fsdp_pack(self, shard, module, global_amax):
         """This rank's rows as packed codes and E4M3 block scales, cast with the whole weight's global scale (from
         the amax agreed across the shard group), which travels as metadata (:mod:`fp8_lightning.nvfp4_shards`)."""
@@ -319,6 +315,19 @@ class NVFP4BlockScaling(Recipe):
         if self.fp4_2d_weights:
             return row, Quantized(*nvfp4_transposed_tiles(row.data, row.scale), NVFP4)
         return row, _operand(nvfp4_recast_columns(dispatch.operand_f32(row), metadata))
+
+    def fsdp_experts_pack(self, shard, scaling, first, record, global_amax):
+        """Each local expert packed as :meth:`fsdp_pack` packs a weight, its global scale from its own amax (agreed
+        with every expert's in the step's one amax all-reduce): the bits :meth:`grouped_weight_operands` casts."""
+        agreed = global_amax()
+        packed = [self.fsdp_pack(w, None, lambda e=first + i: agreed[e])[0] for i, w in enumerate(shard)]
+        return torch.cat(packed), global_scale_from_amax(agreed)  # every expert's global scale, on every rank
+
+    def fsdp_experts_unpack(self, gathered, experts, n, k, metadata):
+        return [self.fsdp_unpack(part, n, k, scale) for part, scale in zip(gathered.split(n), metadata)]
+
+    def fsdp_experts_operands(self, gathered, scaling, metadata, record):
+        return [self.fsdp_operands(q, None, scale, record) for q, scale in zip(gathered, metadata)]
 
     def _weight_tile(self) -> int:
         return NVFP4_BLOCK if self.fp4_2d_weights else 1
