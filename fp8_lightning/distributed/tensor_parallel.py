@@ -93,7 +93,7 @@ class ShardedLinear:
 
     def forward(self, layer: FP8Linear, x: torch.Tensor) -> torch.Tensor:
         """The layer on this rank: ``x`` is the local input the style's input hook made (plain tensor). Under
-        ``torch.compile`` it runs eagerly between graphs (:data:`TENSOR_PARALLEL_TRACE_REFUSED`)."""
+        ``torch.compile`` it runs eagerly between graphs (``_TRACE_REFUSED``)."""
         if torch.compiler.is_compiling():
             return _local_step_island(self, layer, x)
         return self.local_step(layer, x)
@@ -117,14 +117,16 @@ class ShardedLinear:
         return y + bias.to(y.dtype)
 
 
-TENSOR_PARALLEL_TRACE_REFUSED = (
-    "an FP8 layer split by tensor parallelism runs its local step eagerly between graphs: the casts of its split "
-    "operands agree their amax (per-tensor scales, NVFP4's global scales) with an all-reduce over the tensor-parallel "
-    "group inside the eager cast, which the traced layer step's custom ops do not carry; compile without "
-    "fullgraph=True (the split layers run between graphs, with the eager step's losses) or leave the layer out of "
-    "the tensor-parallel plan"
+# Under torch.compile the FP8 layers split by tensor parallelism (and their sequence-parallel FP8 gathers) run eagerly
+# between graphs, computing the eager bits; fullgraph=True reports this reason.
+_TRACE_REFUSED = (
+    "an FP8 layer split by tensor parallelism runs its local step (and the sequence-parallel FP8 all-gather of its "
+    "input) eagerly between graphs: the casts of its split operands agree their amax (per-tensor scales, NVFP4's "
+    "global scales) with an all-reduce over the tensor-parallel group inside the eager cast, which the traced layer "
+    "step's custom ops do not carry; compile without fullgraph=True (the split layers then run between graphs, with "
+    "the eager step's losses) or leave the layer out of the tensor-parallel plan"
 )
-_local_step_island = torch.compiler.disable(ShardedLinear.local_step, reason=TENSOR_PARALLEL_TRACE_REFUSED)
+_local_step_island = torch.compiler.disable(ShardedLinear.local_step, reason=_TRACE_REFUSED)
 
 
 def sequence_gather_mode(value, where: str) -> bool | str:
@@ -162,8 +164,15 @@ def gather_sequence(
             high precision.
 
     Returns:
-        The gathered activation, whose backward reduce-scatters the gradient (in high precision).
+        The gathered activation, whose backward reduce-scatters the gradient (in high precision). Under
+        ``torch.compile`` the gather runs eagerly between graphs, as the consumers' local steps do.
     """
+    if torch.compiler.is_compiling():
+        return _gather_island(consumers, x, dim, group, fp8)
+    return _gather_sequence(consumers, x, dim, group, fp8)
+
+
+def _gather_sequence(consumers: list[FP8Linear], x: torch.Tensor, dim: int, group, fp8: bool | str) -> torch.Tensor:
     dim = dim % x.dim()
     layer = consumers[0]
     recipe = layer.fp8_runs(x, _local(layer.fp8_gemm_weight)) if fp8 else None
@@ -195,6 +204,9 @@ def gather_sequence(
         out.fp8_operands = {recipe: (row, column)}
     out.fp8_sequence_gathered = True  # its gradient is reduced by its own backward: consumers add no all-reduce
     return out
+
+
+_gather_island = torch.compiler.disable(_gather_sequence, reason=_TRACE_REFUSED)
 
 
 def _colwise_input(torch_fn, input_layouts, mod, inputs, mesh):
