@@ -12,7 +12,9 @@ see the usual layout), and run an FP8 layer's GEMMs on its local shards between 
 * a sequence-sharded input entering a colwise layer (``input_layouts=Shard(1)``) is cast once and its FP8 codes
   and scales are all-gathered (:func:`gather_sequence`; ``fp8_all_gather="fprop"`` sends the forward copy alone);
   its gradient is reduce-scattered in high precision;
-* :class:`PrepareFP8ModuleInput` does that gather once for several colwise consumers (attention's q, k, v).
+* :class:`PrepareFP8ModuleInput` does that gather once for several colwise consumers (attention's q, k, v);
+* under ``torch.compile`` a split layer's local step and an FP8 sequence gather run eagerly between graphs (the
+  eager bits; ``fullgraph=True`` stops with the reason, ``_TRACE_REFUSED``).
 
 A layer the recipe leaves in high precision, or a plain ``nn.Linear``, behaves as under torch's own styles.
 """
