@@ -16,12 +16,17 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from fp8_lightning import convert_to_fp8, fp8_autocast, recipe_from
 from fp8_lightning.convert import fp8_state_dict
-from fp8_lightning.distributed import FP8ColwiseParallel, FP8RowwiseParallel
+from fp8_lightning.distributed import FP8ColwiseParallel, FP8RowwiseParallel, PrepareFP8ModuleInput
+from fp8_lightning.testing import Mixer
 
 RECIPES = ("nvfp4", "tensorwise")
-PLANS = ("tp", "sp")
+PLANS = ("tp", "sp", "mixer")  # colwise + rowwise; sequence parallel; one FP8 gather for three consumers
 MODES = ("eager", "compile", "fullgraph")
 HIDDEN, FFN, TOKENS, STEPS = 64, 128, 32, 3
+# The mixer compiles with aot_eager: inductor fuses tanh(q) * k + v with float32 roundings of its own, a last-bit
+# difference from eager that NVFP4's casts of the gradients can turn into different codes (measured: equal losses,
+# q's weight apart after 3 steps). That is the compiler's code between the split layers, not theirs.
+BACKEND = {"tp": "inductor", "sp": "inductor", "mixer": "aot_eager"}
 
 
 class MLP(nn.Module):
@@ -36,6 +41,9 @@ class MLP(nn.Module):
 def _plan(kind: str) -> dict:
     if kind == "tp":
         return {"w1": FP8ColwiseParallel(), "w2": FP8RowwiseParallel()}
+    if kind == "mixer":
+        return {"": PrepareFP8ModuleInput(consumers=("q", "k", "v")), "q": FP8ColwiseParallel(),
+                "k": FP8ColwiseParallel(), "v": FP8ColwiseParallel(), "o": FP8RowwiseParallel(output_layouts=Shard(1))}
     return {"w1": FP8ColwiseParallel(input_layouts=Shard(1)), "w2": FP8RowwiseParallel(output_layouts=Shard(1))}
 
 
@@ -43,14 +51,14 @@ def _run(recipe: str, plan: str, mode: str, mesh, rank: int, world: int, batches
     """SGD steps: this rank's losses, weights (local shards) and FP8 state, or the error the first step raised."""
     torch.manual_seed(1)
     torch._dynamo.reset()
-    model = MLP()
+    model = Mixer(HIDDEN) if plan == "mixer" else MLP()
     parallelize_module(model, mesh, _plan(plan))
     convert_to_fp8(model, recipe_from(recipe), layers={"last": 0})  # NVFP4: no high-precision tail
-    step = model if mode == "eager" else torch.compile(model, fullgraph=mode == "fullgraph")
+    step = model if mode == "eager" else torch.compile(model, fullgraph=mode == "fullgraph", backend=BACKEND[plan])
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     losses = []
     for x in batches:
-        local = x.chunk(world, 1)[rank] if plan == "sp" else x
+        local = x if plan == "tp" else x.chunk(world, 1)[rank]
         try:
             with fp8_autocast():
                 y = step(local)
@@ -61,7 +69,7 @@ def _run(recipe: str, plan: str, mode: str, mesh, rank: int, world: int, batches
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    weights = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+    weights = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "weights": weights, "state": fp8_state_dict(model)}
 
 

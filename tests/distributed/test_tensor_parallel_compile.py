@@ -1,7 +1,8 @@
 """FP8 tensor parallelism under ``torch.compile`` on 2 gloo processes: NVFP4 (the full recipe: RHT, stochastic
-rounding, global scales agreed across the group) and tensorwise, split colwise/rowwise and sequence parallel.
+rounding, global scales agreed across the group) and tensorwise, split colwise/rowwise, sequence parallel, and
+``PrepareFP8ModuleInput`` gathering once (in FP8 under tensorwise) for three colwise consumers.
 
-* ``torch.compile(model)`` trains the eager run's bits (losses, every rank's weight shards and FP8 state: NVFP4's
+* ``torch.compile(model)`` (inductor; the mixer with aot_eager, see ``BACKEND``) trains the eager run's bits (losses, every rank's weight shards and FP8 state: NVFP4's
   rounding counters): a split FP8 layer's local step, and a sequence-parallel FP8 all-gather, run eagerly between
   graphs, since the casts of split operands agree their amax with an all-reduce the traced layer step does not carry;
 * ``fullgraph=True`` refuses with that reason (and the fix), instead of failing inside the trace.
@@ -32,7 +33,9 @@ def test_compiled_tensor_parallel_trains_the_eager_bits(results, recipe, plan):
     for rank in (0, 1):
         eager, compiled = results[rank][f"{recipe}/{plan}/eager"], results[rank][f"{recipe}/{plan}/compile"]
         assert "error" not in eager and "error" not in compiled, compiled.get("error")
-        assert len(eager["losses"]) == STEPS and eager["losses"][-1] < eager["losses"][0]
+        assert len(eager["losses"]) == STEPS
+        if plan != "mixer":  # the MLP learns its target (the mixer's product of projections need not, in 3 steps)
+            assert eager["losses"][-1] < eager["losses"][0]
         assert compiled["losses"] == eager["losses"]
         assert eager["weights"].keys() == compiled["weights"].keys()
         for name, weight in eager["weights"].items():
@@ -45,7 +48,7 @@ def test_compiled_tensor_parallel_trains_the_eager_bits(results, recipe, plan):
 def test_nvfp4_rounding_counters_advanced_in_the_compiled_run(results):
     """The compiled run's NVFP4 stochastic-rounding counters moved by the eager run's count (a stochastic cast per
     step of each split layer's output gradient at least)."""
-    for plan in PLANS:
+    for plan in ("tp", "sp"):
         counters = {}
         for mode in ("eager", "compile"):
             state = results[0][f"nvfp4/{plan}/{mode}"]["state"]
