@@ -140,7 +140,7 @@ case "$mode" in
   experts)  # the FP8 experts compiled fullgraph on CUDA vs eager; their FP8 all-gather under FSDP2 on NCCL
     STEP_TIMEOUT=150 step pytest_experts_compile "$python" -m pytest -q -p no:cacheprovider -m gpu \
       tests/perf/test_compile_experts.py
-    STEP_TIMEOUT=90 step fsdp_experts "$python" -m benchmarks fsdp-experts-gpu-check
+    STEP_TIMEOUT=120 step fsdp_experts "$python" -m benchmarks fsdp-experts-gpu-check
     ;;
   lease)  # everything that fits one call: each step capped so the whole call ends inside ~9 minutes
     STEP_TIMEOUT=140 step gpu_check "$python" -m benchmarks gpu-check

@@ -12,7 +12,9 @@ see the usual layout), and run an FP8 layer's GEMMs on its local shards between 
 * a sequence-sharded input entering a colwise layer (``input_layouts=Shard(1)``) is cast once and its FP8 codes
   and scales are all-gathered (:func:`gather_sequence`; ``fp8_all_gather="fprop"`` sends the forward copy alone);
   its gradient is reduce-scattered in high precision;
-* :class:`PrepareFP8ModuleInput` does that gather once for several colwise consumers (attention's q, k, v).
+* :class:`PrepareFP8ModuleInput` does that gather once for several colwise consumers (attention's q, k, v);
+* under ``torch.compile`` a split layer's local step and an FP8 sequence gather run eagerly between graphs (the
+  eager bits; ``fullgraph=True`` stops with the reason, ``_TRACE_REFUSED``).
 
 A layer the recipe leaves in high precision, or a plain ``nn.Linear``, behaves as under torch's own styles.
 """
@@ -92,7 +94,14 @@ class ShardedLinear:
             recipe.tensor_parallel_bind(scaling.operands, roles, self.group)
 
     def forward(self, layer: FP8Linear, x: torch.Tensor) -> torch.Tensor:
-        """The layer on this rank: ``x`` is the local input the style's input hook made (plain tensor)."""
+        """The layer on this rank: ``x`` is the local input the style's input hook made (plain tensor). Under
+        ``torch.compile`` it runs eagerly between graphs (``_TRACE_REFUSED``)."""
+        if torch.compiler.is_compiling():
+            return _local_step_island(self, layer, x)
+        return self.local_step(layer, x)
+
+    def local_step(self, layer: FP8Linear, x: torch.Tensor) -> torch.Tensor:
+        """The local GEMMs of :meth:`forward` between the style's collectives, run eagerly."""
         self.bind(layer)
         weight = _local(layer.fp8_gemm_weight)  # the layer's weight cache keys on the DTensor's version counter
         if self.style == "colwise":
@@ -108,6 +117,18 @@ class ShardedLinear:
         if isinstance(self.output_layout, Shard):  # each rank sums its tokens' share of the bias gradient
             bias = GradientAllReduce.apply(bias, self.group)
         return y + bias.to(y.dtype)
+
+
+# Under torch.compile the FP8 layers split by tensor parallelism (and their sequence-parallel FP8 gathers) run eagerly
+# between graphs, computing the eager bits; fullgraph=True reports this reason.
+_TRACE_REFUSED = (
+    "an FP8 layer split by tensor parallelism runs its local step (and the sequence-parallel FP8 all-gather of its "
+    "input) eagerly between graphs: the casts of its split operands agree their amax (per-tensor scales, NVFP4's "
+    "global scales) with an all-reduce over the tensor-parallel group inside the eager cast, which the traced layer "
+    "step's custom ops do not carry; compile without fullgraph=True (the split layers then run between graphs, with "
+    "the eager step's losses) or leave the layer out of the tensor-parallel plan"
+)
+_local_step_island = torch.compiler.disable(ShardedLinear.local_step, reason=_TRACE_REFUSED)
 
 
 def sequence_gather_mode(value, where: str) -> bool | str:
@@ -145,8 +166,15 @@ def gather_sequence(
             high precision.
 
     Returns:
-        The gathered activation, whose backward reduce-scatters the gradient (in high precision).
+        The gathered activation, whose backward reduce-scatters the gradient (in high precision). Under
+        ``torch.compile`` the gather runs eagerly between graphs, as the consumers' local steps do.
     """
+    if torch.compiler.is_compiling():
+        return _gather_island(consumers, x, dim, group, fp8)
+    return _gather_sequence(consumers, x, dim, group, fp8)
+
+
+def _gather_sequence(consumers: list[FP8Linear], x: torch.Tensor, dim: int, group, fp8: bool | str) -> torch.Tensor:
     dim = dim % x.dim()
     layer = consumers[0]
     recipe = layer.fp8_runs(x, _local(layer.fp8_gemm_weight)) if fp8 else None
@@ -178,6 +206,9 @@ def gather_sequence(
         out.fp8_operands = {recipe: (row, column)}
     out.fp8_sequence_gathered = True  # its gradient is reduced by its own backward: consumers add no all-reduce
     return out
+
+
+_gather_island = torch.compiler.disable(_gather_sequence, reason=_TRACE_REFUSED)
 
 
 def _colwise_input(torch_fn, input_layouts, mod, inputs, mesh):

@@ -276,9 +276,8 @@ class NVFP4BlockScaling(Recipe):
     # -- tensor and sequence parallelism ---------------------------------------------------------------------
 
     def tensor_parallel_bind(self, operands, roles, group) -> None:
-        """The layer's one state records the group of each split operand (the weight included: the state then also
-        serves the weight's casts), whose casts take the global scale of the whole tensor: the amax agreed across
-        the group (one MAX all-reduce per copy). Blocks and 16x16 tiles lie inside a shard (set-up checks it)."""
+        """The layer's one state records each split operand's group (the weight's too: the state then serves its
+        casts), whose casts take the whole tensor's global scale, from the amax agreed across it (one all-reduce)."""
         state = operands.get("input")
         if state is None:
             return
@@ -288,9 +287,8 @@ class NVFP4BlockScaling(Recipe):
             operands.setdefault("weight", state)
 
     def _split_copies(self, role, x, columnwise, state, record):
-        """The copies of this rank's part ``x`` of a split operand: each copy's global scale from the amax of the
-        whole tensor (for the wgrad copies, of the whole transformed tensor), so that the codes and block scales are
-        those the unsplit tensor's cast gives its part. Stochastic rounding keys as :meth:`cast` does."""
+        """The copies of this rank's part ``x`` of a split operand, cast with the global scale of the whole (for wgrad
+        copies: transformed) tensor's agreed amax: the unsplit cast's codes and scales. Rounding keys as in cast."""
         group = state.amax_groups[role]
         if role == "weight":
             tile = self._weight_tile()
@@ -317,10 +315,6 @@ class NVFP4BlockScaling(Recipe):
     def fsdp_unsupported_reason(self, rows: int, cols: int, world_size: int) -> str | None:
         return nvfp4_shard_reason(rows, cols, world_size, self._weight_tile())
 
-    def fsdp_experts_unsupported_reason(self, experts: int, n: int, k: int, world_size: int) -> str | None:
-        return ("NVFP4 expert weights are all-gathered in high precision (the packed FP4 all-gather covers linear "
-                "weights; each expert's global scale would need its own agreed amax)")
-
     def fsdp_pack(self, shard, module, global_amax):
         """This rank's rows as packed codes and E4M3 block scales, cast with the whole weight's global scale (from
         the amax agreed across the shard group), which travels as metadata (:mod:`fp8_lightning.nvfp4_shards`)."""
@@ -337,6 +331,18 @@ class NVFP4BlockScaling(Recipe):
         if self.fp4_2d_weights:
             return row, _operand(nvfp4_transposed_tiles(weight))
         return row, _operand(nvfp4_recast_columns(dispatch.operand_f32(row), metadata))
+
+    def fsdp_experts_pack(self, shard, scaling, first, record, global_amax):
+        """Each local expert packed as :meth:`fsdp_pack` packs a weight, with its own global scale from its own amax."""
+        agreed = global_amax()  # every expert's amax, agreed in the step's one all-reduce
+        packed = [self.fsdp_pack(w, None, lambda e=first + i: agreed[e])[0] for i, w in enumerate(shard)]
+        return torch.cat(packed), global_scale_from_amax(agreed)  # every expert's global scale, on every rank
+
+    def fsdp_experts_unpack(self, gathered, experts, n, k, metadata):
+        return [self.fsdp_unpack(part, n, k, scale) for part, scale in zip(gathered.split(n), metadata)]
+
+    def fsdp_experts_operands(self, gathered, scaling, metadata, record):
+        return [self.fsdp_operands(q, None, scale, record) for q, scale in zip(gathered, metadata)]
 
     def _weight_tile(self) -> int:
         return NVFP4_BLOCK if self.fp4_2d_weights else 1

@@ -11,7 +11,8 @@ from fp8_lightning import convert_to_fp8, fp8_autocast, recipe_from, sync_scales
 from fp8_lightning.grouped.experts import GroupedExperts
 from fp8_lightning.testing import CollectiveCounter, end_worker, init_gloo
 
-RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8", "nvfp4")
+RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8", "nvfp4", "nvfp4_1x16")
+SPECS = {"nvfp4_1x16": {"name": "nvfp4", "fp4_2d_weights": False}}  # the others are recipe names
 MIXED = ("delayed", {"blocks.1": "mxfp8"})  # a layer policy: block 0's experts delayed, block 1's MXFP8
 DIM, HIDDEN, EXPERTS, TOKENS, STEPS = 64, 128, 4, 40, 4
 OFFS = (5, 5, 25, 40)  # an empty expert, uneven groups
@@ -61,7 +62,7 @@ def _fsdp(model: nn.Module, recipe, world: int, fp8_all_gather: bool, batches, r
     shard_model(model)
     with CollectiveCounter() as counter:
         losses = _train(model, batches, rank, world, loss_fn)
-    return {
+    run = {
         "losses": losses,
         "allgather_bytes": counter.bytes["all_gather"],
         "allgather_calls": counter.calls["all_gather"],
@@ -69,6 +70,37 @@ def _fsdp(model: nn.Module, recipe, world: int, fp8_all_gather: bool, batches, r
         "fp8": sorted(report.fp8) if report else [],
         "high_precision": dict(report.high_precision) if report else {},
     }
+    if fp8_all_gather and "nvfp4" in str(recipe):  # after the counts: it gathers the weights once more
+        run["cast_bits_equal"] = _gathered_casts_equal(model, world)
+    return run
+
+
+def _gathered_casts_equal(model: nn.Module, world: int) -> dict:
+    """Per expert weight: whether the FP8-gathered operands of every expert, (W_e, W_e.T), have the bits of the
+    experts' own casts of the whole weight gathered in high precision (``grouped_weight_operands``)."""
+    from fp8_lightning.distributed.expert_weight import FP8GatheredExperts
+    from fp8_lightning.privates import local_shard
+
+    equal = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, GroupedExperts):
+            continue
+        for param in module.fp8_weights:
+            hp = local_shard(getattr(module, param))._hp.detach().contiguous()
+            shards = [torch.empty_like(hp) for _ in range(world)]
+            dist.all_gather(shards, hp)
+            scaling = module.fp8_scaling().parts[param]
+            want = scaling.recipe.grouped_weight_operands(torch.cat(shards), scaling.forward_dtype,
+                                                          scaling.expert_states, False)  # fmt: skip
+            module.unshard()
+            gathered = local_shard(getattr(module, param))
+            got = gathered.fp8_expert_operands(scaling, False) if isinstance(gathered, FP8GatheredExperts) else []
+            module.reshard()
+            equal[f"{name}.{param}"] = [
+                all(torch.equal(g[i].data, w[i].data) and torch.equal(g[i].scale, w[i].scale) for g, w in zip(got, want))
+                and len(got) == len(want) for i in (0, 1)
+            ]  # [fprop copies equal, dgrad copies equal]
+    return equal
 
 
 def _experts_loss(model, x):
@@ -79,7 +111,7 @@ def experts_net_run(recipe, rank: int, world: int, fp8_all_gather: bool, steps: 
     g = torch.Generator().manual_seed(1)
     batches = [torch.randn(world, TOKENS, DIM, generator=g) for _ in range(steps)]
     torch.manual_seed(0)
-    return _fsdp(ExpertsNet(), recipe, world, fp8_all_gather, batches, rank, _experts_loss, layers)
+    return _fsdp(ExpertsNet(), SPECS.get(recipe, recipe), world, fp8_all_gather, batches, rank, _experts_loss, layers)
 
 
 def _lm_loss(model, seq):
@@ -113,9 +145,44 @@ def full_state_dict_check(world: int) -> bool:
     )
 
 
-def experts_gather_worker(rank: int, world: int, port: int, out: dict) -> None:
+def nvfp4_resume_run(rank: int, world: int, tmpdir: str, steps: int = 4) -> dict:
+    """NVFP4 experts gathered as FP4: an uninterrupted run, and one saved after half its steps (a sharded
+    torch.distributed.checkpoint of the model, each rank's FP8 state) and resumed in a fresh model."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from fp8_lightning.convert import fp8_state_dict, load_fp8_state_dict
+    from fp8_lightning.distributed import enable_fp8_all_gather, shard_model
+
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(world, TOKENS, DIM, generator=g) for _ in range(steps)]
+
+    def build():
+        torch.manual_seed(0)
+        model = ExpertsNet()
+        convert_to_fp8(model, recipe_from("nvfp4"), layers={"last": 0})  # every block in NVFP4, no bf16 tail
+        gathered = enable_fp8_all_gather(model, world).fp8
+        shard_model(model)
+        return model, gathered
+
+    model, gathered = build()
+    whole = _train(model, batches, rank, world, _experts_loss)
+    model, _ = build()
+    first = _train(model, batches[: steps // 2], rank, world, _experts_loss)
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=tmpdir)
+    fp8_state = fp8_state_dict(model)
+    resumed, _ = build()
+    state = {"model": get_model_state_dict(resumed)}
+    dcp.load(state, checkpoint_id=tmpdir)
+    set_model_state_dict(resumed, state["model"])
+    load_fp8_state_dict(resumed, fp8_state)
+    second = _train(resumed, batches[steps // 2 :], rank, world, _experts_loss)
+    return {"whole": whole, "resumed": first + second, "fp8": sorted(gathered)}
+
+
+def experts_gather_worker(rank: int, world: int, port: int, out: dict, tmpdir: str) -> None:
     init_gloo(rank, world, port)
-    results = {"full_state_dict": full_state_dict_check(world)}
+    results = {"full_state_dict": full_state_dict_check(world), "nvfp4_resume": nvfp4_resume_run(rank, world, tmpdir)}
     every_block = {"last": 0}  # both blocks' experts in the recipe (NVFP4's default keeps the last one in bf16)
     for recipe in RECIPES:
         results[recipe] = {

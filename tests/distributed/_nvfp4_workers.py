@@ -74,7 +74,9 @@ def moe_run(rank: int | None, strategy="fp8_fsdp", devices: int = 2) -> dict:
     if rank is not None:
         dist.all_reduce(losses)
         losses /= 2
+    gathers = getattr(trainer.strategy, "all_gather_report", None)
     return {
+        "moe_gathered_experts": sorted(n for n in gathers.fp8 if ".mlp.experts." in n) if gathers else [],
         "moe": losses.tolist(),
         "moe_experts": sorted(trainer.precision_plugin.conversion_report.experts),
         "moe_gemms": [dict(m.fp8_gemm_counts) for m in experts_of(module).values()],

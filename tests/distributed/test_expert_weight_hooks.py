@@ -13,6 +13,7 @@ from fp8_lightning.distributed.expert_weight import FP8GatheredExperts, FP8Shard
 from fp8_lightning.distributed.sharding import AMAX_SYNC_ATTR
 from fp8_lightning.grouped.experts import GroupedExperts
 from fp8_lightning.mx import dequantize_mxfp8, quantize_mxfp8
+from fp8_lightning.ops.dispatch import dequantize_operand
 from fp8_lightning.rowwise import dequantize_rowwise, quantize_rowwise
 
 WORLD, EXPERTS, DIM, HIDDEN = 2, 4, 96, 64
@@ -178,3 +179,53 @@ def test_experts_of_one_model_gather_under_the_recipe_the_layer_policy_gave_each
     for e in range(EXPERTS):
         reference = dequantize_mxfp8(*quantize_mxfp8(full[e], block_size=32, scale_rounding="rceil"))
         assert torch.equal(values[e], reference.float()), e
+@pytest.mark.parametrize("tiles", [True, False])
+def test_nvfp4_experts_travel_as_codes_and_block_scales_of_each_expert(tiles):
+    """Each expert's gathered fprop copy has the bits of casting that expert whole (its own global scale from its own
+    amax); dgrad's copy of W_e.T: 16x16 tiles transposed, the bits of casting W_e.T; 1x16 blocks re-cast along N from
+    the gathered values, within one E2M1 step of them. The wire holds K/2 code bytes per row plus the scales."""
+    from fp8_lightning import dequantize_nvfp4, quantize_nvfp4
+
+    model, experts = _experts({"name": "nvfp4", "fp4_2d_weights": tiles})
+    assert enable_fp8_all_gather(model, WORLD).fp8 == ["0.w1", "0.w3", "0.w2"]
+    tile = 16 if tiles else 1
+    for name in ("w1", "w2"):
+        gathered, full, wire = _gather(model, experts, name)
+        n, k = full.shape[1:]
+        scale_bytes = -(-(n // 16) * (k // 16) // n) if tiles else k // 16
+        assert wire.shape == (EXPERTS * n, k // 2 + scale_bytes)
+        pairs = gathered.fp8_expert_operands(experts.fp8_scaling().parts[name], True)
+        for e, (row, column) in enumerate(pairs):
+            whole = quantize_nvfp4(full[e], tile_rows=tile)
+            assert whole.global_scale.item() == pytest.approx(full[e].abs().max().item() / (448 * 6), rel=1e-7)
+            assert torch.equal(row.data, whole.codes), (name, e)
+            want = dequantize_nvfp4(whole, torch.float64)
+            assert torch.equal(dequantize_operand(row, torch.float64), want), (name, e)
+            got_t = dequantize_operand(column, torch.float64)
+            if tiles:
+                whole_t = quantize_nvfp4(full[e].t(), tile_rows=16)
+                assert torch.equal(column.data, whole_t.codes), (name, e)
+                assert torch.equal(got_t, dequantize_nvfp4(whole_t, torch.float64)), (name, e)
+            else:
+                step = full[e].abs().max().double() / 6 * 2  # the largest block multiplier times E2M1's top step
+                assert (got_t - want.t()).abs().max() <= step
+
+
+def test_nvfp4_experts_forward_and_backward_use_the_gathered_casts():
+    """16x16 tiles: the gathered casts are the bits the experts cast from the whole weight, so the forward output and
+    the input's gradient are equal (gradients round to nearest: the stochastic rounding counter would advance)."""
+    model, experts = _experts({"name": "nvfp4", "disable_stochastic_rounding": True})
+    x, offs = torch.randn(32, DIM, requires_grad=True), torch.tensor([0, 8, 20, 32], dtype=torch.int32)
+    with fp8_autocast():
+        expected = experts(x, offs)
+    expected.square().sum().backward()
+    expected_grad = x.grad.clone()
+    x.grad = None
+    enable_fp8_all_gather(model, WORLD)
+    gathered = {name: _gather(model, experts, name)[0] for name in ("w1", "w2", "w3")}
+    for name, weight in gathered.items():
+        setattr(experts, name, nn.Parameter(weight))
+    with fp8_autocast():
+        got = experts(x, offs)
+    got.square().sum().backward()
+    assert torch.equal(got, expected) and torch.equal(x.grad, expected_grad)

@@ -9,10 +9,15 @@ One spawn runs every case. The standards are those ``test_fsdp_parity.py`` holds
   operand is the gathered blocks transposed, exactly as in one process).
 * MXFP8 within 1e-5 and rowwise within 1e-3: dgrad's W_e.T copy (blocks or scales along N) is re-quantized from
   the exactly dequantized gathered weight, a second rounding in dgrad only, as for linear layers.
-* NVFP4 stays in high precision, with the reason in the report.
-* Exactly one amax all-reduce per optimizer step for per-tensor recipes (the linear layers' and the experts'
+* NVFP4 (16x16 weight tiles): equal, and every expert's gathered operands (W_e and W_e.T, the tiles transposed) have
+  the bits of the experts' own casts of the high-precision weight; each expert's global scale comes from its own amax,
+  agreed with the others in the step's one amax all-reduce. With 1x16 blocks the fprop copies are equal bit for bit
+  and dgrad's W_e.T copy is re-cast along N from the gathered values, a second FP4 rounding in dgrad only, as for
+  linear layers: within 2e-2 (measured 1.3% after 4 steps).
+* NVFP4 experts gathered as FP4 resume exactly from a sharded checkpoint (torch.distributed.checkpoint).
+* Exactly one amax all-reduce per optimizer step for per-tensor recipes and NVFP4 (the linear layers' and the experts'
   amaxes travel together), none for the others; bytes: per-tensor 1/4 of float32, block recipes 1/4 plus their
-  scale bytes.
+  scale bytes, NVFP4 1/8 plus its E4M3 scales.
 * gpt-oss experts, stored transposed (E, K, N) with biases: the same equalities under tensorwise and MXFP8.
 * Mixed recipes (a layer policy: one block's experts delayed, the other's MXFP8): each gathers in its own recipe's
   wire format, within MXFP8's tolerance of the high-precision gather, with one amax all-reduce per step.
@@ -30,15 +35,17 @@ from tests.distributed._expert_workers import DIM, EXPERTS, HIDDEN, RECIPES, STE
 pytestmark = [pytest.mark.timeout(600), pytest.mark.filterwarnings("ignore")]
 
 EXPERT_WEIGHTS = [f"blocks.{b}.{w}" for b in range(2) for w in ("w1", "w2", "w3")]
-FP8_RECIPES = [r for r in RECIPES if r != "nvfp4"]
-TOLERANCE = {"tensorwise": 1e-6, "delayed": 1e-6, "blockwise": 1e-6, "mxfp8": 1e-5, "rowwise": 1e-3}
+FP8_RECIPES = list(RECIPES)
+TOLERANCE = {"tensorwise": 1e-6, "delayed": 1e-6, "blockwise": 1e-6, "mxfp8": 1e-5, "rowwise": 1e-3, "nvfp4": 0,
+             "nvfp4_1x16": 2e-2}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def results():
+def results(tmp_path_factory):
     pytest.importorskip("transformers", reason="needs transformers (dev extras) for the gpt-oss experts")
     out = mp.Manager().dict()
-    mp.spawn(experts_gather_worker, args=(2, free_port(), out), nprocs=2)
+    tmpdir = str(tmp_path_factory.mktemp("experts_ckpt"))
+    mp.spawn(experts_gather_worker, args=(2, free_port(), out, tmpdir), nprocs=2)
     return dict(out)
 
 
@@ -46,7 +53,10 @@ def results():
 def test_fp8_gather_of_experts_matches_high_precision_gather(results, recipe):
     fp8, hp = results[recipe]["fp8"]["losses"], results[recipe]["hp"]["losses"]
     assert len(fp8) == STEPS and fp8[-1] < fp8[0]
-    assert fp8 == pytest.approx(hp, rel=TOLERANCE[recipe])
+    if TOLERANCE[recipe]:
+        assert fp8 == pytest.approx(hp, rel=TOLERANCE[recipe])
+    else:
+        assert fp8 == hp
 
 
 @pytest.mark.parametrize("recipe", FP8_RECIPES)
@@ -55,27 +65,35 @@ def test_the_report_says_the_experts_gathered_in_fp8(results, recipe):
     assert run["fp8"] == sorted(EXPERT_WEIGHTS) and run["high_precision"] == {}
 
 
-def test_nvfp4_experts_gather_in_high_precision_with_the_reason(results):
-    run = results["nvfp4"]["fp8"]
-    assert run["fp8"] == []
-    for name in EXPERT_WEIGHTS:
-        assert "NVFP4" in run["high_precision"][name] and "high precision" in run["high_precision"][name]
-    assert run["losses"] == results["nvfp4"]["hp"]["losses"]
-    assert run["allgather_bytes"] == results["nvfp4"]["hp"]["allgather_bytes"]
+def test_nvfp4_gathered_experts_have_the_bits_of_the_high_precision_gather(results):
+    tiles, blocks = results["nvfp4"]["fp8"]["cast_bits_equal"], results["nvfp4_1x16"]["fp8"]["cast_bits_equal"]
+    assert sorted(tiles) == sorted(blocks) == sorted(EXPERT_WEIGHTS)
+    assert all(tiles[name] == [True, True] for name in EXPERT_WEIGHTS)  # W_e and W_e.T (the tiles transposed)
+    assert all(blocks[name][0] for name in EXPERT_WEIGHTS)  # W_e; W_e.T is re-cast along N from the gathered values
+    assert results["nvfp4"]["fp8"]["losses"] == results["nvfp4"]["hp"]["losses"]
+
+
+def test_nvfp4_experts_resume_exactly_from_a_sharded_checkpoint(results):
+    run = results["nvfp4_resume"]
+    assert run["fp8"] == sorted(EXPERT_WEIGHTS)
+    assert len(run["whole"]) == 4 and run["resumed"] == run["whole"]
 
 
 def test_one_amax_all_reduce_per_step_for_per_tensor_recipes(results):
     for recipe in FP8_RECIPES:
-        expected = STEPS if recipe in ("tensorwise", "delayed") else 0
+        expected = STEPS if recipe in ("tensorwise", "delayed", "nvfp4", "nvfp4_1x16") else 0
         assert results[recipe]["fp8"]["amax_reductions"] == expected, recipe
 
 
-# the extra bytes per row of an (N, K) expert weight: none, a float32 per row, K/32 E8M0 scales per row, and the
-# expert's 128x128 block scales (float32) spread over its rows, rounded up to whole bytes per row
+# the extra bytes per row of an (N, K) expert weight: none, a float32 per row, K/32 E8M0 scales per row, the
+# expert's 128x128 block scales (float32) spread over its rows, rounded up to whole bytes per row; NVFP4: the
+# expert's 16x16 tile scales (E4M3) spread over its rows likewise, or K/16 E4M3 scales per row with 1x16 blocks
 SCALE_BYTES_PER_ROW = {
     "tensorwise": lambda n, k: 0, "delayed": lambda n, k: 0, "rowwise": lambda n, k: 4, "mxfp8": lambda n, k: k // 32,
     "blockwise": lambda n, k: -(-(-(-n // 128) * -(-k // 128) * 4) // n),
+    "nvfp4": lambda n, k: -(-(n // 16) * (k // 16) // n), "nvfp4_1x16": lambda n, k: k // 16,
 }
+CODE_BYTES_PER_ROW = {"nvfp4": lambda k: k // 2, "nvfp4_1x16": lambda k: k // 2}  # E2M1: two codes a byte
 
 
 @pytest.mark.parametrize("recipe", FP8_RECIPES)
@@ -86,7 +104,8 @@ def test_expert_weights_move_fp8_bytes(results, recipe):
     assert fp8["allgather_calls"] == hp["allgather_calls"]
     shapes = [(HIDDEN, DIM), (DIM, HIDDEN), (HIDDEN, DIM)]  # w1, w2, w3 as (N, K)
     per_gather_fp32 = sum(EXPERTS // 2 * n * k * 4 for n, k in shapes) * 2  # two blocks
-    per_gather_fp8 = sum(EXPERTS // 2 * n * (k + SCALE_BYTES_PER_ROW[recipe](n, k)) for n, k in shapes) * 2
+    codes = CODE_BYTES_PER_ROW.get(recipe, lambda k: k)
+    per_gather_fp8 = sum(EXPERTS // 2 * n * (codes(k) + SCALE_BYTES_PER_ROW[recipe](n, k)) for n, k in shapes) * 2
     rest = hp["allgather_bytes"] - STEPS * 2 * per_gather_fp32
     assert rest > 0
     assert fp8["allgather_bytes"] - rest == STEPS * 2 * per_gather_fp8

@@ -8,9 +8,9 @@ optimizer states, a sharded checkpoint after epoch 1 and a resumed run.
   gathered high-precision weight gives; MXFP8's dgrad copy from the gathered codes is within float32 rounding);
 * the resumed run reproduces the uninterrupted one exactly, with AdamW and with FP8 optimizer states (weights,
   each rank's optimizer states, NVFP4 rounding counters and sign vectors travel in the checkpoint);
-* transformers' Qwen3-MoE with its expert modules in NVFP4 trains under the strategy (experts gathered in high
-  precision, cast per expert after the gather) within 1.5% of one process on the same global batches (measured
-  worst step 1.3%: stochastic rounding is keyed by the rank, so the two runs round gradients differently).
+* transformers' Qwen3-MoE with its expert modules in NVFP4 trains under the strategy (expert weights gathered in FP4,
+  each expert's codes and scales under its own global scale) within 1.5% of one process on the same global batches
+  (stochastic rounding is keyed by the rank, so the two runs round gradients differently).
 """
 
 import pytest
@@ -61,6 +61,8 @@ def test_nvfp4_experts_train_under_the_strategy(results):
 
     single = moe_run(None, strategy="auto", devices=1)
     assert results["moe_experts"] == single["moe_experts"] and len(single["moe_experts"]) == 2
+    assert results["moe_gathered_experts"] == sorted(f"{e}.{p}" for e in single["moe_experts"]
+                                                     for p in ("down_proj", "gate_up_proj"))  # in FP4
     per_step = {"fprop": 2 * STEPS, "dgrad": 2 * STEPS, "wgrad": 2 * STEPS}  # two projections per expert module
     assert results["moe_gemms"] == [per_step] * 2
     assert results["moe"][-1] < results["moe"][0]
