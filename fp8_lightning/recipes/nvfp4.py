@@ -159,6 +159,10 @@ class NVFP4BlockScaling(Recipe):
     seed: int = 0
 
     def __post_init__(self) -> None:
+        fmt = self.fp8_format
+        if str(getattr(fmt, "value", fmt)).strip().upper() in ("HYBRID", "E5M2"):  # the values are E2M1 whatever it says
+            raise invalid(type(self).__name__, "fp8_format", fmt,
+                          "E4M3, the format of NVFP4's block scales (values and gradients are E2M1)")
         super().__post_init__()
         check_flags(self, "disable_rht", "disable_stochastic_rounding", "fp4_2d_weights")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**31:

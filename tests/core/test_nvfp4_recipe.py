@@ -19,6 +19,7 @@ from fp8_lightning import (
     load_fp8_state_dict,
     recipe_from,
 )
+from fp8_lightning.formats import Format
 from fp8_lightning.nvfp4 import apply_rht, dequantize_nvfp4, quantize_nvfp4, rht_matrix, rht_signs
 
 
@@ -76,6 +77,15 @@ def test_wgrad_multiplies_the_rht_copies_of_both_operands():
     # the RHT itself changes nothing: without quantization the transformed product is the plain one
     torch.testing.assert_close(apply_rht(pad(g.t()), r) @ apply_rht(pad(x.t()), r).T, g.t() @ x, rtol=1e-5,
                                atol=1e-5)
+
+
+def test_a_format_other_than_e4m3_is_refused_not_ignored():
+    """The values are E2M1 and the block scales E4M3 whatever fp8_format says: HYBRID and E5M2 are refused with
+    what NVFP4 takes, instead of being accepted and ignored (or refused for a reason about two E5M2 operands)."""
+    for fmt in ("HYBRID", "e5m2", Format.HYBRID):
+        with pytest.raises(ValueError, match="allowed: E4M3, the format of NVFP4's block scales"):
+            NVFP4BlockScaling(fp8_format=fmt)
+    assert NVFP4BlockScaling(fp8_format="e4m3") == NVFP4BlockScaling()
 
 
 def test_stochastic_rounding_is_seeded_per_cast_and_counted():
