@@ -160,7 +160,7 @@ class NVFP4BlockScaling(Recipe):
 
     def __post_init__(self) -> None:
         fmt = self.fp8_format
-        if str(getattr(fmt, "value", fmt)).strip().upper() in ("HYBRID", "E5M2"):  # the values are E2M1 whatever it says
+        if str(getattr(fmt, "value", fmt)).strip().upper() in ("HYBRID", "E5M2"):  # values are E2M1 whatever it says
             raise invalid(type(self).__name__, "fp8_format", fmt,
                           "E4M3, the format of NVFP4's block scales (values and gradients are E2M1)")
         super().__post_init__()
