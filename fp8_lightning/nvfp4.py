@@ -153,6 +153,8 @@ def quantize_nvfp4(
     :func:`fp8_lightning.ops.dispatch.nvfp4_codec`); both with the bits of the pure-torch reference.
     """
     _check_nvfp4_arguments(x, tile_rows)
+    global_scale = _checked_global_scale(global_scale, x)
+    _check_rounding_arguments(x, tile_rows, uniform, rht_signs)
     if sr_key is not None and uniform is not None:
         raise ValueError("quantize_nvfp4 takes uniform numbers or a stochastic-rounding key, not both; pass one.")
     kernels = dispatch.nvfp4_kernels(x, global_scale, tile_rows, uniform, rht_signs)
@@ -176,12 +178,42 @@ def quantize_nvfp4(
 
 
 def _check_nvfp4_arguments(x: torch.Tensor, tile_rows: int) -> None:
+    if not torch.is_tensor(x):
+        raise TypeError(f"quantize_nvfp4 takes a 2-D floating-point tensor (K last); got {type(x).__name__}.")
     if x.dim() != 2:
-        raise ValueError(f"quantize_nvfp4 takes a 2-D tensor (K last); got shape {tuple(x.shape)}.")
+        raise ValueError(f"quantize_nvfp4 takes a 2-D tensor (K last); got shape {tuple(x.shape)}. Reshape it to "
+                         "(-1, K) first (blocks of 16 run along the last dimension) and back afterwards.")
     if not x.is_floating_point():
         raise TypeError(f"quantize_nvfp4 takes a floating-point tensor; got {x.dtype}.")
     if tile_rows not in (1, NVFP4_BLOCK):
         raise ValueError(f"tile_rows={tile_rows} is invalid; allowed: 1 (1x16 blocks) or 16 (16x16 tiles).")
+
+
+def _checked_global_scale(global_scale, x: torch.Tensor) -> torch.Tensor | None:
+    """``global_scale`` as a float32 tensor of one element (a Python number is taken as one), or None. Its value is
+    not read (that would wait on a GPU): it must be finite and > 0, as :func:`global_scale_from_amax` gives."""
+    if global_scale is None:
+        return None
+    if isinstance(global_scale, (int, float)) and not isinstance(global_scale, bool):
+        return torch.tensor(float(global_scale), dtype=torch.float32, device=x.device)
+    if not (torch.is_tensor(global_scale) and global_scale.is_floating_point() and global_scale.numel() == 1):
+        what = (f"shape {tuple(global_scale.shape)}, {global_scale.dtype}" if torch.is_tensor(global_scale)
+                else type(global_scale).__name__)
+        raise ValueError(f"quantize_nvfp4: global_scale must be one positive finite number (a float or a one-element "
+                         f"floating-point tensor, e.g. global_scale_from_amax(x.abs().amax())); got {what}.")
+    return global_scale
+
+
+def _check_rounding_arguments(x: torch.Tensor, tile_rows: int, uniform, rht_signs) -> None:
+    padded = (_round_up(x.shape[0], tile_rows), _round_up(x.shape[1], NVFP4_BLOCK))
+    if uniform is not None and (not torch.is_tensor(uniform) or tuple(uniform.shape) != padded):
+        what = tuple(uniform.shape) if torch.is_tensor(uniform) else type(uniform).__name__
+        raise ValueError(f"quantize_nvfp4: uniform must be a tensor of numbers in [0, 1) of the padded shape {padded} "
+                         f"(rows to whole tiles, K to whole 16-blocks); got {what}. Or pass sr_key= instead.")
+    if rht_signs is not None and (not torch.is_tensor(rht_signs) or tuple(rht_signs.shape) != (NVFP4_BLOCK,)):
+        what = tuple(rht_signs.shape) if torch.is_tensor(rht_signs) else type(rht_signs).__name__
+        raise ValueError(f"quantize_nvfp4: rht_signs must be a tensor of 16 signs (+1 or -1, e.g. rht_signs(seed)); "
+                         f"got {what}.")
 
 
 def _quantize_reference(
@@ -219,6 +251,11 @@ def block_multipliers(q: NVFP4Tensor) -> torch.Tensor:
 def dequantize_nvfp4(q: NVFP4Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The values an NVFP4 tensor stands for, ``e2m1 * (s_global * s_block)`` in float32, unpadded, in
     ``out_dtype``."""
+    if not isinstance(q, NVFP4Tensor):
+        raise TypeError(f"dequantize_nvfp4 takes the NVFP4Tensor quantize_nvfp4 returns; got {type(q).__name__}.")
+    if not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point and out_dtype.itemsize >= 2):
+        raise ValueError(f"dequantize_nvfp4: out_dtype={out_dtype} is invalid; allowed: torch.float32, torch.bfloat16, "
+                         "torch.float16 or torch.float64.")
     values = e2m1_values(unpack_e2m1(q.codes))
     factors = block_multipliers(q).repeat_interleave(NVFP4_BLOCK, dim=1)
     rows, k = q.shape

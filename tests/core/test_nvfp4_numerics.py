@@ -220,3 +220,26 @@ def test_stochastic_quantization_is_unbiased_through_the_scales():
     ])
     scale = quantize_nvfp4(x).block_scales.float().max() * quantize_nvfp4(x).global_scale
     assert (outs.double().mean(0) - x.double()).abs().max() < 0.1 * scale * 2
+
+
+def test_bad_arguments_name_what_is_allowed():
+    """quantize_nvfp4 / dequantize_nvfp4 refuse what they cannot use with the fix, instead of an attribute error, a
+    broadcasting error or silently wrong values; a Python number is taken as the global scale."""
+    x = torch.randn(20, 48)
+    as_float = dequantize_nvfp4(quantize_nvfp4(x, 0.01))
+    assert torch.equal(as_float, dequantize_nvfp4(quantize_nvfp4(x, torch.tensor(0.01))))
+    bad = [
+        (dict(x=torch.randn(64)), ValueError, r"2-D tensor \(K last\); got shape \(64,\). Reshape it to \(-1, K\)"),
+        (dict(x=[[1.0] * 16]), TypeError, "2-D floating-point tensor .K last.; got list"),
+        (dict(global_scale=torch.ones(2)), ValueError, r"global_scale must be one positive finite number.*shape \(2,\)"),
+        (dict(global_scale="1"), ValueError, "global_scale must be one positive finite number.*got str"),
+        (dict(uniform=torch.rand(3)), ValueError, r"uniform must be .* padded shape \(20, 48\).*got \(3,\)"),
+        (dict(rht_signs=torch.ones(3)), ValueError, r"rht_signs must be a tensor of 16 signs.*got \(3,\)"),
+    ]
+    for kwargs, error, match in bad:
+        with pytest.raises(error, match=match):
+            quantize_nvfp4(**{"x": x, **kwargs})
+    with pytest.raises(TypeError, match="takes the NVFP4Tensor quantize_nvfp4 returns; got Tensor"):
+        dequantize_nvfp4(x)
+    with pytest.raises(ValueError, match="out_dtype=torch.int32 is invalid"):
+        dequantize_nvfp4(quantize_nvfp4(x), torch.int32)
