@@ -175,7 +175,7 @@ class NVFP4BlockScaling(Recipe):
         if not bad:
             return None
         return (f"{', '.join(bad)} not divisible by 16: NVFP4 scales blocks of 16 elements along each GEMM's K "
-                "(NVFP4BlockScaling); pad the layer to a multiple of 16 or keep it in high precision")
+                "(NVFP4BlockScaling)")
 
     def operand_states(self, forward_dtype, backward_dtype) -> dict:
         state = NVFP4LayerState(self)
