@@ -29,6 +29,7 @@ from fp8_lightning.recipes import Recipe, RecipeLike, recipe_from
 class AutocastState:
     enabled: bool = False
     recipe: Recipe | None = None
+    recompute: bool = False  # set by an activation-checkpoint recompute that carries its forward's setting
 
 
 _local = threading.local()
@@ -47,6 +48,13 @@ def is_fp8_enabled() -> bool:
         True inside ``fp8_autocast()`` (enabled), else False.
     """
     return autocast_state().enabled
+
+
+def swap_autocast_state(state: AutocastState) -> AutocastState:
+    """Put ``state`` in force on this thread and return the one it replaces (for contexts that restore it)."""
+    previous = autocast_state()
+    _local.state = state
+    return previous
 
 
 @contextlib.contextmanager
