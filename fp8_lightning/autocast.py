@@ -73,8 +73,8 @@ def fp8_autocast(enabled: bool = True, recipe: RecipeLike = None) -> Iterator[Au
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"fp8_autocast(enabled={enabled!r}): expected True or False.")
-    new = AutocastState(enabled, recipe_from(recipe) if recipe is not None else None)
-    previous = autocast_state()
+    previous = autocast_state()  # a recompute's mark carries into nested blocks (fp8_lightning.recompute)
+    new = AutocastState(enabled, recipe_from(recipe) if recipe is not None else None, previous.recompute)
     _local.state = new
     try:
         yield new
