@@ -393,7 +393,7 @@ class FP8Linear(nn.Linear):
     def fp8_setting(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[Recipe | None, bool]:
         """(:meth:`fp8_runs`, whether this call is an activation-checkpoint recompute that replays the setting of
         its forward: :mod:`fp8_lightning.recompute`)."""
-        state, replay = forward_setting(self, self.weight._version)
+        state, replay = forward_setting(self, self.weight)
         recipe = state.recipe or self.fp8_recipe
         if not state.enabled or self.fp8_disabled_reason is not None or self._runtime_fallback(x, weight, recipe):
             return None, replay

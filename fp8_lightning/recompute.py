@@ -80,12 +80,12 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def forward_setting(module: nn.Module, version: int) -> tuple[AutocastState, bool]:
+def forward_setting(module: nn.Module, weight: torch.Tensor) -> tuple[AutocastState, bool]:
     """The FP8 setting ``module``'s forward runs under now, and whether this forward is a recompute (a replay).
 
     Args:
         module: the converted module being called.
-        version: the in-place version of its (first) weight: a new one starts the log afresh.
+        weight: its (first) weight, whose in-place version tells of an optimizer step (one starts the log afresh).
 
     Returns:
         (setting, replay): outside a recompute the ``fp8_autocast`` state in force (and logged); in a recompute the
@@ -97,7 +97,9 @@ def forward_setting(module: nn.Module, version: int) -> tuple[AutocastState, boo
     state = autocast_state()
     if state.recompute:  # fp8_checkpoint_context's recompute: the setting travelled with the call
         return state, True
-    if torch.compiler.is_compiling() or not (module.training or torch.is_grad_enabled()):
+    if torch.compiler.is_compiling() or not (
+        torch.is_grad_enabled() or (module.training and not torch.is_inference_mode_enabled())
+    ):
         return state, False  # a compiled step (the compiler recomputes its own way), or evaluation
     log = module.__dict__.get(_LOG_ATTR)
     if torch.is_grad_enabled() and _in_backward():
@@ -106,7 +108,7 @@ def forward_setting(module: nn.Module, version: int) -> tuple[AutocastState, boo
         return log.replay(module), True
     if log is None:
         log = module.__dict__[_LOG_ATTR] = ForwardLog()
-    log.record(state, version)
+    log.record(state, -1 if weight.is_inference() else weight._version)  # inference tensors have no version
     return state, False
 
 

@@ -218,7 +218,7 @@ class FP8ExpertsMixin:
     def fp8_setting(self) -> tuple[Recipe | None, bool]:
         """(:meth:`fp8_active_recipe`, whether this call is an activation-checkpoint recompute that replays the
         setting of its forward: :mod:`fp8_lightning.recompute`)."""
-        state, replay = forward_setting(self, getattr(self, next(iter(self.fp8_weights)))._version)
+        state, replay = forward_setting(self, getattr(self, next(iter(self.fp8_weights))))
         if not state.enabled or self.fp8_disabled_reason is not None:
             return None, replay
         return state.recipe or self.fp8_recipe, replay
