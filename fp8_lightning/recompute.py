@@ -75,11 +75,6 @@ class ForwardLog:
         return self.state
 
 
-def _in_backward() -> bool:
-    """Whether autograd is executing a backward on this thread (a forward there is a checkpoint recompute)."""
-    return torch._C._current_graph_task_id() != -1
-
-
 def forward_setting(module: nn.Module, weight: torch.Tensor) -> tuple[AutocastState, bool]:
     """The FP8 setting ``module``'s forward runs under now, and whether this forward is a recompute (a replay).
 
@@ -97,17 +92,21 @@ def forward_setting(module: nn.Module, weight: torch.Tensor) -> tuple[AutocastSt
     state = autocast_state()
     if state.recompute:  # fp8_checkpoint_context's recompute: the setting travelled with the call
         return state, True
-    if torch.compiler.is_compiling() or not (
-        torch.is_grad_enabled() or (module.training and not torch.is_inference_mode_enabled())
-    ):
-        return state, False  # a compiled step (the compiler recomputes its own way), or evaluation
+    if torch.compiler.is_compiling():
+        return state, False  # a compiled step: the compiler plans its own recomputation
+    if torch.is_grad_enabled():
+        if torch._C._current_graph_task_id() != -1:  # a forward inside a backward: a recompute
+            log = module.__dict__.get(_LOG_ATTR)
+            if log is None or log.state is None:  # no forward of this module to repeat: an ordinary forward
+                return state, False
+            return log.replay(module), True
+    elif not module.training or torch.is_inference_mode_enabled():
+        return state, False  # evaluation: never recomputed
     log = module.__dict__.get(_LOG_ATTR)
-    if torch.is_grad_enabled() and _in_backward():
-        if log is None or log.state is None:  # no forward of this module to repeat: an ordinary forward
-            return state, False
-        return log.replay(module), True
     if log is None:
         log = module.__dict__[_LOG_ATTR] = ForwardLog()
+    elif state is log.state and not log.replayed:  # the hot path: the same fp8_autocast block, nothing new
+        return state, False
     log.record(state, -1 if weight.is_inference() else weight._version)  # inference tensors have no version
     return state, False
 
