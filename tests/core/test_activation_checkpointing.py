@@ -228,3 +228,14 @@ def test_evaluation_and_no_grad_forwards_keep_no_log():
     with torch.no_grad(), fp8_autocast():
         model(torch.randn(4, 64))
     assert "_fp8_forward_log" not in model[0].__dict__
+
+
+def test_backward_keeps_no_fp8_operand_outside_the_saved_tensors():
+    """What backward needs travels through save_for_backward only, which checkpointing drops and recomputes: the
+    step object the Function keeps holds no FP8 copy of the input (it would outlive the checkpoint)."""
+    model = nn.Sequential(nn.Linear(64, 64))
+    convert_to_fp8(model, "tensorwise")
+    with fp8_autocast():
+        y = model(torch.randn(32, 64, requires_grad=True))
+    assert type(y.grad_fn).__name__ == "FP8LinearFunctionBackward"
+    assert y.grad_fn.step.operands is None
