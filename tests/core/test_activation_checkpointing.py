@@ -28,6 +28,7 @@ from fp8_lightning import (
     sync_scales,
 )
 from fp8_lightning.recipes import RECIPES
+from tests.conftest import requires_cuda_fp8
 
 MODES = {"reentrant": True, "non_reentrant": False}
 
@@ -63,10 +64,10 @@ class MoE(nn.Module):
         return self.block(x) if self.ckpt is None else checkpoint(self.block, x, use_reentrant=self.ckpt)
 
 
-def _train(cls, recipe, ckpt, steps=2, fp8=True, observe=None):
+def _train(cls, recipe, ckpt, steps=2, fp8=True, observe=None, device="cpu"):
     """Grads of the last step, the FP8 state after ``steps`` SGD steps with a scale update each, the model."""
     torch.manual_seed(0)
-    model = cls(ckpt)
+    model = cls(ckpt).to(device)
     convert_to_fp8(model, recipe)
     if observe is not None:
         for m in model.modules():
@@ -75,7 +76,7 @@ def _train(cls, recipe, ckpt, steps=2, fp8=True, observe=None):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(steps):
         torch.manual_seed(100 + step)
-        x = torch.randn(64, 64, requires_grad=True)
+        x = torch.randn(64, 64).to(device).requires_grad_()
         opt.zero_grad()
         with fp8_autocast(enabled=fp8):
             loss = model(x).square().mean()
@@ -239,3 +240,17 @@ def test_backward_keeps_no_fp8_operand_outside_the_saved_tensors():
         y = model(torch.randn(32, 64, requires_grad=True))
     assert type(y.grad_fn).__name__ == "FP8LinearFunctionBackward"
     assert y.grad_fn.step.operands is None
+
+
+@pytest.mark.gpu
+@requires_cuda_fp8
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_on_cuda_checkpointed_runs_match_the_unchecked_run(recipe, mode):
+    """On CUDA autograd runs backward on its device thread: the recompute never sees the forward's fp8_autocast."""
+    for cls in (Stack, MoE):
+        plain_grads, plain_state, _ = _train(cls, recipe, None, device="cuda")
+        grads, state, _ = _train(cls, recipe, MODES[mode], device="cuda")
+        for i, (g, ref) in enumerate(zip(grads, plain_grads)):
+            assert torch.equal(g, ref), f"{cls.__name__}: gradient {i} differs from the unchecked FP8 run"
+        _assert_state_equal(state, plain_state)
