@@ -56,7 +56,7 @@ def test_trainer_with_checkpointed_blocks_matches_the_unchecked_run(precision, u
     assert len(a) == 2 * 4 + 1 and _same(a, b)  # amax histories, scales and cast counters
 
 
-def _moe_grads(use_reentrant: bool | None, recipe: str):
+def _moe_grads(use_reentrant: bool | str | None, recipe: str):
     transformers = pytest.importorskip("transformers", reason="needs transformers (dev extras)")
     from tests.helpers.moe import VOCAB, tiny_moe
 
@@ -64,7 +64,9 @@ def _moe_grads(use_reentrant: bool | None, recipe: str):
     model.config.use_cache = False
     convert_to_fp8(model, recipe)
     model.train()
-    if use_reentrant is not None:
+    if use_reentrant == "default":  # transformers' own choice (non-reentrant in 5.x)
+        model.gradient_checkpointing_enable()
+    elif use_reentrant is not None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
     assert isinstance(model, transformers.PreTrainedModel)
     torch.manual_seed(3)
@@ -78,8 +80,8 @@ def _moe_grads(use_reentrant: bool | None, recipe: str):
             fp8_state_dict(model))
 
 
-@pytest.mark.parametrize("use_reentrant", [False, True])
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+@pytest.mark.parametrize("use_reentrant", ["default", False, True])
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "mxfp8", "nvfp4"])
 def test_hugging_face_moe_gradient_checkpointing_matches_the_unchecked_run(recipe, use_reentrant):
     grads, counts, state = _moe_grads(None, recipe)
     checked_grads, checked_counts, checked_state = _moe_grads(use_reentrant, recipe)
