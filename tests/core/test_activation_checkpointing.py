@@ -254,3 +254,24 @@ def test_on_cuda_checkpointed_runs_match_the_unchecked_run(recipe, mode):
         for i, (g, ref) in enumerate(zip(grads, plain_grads)):
             assert torch.equal(g, ref), f"{cls.__name__}: gradient {i} differs from the unchecked FP8 run"
         _assert_state_equal(state, plain_state)
+
+
+@pytest.mark.parametrize("context_fn", [None, fp8_checkpoint_context], ids=["logged", "context_fn"])
+def test_two_backwards_through_one_checkpoint_recompute_twice_alike(context_fn):
+    """``retain_graph=True``: each backward recomputes the region; both replay the forward (the context re-enters)."""
+    grads = []
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+        convert_to_fp8(model, "delayed")
+        x = torch.randn(32, 64, requires_grad=True)
+        with fp8_autocast():
+            kwargs = {} if context_fn is None else {"context_fn": context_fn}
+            y = checkpoint(model, x, use_reentrant=False, **kwargs) if ckpt else model(x)
+        loss = y.square().mean()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        grads.append([x.grad, *(p.grad for p in model.parameters())])
+        grads[-1].append(fp8_state_dict(model))
+    for a, b in zip(*grads):
+        _assert_state_equal(a, b)
