@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+
 import torch
 import torch.nn as nn
 
@@ -58,7 +59,9 @@ class ForwardLog:
     def record(self, state: AutocastState, version: int) -> None:
         if self.state is None or self.replayed or version != self.version:
             self.state, self.other, self.version, self.replayed = state, None, version, False
-        elif state is not self.state and state != self.state:
+        elif state == self.state:  # the same setting from a new fp8_autocast block: keep the new object, which
+            self.state = state  # the hot path compares by identity
+        else:
             self.other = state
 
     def replay(self, module: nn.Module) -> AutocastState:
