@@ -75,7 +75,8 @@ def _moe_grads(use_reentrant: bool | str | None, recipe: str):
         loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     sync_scales(model)
-    experts = [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
+    # (a recipe's conversion policy may keep some experts in high precision: NVFP4's last block)
+    experts = [m for n, m in model.named_modules() if n.endswith("mlp.experts") and hasattr(m, "fp8_gemm_counts")]
     return ({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, [m.fp8_gemm_counts for m in experts],
             fp8_state_dict(model))
 
@@ -88,5 +89,5 @@ def test_hugging_face_moe_gradient_checkpointing_matches_the_unchecked_run(recip
     assert grads.keys() == checked_grads.keys() and any("experts" in n for n in grads)
     for name in grads:
         assert torch.equal(grads[name], checked_grads[name]), name
-    assert counts == checked_counts and counts[0] == {"fprop": 2, "dgrad": 2, "wgrad": 2}
+    assert counts == checked_counts and counts and all(c == {"fprop": 2, "dgrad": 2, "wgrad": 2} for c in counts)
     assert _same(state, checked_state)
