@@ -29,6 +29,8 @@
 #                                           # on the same operands, timed vs bf16 (sm_90: prints why it skips)
 #   bash benchmarks/gpu_session.sh experts  # the FP8 experts compiled fullgraph on CUDA vs eager, and the experts'
 #                                           # FP8 all-gather under FSDP2 on NCCL vs a high-precision gather
+#   bash benchmarks/gpu_session.sh checkpoint  # activation checkpointing of FP8 linears and experts on CUDA (both
+#                                           # checkpoint modes, every recipe the GPU runs) vs the unchecked run (<1 min)
 #   bash benchmarks/gpu_session.sh dry-run  # on any machine: list each call's steps, install the wheels offline
 #
 # Everything a call writes lands in one archive, $OUT/gpu-<mode>.tar.gz (OUT defaults to ./gpu-results), holding one
@@ -54,7 +56,7 @@ install_wheels() {  # the wheels in wheels/, offline, into $site (on PYTHONPATH 
 }
 
 if [ "$mode" = dry-run ]; then
-  for call in checks linear llama gpt stack grouped grouped-tokens grouped-triton nvfp4 traced experts lease; do
+  for call in checks linear llama gpt stack grouped grouped-tokens grouped-triton nvfp4 traced checkpoint experts lease; do
     echo "== call '$call' runs:"
     sed -n "/^  $call)/,/;;/p" "$0" | grep -o 'step [a-z0-9_]* .*' | sed 's/^step /   /'
   done
@@ -92,7 +94,7 @@ case "$mode" in
     step kernels "$python" -m benchmarks kernels-gpu --out "$work/kernels_gpu.md"
     step pytest_gpu "$python" -m pytest -q -p no:cacheprovider -m gpu \
       tests/kernels/test_gpu.py tests/lightning/test_gpu.py tests/optim/test_fused_adam_kernel.py tests/test_state_device.py tests/core/test_grouped_mm.py \
-      tests/core/test_nvfp4_grouped.py tests/core/test_nvfp4_fsdp_wire.py
+      tests/core/test_nvfp4_grouped.py tests/core/test_nvfp4_fsdp_wire.py tests/core/test_activation_checkpointing.py
     step fsdp "$python" -m benchmarks fsdp-gpu-check
     ;;
   linear)
@@ -137,6 +139,10 @@ case "$mode" in
     STEP_TIMEOUT=110 step nvfp4 "$python" -m benchmarks nvfp4-gpu --out "$work/nvfp4_gpu.md"
     STEP_TIMEOUT=150 step nvfp4_gemm "$python" -m benchmarks nvfp4-gemm-gpu --out "$work/nvfp4_gemm_gpu.md"
     ;;
+  checkpoint)  # activation checkpointing on CUDA (backward on autograd's device thread) vs the unchecked run, bit for bit
+    STEP_TIMEOUT=150 step pytest_checkpoint "$python" -m pytest -q -p no:cacheprovider -m gpu \
+      tests/core/test_activation_checkpointing.py
+    ;;
   experts)  # the FP8 experts compiled fullgraph on CUDA vs eager; their FP8 all-gather under FSDP2 on NCCL
     STEP_TIMEOUT=150 step pytest_experts_compile "$python" -m pytest -q -p no:cacheprovider -m gpu \
       tests/perf/test_compile_experts.py
@@ -154,7 +160,7 @@ case "$mode" in
       --out "$work/perf-linear-gpu-compiled"
     ;;
   *)
-    echo "usage: bash benchmarks/gpu_session.sh checks|linear|llama|gpt|stack|grouped|grouped-tokens|grouped-triton|nvfp4|traced|experts|lease|dry-run (got '$mode')" >&2
+    echo "usage: bash benchmarks/gpu_session.sh checks|linear|llama|gpt|stack|grouped|grouped-tokens|grouped-triton|nvfp4|traced|checkpoint|experts|lease|dry-run (got '$mode')" >&2
     exit 2
     ;;
 esac

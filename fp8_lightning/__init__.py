@@ -29,6 +29,7 @@ from fp8_lightning.profitability import ProfitabilityGate
 from fp8_lightning.nvfp4 import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
 from fp8_lightning.policy import RecipePolicy, first_last_high_precision
 from fp8_lightning.quantize import Quantized
+from fp8_lightning.recompute import FP8RecomputeError, fp8_checkpoint_context
 from fp8_lightning.recipes import (
     BlockwiseScaling,
     DelayedScaling,
@@ -92,6 +93,7 @@ __all__ = [
     "FP8Optimizer",
     "FP8OptimizerStates",
     "FP8Precision",
+    "FP8RecomputeError",
     "FP8StatsMonitor",
     "Format",
     "GroupedExperts",
@@ -110,6 +112,7 @@ __all__ = [
     "dequantize_nvfp4",
     "dequantize_tensorwise",
     "fp8_autocast",
+    "fp8_checkpoint_context",
     "fp8_gemm_support",
     "fp8_grouped_mm",
     "fp8_max",

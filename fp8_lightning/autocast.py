@@ -29,6 +29,7 @@ from fp8_lightning.recipes import Recipe, RecipeLike, recipe_from
 class AutocastState:
     enabled: bool = False
     recipe: Recipe | None = None
+    recompute: bool = False  # set by an activation-checkpoint recompute that carries its forward's setting
 
 
 _local = threading.local()
@@ -49,6 +50,13 @@ def is_fp8_enabled() -> bool:
     return autocast_state().enabled
 
 
+def swap_autocast_state(state: AutocastState) -> AutocastState:
+    """Put ``state`` in force on this thread and return the one it replaces (for contexts that restore it)."""
+    previous = autocast_state()
+    _local.state = state
+    return previous
+
+
 @contextlib.contextmanager
 def fp8_autocast(enabled: bool = True, recipe: RecipeLike = None) -> Iterator[AutocastState]:
     """Run converted layers in FP8 (``enabled=True``) or in high precision (``enabled=False``) inside the block.
@@ -65,8 +73,8 @@ def fp8_autocast(enabled: bool = True, recipe: RecipeLike = None) -> Iterator[Au
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"fp8_autocast(enabled={enabled!r}): expected True or False.")
-    new = AutocastState(enabled, recipe_from(recipe) if recipe is not None else None)
-    previous = autocast_state()
+    previous = autocast_state()  # a recompute's mark carries into nested blocks (fp8_lightning.recompute)
+    new = AutocastState(enabled, recipe_from(recipe) if recipe is not None else None, previous.recompute)
     _local.state = new
     try:
         yield new

@@ -30,11 +30,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fp8_lightning.autocast import autocast_state
 from fp8_lightning.gemm import check_device, fp8_mm
 from fp8_lightning.layer_step import FP8LinearFunction
 from fp8_lightning.quantize import OperandCache, OperandKind, Quantized
 from fp8_lightning.recipes import Recipe, RecipeLike, recipe_from
+from fp8_lightning.recompute import forget_forwards, forward_setting
 from fp8_lightning.scaling import OperandScaling, advance_histories, records_amax
 from fp8_lightning.settings import settings
 from fp8_lightning.traced import make_plan, traced_linear
@@ -112,24 +112,30 @@ class LayerScaling:
         return self.recipe.cast(role, x, dtype, columnwise, columnwise_f32, self.operands.get(role), record)
 
     def weight_operands(
-        self, weight: torch.Tensor, record: bool, regathered: bool = False, parameter: torch.Tensor | None = None
+        self, weight: torch.Tensor, record: bool, regathered: bool = False, parameter: torch.Tensor | None = None,
+        replay: bool = False,
     ) -> tuple[Quantized, Quantized | None]:
         """(rowwise W, columnwise W where the recipe makes one): in training cast once per weight version and scale
         generation, in evaluation (``record=False``) cast afresh.
 
         ``regathered``: the weight was just all-gathered into a reused buffer (FSDP2 in high precision), which
         keeps its version counter: the cache cannot tell a new step's weight from the last one, so cast afresh.
-        ``parameter``: as for :meth:`step_boundary_passed`.
+        ``parameter``: as for :meth:`step_boundary_passed`. ``replay``: an activation-checkpoint recompute
+        (:mod:`fp8_lightning.recompute`): the forward's cached cast while it is valid, else a cast that keeps nothing.
         """
         provided = getattr(weight, "fp8_weight_operands", None)  # already FP8 (e.g. gathered in FP8 by FSDP2)
         if provided is not None:
             return provided(self, record)
         if regathered:
             self._weight_cache = None
-        if not record:  # evaluation and inference: cast afresh, keep nothing (see the class docstring)
-            return self.cast("weight", weight.detach(), False, columnwise=True)
         w_state = self.operands.get("weight")
         generation = w_state.generation if w_state else 0
+        if replay and self._weight_cache is not None:
+            key = ((weight if parameter is None else parameter)._version, weight.data_ptr(), generation, weight.device)
+            if key == self._weight_key:
+                return self._weight_cache
+        if not record:  # evaluation, inference and replays: cast afresh, keep nothing (see the class docstring)
+            return self.cast("weight", weight.detach(), False, columnwise=True)
         cast = lambda: self.cast("weight", weight.detach(), record, True)  # noqa: E731
         return self.cached_weight(weight, generation, cast, parameter)
 
@@ -260,6 +266,7 @@ class EagerStep:
     def pack(self, x_t: Quantized, w_t: Quantized):
         # The cached FP8 weight's columnwise object travels whole (see _SavedOperand); the rest is rebuilt.
         w_cached = w_t if w_t is self.operands[4] else None
+        self.operands = None  # backward reads the saved tensors only (activation checkpointing can then drop them)
         meta = (
             _SavedOperand(x_t.kind, x_t.cache.for_backward(keep_f32=False)),
             _SavedOperand(w_t.kind, w_t.cache.for_backward(keep_f32=True), w_cached),
@@ -322,6 +329,7 @@ class FP8Linear(nn.Linear):
         for attr in ("fp8_recipe", "fp8_emulate", "fp8_observer", "fp8_disabled_reason", "_fp8_scalings", "_fp8_warned",
                      "fp8_converted_by_plugin"):
             self.__dict__.pop(attr, None)
+        forget_forwards(self)
         self.__class__ = nn.Linear
         return self
 
@@ -366,25 +374,30 @@ class FP8Linear(nn.Linear):
     def fp8_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ weight.T + bias`` with this layer's FP8 GEMMs, scaling state and fallbacks: the whole forward of a
         plain layer, and the local step of a tensor-parallel one (``weight`` and ``bias`` are then its shards)."""
-        recipe = self.fp8_runs(x, weight)
+        recipe, replay = self.fp8_setting(x, weight)
         if recipe is None:
             return F.linear(x, weight, bias)
         device_type = "cpu" if x.is_cpu else x.device.type  # is_cpu: a flag; .device builds an object
         autocasting = torch.is_autocast_enabled(device_type)
         out_dtype = torch.get_autocast_dtype(device_type) if autocasting else x.dtype
         if not torch.compiler.is_compiling():  # eager: no compiler wrapper to pass through
-            return self._eager_forward(x, recipe, out_dtype, autocasting, weight, bias)
+            return self._eager_forward(x, recipe, out_dtype, autocasting, weight, bias, replay)
         if self._traceable():
             return self._traced_forward(x, recipe, out_dtype, autocasting, weight, bias)
         return self._eager_island(x, recipe, out_dtype, autocasting, weight, bias)
 
     def fp8_runs(self, x: torch.Tensor, weight: torch.Tensor) -> Recipe | None:
         """The recipe this call's GEMMs run in FP8 under, or None when the layer runs in high precision."""
-        state = autocast_state()
+        return self.fp8_setting(x, weight)[0]
+
+    def fp8_setting(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[Recipe | None, bool]:
+        """(:meth:`fp8_runs`, whether this call is an activation-checkpoint recompute that replays the setting of
+        its forward: :mod:`fp8_lightning.recompute`)."""
+        state, replay = forward_setting(self, self.weight)
         recipe = state.recipe or self.fp8_recipe
         if not state.enabled or self.fp8_disabled_reason is not None or self._runtime_fallback(x, weight, recipe):
-            return None
-        return recipe
+            return None, replay
+        return recipe, replay
 
     def _traceable(self) -> bool:
         """Whether the traced step serves this call: not while an observer watches each cast (the stats monitor,
@@ -406,17 +419,18 @@ class FP8Linear(nn.Linear):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def _eager_forward(
-        self, x: torch.Tensor, recipe: Recipe, out_dtype: torch.dtype, autocasting: bool, weight=None, bias=None
+        self, x: torch.Tensor, recipe: Recipe, out_dtype: torch.dtype, autocasting: bool, weight=None, bias=None,
+        replay: bool = False,
     ):
         if not x.is_cpu:  # a CPU always runs FP8 GEMMs
             check_device(x.device, self.fp8_emulate)
         scaling = self._fp8_scalings.get(recipe) or self.fp8_scaling(recipe)
         weight, bias = (self.fp8_gemm_weight, self.bias) if weight is None else (weight, bias)
-        record = records_amax(self.training)
+        record = records_amax(self.training) and not replay  # a replay books nothing (fp8_lightning.recompute)
         if record and scaling.step_boundary_passed(weight, self.weight) and scaling.booked:
             scaling.update()  # no one called update_scales() after the optimizer step: advance locally
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        operands = self._eager_operands(x, x2d, weight, scaling, record)
+        operands = self._eager_operands(x, x2d, weight, scaling, record, replay)
         step = EagerStep(self, scaling, self.fp8_emulate, out_dtype, operands)
         if autocasting:  # the FP8 path picks its own dtypes: autocast stays out of it
             with torch.autocast(x.device.type, enabled=False):
@@ -425,9 +439,12 @@ class FP8Linear(nn.Linear):
             y = FP8LinearFunction.apply(x2d, weight, bias, step)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
-    def _eager_operands(self, x_in, x2d: torch.Tensor, weight: torch.Tensor, scaling: LayerScaling, record: bool):
+    def _eager_operands(
+        self, x_in, x2d: torch.Tensor, weight: torch.Tensor, scaling: LayerScaling, record: bool, replay: bool = False
+    ):
         """(x, x.T, W, W.T, W's columnwise copy) for the eager step: the input cast now (or as it arrived, cast
-        before an FP8 all-gather: ``x_in.fp8_operands``), the weight from the step's cache."""
+        before an FP8 all-gather: ``x_in.fp8_operands``), the weight from the step's cache. A replay shows nothing
+        to the observer (the forward it repeats did)."""
         recipe = scaling.recipe
         arrived = getattr(x_in, "fp8_operands", None)  # {recipe: (x, x.T)} of a sequence-parallel FP8 all-gather
         if arrived is not None and recipe in arrived:
@@ -436,9 +453,9 @@ class FP8Linear(nn.Linear):
             x, x_col = scaling.cast("input", x2d.detach(), record, columnwise=True, columnwise_f32=False)
         # FSDP2 marks the modules it manages; it refills their gathered weights in place at every forward
         fsdp_managed = self.__dict__.get("_is_fsdp_managed_module", False)
-        w, w_col = scaling.weight_operands(weight, record, fsdp_managed, self.weight)
+        w, w_col = scaling.weight_operands(weight, record, fsdp_managed, self.weight, replay)
         observer = self.__dict__.get("fp8_observer")  # read where set: a module's missing-attribute path is slow
-        if observer is not None:
+        if observer is not None and not replay:
             observer(self, "input", x2d, x)
             observer(self, "weight", weight, w)
         return x, recipe.transposed(x, x_col), w, recipe.transposed(w, w_col), w_col

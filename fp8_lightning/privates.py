@@ -78,6 +78,12 @@ PRIVATES: tuple[Private, ...] = (
         "no public query for that.",
     ),
     Private(
+        "torch._C:_current_graph_task_id", ("recompute.py",),
+        "Whether autograd is executing a backward on this thread: a forward there is an activation-checkpoint "
+        "recompute, which replays the FP8 setting of its forward; torch exposes no public query (torch.utils.checkpoint"
+        " reads the same name).",
+    ),
+    Private(
         "torch._subclasses.fake_tensor:FakeTensorMode", ("cuda_contract/simulate.py",),
         "The CUDA contract runs the layer on fake CUDA tensors (shapes, strides, dtypes, no GPU); torch has no public "
         "fake-tensor mode (torch.compile uses this one).",

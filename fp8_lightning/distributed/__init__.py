@@ -20,7 +20,6 @@ from fp8_lightning.distributed.sharding import (
     default_shard_targets,
     disable_fp8_all_gather,
     enable_fp8_all_gather,
-    fp8_checkpoint_context,
     is_sharded,
     shard_model,
     weight_amax_reductions,
@@ -31,6 +30,7 @@ from fp8_lightning.distributed.tensor_parallel import (
     PrepareFP8ModuleInput,
     gather_sequence,
 )
+from fp8_lightning.recompute import fp8_checkpoint_context
 from fp8_lightning.distributed.weight import FP8GatheredWeight, FP8ShardedWeight, fp8_all_gather_unsupported_reason
 
 __all__ = [

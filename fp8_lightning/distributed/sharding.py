@@ -13,25 +13,24 @@ modules whose class name is listed in ``block_classes``, and finally the root, w
 are left (embeddings, final norm, head). A block is the unit of all-gather and of activation checkpointing.
 
 Activation checkpointing recomputes a block's forward during backward, outside the ``fp8_autocast`` context the
-forward ran in; :func:`fp8_checkpoint_context` re-enters the same FP8 setting for the recomputation, so the
-recomputed GEMMs are the FP8 GEMMs of the forward.
+forward ran in; the converted layers replay the FP8 setting of their forward there (:mod:`fp8_lightning.recompute`),
+and :func:`~fp8_lightning.recompute.fp8_checkpoint_context` carries each block's setting with the call.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Iterable, Sequence
 
 import torch.nn as nn
 
-from fp8_lightning.autocast import autocast_state, fp8_autocast
 from fp8_lightning.conv1d import FP8Conv1D
 from fp8_lightning.convert import fp8_expert_modules, fp8_modules
 from fp8_lightning.distributed.amax import WeightAmaxSync
 from fp8_lightning.distributed.expert_weight import FP8ShardedExperts, experts_gather_unsupported_reason
 from fp8_lightning.distributed.weight import FP8ShardedWeight, fp8_all_gather_unsupported_reason
 from fp8_lightning.privates import local_shard
+from fp8_lightning.recompute import fp8_checkpoint_context
 
 AMAX_SYNC_ATTR = "_fp8_amax_sync"
 
@@ -156,12 +155,6 @@ def default_shard_targets(model: nn.Module, block_classes: Iterable[str] | None 
     return [m for m in targets if any(True for _ in m.parameters())]
 
 
-def fp8_checkpoint_context():
-    """``context_fn`` for activation checkpointing: recompute under the FP8 setting of the forward."""
-    state = autocast_state()
-    return contextlib.nullcontext(), fp8_autocast(enabled=state.enabled, recipe=state.recipe)
-
-
 def apply_activation_checkpointing(blocks: Sequence[nn.Module]) -> None:
     """Checkpoint each block (composable API: module names and state_dict keys are unchanged)."""
     from torch.distributed._composable import checkpoint
@@ -211,7 +204,6 @@ __all__ = [
     "default_shard_targets",
     "disable_fp8_all_gather",
     "enable_fp8_all_gather",
-    "fp8_checkpoint_context",
     "is_sharded",
     "shard_model",
     "weight_amax_reductions",

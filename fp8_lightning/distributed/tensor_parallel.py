@@ -177,7 +177,7 @@ def gather_sequence(
 def _gather_sequence(consumers: list[FP8Linear], x: torch.Tensor, dim: int, group, fp8: bool | str) -> torch.Tensor:
     dim = dim % x.dim()
     layer = consumers[0]
-    recipe = layer.fp8_runs(x, _local(layer.fp8_gemm_weight)) if fp8 else None
+    recipe, replay = layer.fp8_setting(x, _local(layer.fp8_gemm_weight)) if fp8 else (None, False)
     tokens_per_run = math.prod(x.shape[dim:-1])
     copies = None
     if recipe is not None and fp8 is True and tokens_per_run % recipe.sequence_block() != 0:
@@ -190,8 +190,8 @@ def _gather_sequence(consumers: list[FP8Linear], x: torch.Tensor, dim: int, grou
         state = scaling.operands.get("input")
         if hasattr(state, "amax_group"):  # a per-tensor scale: the one of the gathered tensor
             state.amax_group = group
-        copies = recipe.sequence_cast(x2d, scaling.forward_dtype, state, records_amax(layer.training), group,
-                                      columnwise=fp8 is True)  # fmt: skip
+        record = records_amax(layer.training) and not replay  # a checkpoint recompute books nothing
+        copies = recipe.sequence_cast(x2d, scaling.forward_dtype, state, record, group, columnwise=fp8 is True)
     if copies is None:
         out = GatherTokens.apply(x, dim, group)
     else:

@@ -23,10 +23,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fp8_lightning.autocast import autocast_state
 from fp8_lightning.grouped.gemm import GroupedScaling, check_grouped_shapes, fp8_grouped_mm
 from fp8_lightning.grouped.traced import recipe_key, traced_grouped_mm
 from fp8_lightning.recipes import Recipe
+from fp8_lightning.recompute import forward_setting
 from fp8_lightning.scaling import records_amax
 
 # torch 2.11's compiler traces the experts' step into one graph but the compiled step drifts from the eager one from
@@ -213,13 +213,22 @@ class FP8ExpertsMixin:
 
     def fp8_active_recipe(self) -> Recipe | None:
         """The recipe this call runs under, or None for the high-precision forward."""
-        state = autocast_state()
-        if not state.enabled or self.fp8_disabled_reason is not None:
-            return None
-        return state.recipe or self.fp8_recipe
+        return self.fp8_setting()[0]
 
-    def fp8_project(self, x: torch.Tensor, name: str, offs: torch.Tensor, recipe: Recipe) -> torch.Tensor:
-        """Projection ``name`` of each expert's rows of ``x`` in FP8, in the autocast dtype when autocasting."""
+    def fp8_setting(self) -> tuple[Recipe | None, bool]:
+        """(:meth:`fp8_active_recipe`, whether this call is an activation-checkpoint recompute that replays the
+        setting of its forward: :mod:`fp8_lightning.recompute`)."""
+        state, replay = forward_setting(self, getattr(self, next(iter(self.fp8_weights))))
+        if not state.enabled or self.fp8_disabled_reason is not None:
+            return None, replay
+        return state.recipe or self.fp8_recipe, replay
+
+    def fp8_project(
+        self, x: torch.Tensor, name: str, offs: torch.Tensor, recipe: Recipe, replay: bool = False
+    ) -> torch.Tensor:
+        """Projection ``name`` of each expert's rows of ``x`` in FP8, in the autocast dtype when autocasting.
+        ``replay``: an activation-checkpoint recompute, which books, counts and shows nothing (the forward it repeats
+        did)."""
         weight = getattr(self, name)
         b = weight if self.fp8_weights[name] else weight.transpose(-2, -1)
         device_type = x.device.type
@@ -227,8 +236,8 @@ class FP8ExpertsMixin:
         out_dtype = torch.get_autocast_dtype(device_type) if autocasting else x.dtype
         experts_scaling = self.fp8_scaling(recipe)
         scaling = experts_scaling.parts[name]
-        record = records_amax(self.training)
-        observer = self.__dict__.get("fp8_observer")
+        record = records_amax(self.training) and not replay
+        observer = None if replay else self.__dict__.get("fp8_observer")
         observe = None if observer is None else lambda role, t, q: observer(self, f"{name}.{role}", t, q)
         gathered = hasattr(weight, "fp8_expert_operands")
         compiling = torch.compiler.is_compiling()
@@ -244,28 +253,32 @@ class FP8ExpertsMixin:
             elif compiling:
                 check_grouped_shapes(x, b, recipe)
                 return traced_grouped_mm(x.to(weight.dtype), b, offs, scaling, out_dtype, record, experts_scaling.key)
-            return run(
+            fprops = scaling.gemms["fprop"]
+            y = run(
                 x.to(weight.dtype), b, offs, out_dtype=out_dtype, scaling=scaling, training=record,
                 regathered=self.__dict__.get("_is_fsdp_managed_module", False),  # FSDP2 refills gathered weights
                 observer=observe,
             )
+            if replay:  # the forward this recompute repeats counted its GEMM
+                scaling.gemms["fprop"] = fprops
+            return y
 
 
 class FP8GroupedExperts(FP8ExpertsMixin, GroupedExperts):
     """:class:`GroupedExperts` converted in place: its projections run in FP8 under ``fp8_autocast``."""
 
     def project(self, x: torch.Tensor, name: str, offs: torch.Tensor) -> torch.Tensor:
-        recipe = self.fp8_active_recipe()
+        recipe, replay = self.fp8_setting()
         if recipe is None:
             return super().project(x, name, offs)
-        return self.fp8_project(x, name, offs, recipe)
+        return self.fp8_project(x, name, offs, recipe, replay)
 
 
 class FP8TransformersExperts(FP8ExpertsMixin):
     """transformers experts converted in place: transformers' grouped-mm forward, its projections in FP8."""
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        recipe = self.fp8_active_recipe()
+        recipe, replay = self.fp8_setting()
         if recipe is None:
             return super().forward(hidden_states, top_k_index, top_k_weights)
         num_tokens, top_k = hidden_states.shape[0], top_k_index.shape[-1]
@@ -275,11 +288,11 @@ class FP8TransformersExperts(FP8ExpertsMixin):
         counts = counts.index_add(0, expert_ids, torch.ones_like(expert_ids))  # a static shape, unlike bincount
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         first, down = self.fp8_weights  # gate_up_proj (or up_proj), down_proj
-        h = self.fp8_project(x, first, offs, recipe)
+        h = self.fp8_project(x, first, offs, recipe, replay)
         if self.has_bias:
             h = h + getattr(self, f"{first}_bias")[expert_ids]
         h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
-        out = self.fp8_project(h, down, offs, recipe)
+        out = self.fp8_project(h, down, offs, recipe, replay)
         if self.has_bias:
             out = out + self.down_proj_bias[expert_ids]
         if self.has_post_expert_norm:
