@@ -152,6 +152,50 @@ class GroupedStep:
         self.native = native  # the recipe's grouped kernels (Recipe.grouped_native), or None: emulated
 
 
+class _Slot(int):
+    """Where a tensor stood in a structure whose tensors travel through ``save_for_backward``."""
+
+
+def _plain_object(obj) -> bool:
+    """An instance of a plain Python class (a dataclass, a container of operands): not a tensor, type, or value
+    of a built-in type (a str subclass such as an operand kind)."""
+    return hasattr(obj, "__dict__") and type(obj).__new__ is object.__new__ and not isinstance(obj, type)
+
+
+def _hollow(obj, tensors: list):
+    """A copy of ``obj`` (lists, tuples, dicts, objects with a ``__dict__``, dataclasses) with each tensor moved to
+    ``tensors`` and replaced by its :class:`_Slot`; other values are kept as they are."""
+    if torch.is_tensor(obj):
+        tensors.append(obj)
+        return _Slot(len(tensors) - 1)
+    if isinstance(obj, (list, tuple)):
+        items = [_hollow(item, tensors) for item in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, dict):
+        return {key: _hollow(value, tensors) for key, value in obj.items()}
+    if _plain_object(obj):
+        copy = object.__new__(type(obj))
+        copy.__dict__.update({key: _hollow(value, tensors) for key, value in vars(obj).items()})
+        return copy
+    return obj
+
+
+def _fill(obj, tensors: tuple):
+    """:func:`_hollow` undone, in a new copy (the hollow one stays hollow: it holds no tensor after backward)."""
+    if isinstance(obj, _Slot):
+        return tensors[obj]
+    if isinstance(obj, (list, tuple)):
+        items = [_fill(item, tensors) for item in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, dict):
+        return {key: _fill(value, tensors) for key, value in obj.items()}
+    if _plain_object(obj):
+        copy = object.__new__(type(obj))
+        copy.__dict__.update({key: _fill(value, tensors) for key, value in vars(obj).items()})
+        return copy
+    return obj
+
+
 GROUPED_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -164,7 +208,6 @@ class FP8GroupedMMFunction(torch.autograd.Function):
         scaling, bounds, offs = step.scaling, step.bounds, step.offs
         recipe = scaling.recipe
         ctx.step, ctx.dtypes, ctx.weight_shape = step, (a.dtype, weight.dtype), weight.shape
-        ctx.freed = False
         if a.shape[0] == 0:  # an empty batch: nothing to cast; zero gradients
             ctx.saved = None
             return a.new_zeros(0, weight.shape[1], dtype=step.out_dtype)
@@ -184,7 +227,11 @@ class FP8GroupedMMFunction(torch.autograd.Function):
             w_kn = _weight_values(w_operands, transposed=False)  # (E, K, N)
             y = grouped_product(_values(x_row), w_kn, offs, bounds)
         scaling.gemms["fprop"] += 1
-        ctx.saved = (x_columns, w_operands)
+        # the input's columnwise copies (activation memory) travel as saved tensors, which activation checkpointing
+        # drops and recomputes and a backward frees; the weights' operands are the step's cached cast
+        tensors = []
+        ctx.saved = (_hollow(x_columns, tensors), w_operands)
+        ctx.save_for_backward(*tensors)
         return y.to(step.out_dtype)
 
     @staticmethod
@@ -197,16 +244,12 @@ class FP8GroupedMMFunction(torch.autograd.Function):
                 "create_graph=True (double backward, gradient penalties) cannot differentiate them. Run these "
                 "experts in high precision (torch._grouped_mm) for that computation."
             )
-        if ctx.freed:
-            raise RuntimeError(
-                "fp8_grouped_mm: backward ran twice through the same graph (retain_graph=True). Its FP8 operands are "
-                "freed by the first backward; run the forward again for each backward, or sum the losses first."
-            )
         if ctx.saved is None:  # an empty batch
             grad_w = grad_y.new_zeros(ctx.weight_shape, dtype=w_dtype) if needs_w else None
             return grad_y.new_zeros(0, ctx.weight_shape[2], dtype=a_dtype), grad_w, None
         scaling, bounds, offs = step.scaling, step.bounds, step.offs
-        x_columns, w_operands = ctx.saved
+        hollow_columns, w_operands = ctx.saved
+        x_columns = _fill(hollow_columns, ctx.saved_tensors)  # torch refuses a second backward once they are freed
         native = step.native
         g_row, g_columns = scaling.recipe.grouped_operands(
             "grad_output", grad_y.contiguous(), bounds, scaling.backward_dtype, needs_w,
@@ -244,7 +287,6 @@ class FP8GroupedMMFunction(torch.autograd.Function):
             wgrad_bounds = GroupBounds(zip([0, *ends], ends)) if padded else bounds
             grad_w = grouped_product(g_t, x_t.t(), wgrad_offs, wgrad_bounds).to(w_dtype)  # (E, N, K), 0 if empty
             scaling.gemms["wgrad"] += 1
-        ctx.saved, ctx.freed = None, True
         return grad_a, grad_w, None
 
 
@@ -297,7 +339,7 @@ def fp8_grouped_mm(
         ValueError: ``offs`` not non-decreasing or not ending at M; K not a multiple of the recipe's block; a weight
             of the wrong shape; an ``out_dtype`` that is not float32, bfloat16, float16 or float64 (each message names
             the argument and the fix).
-        RuntimeError: a second backward through the same graph (``retain_graph=True``).
+        RuntimeError: a double backward (``create_graph=True``).
     """
     recipe = scaling.recipe if scaling is not None else recipe_from(recipe)
     experts, k, n = check_grouped_shapes(a, b, recipe)
