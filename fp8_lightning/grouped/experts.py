@@ -17,6 +17,7 @@ import collections
 import contextlib
 import math
 import sys
+import warnings
 from typing import Callable
 
 import torch
@@ -221,7 +222,22 @@ class FP8ExpertsMixin:
         state, replay = forward_setting(self, getattr(self, next(iter(self.fp8_weights))))
         if not state.enabled or self.fp8_disabled_reason is not None:
             return None, replay
+        if state.recipe is not None and state.recipe != self.fp8_recipe and self._fp8_misfit(state.recipe):
+            return None, replay  # an fp8_autocast(recipe=...) these experts' shapes cannot take: high precision
         return state.recipe or self.fp8_recipe, replay
+
+    def _fp8_misfit(self, recipe: Recipe) -> bool:
+        """Whether ``recipe`` (an ``fp8_autocast`` override) cannot run these experts' shapes; said once per recipe,
+        as a linear layer says it, and the experts then run in high precision."""
+        misfits = self.__dict__.setdefault("_fp8_misfits", {})
+        if recipe not in misfits:
+            reason = experts_skip_reason(self, recipe)
+            misfits[recipe] = reason is not None
+            if reason is not None:
+                warnings.warn(f"{type(self).__name__} converted as {self.fp8_recipe.name} runs in high precision under "
+                              f"fp8_autocast(recipe={recipe.name!r}): {reason}. Leave this module out of the override, "
+                              "or pad the expert dimensions.")
+        return misfits[recipe]
 
     def fp8_project(
         self, x: torch.Tensor, name: str, offs: torch.Tensor, recipe: Recipe, replay: bool = False

@@ -3,6 +3,8 @@ GroupedExperts; in place, state_dict unchanged, routers in high precision, the r
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -86,6 +88,24 @@ def test_grouped_experts_convert_and_match_high_precision():
     assert experts.fp8_gemm_counts["wgrad"] == 3 and torch.equal(experts.w1.grad[1], torch.zeros(96, 64))
     again = convert_to_fp8(experts, "mxfp8")  # idempotent
     assert again.experts == ["<root>"]
+
+
+def test_an_autocast_recipe_the_experts_cannot_take_runs_them_in_high_precision_with_one_warning():
+    """Experts converted as delayed with K=48 under fp8_autocast(recipe="mxfp8") (blocks of 32): the module says so
+    once, naming its recipe and the override, and runs in high precision, as a linear layer does."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(dim=48, hidden_dim=64, num_experts=2)
+    x, offs = torch.randn(20, 48), torch.tensor([8, 20], dtype=torch.int32)
+    reference = experts(x, offs)
+    convert_to_fp8(experts, "delayed")
+    with warnings.catch_warnings(record=True) as caught, fp8_autocast(recipe="mxfp8"):
+        warnings.simplefilter("always")
+        out, again = experts(x, offs), experts(x, offs)
+    said = [str(w.message) for w in caught if "fp8_autocast(recipe='mxfp8')" in str(w.message)]
+    assert len(said) == 1 and "GroupedExperts converted as delayed runs in high precision" in said[0]
+    assert "divisible by 32" in said[0]
+    assert torch.equal(out, reference) and torch.equal(again, reference)
+    assert not experts.fp8_gemm_counts
 
 
 def test_the_report_names_what_stays_in_high_precision():
