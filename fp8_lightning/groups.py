@@ -119,6 +119,9 @@ def group_bounds(offs: torch.Tensor, rows: int, experts: int) -> GroupBounds:
             f"fp8_grouped_mm: offs has {offs.numel()} entries but b holds {experts} experts; pass one cumulative "
             "end per expert (0 tokens for an expert repeats the previous end)."
         )
+    if offs.device.type == "meta":
+        raise ValueError("fp8_grouped_mm: offs is on the meta device, which holds no values; the group bounds are read "
+                         "from it. Pass offs on the tokens' device (or the CPU).")
     ends = offs.tolist()
     starts = [0] + ends[:-1]
     if any(end < start for start, end in zip(starts, ends)) or (ends and ends[0] < 0):

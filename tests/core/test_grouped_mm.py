@@ -170,6 +170,7 @@ def test_mxfp8_matches_torchao_emulated_grouped_gemm():
         (torch.tensor([5, 2, 8], dtype=torch.int32), "non-decreasing"),
         (torch.tensor([2, 5, 7], dtype=torch.int32), "ends at 7 but a has 8 rows"),
         (torch.tensor([2, 8], dtype=torch.int32), "one cumulative end per expert"),
+        (torch.tensor([2, 5, 8], dtype=torch.int32, device="meta"), "meta device, which holds no values"),
     ],
 )
 def test_bad_offs_are_refused_with_the_fix(offs, match):
