@@ -59,8 +59,10 @@ def _count(value: Any, blocks: int, key: str) -> int:
                          "fraction of them (a float in [0, 1)).")
     if isinstance(value, float) and value < 1:
         return min(blocks, math.ceil(value * blocks - 1e-9))
-    if isinstance(value, float) and not value.is_integer():
-        raise ValueError(f"layers[{key!r}]={value!r} is invalid; a fraction must be below 1, a count whole.")
+    if isinstance(value, float):  # 1.0 read as "all of them" would be one block: a count is an int
+        raise ValueError(f"layers[{key!r}]={value!r} is invalid; a fraction of the blocks is a float below 1 "
+                         f"(0.15: the last 15%), a number of blocks an int ({int(value) if value.is_integer() else 2}"
+                         ", not a float).")
     return min(blocks, int(value))
 
 

@@ -117,6 +117,8 @@ def test_bad_policies_get_clear_errors():
         convert_to_fp8(Stack(), "tensorwise", layers={"lm_head": "mxfp9"})
     with pytest.raises(ValueError, match=r"layers\['last'\]=-1 is invalid"):
         convert_to_fp8(Stack(), "tensorwise", layers={"last": -1})
+    with pytest.raises(ValueError, match=r"layers\['last'\]=1.0 is invalid; a fraction .* below 1 .* an int \(1, not"):
+        convert_to_fp8(Stack(), "tensorwise", layers={"last": 1.0})  # read as "all" it would be one block
     with pytest.raises(ValueError, match="names no module"):
         convert_to_fp8(Stack(), "tensorwise", layers={"stack": "layers", "last": 1})
     with pytest.raises(TypeError, match="is not a layer policy"):
