@@ -196,3 +196,18 @@ def route_cuda_branch_to_kernels(enabled: bool = True) -> None:
     from fp8_lightning.ops import triton_ops
 
     dispatch.cuda_kernels = lambda x: triton_ops if enabled and triton_ops.supports_input(x) else None
+
+
+def cuda_median_ms(fn: Callable[[], object], rounds: int, warmup: int = 3) -> float:
+    """Median milliseconds of ``fn`` over ``rounds`` calls timed by CUDA events, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)

@@ -17,11 +17,12 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from unittest import mock
 
 import torch
+
+from benchmarks.bench_common import cuda_median_ms
 
 from fp8_lightning import fp8_grouped_mm, mx_grouped
 from fp8_lightning.recipes import MXFP8BlockScaling
@@ -85,34 +86,20 @@ def check(lines: list[str]) -> bool:
     return ok
 
 
-def _time(fn, rounds: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def _time_shape(recipe, experts: int, k: int, n: int, rows: int, rounds: int) -> tuple[float, float, float, float]:
     """(bf16 step, MXFP8 step, bf16 fprop GEMM, MXFP8 fprop GEMM) milliseconds at one expert shape."""
     from fp8_lightning.groups import group_bounds
 
     a, b, offs, grad = _inputs(_skewed(experts, rows), k, n)
     a.requires_grad_(), b.requires_grad_()
-    bf16_ms = _time(lambda: torch._grouped_mm(a, b, offs).backward(grad), rounds)
-    mx_ms = _time(lambda: fp8_grouped_mm(a, b, offs, recipe=recipe).backward(grad), rounds)
+    bf16_ms = cuda_median_ms(lambda: torch._grouped_mm(a, b, offs).backward(grad), rounds)
+    mx_ms = cuda_median_ms(lambda: fp8_grouped_mm(a, b, offs, recipe=recipe).backward(grad), rounds)
     bounds = group_bounds(offs, a.shape[0], experts)
     x = recipe.grouped_operands("input", a.detach(), bounds, torch.float8_e4m3fn, False, None, False)[0]
     w = recipe.grouped_weight_operands(b.detach().transpose(1, 2), torch.float8_e4m3fn, [None] * experts, False)
     args = mx_grouped.mx_fprop_args(x, w, offs)
-    gemm_mx = _time(lambda: mx_grouped._launch(*args, offs), rounds)
-    gemm_bf16 = _time(lambda: torch._grouped_mm(a.detach(), b.detach(), offs), rounds)
+    gemm_mx = cuda_median_ms(lambda: mx_grouped._launch(*args, offs), rounds)
+    gemm_bf16 = cuda_median_ms(lambda: torch._grouped_mm(a.detach(), b.detach(), offs), rounds)
     return bf16_ms, mx_ms, gemm_bf16, gemm_mx
 
 

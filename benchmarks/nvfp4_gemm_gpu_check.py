@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
 import torch
+
+from benchmarks.bench_common import cuda_median_ms
 import torch.nn as nn
 
 LAYERS = [(77, 4096, 4096), (4096, 4096, 4096), (4096, 4096, 14336), (4096, 14336, 4096)]  # (M, K, N), Llama-3-8B
@@ -69,20 +70,6 @@ def check(a, b) -> tuple[float, float]:
     return worst[0], worst[1]
 
 
-def median_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def timings(a, b, iters: int) -> tuple[float, float, float]:
     """(native ms, emulated float32 GEMM ms, bf16 mm ms) of ``a @ b.T``."""
     from fp8_lightning.nvfp4_gemm import nvfp4_scaled_mm_args
@@ -91,9 +78,9 @@ def timings(a, b, iters: int) -> tuple[float, float, float]:
     args = nvfp4_scaled_mm_args(a, b)
     a32, b32 = operand_f32(a), operand_f32(b)
     a16, b16 = a32.bfloat16(), b32.bfloat16()
-    native = median_ms(lambda: torch.nn.functional.scaled_mm(**args), iters)
-    emulated = median_ms(lambda: a32 @ b32.t(), iters)
-    bf16 = median_ms(lambda: a16 @ b16.t(), iters)
+    native = cuda_median_ms(lambda: torch.nn.functional.scaled_mm(**args), iters)
+    emulated = cuda_median_ms(lambda: a32 @ b32.t(), iters)
+    bf16 = cuda_median_ms(lambda: a16 @ b16.t(), iters)
     return native, emulated, bf16
 
 

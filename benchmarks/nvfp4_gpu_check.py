@@ -19,11 +19,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import statistics
 import sys
 import time
 
 import torch
+
+from benchmarks.bench_common import cuda_median_ms
 
 from fp8_lightning import nvfp4
 
@@ -70,33 +71,19 @@ def check_case(x, tile_rows, rht, stochastic) -> str | None:
     return None
 
 
-def cuda_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def timings(rows: int, cols: int, iters: int) -> list[tuple[str, float]]:
     from fp8_lightning.ops import triton_ops
 
     x = hard_input(rows, cols, torch.bfloat16, "cuda", seed=1).nan_to_num()
     signs = nvfp4.rht_signs(7).cuda()
-    out = [("bf16 copy (x.clone())", cuda_ms(lambda: x.clone(), iters))]
+    out = [("bf16 copy (x.clone())", cuda_median_ms(lambda: x.clone(), iters))]
     for tile_rows, rht, stochastic in ((1, False, False), (16, False, False), (1, True, True)):
         s = signs if rht else None
         key = KEY if stochastic else None
         name = f"{tile_rows}x16 rht={int(rht)} stochastic={int(stochastic)}"
-        out.append((f"Triton cast, {name}", cuda_ms(lambda: triton_ops.triton_nvfp4_cast(x, None, tile_rows, s, key),
+        out.append((f"Triton cast, {name}", cuda_median_ms(lambda: triton_ops.triton_nvfp4_cast(x, None, tile_rows, s, key),
                                                      iters)))
-        out.append((f"pure-torch reference, {name}", cuda_ms(lambda: reference(x, tile_rows, s, key), iters)))
+        out.append((f"pure-torch reference, {name}", cuda_median_ms(lambda: reference(x, tile_rows, s, key), iters)))
     return out
 
 
