@@ -55,6 +55,30 @@ def _scale_violation(arg: int, mat: Facts, scale: Facts, dim: int, multiplier: i
     return None
 
 
+def grouped_layout_reason(mat_a: Facts, mat_b: Facts, offs: Facts | None) -> str | None:
+    """torch 2.11's layout checks of every FP8 grouped call (rowwise and MX alike, ``GroupedBlas.cpp``): the
+    operands' majorness, the contraction, 16-element multiples and ``offs``; the error that stops the call, or None."""
+    a_t, reason = _transposed("mat_a", mat_a)
+    if reason is None and a_t:
+        reason = "Expected mat1 to not be transposed"
+    b_t, reason_b = _transposed("mat_b", mat_b)
+    reason = reason or reason_b or (None if b_t else "Expected mat2 to be transposed")
+    if reason:
+        return reason
+    a2, b2 = len(mat_a.shape) == 2, len(mat_b.shape) == 2
+    if not (a2 and b2) and mat_a.shape[-1] != mat_b.shape[-2]:
+        return "contraction dimension of mat_a and mat_b must match"
+    if mat_a.shape[-1] % 16:
+        return f"Expected trailing dimension of mat_a to be divisible by 16 but got mat1 shape: ({list(mat_a.shape)})."
+    if mat_b.shape[-2] % 16 or mat_b.shape[-1] % 16:
+        return f"Expected mat_b shape to be divisible by 16 but got mat_b shape: ({list(mat_b.shape)})."
+    if (offs is not None) != (a2 or b2):
+        return "Have to provide offsets if there is a 2d matrix"
+    if offs is not None and (len(offs.shape) != 1 or offs.dtype != torch.int32):
+        return "offs has to be 1D" if len(offs.shape) != 1 else "Offsets have to be int32"
+    return None
+
+
 def scaled_grouped_mm(
     target: Target, mat_a: Facts, mat_b: Facts, scale_a: Facts, scale_b: Facts, offs: Facts | None,
     out_dtype: torch.dtype | None = torch.bfloat16, group_sizes: list[int] | None = None,
@@ -65,26 +89,10 @@ def scaled_grouped_mm(
     if major not in (9, 10):
         return Outcome("none", "torch._scaled_grouped_mm is only supported on CUDA devices with compute capability "
                                "= [9.0, 10.0], or ROCm MI300+")
-    a_t, reason = _transposed("mat_a", mat_a)
-    if reason is None and a_t:
-        reason = "Expected mat1 to not be transposed"
-    b_t, reason_b = _transposed("mat_b", mat_b)
-    reason = reason or reason_b or (None if b_t else "Expected mat2 to be transposed")
+    reason = grouped_layout_reason(mat_a, mat_b, offs)
     if reason:
         return Outcome("none", reason)
     a2, b2 = len(mat_a.shape) == 2, len(mat_b.shape) == 2
-    if not (a2 and b2) and mat_a.shape[-1] != mat_b.shape[-2]:
-        return Outcome("none", "contraction dimension of mat_a and mat_b must match")
-    if mat_a.shape[-1] % 16:
-        return Outcome("none", f"Expected trailing dimension of mat_a to be divisible by 16 but got mat1 shape: "
-                               f"({list(mat_a.shape)}).")
-    if mat_b.shape[-2] % 16 or mat_b.shape[-1] % 16:
-        return Outcome("none", "Expected mat_b shape to be divisible by 16 but got mat_b shape: "
-                               f"({list(mat_b.shape)}).")
-    if (offs is not None) != (a2 or b2):
-        return Outcome("none", "Have to provide offsets if there is a 2d matrix")
-    if offs is not None and (len(offs.shape) != 1 or offs.dtype != torch.int32):
-        return Outcome("none", "offs has to be 1D" if len(offs.shape) != 1 else "Offsets have to be int32")
     if not (scale_a.dtype == scale_b.dtype == torch.float32):
         return Outcome("none", "For FP8 tensorwise and rowwise, both scales must both be float32 tensors. For MXFP8, "
                                "scales must both be float8_e8m0fnu tensors.")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from fp8_lightning.cuda_contract.rules import E8M0, Facts, Outcome, Target, c10_name
-from fp8_lightning.cuda_contract.rules_grouped import _transposed
+from fp8_lightning.cuda_contract.rules_grouped import grouped_layout_reason
 
 MX_GROUPED_KERNEL = "MSLK mx8mx8bf16_grouped_mm (sm_100a)"
 DEVICE_MESSAGE = ("torch._scaled_grouped_mm is only supported on CUDA devices with compute capability = [9.0, 10.0], "
@@ -88,25 +88,10 @@ def mx_scaled_grouped_mm(
     ``(recipes_a, recipes_b, swizzles_a, swizzles_b)`` of a ``scaled_grouped_mm`` call (None: the v1 call)."""
     if target.capability[0] not in (9, 10):
         return Outcome("none", DEVICE_MESSAGE)
-    a_t, reason = _transposed("mat_a", mat_a)
-    reason = reason or ("Expected mat1 to not be transposed" if a_t else None)
-    b_t, reason_b = _transposed("mat_b", mat_b)
-    reason = reason or reason_b or (None if b_t else "Expected mat2 to be transposed")
+    reason = grouped_layout_reason(mat_a, mat_b, offs)
     if reason:
         return Outcome("none", reason)
-    a2, b2 = len(mat_a.shape) == 2, len(mat_b.shape) == 2
-    if not (a2 and b2) and mat_a.shape[-1] != mat_b.shape[-2]:
-        return Outcome("none", "contraction dimension of mat_a and mat_b must match")
-    if mat_a.shape[-1] % 16:
-        return Outcome("none", f"Expected trailing dimension of mat_a to be divisible by 16 but got mat1 shape: "
-                               f"({list(mat_a.shape)}).")
-    if mat_b.shape[-2] % 16 or mat_b.shape[-1] % 16:
-        return Outcome("none", "Expected mat_b shape to be divisible by 16 but got mat_b shape: "
-                               f"({list(mat_b.shape)}).")
-    if (offs is not None) != (a2 or b2):
-        return Outcome("none", "Have to provide offsets if there is a 2d matrix")
-    if offs is not None and (len(offs.shape) != 1 or offs.dtype != torch.int32):
-        return Outcome("none", "offs has to be 1D" if len(offs.shape) != 1 else "Offsets have to be int32")
+    a2 = len(mat_a.shape) == 2
     if v2 is None and not (scale_a.dtype == scale_b.dtype == E8M0):
         return Outcome("none", "For FP8 tensorwise and rowwise, both scales must both be float32 tensors. For MXFP8, "
                                "scales must both be float8_e8m0fnu tensors.")
