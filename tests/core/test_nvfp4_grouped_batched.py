@@ -17,9 +17,12 @@ from fp8_lightning.grouped.gemm import GroupedScaling
 from fp8_lightning.groups import group_bounds
 from fp8_lightning.nvfp4 import mix_seed
 from fp8_lightning.recipes.nvfp4 import _COLUMN, NVFP4BlockScaling, NVFP4LayerState, _rank
+from tests.conftest import requires_cuda_fp8
 
 E, N, K = 5, 32, 48
 SIZES = [0, 21, 16, 0, 35]  # empty groups, a whole block, groups ending inside a block
+# on CUDA the per-expert / per-group reference casts run the Triton NVFP4 cast, the batched ones torch's operations
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_cuda_fp8])]
 
 
 def _reference_columns(recipe, role, x, bounds, state, record):
@@ -57,14 +60,15 @@ def _tokens(step: int) -> torch.Tensor:
     return (torch.randn(sum(SIZES), K) * scales).to(torch.bfloat16)  # each group of its own range
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rht", [True, False])
 @pytest.mark.parametrize("stochastic", [True, False])
-def test_group_columns_match_per_group_casts(rht, stochastic):
+def test_group_columns_match_per_group_casts(rht, stochastic, device):
     recipe = NVFP4BlockScaling(disable_rht=not rht, disable_stochastic_rounding=not stochastic, seed=7)
-    ours_state, ref_state = NVFP4LayerState(recipe), NVFP4LayerState(recipe)
-    offs = torch.cumsum(torch.tensor(SIZES), 0).to(torch.int32)
+    ours_state, ref_state = NVFP4LayerState(recipe, device), NVFP4LayerState(recipe, device)
+    offs = torch.cumsum(torch.tensor(SIZES), 0).to(torch.int32).to(device)
     for step in range(3):
-        x = _tokens(step)
+        x = _tokens(step).to(device)
         bounds = group_bounds(offs, x.shape[0], E)
         for role in ("input", "grad_output"):
             row, columns = recipe.grouped_operands(role, x, bounds, None, True, ours_state, True)
@@ -90,11 +94,12 @@ def test_group_columns_match_per_group_casts(rht, stochastic):
     assert ours_state.state_dict()["sr_casts"] == ref_state.state_dict()["sr_casts"]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tiles", [True, False])
-def test_stacked_weights_match_per_expert_casts(tiles):
+def test_stacked_weights_match_per_expert_casts(tiles, device):
     recipe = NVFP4BlockScaling(fp4_2d_weights=tiles)
     torch.manual_seed(3)
-    weight = torch.randn(E, N, K) * torch.logspace(-4, 3, E).view(E, 1, 1)
+    weight = (torch.randn(E, N, K) * torch.logspace(-4, 3, E).view(E, 1, 1)).to(device)
     weight[2] = 0.0  # an all-zero expert: global scale 1
     for step in range(2):
         ours = recipe.grouped_weight_operands(weight, None, [None] * E, True)
