@@ -197,11 +197,11 @@ def _quantize_reference(
     if global_scale is None:
         global_scale = global_scale_from_amax(xf.abs().amax() if xf.numel() else xf.new_zeros(()))
     global_scale = global_scale.float()
-    codes, scales = encode_blocks(xf, global_scale, tile_rows, uniform)
+    codes, scales = nvfp4_encode_blocks(xf, global_scale, tile_rows, uniform)
     return NVFP4Tensor(codes, scales, global_scale, (rows, k), tile_rows)
 
 
-def encode_blocks(
+def nvfp4_encode_blocks(
     xf: torch.Tensor, global_scale: torch.Tensor, tile_rows: int = 1, uniform: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed codes, E4M3 block scales) of float32 ``xf`` (rows a multiple of ``tile_rows``, K of 16) under
@@ -339,10 +339,10 @@ __all__ = [
     "dequantize_nvfp4",
     "e2m1_codes",
     "e2m1_values",
-    "encode_blocks",
     "global_scale_from_amax",
     "hadamard_16",
     "mix_seed",
+    "nvfp4_encode_blocks",
     "pack_e2m1",
     "quantize_nvfp4",
     "rht_blocks",

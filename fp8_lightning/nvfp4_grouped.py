@@ -23,7 +23,7 @@ from fp8_lightning.nvfp4 import (
     NVFP4_BLOCK,
     NVFP4Tensor,
     block_multipliers,
-    encode_blocks,
+    nvfp4_encode_blocks,
     global_scale_from_amax,
     mix_seed,
     rht_blocks,
@@ -41,7 +41,7 @@ def _stacked(cast: NVFP4Tensor, kind) -> Quantized:
 
 def _cast_stacked(x: torch.Tensor, global_scales: torch.Tensor, tile_rows: int, uniform=None) -> NVFP4Tensor:
     """One cast of ``x`` whose blocks each take their own entry of ``global_scales`` (broadcast over the blocks)."""
-    codes, scales = encode_blocks(x.float(), global_scales, tile_rows, uniform)
+    codes, scales = nvfp4_encode_blocks(x.float(), global_scales, tile_rows, uniform)
     return NVFP4Tensor(codes, scales, global_scales, tuple(x.shape), tile_rows)
 
 
