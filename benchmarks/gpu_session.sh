@@ -114,9 +114,9 @@ case "$mode" in
     STEP_TIMEOUT=60 step grouped_check "$python" -m benchmarks grouped-gpu-check --out "$work/grouped_gpu_check.md"
     # MXFP8 on sm_100: native grouped GEMMs vs emulation, then timed vs bf16; elsewhere it prints the skip reason
     STEP_TIMEOUT=120 step mx_grouped "$python" -m benchmarks mx-grouped-gpu --rounds 10 --out "$work/mx_grouped_gpu.md"
-    STEP_TIMEOUT=60 step pytest_grouped "$python" -m pytest -q -p no:cacheprovider -m gpu \
+    STEP_TIMEOUT=90 step pytest_grouped "$python" -m pytest -q -p no:cacheprovider -m gpu \
       tests/core/test_grouped_native.py tests/core/test_grouped_mm.py tests/kernels/test_grouped_cast.py tests/kernels/test_grouped_gemm.py \
-      tests/core/test_grouped_batched_casts.py \
+      tests/core/test_grouped_batched_casts.py tests/core/test_nvfp4_grouped_batched.py \
       tests/core/test_weight_cache.py tests/core/test_mx_grouped.py
     STEP_TIMEOUT=120 step grouped "$python" -m benchmarks grouped --suite gpu --recipes rowwise --baselines \
       --rounds 3 --profile --out "$work/perf-grouped-gpu"

@@ -111,10 +111,11 @@ class MXGroupedColumns(collections.abc.Sequence):
     per-group operands (None for an empty group), as :meth:`~fp8_lightning.recipes.base.Recipe.grouped_operands`
     returns them, made on first use, and the whole layout the 2-D x 2-D grouped GEMM reads: ``codes_t`` (K, M_pad)
     with each group's tokens at its padded start (multiples of 32) and zeros between, ``scale`` (K, M_pad/32), ``offs``
-    the padded ends (int32, on the device), ``starts``/``sizes``/``padded`` on the host."""
+    the padded ends (int32, on the device), ``index`` (device) each token's position in the layout,
+    ``starts``/``sizes``/``padded`` on the host."""
 
-    def __init__(self, codes_t, scale, offs, starts, sizes, padded):
-        self.codes_t, self.scale, self.offs = codes_t, scale, offs
+    def __init__(self, codes_t, scale, offs, starts, sizes, padded, index=None):
+        self.codes_t, self.scale, self.offs, self.index = codes_t, scale, offs, index
         self.starts, self.sizes, self.padded = starts, sizes, padded
 
     @functools.cached_property
@@ -129,6 +130,12 @@ class MXGroupedColumns(collections.abc.Sequence):
 
     def __len__(self) -> int:
         return len(self.sizes)
+
+    def token_values(self) -> torch.Tensor:
+        """The float32 values (K, M) of every group's operand side by side in ``x``'s row order, from one
+        dequantization of the whole layout: the groups' values as the weight-gradient GEMM reduces them."""
+        values = dispatch.operand_f32(Quantized(self.codes_t, self.scale, MX))
+        return values.index_select(1, self.index)
 
     def scale_columns(self) -> int:
         """The block columns of :func:`grouped_column_scales`: each group's blocks rounded up to 4."""
@@ -159,7 +166,7 @@ def grouped_mx_columns(
     layout = x.detach().new_zeros(total, x.shape[1]).index_copy_(0, dest, x.detach())
     q = dispatch.fast_quantize_mx_columns(layout, block_size, scale_rounding, dtype)  # (K, M_pad), blocks along M
     return MXGroupedColumns(q.data.contiguous(), q.scale.contiguous(), padded_ends.to(torch.int32), starts, sizes,
-                            padded)  # fmt: skip
+                            padded, dest)  # fmt: skip
 
 
 def mx_fprop_args(x: Quantized, weights: StackedWeights, offs: torch.Tensor):

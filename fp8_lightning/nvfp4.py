@@ -229,6 +229,16 @@ def _quantize_reference(
     if global_scale is None:
         global_scale = global_scale_from_amax(xf.abs().amax() if xf.numel() else xf.new_zeros(()))
     global_scale = global_scale.float()
+    codes, scales = nvfp4_encode_blocks(xf, global_scale, tile_rows, uniform)
+    return NVFP4Tensor(codes, scales, global_scale, (rows, k), tile_rows)
+
+
+def nvfp4_encode_blocks(
+    xf: torch.Tensor, global_scale: torch.Tensor, tile_rows: int = 1, uniform: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed codes, E4M3 block scales) of float32 ``xf`` (rows a multiple of ``tile_rows``, K of 16) under
+    ``global_scale``: a float32 scalar, or a tensor that broadcasts to the (row tiles, K blocks) block scales (one
+    global scale per expert or group of a stacked tensor: each block's arithmetic is that of its own cast)."""
     pr, pk = xf.shape
     tiles = xf.reshape(pr // tile_rows, tile_rows, pk // NVFP4_BLOCK, NVFP4_BLOCK)
     block_amax = tiles.abs().amax(dim=(1, 3))  # (row tiles, K blocks)
@@ -239,7 +249,7 @@ def _quantize_reference(
     factors = encode.repeat_interleave(tile_rows, dim=0).unsqueeze(-1)
     scaled = torch.clamp(xf.reshape(pr, pk // NVFP4_BLOCK, NVFP4_BLOCK) * factors, -E2M1_MAX, E2M1_MAX).reshape(pr, pk)
     codes = e2m1_codes(scaled) if uniform is None else stochastic_e2m1_codes(scaled, uniform)
-    return NVFP4Tensor(pack_e2m1(codes), scales, global_scale, (rows, k), tile_rows)
+    return pack_e2m1(codes), scales
 
 
 def block_multipliers(q: NVFP4Tensor) -> torch.Tensor:
@@ -347,6 +357,12 @@ def _uniform_reference(shape: tuple[int, int], key: "int | torch.Tensor", device
     """:func:`uniform_like` in pure torch, on any device: the reference the C codec is held to."""
     index = torch.arange(shape[0] * shape[1], dtype=torch.int64, device=device).reshape(shape)
     key = key.to(device) if torch.is_tensor(key) else key
+    return uniform_at(index, key)
+
+
+def uniform_at(index: torch.Tensor, key: "int | torch.Tensor") -> torch.Tensor:
+    """The number of :func:`uniform_like` at each flat position ``index`` (int64) under ``key`` (a key per position
+    where ``key`` is a tensor that broadcasts to ``index``): elementwise, so many casts' noise comes in one pass."""
     return (_hash32(index, key) >> 8).float() * 2.0**-24
 
 
@@ -363,6 +379,7 @@ __all__ = [
     "global_scale_from_amax",
     "hadamard_16",
     "mix_seed",
+    "nvfp4_encode_blocks",
     "pack_e2m1",
     "quantize_nvfp4",
     "rht_blocks",
@@ -370,5 +387,6 @@ __all__ = [
     "rht_signs",
     "stochastic_e2m1_codes",
     "uniform_like",
+    "uniform_at",
     "unpack_e2m1",
 ]

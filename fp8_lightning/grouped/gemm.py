@@ -270,6 +270,10 @@ class FP8GroupedMMFunction(torch.autograd.Function):
         if needs_w and native is not None:
             grad_w = native.wgrad(g_columns, x_columns, w_dtype)  # (E, N, K), zero for empty experts
             scaling.gemms["wgrad"] += 1
+        elif needs_w and hasattr(g_columns, "padded_values"):  # every group padded alike in one layout: one pass
+            g_t, x_t = g_columns.padded_values(), x_columns.padded_values()  # (N, L), (K, L)
+            grad_w = grouped_product(g_t, x_t.t(), g_columns.offs, g_columns.bounds).to(w_dtype)
+            scaling.gemms["wgrad"] += 1
         elif needs_w and hasattr(g_columns, "token_values") and not scaling.recipe.wgrad_sums_padding:
             g_t, x_t = g_columns.token_values(), x_columns.token_values()  # (N, M), (K, M): every group, one pass
             grad_w = grouped_product(g_t, x_t.t(), offs, bounds).to(w_dtype)

@@ -44,6 +44,7 @@ from fp8_lightning.nvfp4 import (
     rht_signs,
     unpack_e2m1,
 )
+from fp8_lightning.nvfp4_grouped import group_keys, nvfp4_group_columns, nvfp4_stacked_weights
 from fp8_lightning.nvfp4_shards import (
     nvfp4_recast_columns,
     nvfp4_shard_reason,
@@ -252,30 +253,22 @@ class NVFP4BlockScaling(Recipe):
         """The rowwise copy is one cast of ``x`` (1x16 blocks along K lie within a row, so within one expert's
         tokens). Each group's wgrad copy is ``x[start:end].T`` zero-padded along its own tokens to whole 16-blocks,
         through the RHT and cast with the group's own global scale: no block or scale spans two experts. Gradients
-        round stochastically, each group from its own key."""
+        round stochastically, each group from its own key. All groups in one pass
+        (:func:`~fp8_lightning.nvfp4_grouped.nvfp4_group_columns`)."""
         signs = None if state is None else state.signs
         counter = None if state is None else state.sr_casts
         row, _ = self._copies(role, x, signs, counter, record)
         if not columnwise:
             return row, None
-        stochastic = role == "grad_output" and not self.disable_stochastic_rounding
-        columns = []
-        for group, (start, end) in enumerate(bounds):
-            if start == end:
-                columns.append(None)
-                continue
-            key = mix_seed(self.seed, _rank(), counter if counter is not None else 0, group) if stochastic else None
-            columns.append(self._activation_copy(self._wgrad_form(x[start:end].t(), signs), key, _COLUMN))
-        return row, columns
+        keys = None
+        if role == "grad_output" and not self.disable_stochastic_rounding:  # the counter as the row copy left it
+            keys = group_keys(self.seed, _rank(), counter, len(bounds), _COLUMN, x.device)
+        return row, nvfp4_group_columns(x, bounds, self._wgrad_signs(signs), keys, _operand, NVFP4)
 
     def grouped_weight_operands(self, weight, dtype, states, record):
-        """Each expert (E, N, K) cast on its own: its own global scale (from its own amax) and 16x16 tiles (or 1x16
-        blocks) inside it, the rowwise copy for fprop and the copy of ``W_e.T`` for dgrad."""
-        operands = []
-        for expert in weight:
-            row, column = self._copies("weight", expert, None, None, record)
-            operands.append((row, column()))
-        return operands
+        """Every expert (E, N, K) cast as on its own (its own global scale from its own amax, 16x16 tiles or 1x16
+        blocks inside it: the rowwise copy for fprop and the copy of ``W_e.T`` for dgrad), all in one pass."""
+        return nvfp4_stacked_weights(weight, self._weight_tile(), _operand, NVFP4)
 
     # -- tensor and sequence parallelism ---------------------------------------------------------------------
 

@@ -2,7 +2,9 @@
 number of tensor operations per step that does not grow with the number of experts.
 
 Tensorwise and delayed scaling cast the stacked experts' weights with one scale per expert; blockwise casts them with
-each expert padded to whole 128x128 blocks, and every group's wgrad copy from the groups padded to 128-token tiles.
+each expert padded to whole 128x128 blocks, and every group's wgrad copy from the groups padded to 128-token tiles;
+MXFP8's emulated wgrad takes every group's values from one dequantization of its padded layout (NVFP4's batched casts
+are held to its per-expert / per-group casts in ``test_nvfp4_grouped_batched.py``).
 Each is held against the per-expert / per-group cast of the recipe protocol's default
 (:meth:`Recipe.grouped_weight_operands`, :meth:`Recipe.grouped_operands`): codes, scales, the dequantized values the
 emulated GEMMs take, and, for the per-tensor recipes, every expert's scaling state over several steps (first use,
@@ -175,7 +177,7 @@ def _step_ops(recipe_name: str, experts: int) -> collections.Counter:
     return counted.ops
 
 
-@pytest.mark.parametrize("recipe_name", ["tensorwise", "delayed", "rowwise", "blockwise"])
+@pytest.mark.parametrize("recipe_name", ["tensorwise", "delayed", "rowwise", "blockwise", "mxfp8", "nvfp4"])
 def test_grouped_step_operations_do_not_grow_with_experts(recipe_name):
     few, many = _step_ops(recipe_name, 4), _step_ops(recipe_name, 16)
     assert sum(few.values()) == sum(many.values()), (
@@ -185,7 +187,25 @@ def test_grouped_step_operations_do_not_grow_with_experts(recipe_name):
     assert few["_grouped_mm"] == 3  # fprop, dgrad and wgrad: one grouped GEMM each (emulated on CPU)
 
 
-def test_the_count_sees_a_per_expert_loop():
-    """The same count tells a per-expert cast apart: MXFP8's weights are still cast expert by expert."""
-    few, many = _step_ops("mxfp8", 4), _step_ops("mxfp8", 16)
+def test_the_count_sees_a_per_expert_loop(monkeypatch):
+    """The same count tells a per-expert cast apart: NVFP4 with its weights cast expert by expert (the recipe
+    protocol's default) grows with the experts."""
+    monkeypatch.setattr(type(recipe_from("nvfp4")), "grouped_weight_operands", Recipe.grouped_weight_operands)
+    few, many = _step_ops("nvfp4", 4), _step_ops("nvfp4", 16)
     assert sum(many.values()) > sum(few.values())
+
+
+def test_mx_wgrad_values_match_per_group_casts():
+    """MXFP8's emulated wgrad takes every group's values from one dequantization of the padded layout: those of each
+    group's own columnwise cast (the recipe protocol's default), cut to the group's tokens."""
+    recipe = recipe_from("mxfp8")
+    torch.manual_seed(2)
+    x = torch.randn(sum(SIZES), 64) * torch.logspace(-2, 2, 64)
+    offs = torch.cumsum(torch.tensor(SIZES), 0).to(torch.int32)
+    bounds = group_bounds(offs, x.shape[0], E)
+    dtype = recipe.fp8_format.forward_dtype
+    ours = recipe.grouped_operands("input", x, bounds, dtype, True, None, True)[1]
+    theirs = Recipe.grouped_operands(recipe, "input", x, bounds, dtype, True, None, True)[1]
+    parts = [q.kind.dequantize(q, torch.float32)[:, : end - start]
+             for q, (start, end) in zip(theirs, bounds) if q is not None]  # fmt: skip
+    _equal(ours.token_values(), torch.cat(parts, dim=1))
