@@ -153,7 +153,21 @@ def convert_to_fp8(
             warned.add(layer.fp8_recipe)
             device = gate.device if gate is not None and gate.device is not None else next(layer.parameters()).device
             warn_if_not_native(layer.fp8_recipe, device)
+    bind_layer_names(module)
     return report
+
+
+def bind_layer_names(module: nn.Module) -> None:
+    """Hand each scaling state that draws random numbers (NVFP4's stochastic rounding: ``bind_name``) its layer's
+    name and role, so that layers draw independent noise, alike on every rank and in every run of the model."""
+    for name, layer in scaled_modules(module):
+        bound = set()
+        for _, scaling in layer.fp8_scalings():
+            for role, state in scaling.operands.items():
+                bind = getattr(state, "bind_name", None)
+                if bind is not None and id(state) not in bound:
+                    bound.add(id(state))
+                    bind(f"{name}:{role}")
 
 
 def _convert_experts(

@@ -158,7 +158,7 @@ def nvfp4_group_columns(x, bounds, signs, keys, operand: Operand, kind) -> NVFP4
     return NVFP4GroupColumns(whole, global_scales, padded_ends.to(torch.int32), padded_bounds, sizes, operand, kind)
 
 
-def group_keys(seed: int, rank: int, counter, groups: int, copy: int, device) -> torch.Tensor:
+def group_keys(seed: "int | torch.Tensor", rank: int, counter, groups: int, copy: int, device) -> torch.Tensor:
     """Every group's stochastic-rounding key of its wgrad copy, ``mix_seed(mix_seed(seed, rank, counter, g), copy)``,
     as one vector (the hash is elementwise)."""
     group = torch.arange(groups, dtype=torch.int64, device=device)

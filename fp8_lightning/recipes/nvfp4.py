@@ -25,6 +25,7 @@ nothing.
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from typing import ClassVar
 
 import torch
@@ -70,9 +71,10 @@ _ROW, _COLUMN = 0, 1  # which copy a stochastic cast makes: part of its seed
 
 
 class NVFP4LayerState:
-    """One layer's NVFP4 state: the RHT sign vector and the count of stochastic casts (the per-step part of the
-    rounding seed). Shared by the ``"input"`` and ``"grad_output"`` roles; it holds no amax, so the once-per-step
-    scale update passes it by (``delayed = False``)."""
+    """One layer's NVFP4 state: the RHT sign vector, the count of stochastic casts (the per-step part of the
+    rounding seed) and the layer's rounding seed (the recipe's seed, mixed with the layer's name at conversion:
+    :meth:`bind_name`, so that layers draw independent noise). Shared by the ``"input"`` and ``"grad_output"`` roles;
+    it holds no amax, so the once-per-step scale update passes it by (``delayed = False``)."""
 
     delayed = False
     _dirty = False
@@ -82,6 +84,8 @@ class NVFP4LayerState:
     def __init__(self, recipe: "NVFP4BlockScaling", device: torch.device | str = "cpu"):
         self.signs = rht_signs(recipe.seed).to(device)
         self.sr_casts = torch.zeros((), dtype=torch.int64, device=device)
+        self.seed = recipe.seed
+        self.sr_seed = torch.full((), recipe.seed, dtype=torch.int64, device=device)
         # tensor parallelism: the group holding the parts of each split operand (role -> group), whose casts take
         # the global scale of the whole tensor (NVFP4BlockScaling.tensor_parallel_bind)
         self.amax_groups: dict = {}
@@ -90,20 +94,28 @@ class NVFP4LayerState:
         """For pickle and deepcopy: process groups do not travel (a copy casts as an unsplit layer)."""
         return {**self.__dict__, "amax_groups": {}}
 
+    def bind_name(self, name: str) -> None:
+        """The layer named ``name`` gets its own stochastic-rounding seed (alike on every rank and run)."""
+        seed = zlib.crc32(f"{self.seed}/{name}".encode())
+        self.sr_seed = torch.full((), seed, dtype=torch.int64, device=self.sr_casts.device)
+
     def traced_tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.signs, self.sr_casts
+        return self.signs, self.sr_casts, self.sr_seed
 
     def state_dict(self) -> dict:
-        return {"rht_signs": self.signs.detach().cpu().clone(), "sr_casts": self.sr_casts.detach().cpu().clone()}
+        return {"rht_signs": self.signs.detach().cpu().clone(), "sr_casts": self.sr_casts.detach().cpu().clone(),
+                "sr_seed": self.sr_seed.detach().cpu().clone()}
 
     def load_state_dict(self, state: dict) -> None:
         device = self.signs.device
         self.signs = state["rht_signs"].to(device=device, dtype=torch.float32).clone()
         self.sr_casts = state["sr_casts"].to(device=device, dtype=torch.int64).clone()
+        if "sr_seed" in state:  # saved before per-layer seeds: keep the one conversion bound
+            self.sr_seed = state["sr_seed"].to(device=device, dtype=torch.int64).clone()
 
     def move_to(self, device: torch.device) -> None:
         if self.signs.device != device:
-            self.signs, self.sr_casts = self.signs.to(device), self.sr_casts.to(device)
+            self.signs, self.sr_casts, self.sr_seed = (t.to(device) for t in (self.signs, self.sr_casts, self.sr_seed))
 
 
 def _rank() -> int:
@@ -185,22 +197,21 @@ class NVFP4BlockScaling(Recipe):
     def cast(self, role, x, dtype, columnwise, columnwise_f32, state, record):
         if state is not None and role in state.amax_groups:  # a part of a tensor split by tensor parallelism
             return self._split_copies(role, x, columnwise, state, record)
-        signs = None if state is None else state.signs
-        counter = None if state is None else state.sr_casts
-        row, col = self._copies(role, x, signs, counter, record)
+        signs, counter, seed = (None, None, None) if state is None else state.traced_tensors()
+        row, col = self._copies(role, x, signs, counter, record, seed)
         if not columnwise:
             return row, None
         return row, col()
 
-    def _copies(self, role, x, signs, counter, record):
-        """(rowwise operand, a function making the columnwise operand) of a 2-D ``x``."""
+    def _copies(self, role, x, signs, counter, record, seed=None):
+        """(rowwise operand, a function making the columnwise operand) of a 2-D ``x``; ``seed``: the layer's."""
         if role == "weight":
             tile = NVFP4_BLOCK if self.fp4_2d_weights else 1
             return _operand(quantize_nvfp4(x, tile_rows=tile)), lambda: _operand(quantize_nvfp4(x.t(), tile_rows=tile))
         stochastic = role == "grad_output" and not self.disable_stochastic_rounding
         key = None
         if stochastic:
-            key = mix_seed(self.seed, _rank(), counter if counter is not None else 0)
+            key = mix_seed(self.seed if seed is None else seed, _rank(), counter if counter is not None else 0)
             if record and counter is not None:
                 counter.add_(1)
         row = self._activation_copy(x, key, _ROW)
@@ -229,8 +240,8 @@ class NVFP4BlockScaling(Recipe):
         return plan_for(self, device, out_dtype, emulate, inverses=True)
 
     def traced_cast(self, x, state, plan, role, dtype, columnwise, record):
-        signs, counter = state if state else (None, None)
-        row, col = self._copies(role, x, signs, counter, record)
+        signs, counter, seed = state if state else (None, None, None)
+        row, col = self._copies(role, x, signs, counter, record, seed)
         if not columnwise:
             return row.data, row.scale, None, None, row.cache.native, None
         col = col()
@@ -255,14 +266,13 @@ class NVFP4BlockScaling(Recipe):
         through the RHT and cast with the group's own global scale: no block or scale spans two experts. Gradients
         round stochastically, each group from its own key. All groups in one pass
         (:func:`~fp8_lightning.nvfp4_grouped.nvfp4_group_columns`)."""
-        signs = None if state is None else state.signs
-        counter = None if state is None else state.sr_casts
-        row, _ = self._copies(role, x, signs, counter, record)
+        signs, counter, seed = (None, None, None) if state is None else state.traced_tensors()
+        row, _ = self._copies(role, x, signs, counter, record, seed)
         if not columnwise:
             return row, None
         keys = None
         if role == "grad_output" and not self.disable_stochastic_rounding:  # the counter as the row copy left it
-            keys = group_keys(self.seed, _rank(), counter, len(bounds), _COLUMN, x.device)
+            keys = group_keys(self.seed if seed is None else seed, _rank(), counter, len(bounds), _COLUMN, x.device)
         return row, nvfp4_group_columns(x, bounds, self._wgrad_signs(signs), keys, _operand, NVFP4)
 
     def grouped_weight_operands(self, weight, dtype, states, record):
@@ -294,7 +304,7 @@ class NVFP4BlockScaling(Recipe):
             return row, (_operand(quantize_nvfp4(x.t(), global_scale, tile)) if columnwise else None)
         key = None
         if role == "grad_output" and not self.disable_stochastic_rounding:
-            key = mix_seed(self.seed, _rank(), state.sr_casts)
+            key = mix_seed(state.sr_seed, _rank(), state.sr_casts)
             if record:
                 state.sr_casts.add_(1)
         row = _agreed_copy(x, key, _ROW, group)

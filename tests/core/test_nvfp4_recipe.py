@@ -88,6 +88,34 @@ def test_a_format_other_than_e4m3_is_refused_not_ignored():
     assert NVFP4BlockScaling(fp8_format="e4m3") == NVFP4BlockScaling()
 
 
+def _twin_grads(recipe, names=("a", "b")):
+    """Weight gradients of two layers with equal weights, inputs and output gradients, converted in one model."""
+    torch.manual_seed(0)
+    first = nn.Linear(64, 64)
+    model = nn.ModuleDict({name: copy.deepcopy(first) for name in names})
+    convert_to_fp8(model, recipe, layers={"last": 0})
+    x, g = torch.randn(32, 64), torch.randn(32, 64)
+    with fp8_autocast():
+        outs = [model[name](x) for name in names]
+    for out in outs:
+        out.backward(g)
+    return model, [model[name].weight.grad for name in names]
+
+
+def test_each_layer_draws_its_own_rounding_noise_alike_in_every_run():
+    """Two layers casting the same gradient round it with different noise (each layer's seed mixes in its name);
+    rounding to nearest makes them equal; a second conversion of the same model draws the same noise; the seed
+    travels in the layer's state."""
+    model, (a, b) = _twin_grads(NVFP4BlockScaling())
+    assert not torch.equal(a, b)
+    _, (again, _) = _twin_grads(NVFP4BlockScaling())
+    assert torch.equal(a, again)
+    _, (a_rtn, b_rtn) = _twin_grads(NVFP4BlockScaling(disable_stochastic_rounding=True))
+    assert torch.equal(a_rtn, b_rtn)
+    seeds = [layer.fp8_scaling().operands["input"].state_dict()["sr_seed"] for layer in model.values()]
+    assert seeds[0] != seeds[1]
+
+
 def test_stochastic_rounding_is_seeded_per_cast_and_counted():
     recipe = NVFP4BlockScaling()
     x, g = torch.randn(16, 64), torch.randn(16, 32)

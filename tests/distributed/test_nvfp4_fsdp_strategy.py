@@ -66,4 +66,5 @@ def test_nvfp4_experts_train_under_the_strategy(results):
     per_step = {"fprop": 2 * STEPS, "dgrad": 2 * STEPS, "wgrad": 2 * STEPS}  # two projections per expert module
     assert results["moe_gemms"] == [per_step] * 2
     assert results["moe"][-1] < results["moe"][0]
-    assert results["moe"] == pytest.approx(single["moe"], rel=1.5e-2)
+    # each rank rounds its gradients with its own stochastic noise (rank and layer in the key): closeness, not bits
+    assert results["moe"] == pytest.approx(single["moe"], rel=3e-2)
