@@ -38,7 +38,7 @@ from fp8_lightning.capability_table import warn_if_not_native
 from fp8_lightning.policy import POLICY_SKIP, Choice, LayersLike, RecipePolicy
 from fp8_lightning.profitability import ProfitabilityLike, resolve_gate
 from fp8_lightning.recipes import RecipeLike, recipe_from
-from fp8_lightning.scaling import OperandScaling, update_scales
+from fp8_lightning.scaling import OperandScaling, bind_layer_name, update_scales
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 
@@ -158,16 +158,12 @@ def convert_to_fp8(
 
 
 def bind_layer_names(module: nn.Module) -> None:
-    """Hand each scaling state that draws random numbers (NVFP4's stochastic rounding: ``bind_name``) its layer's
-    name and role, so that layers draw independent noise, alike on every rank and in every run of the model."""
+    """Each converted module learns its name in ``module`` (``fp8_layer_name``), which seeds the random numbers of
+    its scaling states (:func:`~fp8_lightning.scaling.bind_layer_name`), those made later included."""
     for name, layer in scaled_modules(module):
-        bound = set()
+        layer.fp8_layer_name = name
         for _, scaling in layer.fp8_scalings():
-            for role, state in scaling.operands.items():
-                bind = getattr(state, "bind_name", None)
-                if bind is not None and id(state) not in bound:
-                    bound.add(id(state))
-                    bind(f"{name}:{role}")
+            bind_layer_name(scaling.operands, name)
 
 
 def _convert_experts(

@@ -35,7 +35,7 @@ from fp8_lightning.layer_step import FP8LinearFunction
 from fp8_lightning.quantize import OperandCache, OperandKind, Quantized
 from fp8_lightning.recipes import Recipe, RecipeLike, recipe_from
 from fp8_lightning.recompute import forget_forwards, forward_setting
-from fp8_lightning.scaling import OperandScaling, advance_histories, records_amax
+from fp8_lightning.scaling import OperandScaling, advance_histories, bind_layer_name, records_amax
 from fp8_lightning.settings import settings
 from fp8_lightning.traced import make_plan, traced_linear
 
@@ -345,6 +345,7 @@ class FP8Linear(nn.Linear):
         if recipe not in self._fp8_scalings:
             self._fp8_scalings[recipe] = LayerScaling(recipe)
             self._fp8_scalings[recipe].move_to(self.weight.device)
+            bind_layer_name(self._fp8_scalings[recipe].operands, self.__dict__.get("fp8_layer_name"))
         return self._fp8_scalings[recipe]
 
     def _apply(self, fn, recurse: bool = True):

@@ -330,6 +330,19 @@ def agreed_amax(x: torch.Tensor, group: "dist.ProcessGroup") -> torch.Tensor:
     return max_across(dispatch.fast_amax(x), group)[0]
 
 
+def bind_layer_name(operands: dict, name: str | None) -> None:
+    """Hand each state among ``operands`` that draws random numbers (``bind_name``: NVFP4's stochastic rounding) the
+    name of its layer and role, so that layers draw independent noise, alike on every rank and in every run."""
+    if name is None:
+        return
+    bound = set()
+    for role, state in operands.items():
+        bind = getattr(state, "bind_name", None)
+        if bind is not None and id(state) not in bound:
+            bound.add(id(state))
+            bind(f"{name}:{role}")
+
+
 def records_amax(training: bool) -> bool:
     """Whether a cast books its amax and moves its scaling state: in training, and never under
     ``torch.inference_mode()``, which is evaluation whatever the module's mode (its tensors cannot be kept).

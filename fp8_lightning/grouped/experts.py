@@ -28,7 +28,7 @@ from fp8_lightning.grouped.gemm import GroupedScaling, check_grouped_shapes, fp8
 from fp8_lightning.grouped.traced import recipe_key, traced_grouped_mm
 from fp8_lightning.recipes import Recipe
 from fp8_lightning.recompute import forward_setting
-from fp8_lightning.scaling import records_amax
+from fp8_lightning.scaling import bind_layer_name, records_amax
 
 # torch 2.11's compiler traces the experts' step into one graph but the compiled step drifts from the eager one from
 # the second step on (measured with tests/perf/test_compile_experts.py under torch 2.11; 2.13 matches bit for bit):
@@ -189,6 +189,7 @@ class FP8ExpertsMixin:
         if recipe not in self._fp8_expert_scalings:
             sizes = {name: getattr(self, name).shape[0] for name in self.fp8_weights}
             self._fp8_expert_scalings[recipe] = ExpertsScaling(recipe, sizes)
+            bind_layer_name(self._fp8_expert_scalings[recipe].operands, self.__dict__.get("fp8_layer_name"))
         return self._fp8_expert_scalings[recipe]
 
     def fp8_scalings(self) -> list[tuple[Recipe, ExpertsScaling]]:

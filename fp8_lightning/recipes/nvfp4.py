@@ -110,8 +110,8 @@ class NVFP4LayerState:
         device = self.signs.device
         self.signs = state["rht_signs"].to(device=device, dtype=torch.float32).clone()
         self.sr_casts = state["sr_casts"].to(device=device, dtype=torch.int64).clone()
-        if "sr_seed" in state:  # saved before per-layer seeds: keep the one conversion bound
-            self.sr_seed = state["sr_seed"].to(device=device, dtype=torch.int64).clone()
+        seed = state.get("sr_seed", torch.tensor(self.seed))  # saved before per-layer seeds: the recipe's, as then
+        self.sr_seed = seed.to(device=device, dtype=torch.int64).clone()
 
     def move_to(self, device: torch.device) -> None:
         if self.signs.device != device:

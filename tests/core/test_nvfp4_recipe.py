@@ -114,6 +114,18 @@ def test_each_layer_draws_its_own_rounding_noise_alike_in_every_run():
     assert torch.equal(a_rtn, b_rtn)
     seeds = [layer.fp8_scaling().operands["input"].state_dict()["sr_seed"] for layer in model.values()]
     assert seeds[0] != seeds[1]
+    # states an fp8_autocast(recipe=...) override makes later are named too
+    other = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    convert_to_fp8(other, "tensorwise")
+    with fp8_autocast(recipe=NVFP4BlockScaling()):
+        other(torch.randn(16, 64)).sum().backward()
+    late = [layer.fp8_scaling(NVFP4BlockScaling()).operands["input"].sr_seed for layer in other]
+    assert late[0] != late[1]
+    # a state saved before per-layer seeds loads with the recipe's seed, the one it was drawing with
+    state = model["a"].fp8_scaling().operands["input"]
+    old = {key: value for key, value in state.state_dict().items() if key != "sr_seed"}
+    state.load_state_dict(old)
+    assert state.sr_seed == 0
 
 
 def test_stochastic_rounding_is_seeded_per_cast_and_counted():
