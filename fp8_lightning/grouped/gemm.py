@@ -157,9 +157,10 @@ class _Slot(int):
 
 
 def _plain_object(obj) -> bool:
-    """An instance of a plain Python class (a dataclass, a container of operands): not a tensor, type, or value
-    of a built-in type (a str subclass such as an operand kind)."""
-    return hasattr(obj, "__dict__") and type(obj).__new__ is object.__new__ and not isinstance(obj, type)
+    """An instance of a plain Python class (a dataclass, a container of operands): not a tensor, type, module, or
+    value of a built-in type (a str subclass such as an operand kind)."""
+    return (hasattr(obj, "__dict__") and type(obj).__new__ is object.__new__
+            and not isinstance(obj, (type, torch.nn.Module)))
 
 
 def _hollow(obj, tensors: list):
@@ -170,7 +171,10 @@ def _hollow(obj, tensors: list):
         return _Slot(len(tensors) - 1)
     if isinstance(obj, (list, tuple)):
         items = [_hollow(item, tensors) for item in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+        copy = type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+        if hasattr(obj, "__dict__"):  # a subclass with attributes of its own (GroupBounds.offs)
+            copy.__dict__.update({key: _hollow(value, tensors) for key, value in vars(obj).items()})
+        return copy
     if isinstance(obj, dict):
         return {key: _hollow(value, tensors) for key, value in obj.items()}
     if _plain_object(obj):
@@ -186,7 +190,10 @@ def _fill(obj, tensors: tuple):
         return tensors[obj]
     if isinstance(obj, (list, tuple)):
         items = [_fill(item, tensors) for item in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+        copy = type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+        if hasattr(obj, "__dict__"):
+            copy.__dict__.update({key: _fill(value, tensors) for key, value in vars(obj).items()})
+        return copy
     if isinstance(obj, dict):
         return {key: _fill(value, tensors) for key, value in obj.items()}
     if _plain_object(obj):

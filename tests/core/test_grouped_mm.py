@@ -235,6 +235,21 @@ def test_the_input_s_fp8_copies_travel_only_as_saved_tensors(recipe):
     assert not found and len(node.saved_tensors) > 0
 
 
+def test_saved_structures_keep_their_attributes_and_modules():
+    """The structure saved for backward comes back whole: a list subclass's own attributes (GroupBounds.offs, a
+    tensor) return, a module is kept as it is (its parameters are not saved tensors)."""
+    from fp8_lightning.grouped.gemm import _fill, _hollow
+    from fp8_lightning.groups import GroupBounds
+
+    offs = torch.tensor([2, 5], dtype=torch.int32)
+    module = nn.Linear(2, 2)
+    tensors = []
+    hollow = _hollow({"bounds": GroupBounds([(0, 2), (2, 5)], offs), "module": module}, tensors)
+    assert len(tensors) == 1 and not torch.is_tensor(hollow["bounds"].offs)
+    back = _fill(hollow, tuple(tensors))
+    assert list(back["bounds"]) == [(0, 2), (2, 5)] and back["bounds"].offs is offs and back["module"] is module
+
+
 def test_a_non_floating_output_dtype_is_refused():
     a, b, offs, _ = _inputs()
     for dtype in (torch.int32, torch.float8_e4m3fn):
