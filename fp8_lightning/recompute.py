@@ -14,8 +14,10 @@ no scale advance, no statistic, no GEMM count, no observer call), so its casts a
 and the gradients are those of the run without checkpointing.
 
 The log starts afresh at the first forward after a recompute or after the module's weight changed in place (an
-optimizer step). A module that ran under two settings since then cannot tell which one a recompute repeats: it
-raises :class:`FP8RecomputeError`. :func:`fp8_checkpoint_context`, passed as ``context_fn`` to non-reentrant
+optimizer step). Forwards with grad (what non-reentrant checkpointing recomputes) and training forwards without it
+(reentrant checkpointing's, and no-grad rollouts) are logged apart; a recompute replays the first kind when there is
+one. A module that ran under two settings of one kind cannot tell which one a recompute repeats: it raises
+:class:`FP8RecomputeError`. :func:`fp8_checkpoint_context`, passed as ``context_fn`` to non-reentrant
 checkpointing, carries the setting of each checkpointed call instead and always works.
 """
 
@@ -29,7 +31,8 @@ import torch.nn as nn
 
 from fp8_lightning.autocast import AutocastState, autocast_state, swap_autocast_state
 
-_LOG_ATTR = "_fp8_forward_log"
+_LOG_ATTR = "_fp8_forward_log"  # forwards with grad enabled (what non-reentrant checkpointing recomputes)
+_NO_GRAD_LOG_ATTR = "_fp8_no_grad_forward_log"  # training forwards without grad (reentrant checkpointing's)
 
 
 class FP8RecomputeError(RuntimeError):
@@ -99,15 +102,18 @@ def forward_setting(module: nn.Module, weight: torch.Tensor) -> tuple[AutocastSt
         return state, False  # a compiled step: the compiler plans its own recomputation
     if torch.is_grad_enabled():
         if torch._C._current_graph_task_id() != -1:  # a forward inside a backward: a recompute
-            log = module.__dict__.get(_LOG_ATTR)
+            log = module.__dict__.get(_LOG_ATTR)  # non-reentrant: its forward ran with grad
+            if log is None or log.state is None:  # else reentrant, whose forward ran without grad
+                log = module.__dict__.get(_NO_GRAD_LOG_ATTR)
             if log is None or log.state is None:  # no forward of this module to repeat: an ordinary forward
                 return state, False
             return log.replay(module), True
     elif not module.training or torch.is_inference_mode_enabled():
         return state, False  # evaluation: never recomputed
-    log = module.__dict__.get(_LOG_ATTR)
+    attr = _LOG_ATTR if torch.is_grad_enabled() else _NO_GRAD_LOG_ATTR  # a no-grad rollout never blurs a step's
+    log = module.__dict__.get(attr)
     if log is None:
-        log = module.__dict__[_LOG_ATTR] = ForwardLog()
+        log = module.__dict__[attr] = ForwardLog()
     elif state is log.state and not log.replayed:  # the hot path: the same fp8_autocast block, nothing new
         return state, False
     log.record(state, -1 if weight.is_inference() else weight._version)  # inference tensors have no version
@@ -117,6 +123,7 @@ def forward_setting(module: nn.Module, weight: torch.Tensor) -> tuple[AutocastSt
 def forget_forwards(module: nn.Module) -> None:
     """Drop the module's log (when its conversion is undone)."""
     module.__dict__.pop(_LOG_ATTR, None)
+    module.__dict__.pop(_NO_GRAD_LOG_ATTR, None)
 
 
 class _Replaying:

@@ -293,5 +293,27 @@ def test_a_frozen_layer_replays_step_after_step(mode):
                 y = model(x) if ckpt is None else checkpoint(model, x, use_reentrant=ckpt)
             y.square().mean().backward()
             grads[ckpt].append(x.grad)
-            assert model[0].__dict__["_fp8_forward_log"].state is state  # the hot path's identity check holds
+            logs = [model[0].__dict__.get(a) for a in ("_fp8_forward_log", "_fp8_no_grad_forward_log")]
+            assert any(log is not None and log.state is state for log in logs)  # the hot path's identity check holds
     assert all(torch.equal(a, b) for a, b in zip(grads[None], grads[MODES[mode]]))
+
+
+def test_a_no_grad_rollout_before_a_checkpointed_step_does_not_blur_its_setting():
+    """A training-mode forward under torch.no_grad() outside fp8_autocast (a rollout, a teacher pass), then a
+    non-reentrant checkpointed FP8 step: the recompute replays the step's forward, as without the rollout."""
+    grads = []
+    for rollout in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+        convert_to_fp8(model, "tensorwise")
+        x = torch.randn(32, 64, requires_grad=True)
+        if rollout:
+            with torch.no_grad():
+                model(x)
+        with fp8_autocast():
+            y = checkpoint(model, x, use_reentrant=False)
+        y.square().mean().backward()
+        grads.append([x.grad, *(p.grad for p in model.parameters())])
+    for ours, reference in zip(*grads):
+        assert torch.equal(ours, reference)
+
