@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fp8_lightning.autocast import autocast_state
 from fp8_lightning.gemm import check_device, fp8_mm
 from fp8_lightning.layer_step import FP8LinearFunction
 from fp8_lightning.quantize import OperandCache, OperandKind, Quantized
@@ -388,17 +389,21 @@ class FP8Linear(nn.Linear):
         return self._eager_island(x, recipe, out_dtype, autocasting, weight, bias)
 
     def fp8_runs(self, x: torch.Tensor, weight: torch.Tensor) -> Recipe | None:
-        """The recipe this call's GEMMs run in FP8 under, or None when the layer runs in high precision."""
-        return self.fp8_setting(x, weight)[0]
+        """The recipe a call on ``x`` would run its GEMMs in FP8 under now, or None for high precision (a query:
+        the forward itself asks :meth:`fp8_setting`, which also logs the call for activation checkpointing)."""
+        return self._recipe_under(autocast_state(), x, weight)
 
     def fp8_setting(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[Recipe | None, bool]:
         """(:meth:`fp8_runs`, whether this call is an activation-checkpoint recompute that replays the setting of
         its forward: :mod:`fp8_lightning.recompute`)."""
         state, replay = forward_setting(self, self.weight)
+        return self._recipe_under(state, x, weight), replay
+
+    def _recipe_under(self, state, x: torch.Tensor, weight: torch.Tensor) -> Recipe | None:
         recipe = state.recipe or self.fp8_recipe
         if not state.enabled or self.fp8_disabled_reason is not None or self._runtime_fallback(x, weight, recipe):
-            return None, replay
-        return recipe, replay
+            return None
+        return recipe
 
     def _traceable(self) -> bool:
         """Whether the traced step serves this call: not while an observer watches each cast (the stats monitor,

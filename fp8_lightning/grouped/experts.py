@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fp8_lightning.autocast import autocast_state
 from fp8_lightning.grouped.gemm import GroupedScaling, check_grouped_shapes, fp8_grouped_mm
 from fp8_lightning.grouped.traced import recipe_key, traced_grouped_mm
 from fp8_lightning.recipes import Recipe
@@ -214,18 +215,22 @@ class FP8ExpertsMixin:
         return roles
 
     def fp8_active_recipe(self) -> Recipe | None:
-        """The recipe this call runs under, or None for the high-precision forward."""
-        return self.fp8_setting()[0]
+        """The recipe a call would run under now, or None for the high-precision forward (a query: the forward
+        asks :meth:`fp8_setting`, which also logs the call for activation checkpointing)."""
+        return self._recipe_under(autocast_state())
 
     def fp8_setting(self) -> tuple[Recipe | None, bool]:
         """(:meth:`fp8_active_recipe`, whether this call is an activation-checkpoint recompute that replays the
         setting of its forward: :mod:`fp8_lightning.recompute`)."""
         state, replay = forward_setting(self, getattr(self, next(iter(self.fp8_weights))))
+        return self._recipe_under(state), replay
+
+    def _recipe_under(self, state) -> Recipe | None:
         if not state.enabled or self.fp8_disabled_reason is not None:
-            return None, replay
+            return None
         if state.recipe is not None and state.recipe != self.fp8_recipe and self._fp8_misfit(state.recipe):
-            return None, replay  # an fp8_autocast(recipe=...) these experts' shapes cannot take: high precision
-        return state.recipe or self.fp8_recipe, replay
+            return None  # an fp8_autocast(recipe=...) these experts' shapes cannot take: high precision
+        return state.recipe or self.fp8_recipe
 
     def _fp8_misfit(self, recipe: Recipe) -> bool:
         """Whether ``recipe`` (an ``fp8_autocast`` override) cannot run these experts' shapes; said once per recipe,
