@@ -156,8 +156,7 @@ def nvfp4_mm(a: Quantized, b: Quantized, out_dtype, emulate=False, bias=None, fa
         if ok and reason is None:
             return native_nvfp4_mm(a, b, out_dtype, bias)
         if ok:
-            _warn_once(f"NVFP4BlockScaling emulates the GEMM a {tuple(a.data.shape)} @ b.T (codes) in float32: "
-                       f"{reason}")
+            _warn_once(f"NVFP4BlockScaling emulates a GEMM in float32: {reason}")  # once per reason, not per M
     out = operand_f32(a) @ operand_f32(b).t()
     if bias is not None:
         out = out + bias.float()
