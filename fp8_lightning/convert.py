@@ -328,7 +328,9 @@ def load_fp8_state_dict(module: nn.Module, state: dict, strict: bool = True, sou
         missing, unexpected = sorted(set(layers) - set(state)), sorted(set(state) - set(layers))
         raise KeyError(
             f"FP8 scaling state in {where} does not match the model: missing {missing}, unexpected {unexpected}. "
-            "Convert the same layers as the run that saved it, or load with strict=False."
+            "Convert the same layers as the run that saved it (the same recipe and layers= policy; NVFP4's default "
+            "keeps the last 15% of blocks in high precision, their experts included: layers={'last': 0} converts "
+            "them all), or load with strict=False."
         )
     check_fp8_state(state, source)
     restores = []
