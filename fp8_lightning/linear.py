@@ -131,14 +131,18 @@ class LayerScaling:
             self._weight_cache = None
         w_state = self.operands.get("weight")
         generation = w_state.generation if w_state else 0
-        if replay and self._weight_cache is not None:
-            key = ((weight if parameter is None else parameter)._version, weight.data_ptr(), generation, weight.device)
-            if key == self._weight_key:
-                return self._weight_cache
+        if replay and self.forward_cast(weight, generation, parameter) is not None:
+            return self._weight_cache
         if not record:  # evaluation, inference and replays: cast afresh, keep nothing (see the class docstring)
             return self.cast("weight", weight.detach(), False, columnwise=True)
         cast = lambda: self.cast("weight", weight.detach(), record, True)  # noqa: E731
         return self.cached_weight(weight, generation, cast, parameter)
+
+    def forward_cast(self, weight: torch.Tensor, generation, parameter: torch.Tensor | None = None):
+        """The cached training cast while it is the cast of ``weight`` as it is now (same version, storage and scale
+        generation), else None: what an activation-checkpoint recompute replays (the forward's own cast)."""
+        key = ((weight if parameter is None else parameter)._version, weight.data_ptr(), generation, weight.device)
+        return self._weight_cache if self._weight_cache is not None and key == self._weight_key else None
 
     def cached_weight(
         self, weight: torch.Tensor, generation, cast: Callable[[], tuple], parameter: torch.Tensor | None = None

@@ -279,7 +279,7 @@ class FP8ExpertsMixin:
             y = run(
                 x.to(weight.dtype), b, offs, out_dtype=out_dtype, scaling=scaling, training=record,
                 regathered=self.__dict__.get("_is_fsdp_managed_module", False),  # FSDP2 refills gathered weights
-                observer=observe,
+                observer=observe, replay=replay,
             )
             if replay:  # the forward this recompute repeats counted its GEMM
                 scaling.gemms["fprop"] = fprops

@@ -54,7 +54,7 @@ class GroupedScaling(LayerScaling):
         self.operands = {**shared, **per_expert}
         self.gemms = collections.Counter()  # grouped FP8 GEMMs run, by kind ("fprop", "dgrad", "wgrad")
 
-    def weight_operands(self, weight: torch.Tensor, record: bool, regathered: bool = False):
+    def weight_operands(self, weight: torch.Tensor, record: bool, regathered: bool = False, replay: bool = False):
         """Each expert's (W_e, W_e.T) operands: in training cast once per weight version and scale generation (and
         again after an edit through ``weight.data``), in evaluation cast afresh (see
         :class:`~fp8_lightning.linear.LayerScaling`)."""
@@ -63,9 +63,11 @@ class GroupedScaling(LayerScaling):
             return provided(self, record)
         if regathered:
             self._weight_cache = None
+        generations = tuple(s.generation for s in self.expert_states if s is not None)
+        if replay and self.forward_cast(weight, generations) is not None:  # a checkpoint recompute: the forward's
+            return self._weight_cache
         if not record:
             return self.recipe.grouped_weight_operands(weight.detach(), self.forward_dtype, self.expert_states, False)
-        generations = tuple(s.generation for s in self.expert_states if s is not None)
         return self.cached_weight(
             weight,
             generations,
@@ -143,12 +145,13 @@ def _weight_values(w_operands, transposed: bool) -> torch.Tensor:
 class GroupedStep:
     """What one call needs besides its tensors: the recipe's state, the groups and the output dtype."""
 
-    __slots__ = ("scaling", "bounds", "offs", "out_dtype", "record", "regathered", "observer", "native")
+    __slots__ = ("scaling", "bounds", "offs", "out_dtype", "record", "regathered", "observer", "native", "replay")
 
     def __init__(self, scaling: GroupedScaling, bounds, offs: torch.Tensor, out_dtype: torch.dtype, record: bool,
-                 regathered: bool = False, observer: Callable | None = None, native=None):  # fmt: skip
+                 regathered: bool = False, observer: Callable | None = None, native=None,
+                 replay: bool = False):  # fmt: skip
         self.scaling, self.bounds, self.offs, self.out_dtype, self.record = scaling, bounds, offs, out_dtype, record
-        self.regathered, self.observer = regathered, observer
+        self.regathered, self.observer, self.replay = regathered, observer, replay
         self.native = native  # the recipe's grouped kernels (Recipe.grouped_native), or None: emulated
 
 
@@ -222,7 +225,7 @@ class FP8GroupedMMFunction(torch.autograd.Function):
         x_row, x_columns = recipe.grouped_operands(
             "input", a.detach(), bounds, scaling.forward_dtype, needs_w, scaling.operands.get("input"), step.record
         )
-        w_operands = scaling.weight_operands(weight, step.record, step.regathered)
+        w_operands = scaling.weight_operands(weight, step.record, step.regathered, step.replay)
         if step.observer is not None:
             step.observer("input", a, x_row)
             for e, (w, _) in enumerate(w_operands):
@@ -325,6 +328,7 @@ def fp8_grouped_mm(
     training: bool = True,
     regathered: bool = False,
     observer: Callable[[str, torch.Tensor, Quantized], None] | None = None,
+    replay: bool = False,
 ) -> torch.Tensor:
     """``torch._grouped_mm(a, b, offs)`` with its three GEMMs (forward, input and weight gradients) on FP8 operands.
 
@@ -341,6 +345,8 @@ def fp8_grouped_mm(
             its version counter): cast it afresh instead of reusing ``scaling``'s cached cast.
         observer: called as ``observer(role, x, q)`` with each high-precision operand and its FP8 operand:
             ``"input"``, ``"weight[e]"`` for each expert, ``"grad_output"`` (statistics, the divergence guard).
+        replay: an activation-checkpoint recompute (with ``training=False``): ``scaling``'s cached weight cast of
+            the forward it repeats, while it is that of ``b``.
 
     Returns:
         The (M, N) product, differentiable in ``a`` and ``b``.
@@ -365,5 +371,5 @@ def fp8_grouped_mm(
     native = recipe.grouped_native(a.device, experts)
     if native is None:
         warn_once(a.device, recipe.grouped_fallback_reason(a.device, experts))
-    step = GroupedStep(scaling, bounds, offs, out_dtype or a.dtype, training, regathered, observer, native)
+    step = GroupedStep(scaling, bounds, offs, out_dtype or a.dtype, training, regathered, observer, native, replay)
     return FP8GroupedMMFunction.apply(a, b.transpose(1, 2), step).contiguous()

@@ -317,3 +317,20 @@ def test_a_no_grad_rollout_before_a_checkpointed_step_does_not_blur_its_setting(
     for ours, reference in zip(*grads):
         assert torch.equal(ours, reference)
 
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_an_experts_recompute_takes_the_forward_s_weight_cast(mode, monkeypatch):
+    """The experts' recompute reuses the step's cached FP8 weights (it cast every expert again, with the same bits)."""
+    from fp8_lightning import TensorwiseScaling
+
+    calls = []
+    own = TensorwiseScaling.grouped_weight_operands
+
+    def spy(self, weight, dtype, states, record):
+        calls.append(record)
+        return own(self, weight, dtype, states, record)
+
+    monkeypatch.setattr(TensorwiseScaling, "grouped_weight_operands", spy)
+    _train(MoE, "tensorwise", MODES[mode], steps=1)
+    assert calls and all(calls), f"the recompute cast the expert weights again: {calls}"
