@@ -211,3 +211,13 @@ def cuda_median_ms(fn: Callable[[], object], rounds: int, warmup: int = 3) -> fl
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def write_gpu_report(report: str, out: str | None, name: str) -> None:
+    """Write a GPU check's markdown ``report`` to ``out`` (when given) and to ``$OUT/name`` (when the device runner
+    sets ``OUT``, whose files come back from the GPU machine)."""
+    device_out = os.path.join(os.environ["OUT"], name) if os.environ.get("OUT") else None
+    for path in filter(None, (out, device_out)):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(report)

@@ -17,13 +17,12 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import torch
 
-from benchmarks.bench_common import cuda_median_ms
+from benchmarks.bench_common import cuda_median_ms, write_gpu_report
 import torch.nn as nn
 
 LAYERS = [(77, 4096, 4096), (4096, 4096, 4096), (4096, 4096, 14336), (4096, 14336, 4096)]  # (M, K, N), Llama-3-8B
@@ -128,11 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", f"{failures} GEMMs outside the bound. Wall time {time.time() - started:.1f} s."]
     report = "\n".join(lines) + "\n"
     print(report)
-    out = os.path.join(os.environ["OUT"], "nvfp4_gemm_gpu.md") if os.environ.get("OUT") else None
-    for path in filter(None, (args.out, out)):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            f.write(report)
+    write_gpu_report(report, args.out, "nvfp4_gemm_gpu.md")
     return 1 if failures else 0
 
 

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import sys
 import time
 
 import torch
 
-from benchmarks.bench_common import cuda_median_ms
+from benchmarks.bench_common import cuda_median_ms, write_gpu_report
 
 from fp8_lightning import nvfp4
 
@@ -135,11 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", f"Wall time {time.time() - started:.1f} s."]
     report = "\n".join(lines) + "\n"
     print(report)
-    for path in filter(None, (args.out, os.path.join(os.environ["OUT"], "nvfp4_gpu.md") if os.environ.get("OUT")
-                              else None)):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            f.write(report)
+    write_gpu_report(report, args.out, "nvfp4_gpu.md")
     return 1 if failures else 0
 
 
