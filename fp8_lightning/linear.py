@@ -131,8 +131,8 @@ class LayerScaling:
             self._weight_cache = None
         w_state = self.operands.get("weight")
         generation = w_state.generation if w_state else 0
-        if replay and self.forward_cast(weight, generation, parameter) is not None:
-            return self._weight_cache
+        if replay and (forward := self.forward_cast(weight, generation, parameter)) is not None:
+            return forward
         if not record:  # evaluation, inference and replays: cast afresh, keep nothing (see the class docstring)
             return self.cast("weight", weight.detach(), False, columnwise=True)
         cast = lambda: self.cast("weight", weight.detach(), record, True)  # noqa: E731

@@ -63,16 +63,19 @@ class GroupedScaling(LayerScaling):
             return provided(self, record)
         if regathered:
             self._weight_cache = None
-        generations = tuple(s.generation for s in self.expert_states if s is not None)
-        if replay and self.forward_cast(weight, generations) is not None:  # a checkpoint recompute: the forward's
-            return self._weight_cache
+        if replay and (forward := self.forward_cast(weight, self._generations())) is not None:
+            return forward  # a checkpoint recompute: the cast of the forward it repeats
         if not record:
             return self.recipe.grouped_weight_operands(weight.detach(), self.forward_dtype, self.expert_states, False)
         return self.cached_weight(
             weight,
-            generations,
+            self._generations(),
             lambda: self.recipe.grouped_weight_operands(weight.detach(), self.forward_dtype, self.expert_states, True),
         )
+
+    def _generations(self) -> tuple:
+        """The experts' weight-scale generations: a new one means new scales, so a new cast."""
+        return tuple(s.generation for s in self.expert_states if s is not None)
 
 
 def check_grouped_shapes(a: torch.Tensor, b: torch.Tensor, recipe: Recipe) -> tuple[int, int, int]:
