@@ -36,7 +36,7 @@ from fp8_lightning.grouped.experts import (
 from fp8_lightning.linear import FP8Linear, shape_unsupported_reason
 from fp8_lightning.capability_table import warn_if_not_native
 from fp8_lightning.policy import POLICY_SKIP, Choice, LayersLike, RecipePolicy
-from fp8_lightning.profitability import ProfitabilityLike, resolve_gate
+from fp8_lightning.profitability import ProfitabilityLike, model_top_k, resolve_gate
 from fp8_lightning.recipes import RecipeLike, recipe_from
 from fp8_lightning.scaling import OperandScaling, bind_layer_name, update_scales
 
@@ -112,7 +112,8 @@ def convert_to_fp8(
                   if linear_features(child) is not None or expert_weights(child) is not None]
     choices = RecipePolicy.from_arg(layers, recipe).resolve(module, candidates, recipe)
     for name, child in module.named_modules():
-        if _convert_experts(child, name or "<root>", choices.get(name), module_filter_fn, emulate, report, gate):
+        if _convert_experts(child, name or "<root>", choices.get(name), module_filter_fn, emulate, report, gate,
+                            module):
             continue
         features = linear_features(child)
         if features is None:
@@ -168,10 +169,11 @@ def bind_layer_names(module: nn.Module) -> None:
 
 def _convert_experts(
     child: nn.Module, name: str, choice: Choice | None, module_filter_fn: ModuleFilter | None, emulate: bool,
-    report: ConversionReport, gate=None,
+    report: ConversionReport, gate=None, model: nn.Module | None = None,
 ) -> bool:
     """Convert (or report) a fused experts module under the recipe the layer policy chose for it (``choice``), or
-    name a module with a 3-D weight left alone; True when ``child`` was such a module."""
+    name a module with a 3-D weight left alone; True when ``child`` was such a module. ``model`` (holding ``child``
+    as ``name``) tells the gate the experts per token."""
     if expert_weights(child) is None:
         if holds_3d_weight(child):
             report.experts_skipped[name] = (
@@ -187,7 +189,8 @@ def _convert_experts(
     else:
         reason = experts_skip_reason(child, recipe)
     if reason is None and gate is not None and not isinstance(child, FP8ExpertsMixin):
-        reason = gate.experts_skip_reason(next(child.parameters()).device, recipe)
+        top_k = model_top_k(model, name) if model is not None else None
+        reason = gate.experts_skip_reason(next(child.parameters()).device, recipe, child, top_k)
     if reason is not None:
         if isinstance(child, FP8ExpertsMixin):
             reason = f"left in FP8 as an earlier conversion made it ({child.fp8_recipe.name}); {reason}"
