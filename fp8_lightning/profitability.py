@@ -1,4 +1,4 @@
-"""Per-layer profitability gate: keep a linear layer in high precision when FP8 would make it slower.
+"""Per-layer profitability gate: keep a linear layer or experts module in high precision where FP8 would be slower.
 
 FP8 halves the bytes a GEMM reads and doubles the tensor-core rate, but it adds work the bf16 layer does not
 have: amax reductions, scaled casts of the input, the weight and the output gradient, transposed (per-tensor)
