@@ -62,8 +62,13 @@ def _convert(model: nn.Module, gate: ProfitabilityGate):
         return convert_to_fp8(model, "mxfp8", profitability=gate)
 
 
+def _qwen():
+    pytest.importorskip("transformers", reason="needs transformers (dev extras)")
+    return tiny_moe("qwen3_moe")
+
+
 def _experts_report(tokens: int, **kw):
-    return _convert(tiny_moe("qwen3_moe"), _gate(tokens, **kw))
+    return _convert(_qwen(), _gate(tokens, **kw))
 
 
 def test_the_hand_model_breaks_even_where_worked_out():
@@ -121,7 +126,7 @@ def test_the_models_top_k_is_used_before_the_gates():
     assert 200 < break_even_rows(QWEN) < 400
     assert len(_experts_report(200).experts) == 2
     assert len(_experts_report(200, experts_top_k=1).experts) == 2  # the model says 2: the field is not used
-    model = tiny_moe("qwen3_moe")
+    model = _qwen()
     model.config.num_experts_per_tok = 1  # the experts hold the model's config
     for module in model.modules():
         if hasattr(module, "top_k"):
@@ -158,12 +163,13 @@ def test_a_linear_layer_counts_micro_batches_too():
 
 
 def test_auto_still_converts_every_expert_on_the_cpu():
-    report = convert_to_fp8(tiny_moe("qwen3_moe"), "mxfp8")  # "auto", weights on the CPU
+    report = convert_to_fp8(_qwen(), "mxfp8")  # "auto", weights on the CPU
     assert len(report.experts) == 2 and report.experts_skipped == {}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_top_k_is_found_in_every_familys_model(family):
+    pytest.importorskip("transformers", reason="needs transformers (dev extras)")
     model = tiny_moe(family)
     names = [name for name, m in model.named_modules() if name.endswith("mlp.experts")]
     assert len(names) == 2 and all(model_top_k(model, name) == 2 for name in names)
