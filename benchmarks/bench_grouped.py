@@ -30,7 +30,7 @@ from benchmarks.bench_common import bar_plot, header, interleaved_medians, markd
 
 from fp8_lightning import fp8_grouped_mm
 from fp8_lightning.grouped.gemm import GroupedScaling
-from fp8_lightning.profitability import device_roofline, experts_cost
+from fp8_lightning.roofline import device_roofline, experts_cost
 from fp8_lightning.recipes import recipe_from
 from fp8_lightning.settings import reload_settings
 
@@ -106,7 +106,7 @@ def configurations(a, b, offs, counts, dtype, recipes=RECIPES, baselines=BASELIN
 
 
 def modelled_speedup(config: str, m: int, experts: int, k: int, n: int, microbatches: int, device) -> float | None:
-    """What the roofline of :func:`fp8_lightning.profitability.experts_cost` gives an FP8 row on a CUDA device
+    """What the roofline of :func:`fp8_lightning.roofline.experts_cost` gives an FP8 row on a CUDA device
     (None for the high-precision rows and off CUDA): the ceiling that the casts' bytes leave the measured row."""
     if device.type != "cuda" or not config.startswith("fp8 "):
         return None
@@ -149,10 +149,10 @@ def profile_table(fn, device: torch.device, steps: int = 3) -> str:
 
 
 def roofline_table(devices: list[str], token_counts: list[int], recipes: list[str]) -> str:
-    """The roofline ceiling (:func:`~fp8_lightning.profitability.experts_cost`) of each recipe's grouped step vs bf16
+    """The roofline ceiling (:func:`~fp8_lightning.roofline.experts_cost`) of each recipe's grouped step vs bf16
     at the models' full shapes, on datasheet devices, per tokens per expert, with 1 and 8 micro-batches per weight
     cast: where FP8 experts can pay off at all, computed without a GPU."""
-    from fp8_lightning.profitability import KNOWN_DEVICES
+    from fp8_lightning.roofline import KNOWN_DEVICES
 
     table = dict(KNOWN_DEVICES)
     lines = ["| device | projection | K | N | recipe | " + " | ".join(
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     notes = (f"Suite {args.suite}: {', '.join(map(str, token_counts))} tokens per micro-batch, "
              f"{args.microbatches} micro-batch(es) per weight step, top-k routing with skew {args.skew} and {args.empty:.0%} of the "
              f"experts empty, hidden sizes divided by {shrink}. Goal on a GPU: FP8 >= {TARGET}x bf16 grouped. "
-             "Roofline ceiling (CUDA only): fp8_lightning.profitability.experts_cost for the row's recipe, the speed "
+             "Roofline ceiling (CUDA only): fp8_lightning.roofline.experts_cost for the row's recipe, the speed "
              "the casts' bytes leave it at best.")
     write_results(folder, head, rows, markdown_table(columns, rows), notes)
     for file, table in profiles.items():

@@ -14,7 +14,8 @@ from fp8_lightning import convert_to_fp8
 from fp8_lightning.blockwise import blockwise_gemm_support
 from fp8_lightning.gemm import fp8_gemm_support, native_mx_gemm_support
 from fp8_lightning.gemm_routes import EMULATED, FALLBACK, NATIVE, REFUSED
-from fp8_lightning.profitability import ProfitabilityGate, _datasheet
+from fp8_lightning.profitability import ProfitabilityGate
+from fp8_lightning.roofline import _datasheet
 from fp8_lightning.recipes import RECIPES, recipe_from
 
 ARCHS = [(8, 0), (8, 9), (9, 0), (10, 0), (12, 0)]

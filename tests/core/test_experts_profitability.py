@@ -13,7 +13,8 @@ import torch
 import torch.nn as nn
 
 from fp8_lightning import GroupedExperts, ProfitabilityGate, capability_table, convert_to_fp8
-from fp8_lightning.profitability import DeviceRoofline, model_top_k
+from fp8_lightning.profitability import model_top_k
+from fp8_lightning.roofline import DeviceRoofline
 from fp8_lightning.recipes import recipe_from
 from tests.helpers.moe import EXPERT_HIDDEN, EXPERTS, FAMILIES, HIDDEN, tiny_moe
 
@@ -121,11 +122,15 @@ def test_min_speedup_raises_the_bar():
     assert _experts_report(4096, min_speedup=speedup * 1.01).experts == []
 
 
-def test_the_models_top_k_is_used_before_the_gates():
-    """At 200 tokens the model's top-2 gives 400 routed rows (converts); top-1 would give 200 (bf16)."""
+def test_the_gates_top_k_wins_over_the_models():
+    """At 200 tokens the model's top-2 gives 400 routed rows (converts); top-1 gives 200 (bf16)."""
     assert 200 < break_even_rows(QWEN) < 400
     assert len(_experts_report(200).experts) == 2
-    assert len(_experts_report(200, experts_top_k=1).experts) == 2  # the model says 2: the field is not used
+    report = _experts_report(200, experts_top_k=1)  # the user's setting wins over the model's 2
+    assert report.experts == [] and "top_k=1 (ProfitabilityGate.experts_top_k)" in str(report.experts_skipped)
+
+
+def test_the_models_top_k_is_read():
     model = _qwen()
     model.config.num_experts_per_tok = 1  # the experts hold the model's config
     for module in model.modules():

@@ -4,15 +4,8 @@ import pytest
 import torch.nn as nn
 
 from fp8_lightning import FP8Linear, FP8Precision, TensorwiseScaling, convert_to_fp8
-from fp8_lightning.profitability import (
-    KNOWN_DEVICES,
-    DeviceRoofline,
-    ProfitabilityGate,
-    experts_cost,
-    layer_cost,
-    profitability_setting,
-    resolve_gate,
-)
+from fp8_lightning.profitability import ProfitabilityGate, profitability_setting, resolve_gate
+from fp8_lightning.roofline import KNOWN_DEVICES, DeviceRoofline, experts_cost, layer_cost
 from fp8_lightning.recipes import BlockwiseScaling, DelayedScaling, MXFP8BlockScaling, RowwiseScaling
 from tests.conftest import requires_cuda_fp8
 
