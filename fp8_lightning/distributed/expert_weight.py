@@ -189,6 +189,11 @@ class FP8GatheredExperts(torch.Tensor):
         n, k = (b, a) if self._stored_kn else (a, b)
         return self._recipe.fsdp_experts_unpack(self._buffer, e, n, k, self._meta)
 
+    @property
+    def _q(self) -> list:
+        """Each expert's fprop operand (unpacked at each read)."""
+        return self._unpacked()
+
     def dequantize(self) -> torch.Tensor:
         """The weight's value as gathered (FP8-rounded), in the weight's dtype and this view's layout."""
         values = torch.stack([dequantize_operand(q, self.dtype) for q in self._unpacked()])  # (E, N, K)
