@@ -20,7 +20,7 @@ from fp8_lightning.testing import end_worker, init_gloo
 
 DIM, HIDDEN, EXPERTS, TOKENS, BLOCKS, STEPS = 64, 128, 4, 32, 3, 3
 OFFS = (4, 4, 20, 32)  # an empty expert, uneven groups
-RECIPES = ("tensorwise", "mxfp8", "nvfp4", "nvfp4_1x16")
+RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4", "nvfp4_1x16")
 SPECS = {"nvfp4_1x16": {"name": "nvfp4", "fp4_2d_weights": False}}
 
 

@@ -16,12 +16,14 @@ model does not hold anyway, :mod:`tests.distributed._expert_memory_workers`) and
   NVFP4 16x16 tiles: the FP8 gather makes the same operands).
 """
 
+import math
+
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from fp8_lightning.testing import free_port
-from tests.distributed._expert_memory_workers import BLOCKS, DIM, EXPERTS, HIDDEN, RECIPES, memory_worker
+from tests.distributed._expert_memory_workers import BLOCKS, DIM, EXPERTS, HIDDEN, RECIPES, STEPS, memory_worker
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.filterwarnings("ignore")]
 
@@ -54,6 +56,6 @@ def test_each_rank_holds_its_shard_of_the_experts(results, recipe):
 @pytest.mark.parametrize("recipe", EXACT)
 def test_losses_and_gradients_are_those_of_the_high_precision_gather(results, recipe):
     fp8, hp = results[recipe]["fp8"], results[recipe]["hp"]
-    assert fp8["losses"] == hp["losses"] and fp8["losses"][-1] < fp8["losses"][0]
+    assert fp8["losses"] == hp["losses"] and len(set(fp8["losses"])) == STEPS and all(map(math.isfinite, fp8["losses"]))
     assert sorted(fp8["grads"]) == sorted(hp["grads"])
     assert all(torch.equal(fp8["grads"][n].view(torch.int32), hp["grads"][n].view(torch.int32)) for n in hp["grads"])
