@@ -18,8 +18,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fp8_lightning.nvfp4 import global_scale_from_amax
 from fp8_lightning.nvfp4_shards import pack_nvfp4_shard, unpack_nvfp4_gathered
 from fp8_lightning.recipes.nvfp4 import NVFP4BlockScaling, _operand, nvfp4_to_f32
+from tests.conftest import requires_cuda_fp8
 
 N, K = 32, 48  # K: three 16-blocks (not a power of two); N: two 16-row tiles
+# on CUDA the per-expert reference packs run the Triton NVFP4 cast, the batched pack torch's operations
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_cuda_fp8])]
 
 
 class _Ops(TorchDispatchMode):
@@ -53,19 +56,20 @@ def _same_operand(got, want) -> bool:
     return _same(got.data, want.data) and _same(got.scale, want.scale) and _same(got.cache.native, want.cache.native)
 
 
-def _weights(experts: int, dtype) -> torch.Tensor:
+def _weights(experts: int, dtype, device="cpu") -> torch.Tensor:
     g = torch.Generator().manual_seed(experts)
     w = torch.randn(experts, N, K, generator=g) * torch.logspace(-3, 2, experts).view(-1, 1, 1)  # each its own scale
     w[0, 3, 5:20] = 0.0  # a zero block
-    return w.to(dtype)
+    return w.to(device=device, dtype=dtype)
 
 
 @pytest.mark.parametrize("experts", [1, 3, 8])
 @pytest.mark.parametrize("tiles", [True, False], ids=["16x16", "1x16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batched_expert_pack_unpack_and_operands_have_the_per_expert_bits(experts, tiles, dtype):
+@pytest.mark.parametrize("device", DEVICES)
+def test_batched_expert_pack_unpack_and_operands_have_the_per_expert_bits(experts, tiles, dtype, device):
     recipe = NVFP4BlockScaling(fp4_2d_weights=tiles)
-    weight = _weights(experts, dtype)
+    weight = _weights(experts, dtype, device)
     agreed = weight.float().abs().amax(dim=(1, 2))
     halves = [(0, experts)] if experts % 2 else [(0, experts // 2), (experts // 2, experts // 2)]  # one rank's shard
     parts = []
