@@ -6,7 +6,8 @@ own stochastic-rounding key. The casts here compute the same numbers for all of 
 reduction, a vector of global scales broadcast over the blocks, the Hadamard transform block by block (no block
 spans two groups), the noise from the counter-based hash with each position's own group key. Every code, block scale
 and global scale is that of the per-expert / per-group cast, and the emulated GEMMs dequantize each stacked operand
-once.
+once. The experts' weights gathered by FSDP2 (:mod:`fp8_lightning.nvfp4_shards`) become the same stacked operands,
+made in one pass from the gathered stacked cast.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from fp8_lightning.nvfp4 import (
     rht_blocks,
     uniform_at,
 )
+from fp8_lightning.nvfp4_shards import nvfp4_stacked_transposes
 from fp8_lightning.quantize import OperandCache, Quantized
 
 Operand = Callable[[NVFP4Tensor], Quantized]  # the recipe's maker of a GEMM operand from a cast
@@ -87,6 +89,40 @@ def nvfp4_stacked_weights(weight: torch.Tensor, tile_rows: int, operand: Operand
                          tile_rows)  # fmt: skip
     flipped = w.transpose(1, 2).reshape(experts * k, n)
     columns = _cast_stacked(flipped, global_scales.repeat_interleave(k // tile_rows).unsqueeze(1), tile_rows)
+    return NVFP4StackedWeights(rows, columns, global_scales, experts, operand, kind)
+
+
+class NVFP4ExpertRows(collections.abc.Sequence):
+    """Every expert's fprop operand W_e (its own global scale), made on first use, of the stacked cast ``cast``
+    (E * N, K) that FSDP2 gathered; ``global_scales`` (E,)."""
+
+    def __init__(self, cast: NVFP4Tensor, global_scales: torch.Tensor, experts: int, operand: Operand):
+        self.cast, self.global_scales, self.experts, self.operand = cast, global_scales, experts, operand
+
+    @functools.cached_property
+    def _operands(self) -> list[Quantized]:
+        return [self.operand(_expert_cast(self.cast, e, self.experts, scale))
+                for e, scale in enumerate(self.global_scales.unbind(0))]  # fmt: skip
+
+    def __getitem__(self, index):
+        return self._operands[index]
+
+    def __len__(self) -> int:
+        return self.experts
+
+
+def nvfp4_gathered_weights(gathered: NVFP4ExpertRows, operand: Operand, kind) -> NVFP4StackedWeights:
+    """The (W_e, W_e.T) operands of every gathered expert in one pass: W_e.T from 16x16 tiles transposed (the bits of
+    casting W_e.T), or with 1x16 blocks re-cast along N from the gathered values with each expert's global scale."""
+    cast, experts, global_scales = gathered.cast, gathered.experts, gathered.global_scales
+    rows = cast._replace(codes=cast.codes.contiguous())
+    if rows.tile_rows == NVFP4_BLOCK:
+        return NVFP4StackedWeights(rows, nvfp4_stacked_transposes(rows, experts, global_scales), global_scales,
+                                   experts, operand, kind)  # fmt: skip
+    k, n = rows.shape[1], rows.shape[0] // experts
+    values = kind.dequantize(_stacked(rows, kind), torch.float32).view(experts, n, k)
+    flipped = values.transpose(1, 2).reshape(experts * k, n)
+    columns = _cast_stacked(flipped, global_scales.float().repeat_interleave(k).unsqueeze(1), 1)
     return NVFP4StackedWeights(rows, columns, global_scales, experts, operand, kind)
 
 

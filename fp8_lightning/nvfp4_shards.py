@@ -15,6 +15,10 @@ The global scale travels as metadata (every rank computed the same one). With ti
 the gathered codes and tiles transposed, exactly what casting ``W.T`` gives; with 1x16 blocks it is re-cast along N
 from the gathered values (no rank holds the high-precision weight in full: one more rounding, in dgrad only, as
 MXFP8 and rowwise do).
+
+Fused expert weights (E, N, K) travel as E such weights stacked, each with its own global scale: the pack and the
+unpack of all of a rank's experts are one set of operations (a vector of global scales broadcast over the blocks),
+with the bytes of packing each expert on its own.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from fp8_lightning.nvfp4 import (
     NVFP4_BLOCK,
     NVFP4Tensor,
     global_scale_from_amax,
+    nvfp4_encode_blocks,
     pack_e2m1,
     quantize_nvfp4,
     unpack_e2m1,
@@ -82,6 +87,53 @@ def unpack_nvfp4_gathered(
     return NVFP4Tensor(codes, scales, global_scale.float(), (gathered.shape[0], k), tile_rows)
 
 
+def pack_nvfp4_experts(shard: torch.Tensor, amax: torch.Tensor, tile_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 all-gather input of this rank's experts ``shard`` (E_local, N, K), their global scales (E_local,)) from
+    each expert's agreed ``amax``: the bytes of :func:`pack_nvfp4_shard` of each expert, concatenated, in one cast."""
+    experts, n, k = shard.shape
+    if n % tile_rows or k % NVFP4_BLOCK:
+        raise ValueError(f"pack_nvfp4_experts: experts of ({n}, {k}) need N a multiple of {tile_rows} and K of "
+                         f"{NVFP4_BLOCK}; pad the expert dimensions (NVFP4 conversion leaves such experts in high "
+                         "precision).")  # fmt: skip
+    global_scales = global_scale_from_amax(amax.to(shard.device))
+    rows = global_scales.repeat_interleave(n // tile_rows).unsqueeze(1)  # each row tile's expert's global scale
+    codes, scales = nvfp4_encode_blocks(shard.reshape(experts * n, k).float(), rows, tile_rows)
+    scale_bytes = scales.view(torch.uint8)
+    if tile_rows == 1:
+        return torch.cat([codes, scale_bytes], dim=1), global_scales
+    width = nvfp4_tile_scale_bytes(n, k)
+    spread = torch.nn.functional.pad(scale_bytes.reshape(experts, -1), (0, n * width - scale_bytes.numel() // experts))
+    return torch.cat([codes, spread.view(experts * n, width)], dim=1), global_scales
+
+
+def unpack_nvfp4_experts(
+    gathered: torch.Tensor, experts: int, n: int, k: int, global_scales: torch.Tensor, tile_rows: int
+) -> NVFP4Tensor:
+    """Every expert's weight as one stacked :class:`~fp8_lightning.nvfp4.NVFP4Tensor` (E * N, K) from the gathered
+    bytes, its global scale one per row tile (each that of its expert); the codes are a view of the gathered buffer."""
+    half = k // 2
+    codes = gathered[:, :half]
+    if tile_rows == 1:
+        scales = gathered[:, half : half + k // NVFP4_BLOCK].contiguous().view(_E4M3)
+    else:
+        k_tiles, tiles = k // NVFP4_BLOCK, n // NVFP4_BLOCK
+        per_expert = gathered[:, half:].reshape(experts, -1)[:, : tiles * k_tiles]
+        scales = per_expert.contiguous().view(_E4M3).view(experts * tiles, k_tiles)
+    rows = global_scales.float().repeat_interleave(n // tile_rows).unsqueeze(1)
+    return NVFP4Tensor(codes, scales, rows, (experts * n, k), tile_rows)
+
+
+def nvfp4_stacked_transposes(weights: NVFP4Tensor, experts: int, global_scales: torch.Tensor) -> NVFP4Tensor:
+    """Every ``W_e.T`` (E * K, N) from the stacked ``W_e`` (E * N, K) in 16x16 tiles: each expert's codes and tiles
+    transposed (:func:`nvfp4_transposed_tiles` of each expert, in one pass)."""
+    rows, k = weights.shape
+    n = rows // experts
+    values = unpack_e2m1(weights.codes).view(experts, n, k).transpose(1, 2).reshape(experts * k, n)
+    tiles = weights.block_scales.view(experts, n // NVFP4_BLOCK, k // NVFP4_BLOCK).transpose(1, 2)
+    per_row = global_scales.float().repeat_interleave(k // NVFP4_BLOCK).unsqueeze(1)
+    return NVFP4Tensor(pack_e2m1(values), tiles.reshape(-1, n // NVFP4_BLOCK), per_row, (experts * k, n), NVFP4_BLOCK)
+
+
 def nvfp4_transposed_tiles(weight: NVFP4Tensor) -> NVFP4Tensor:
     """``W.T`` from ``W`` (N, K) cast in 16x16 tiles: the codes transposed and each tile's scale moved to the
     transposed tile, with the same global scale; the same numbers, bit for bit, as casting ``W.T``."""
@@ -99,9 +151,12 @@ def nvfp4_recast_columns(values: torch.Tensor, global_scale: torch.Tensor) -> NV
 
 __all__ = [
     "nvfp4_recast_columns",
+    "nvfp4_stacked_transposes",
     "nvfp4_shard_reason",
     "nvfp4_tile_scale_bytes",
     "nvfp4_transposed_tiles",
+    "pack_nvfp4_experts",
     "pack_nvfp4_shard",
+    "unpack_nvfp4_experts",
     "unpack_nvfp4_gathered",
 ]

@@ -11,8 +11,13 @@ shard never cuts a block. The recipe's ``fsdp_experts_*`` methods say what trave
              per-tensor recipes: every expert's amax agreed first (one MAX all-reduce of E values per weight update,
              shared with the linear layers' amaxes), so every rank keeps every expert's scaling state equal
     FSDP2:   one all-gather of the bytes of every parameter of the group
-    all:       fsdp_post_all_gather -> FP8GatheredExperts (E, ., ., FP8 operands per expert), the unsharded parameter
+    all:       fsdp_post_all_gather -> FP8GatheredExperts (E, ., .), the unsharded parameter: the gathered bytes
     experts: GroupedScaling.weight_operands() sees ``fp8_expert_operands`` and uses the gathered casts
+
+The gathered weight holds the gathered buffer and the pack's metadata only; the experts' operands are unpacked from
+the buffer at each use. The grouped GEMM saves the weight itself for backward (``fp8_regathered_for_backward``), not
+its operands: FSDP2 frees the buffer on reshard after forward and re-fills it (same bytes) before backward, which then
+makes the operands again, so between forward and backward a layer holds nothing of its gathered experts.
 
 The gathered weight follows the transposes the experts' forward applies (``weight.transpose(-2, -1)``); any other
 operation sees its dequantized value.
@@ -100,7 +105,6 @@ class FP8ShardedExperts(FP8ShardedWeight):
         rows, cols = self.shape[1:]
         n, k = (cols, rows) if stored_kn else (rows, cols)
         experts = gathered.shape[0] // n
-        q = recipe.fsdp_experts_unpack(gathered, experts, n, k, meta)
         if out is not None:
             out = local_shard(out)
             if not isinstance(out, FP8GatheredExperts):
@@ -109,10 +113,10 @@ class FP8ShardedExperts(FP8ShardedWeight):
                 )
             if out._buffer.untyped_storage().data_ptr() != gathered.untyped_storage().data_ptr():
                 raise RuntimeError("FP8 all-gather: FSDP2 refilled a different buffer than the one the experts view.")
-            out._q, out._meta, out._buffer = q, meta, gathered
+            out._meta, out._buffer = meta, gathered
             return None
         shape = (experts, *self.shape[1:])
-        return FP8GatheredExperts(q, gathered, recipe, meta, param_dtype, shape, stored_kn, False), (gathered,)
+        return FP8GatheredExperts(gathered, recipe, meta, param_dtype, shape, stored_kn, False), (gathered,)
 
 
 class FP8GatheredExperts(torch.Tensor):
@@ -120,22 +124,22 @@ class FP8GatheredExperts(torch.Tensor):
 
     ``stored_kn``: the parameter is stored (E, K, N); ``flipped``: this view has its last two dimensions swapped
     from the stored ones. The experts consume it through :meth:`fp8_expert_operands`; any other op sees the
-    dequantized weight.
+    dequantized weight. It holds the gathered bytes ``buffer`` and the pack's ``meta`` only (every view shares the
+    buffer, which FSDP2 frees on reshard and re-fills in place).
     """
 
-    _q: list
     _buffer: torch.Tensor
 
     @staticmethod
-    def __new__(cls, q, buffer, recipe, meta, dtype, stored_shape, stored_kn, flipped):
+    def __new__(cls, buffer, recipe, meta, dtype, stored_shape, stored_kn, flipped):
         e, a, b = stored_shape
         shape, strides = ((e, b, a), (a * b, 1, b)) if flipped else ((e, a, b), (a * b, b, 1))
         return torch.Tensor._make_wrapper_subclass(
             cls, shape, strides=strides, dtype=dtype, device=buffer.device, requires_grad=False
         )
 
-    def __init__(self, q, buffer, recipe, meta, dtype, stored_shape, stored_kn, flipped):
-        self._q, self._buffer, self._recipe, self._meta = q, buffer, recipe, meta
+    def __init__(self, buffer, recipe, meta, dtype, stored_shape, stored_kn, flipped):
+        self._buffer, self._recipe, self._meta = buffer, recipe, meta
         self._stored_shape, self._stored_kn, self._flipped = tuple(stored_shape), stored_kn, flipped
 
     def __repr__(self) -> str:
@@ -143,7 +147,7 @@ class FP8GatheredExperts(torch.Tensor):
         return f"FP8GatheredExperts(shape={tuple(self.shape)}, recipe={recipe}, dtype={self.dtype})"
 
     def _view(self, flipped: bool) -> "FP8GatheredExperts":
-        return FP8GatheredExperts(self._q, self._buffer, self._recipe, self._meta, self.dtype, self._stored_shape,
+        return FP8GatheredExperts(self._buffer, self._recipe, self._meta, self.dtype, self._stored_shape,
                                   self._stored_kn, flipped)  # fmt: skip
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -166,19 +170,33 @@ class FP8GatheredExperts(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
         recipe, recipe_meta, dtype, stored_shape, stored_kn, flipped = meta
-        e, a, b = stored_shape
-        n, k = (b, a) if stored_kn else (a, b)
-        q = recipe.fsdp_experts_unpack(inner["_buffer"], e, n, k, recipe_meta)
-        return FP8GatheredExperts(q, inner["_buffer"], recipe, recipe_meta, dtype, stored_shape, stored_kn, flipped)
+        return FP8GatheredExperts(inner["_buffer"], recipe, recipe_meta, dtype, stored_shape, stored_kn, flipped)
 
     @property
     def _as_experts_nk(self) -> bool:
         """Whether this view is (E, N, K): each ``self[e]`` is expert ``e``'s weight as a linear layer holds it."""
         return self._stored_kn == self._flipped
 
+    def _unpacked(self) -> list:
+        """Each expert's fprop operand, unpacked from the gathered buffer (views of it where the recipe can)."""
+        if self._buffer.untyped_storage().nbytes() == 0:
+            raise RuntimeError(
+                f"FP8GatheredExperts of shape {tuple(self.shape)}: its gathered buffer was freed (FSDP2 resharded the "
+                "module) and not gathered again; use the weight inside the module's forward or backward, or call "
+                "module.unshard() first."
+            )
+        e, a, b = self._stored_shape
+        n, k = (b, a) if self._stored_kn else (a, b)
+        return self._recipe.fsdp_experts_unpack(self._buffer, e, n, k, self._meta)
+
+    @property
+    def _q(self) -> list:
+        """Each expert's fprop operand (unpacked at each read)."""
+        return self._unpacked()
+
     def dequantize(self) -> torch.Tensor:
         """The weight's value as gathered (FP8-rounded), in the weight's dtype and this view's layout."""
-        values = torch.stack([dequantize_operand(q, self.dtype) for q in self._q])  # (E, N, K)
+        values = torch.stack([dequantize_operand(q, self.dtype) for q in self._unpacked()])  # (E, N, K)
         return values if self._as_experts_nk else values.transpose(1, 2)
 
     def fp8_expert_operands(self, scaling, record: bool):
@@ -192,7 +210,12 @@ class FP8GatheredExperts(torch.Tensor):
         if scaling.recipe != self._recipe:
             values = self.dequantize().float()
             return scaling.recipe.grouped_weight_operands(values, scaling.forward_dtype, scaling.expert_states, record)
-        return self._recipe.fsdp_experts_operands(self._q, scaling, self._meta, record)
+        return self._recipe.fsdp_experts_operands(self._unpacked(), scaling, self._meta, record)
+
+    def fp8_regathered_for_backward(self, scaling) -> bool:
+        """Whether backward can make this weight's operands for ``scaling`` again, bit for bit, from the buffer FSDP2
+        re-gathers for it (the gathered recipe's own operands; an override's casts are kept from the forward)."""
+        return scaling.recipe == self._recipe
 
 
 __all__ = ["FP8GatheredExperts", "FP8ShardedExperts", "experts_gather_unsupported_reason"]

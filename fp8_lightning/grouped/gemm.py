@@ -241,9 +241,13 @@ class FP8GroupedMMFunction(torch.autograd.Function):
             y = grouped_product(_values(x_row), w_kn, offs, bounds)
         scaling.gemms["fprop"] += 1
         # the input's columnwise copies (activation memory) travel as saved tensors, which activation checkpointing
-        # drops and recomputes and a backward frees; the weights' operands are the step's cached cast
+        # drops and recomputes and a backward frees; the weights' operands are the step's cached cast, except for a
+        # weight FSDP2 gathered in FP8: it is saved itself (its buffer is freed on reshard and re-filled before
+        # backward), and backward makes its operands again from it
         tensors = []
-        ctx.saved = (_hollow(x_columns, tensors), w_operands)
+        regathered = getattr(weight, "fp8_regathered_for_backward", None)
+        w_saved = _hollow(weight, tensors) if regathered is not None and regathered(scaling) else w_operands
+        ctx.saved = (_hollow(x_columns, tensors), w_saved)
         ctx.save_for_backward(*tensors)
         return y.to(step.out_dtype)
 
@@ -263,6 +267,8 @@ class FP8GroupedMMFunction(torch.autograd.Function):
         scaling, bounds, offs = step.scaling, step.bounds, step.offs
         hollow_columns, w_operands = ctx.saved
         x_columns = _fill(hollow_columns, ctx.saved_tensors)  # torch refuses a second backward once they are freed
+        if isinstance(w_operands, _Slot):  # the weight FSDP2 gathered again for backward
+            w_operands = ctx.saved_tensors[w_operands].fp8_expert_operands(scaling, False) if needs_a else None
         native = step.native
         g_row, g_columns = scaling.recipe.grouped_operands(
             "grad_output", grad_y.contiguous(), bounds, scaling.backward_dtype, needs_w,

@@ -45,12 +45,20 @@ from fp8_lightning.nvfp4 import (
     rht_signs,
     unpack_e2m1,
 )
-from fp8_lightning.nvfp4_grouped import group_keys, nvfp4_group_columns, nvfp4_stacked_weights
+from fp8_lightning.nvfp4_grouped import (
+    NVFP4ExpertRows,
+    group_keys,
+    nvfp4_gathered_weights,
+    nvfp4_group_columns,
+    nvfp4_stacked_weights,
+)
 from fp8_lightning.nvfp4_shards import (
     nvfp4_recast_columns,
     nvfp4_shard_reason,
     nvfp4_transposed_tiles,
+    pack_nvfp4_experts,
     pack_nvfp4_shard,
+    unpack_nvfp4_experts,
     unpack_nvfp4_gathered,
 )
 from fp8_lightning.nvfp4_gemm import (
@@ -340,16 +348,21 @@ class NVFP4BlockScaling(Recipe):
         return row, _operand(nvfp4_recast_columns(dispatch.operand_f32(row), metadata))
 
     def fsdp_experts_pack(self, shard, scaling, first, record, global_amax):
-        """Each local expert packed as :meth:`fsdp_pack` packs a weight, with its own global scale from its own amax."""
+        """This rank's experts packed as :meth:`fsdp_pack` packs a weight, each with its own global scale from its own
+        agreed amax, all in one cast (:func:`~fp8_lightning.nvfp4_shards.pack_nvfp4_experts`)."""
         agreed = global_amax()  # every expert's amax, agreed in the step's one all-reduce
-        packed = [self.fsdp_pack(w, None, lambda e=first + i: agreed[e])[0] for i, w in enumerate(shard)]
-        return torch.cat(packed), global_scale_from_amax(agreed)  # every expert's global scale, on every rank
+        packed, _ = pack_nvfp4_experts(shard, agreed[first : first + shard.shape[0]], self._weight_tile())
+        return packed, global_scale_from_amax(agreed)  # every expert's global scale, on every rank
 
     def fsdp_experts_unpack(self, gathered, experts, n, k, metadata):
-        return [self.fsdp_unpack(part, n, k, scale) for part, scale in zip(gathered.split(n), metadata)]
+        """Every expert's fprop operand, from one stacked view of the gathered bytes."""
+        cast = unpack_nvfp4_experts(gathered, experts, n, k, metadata, self._weight_tile())
+        return NVFP4ExpertRows(cast, metadata, experts, _operand)
 
     def fsdp_experts_operands(self, gathered, scaling, metadata, record):
-        return [self.fsdp_operands(q, None, scale, record) for q, scale in zip(gathered, metadata)]
+        """Stacked as :meth:`grouped_weight_operands` stacks them, in one pass: W_e.T as :meth:`fsdp_operands`
+        makes W.T (:func:`~fp8_lightning.nvfp4_grouped.nvfp4_gathered_weights`)."""
+        return nvfp4_gathered_weights(gathered, _operand, NVFP4)
 
     def _weight_tile(self) -> int:
         return NVFP4_BLOCK if self.fp4_2d_weights else 1
