@@ -18,7 +18,8 @@ checkpointing's, and no-grad rollouts) are logged apart; a recompute replays the
 backward that reaches the module (a recompute, or the layer's own backward: :func:`close_forwards`) closes both
 logs: the first forward after it starts them afresh, so no forward of an earlier step is replayed, also where the
 weight never changes in place (a frozen module); a log also starts afresh when the weight changed in place (an
-optimizer step). A closed log still serves recomputes until then (a second backward through a retained graph). A module that ran under two settings of one kind cannot tell which one a recompute repeats: it raises
+optimizer step). A closed log still serves recomputes until then (a second backward through a retained graph).
+A module that ran under two settings of one kind cannot tell which one a recompute repeats: it raises
 :class:`FP8RecomputeError`. :func:`fp8_checkpoint_context`, passed as ``context_fn`` to non-reentrant
 checkpointing, carries the setting of each checkpointed call instead and always works.
 """
@@ -122,9 +123,9 @@ def forward_setting(module: nn.Module, weight: torch.Tensor) -> tuple[AutocastSt
     elif state is log.state and not log.closed:  # the hot path: the same fp8_autocast block, nothing new
         return state, False
     version = -1 if weight.is_inference() else weight._version  # inference tensors have no version
-    if log.state is None or log.closed or version != log.version:  # a new step: so is the other kind's log, if a
-        done = module.__dict__.get(_NO_GRAD_LOG_ATTR if grad else _LOG_ATTR)  # backward or an update passed since
-        if done is not None and (done.closed or done.version != version):
+    if log.state is None or log.closed:  # a new step: the other kind's forwards are done with if a backward closed
+        done = module.__dict__.get(_NO_GRAD_LOG_ATTR if grad else _LOG_ATTR)  # them (no recompute may replay them)
+        if done is not None and done.closed:
             done.state = None
     log.record(state, version)
     return state, False
@@ -176,4 +177,6 @@ def fp8_checkpoint_context():
     return contextlib.nullcontext(), _Replaying(dataclasses.replace(autocast_state(), recompute=True))
 
 
-__all__ = ["FP8RecomputeError", "ForwardLog", "close_forwards", "forget_forwards", "forward_setting", "fp8_checkpoint_context"]
+__all__ = [
+    "FP8RecomputeError", "ForwardLog", "close_forwards", "forget_forwards", "forward_setting", "fp8_checkpoint_context",
+]

@@ -107,3 +107,42 @@ def test_a_no_grad_forward_after_a_backward_starts_the_grad_log_afresh():
         model(x)
     assert log.state is None
     assert not model[0].__dict__["_fp8_no_grad_forward_log"].closed
+
+
+class _FrozenExperts(nn.Module):
+    """Fixed routing into frozen FP8 GroupedExperts, then a trainable FP8 head."""
+
+    def __init__(self):
+        super().__init__()
+        from fp8_lightning import GroupedExperts
+
+        self.experts = GroupedExperts(64, 128, 4)
+        self.head = nn.Linear(64, 64)
+        self.register_buffer("offs", torch.tensor([10, 10, 40, 64], dtype=torch.int32))
+
+    def forward(self, x):
+        return self.head(self.experts(x, self.offs))
+
+
+def _experts_grads(steps):
+    torch.manual_seed(0)
+    model = _FrozenExperts()
+    convert_to_fp8(model, "tensorwise")
+    model.experts.requires_grad_(False)
+    for step, (ckpt, setting) in enumerate(steps):
+        torch.manual_seed(10 + step)
+        x = torch.randn(64, 64, requires_grad=True)
+        with fp8_autocast(**SETTINGS[setting]):
+            y = model(x) if ckpt is None else checkpoint(model, x, use_reentrant=ckpt)
+        y.square().mean().backward()
+    return x.grad
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the grouped experts' backward does not call fp8_lightning.recompute.close_forwards(module) yet: a frozen "
+    "experts module's unchecked step is still replayed by the next step's reentrant recompute",
+)
+def test_frozen_experts_after_an_unchecked_step():
+    grads = _experts_grads([(None, "fp8"), (True, "high_precision")])
+    assert torch.equal(grads, _experts_grads([(None, "fp8"), (None, "high_precision")]))
