@@ -20,11 +20,8 @@ The eager step (:class:`fp8_lightning.linear.EagerStep`) hands over the casts' o
 the traced step (:class:`fp8_lightning.traced.TracedPlan`, a frozen constant to the compiler) takes the casts'
 tensors, which enter the graph as the Function's inputs.
 
-The backward refuses ``create_graph=True`` (double backward, gradient penalties, Hessian-vector products): its GEMMs
-multiply FP8 copies made outside autograd, so its gradients could carry no graph and a second derivative through
-the layer would silently come out as zero. The engine runs a backward with grad enabled exactly when
-``create_graph=True`` was asked; ``torch.compile`` traces this backward with grad disabled, so the check costs its
-graph nothing (the compiled backward is refused by torch itself: see ``docs/guides/core.md``).
+The backward refuses ``create_graph=True``: its gradients would carry no graph (a silent zero second derivative).
+``torch.compile`` traces it with grad disabled, where the check is a no-op (``docs/guides/core.md``).
 """
 
 from __future__ import annotations
