@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from fp8_lightning import convert_to_fp8, fp8_autocast
 from fp8_lightning.recipes import RECIPES
+from tests.conftest import requires_cuda_fp8
 
 KINDS = ["linear", "conv1d"]
 
@@ -146,3 +147,21 @@ def test_a_compiled_step_refuses_double_backward_too(recipe):
             loss = compiled(x).square().mean()
         (gx,) = torch.autograd.grad(loss, x, create_graph=True)
         torch.autograd.grad(gx.square().sum(), model[0].weight)
+
+
+@requires_cuda_fp8
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
+def test_on_cuda_the_backward_thread_refuses_and_first_order_runs(recipe):
+    """On a GPU autograd runs the backward on its device thread, which takes create_graph's grad mode too."""
+    model = _layer("linear", recipe).cuda()
+    x = torch.randn(32, 128, device="cuda", requires_grad=True)
+    with fp8_autocast():
+        loss = model(x).square().mean()
+    with pytest.raises(RuntimeError, match=r"create_graph=True"):
+        torch.autograd.grad(loss, x, create_graph=True)
+    with fp8_autocast():
+        loss = model(x).square().mean()
+    gx, gw = torch.autograd.grad(loss, (x, _weight(model)))
+    ref_x, ref_w = _float64_grads(model, x, "linear")
+    for got, ref in ((gx, ref_x), (gw, ref_w)):
+        assert 0 < ((got.double() - ref).norm() / ref.norm()).item() < 0.1

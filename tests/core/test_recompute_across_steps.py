@@ -20,6 +20,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from fp8_lightning import convert_to_fp8, fp8_autocast, fp8_state_dict, sync_scales
+from tests.conftest import requires_cuda_fp8
 
 MODES = {"reentrant": True, "non_reentrant": False}
 SETTINGS = {  # fp8_autocast arguments
@@ -29,23 +30,23 @@ SETTINGS = {  # fp8_autocast arguments
 }
 
 
-def _model(frozen: bool) -> nn.Sequential:
+def _model(frozen: bool, device: str = "cpu") -> nn.Sequential:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)).to(device)
     convert_to_fp8(model, "delayed")
     if frozen:
         model[0].requires_grad_(False)
     return model
 
 
-def _run(frozen: bool, steps: list[tuple[bool | None, str]]):
+def _run(frozen: bool, steps: list[tuple[bool | None, str]], device: str = "cpu"):
     """Per step (use_reentrant or None for no checkpointing, setting name): the grads of the last step (input and
     trainable parameters) and the FP8 state after all steps (SGD and a scale update after each)."""
-    model = _model(frozen)
+    model = _model(frozen, device)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
     for step, (ckpt, setting) in enumerate(steps):
         torch.manual_seed(10 + step)
-        x = torch.randn(32, 64, requires_grad=True)
+        x = torch.randn(32, 64).to(device).requires_grad_()
         opt.zero_grad()
         with fp8_autocast(**SETTINGS[setting]):
             y = model(x) if ckpt is None else checkpoint(model, x, use_reentrant=ckpt)
@@ -82,6 +83,17 @@ def test_a_checkpointed_step_after_an_unchecked_one_replays_its_own_setting(froz
     _assert_same(state, ref_state)  # amax histories and scales: the recompute booked nothing
     stale_grads, _ = _run(frozen, [(None, "fp8"), (None, "fp8")])  # what replaying step 1's setting computes
     assert not all(torch.equal(g, s) for g, s in zip(ref_grads, stale_grads))
+
+
+@requires_cuda_fp8
+@pytest.mark.parametrize("mode", list(MODES))
+def test_on_cuda_a_frozen_layer_replays_its_own_step(mode):
+    """On a GPU the recompute runs on autograd's device thread; the logs are the module's, so the same holds."""
+    steps = [(None, "fp8"), (MODES[mode], "high_precision")]
+    grads, state = _run(True, steps, "cuda")
+    ref_grads, ref_state = _run(True, [(None, "fp8"), (None, "high_precision")], "cuda")
+    _assert_same(grads, ref_grads)
+    _assert_same(state, ref_state)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
