@@ -19,11 +19,23 @@ what is saved for backward and how the bias gradient is formed, once. A *step* o
 The eager step (:class:`fp8_lightning.linear.EagerStep`) hands over the casts' operand objects with their caches;
 the traced step (:class:`fp8_lightning.traced.TracedPlan`, a frozen constant to the compiler) takes the casts'
 tensors, which enter the graph as the Function's inputs.
+
+The backward refuses ``create_graph=True``: its gradients would carry no graph (a silent zero second derivative).
+``torch.compile`` traces it with grad disabled, where the check is a no-op (``docs/guides/core.md``).
 """
 
 from __future__ import annotations
 
 import torch
+
+DOUBLE_BACKWARD_REFUSED = (
+    "An FP8 linear layer was asked for a differentiable gradient (a backward with create_graph=True: double backward, "
+    "a gradient penalty, a Hessian-vector product). FP8 has no second derivative: the layer's backward GEMMs run on "
+    "FP8 copies made outside autograd, so its gradients would carry no graph and the second derivative would "
+    "silently be zero. Run the forward of that computation with the layer in high precision: inside "
+    "fp8_lightning.fp8_autocast(enabled=False), or keep the layer out of FP8 with the layer policy "
+    "(convert_to_fp8(model, layers={'<layer name>': None}) or module_filter_fn)."
+)
 
 
 class FP8LinearFunction(torch.autograd.Function):
@@ -43,6 +55,8 @@ class FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
+        if torch.is_grad_enabled():  # create_graph=True: the gradients would silently carry no graph
+            raise RuntimeError(DOUBLE_BACKWARD_REFUSED)
         step, (x_dtype, w_dtype, bias_dtype) = ctx.step, ctx.dtypes
         needs_x, needs_w, needs_bias = ctx.needs_input_grad[:3]
         x_t, w_t, grad_state = step.unpack(ctx.meta, ctx.saved_tensors)

@@ -35,7 +35,7 @@ from fp8_lightning.gemm import check_device, fp8_mm
 from fp8_lightning.layer_step import FP8LinearFunction
 from fp8_lightning.quantize import OperandCache, OperandKind, Quantized
 from fp8_lightning.recipes import Recipe, RecipeLike, recipe_from
-from fp8_lightning.recompute import forget_forwards, forward_setting
+from fp8_lightning.recompute import close_forwards, forget_forwards, forward_setting
 from fp8_lightning.scaling import OperandScaling, advance_histories, bind_layer_name, records_amax
 from fp8_lightning.settings import settings
 from fp8_lightning.traced import make_plan, traced_linear
@@ -283,6 +283,7 @@ class EagerStep:
         return meta[0].rebuild(x_data, x_scale), meta[1].rebuild(w_data, w_scale), grad_state
 
     def grad_operands(self, g: torch.Tensor, grad_state, columnwise: bool):
+        close_forwards(self.layer)  # the backward reached the layer: its logged forwards are done with
         scaling = self.scaling
         g_row, g_col = scaling.cast("grad_output", g, record=True, columnwise=columnwise)
         observer = self.layer.__dict__.get("fp8_observer")

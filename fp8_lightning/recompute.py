@@ -13,10 +13,13 @@ as a *replay*: the same recipe and the scales in force, the step's cached FP8 we
 no scale advance, no statistic, no GEMM count, no observer call), so its casts are bit for bit those of the forward
 and the gradients are those of the run without checkpointing.
 
-The log starts afresh at the first forward after a recompute or after the module's weight changed in place (an
-optimizer step). Forwards with grad (what non-reentrant checkpointing recomputes) and training forwards without it
-(reentrant checkpointing's, and no-grad rollouts) are logged apart; a recompute replays the first kind when there is
-one. A module that ran under two settings of one kind cannot tell which one a recompute repeats: it raises
+Forwards with grad (what non-reentrant checkpointing recomputes) and training forwards without it (reentrant
+checkpointing's, and no-grad rollouts) are logged apart; a recompute replays the first kind when there is one. A
+backward that reaches the module (a recompute, or the layer's own backward: :func:`close_forwards`) closes both
+logs: the first forward after it starts them afresh, so no forward of an earlier step is replayed, also where the
+weight never changes in place (a frozen module); a log also starts afresh when the weight changed in place (an
+optimizer step). A closed log still serves recomputes until then (a second backward through a retained graph).
+A module that ran under two settings of one kind cannot tell which one a recompute repeats: it raises
 :class:`FP8RecomputeError`. :func:`fp8_checkpoint_context`, passed as ``context_fn`` to non-reentrant
 checkpointing, carries the setting of each checkpointed call instead and always works.
 """
@@ -46,22 +49,23 @@ def _describe(state: AutocastState) -> str:
 
 
 class ForwardLog:
-    """The FP8 setting of a module's forwards since the last recompute or weight update.
+    """The FP8 setting of a module's forwards of one kind since the last backward that reached it or weight update.
 
-    ``state``: the setting of the first such forward; ``other``: a different setting a later one ran under, or None.
+    ``state``: the setting of the first such forward; ``other``: a different setting a later one ran under, or None;
+    ``closed``: a backward reached the module since (its forwards are then done with: the next one starts afresh).
     """
 
-    __slots__ = ("state", "other", "version", "replayed")
+    __slots__ = ("state", "other", "version", "closed")
 
     def __init__(self) -> None:
         self.state: AutocastState | None = None
         self.other: AutocastState | None = None
         self.version: int | None = None
-        self.replayed = False
+        self.closed = False
 
     def record(self, state: AutocastState, version: int) -> None:
-        if self.state is None or self.replayed or version != self.version:
-            self.state, self.other, self.version, self.replayed = state, None, version, False
+        if self.state is None or self.closed or version != self.version:
+            self.state, self.other, self.version, self.closed = state, None, version, False
         elif state == self.state:  # the same setting from a new fp8_autocast block: keep the new object, which
             self.state = state  # the hot path compares by identity
         else:
@@ -77,7 +81,6 @@ class ForwardLog:
                 "each call (Hugging Face: gradient_checkpointing_enable(gradient_checkpointing_kwargs="
                 "{'use_reentrant': False, 'context_fn': fp8_checkpoint_context})), or run the module under one setting."
             )
-        self.replayed = True
         return self.state
 
 
@@ -107,17 +110,38 @@ def forward_setting(module: nn.Module, weight: torch.Tensor) -> tuple[AutocastSt
                 log = module.__dict__.get(_NO_GRAD_LOG_ATTR)
             if log is None or log.state is None:  # no forward of this module to repeat: an ordinary forward
                 return state, False
-            return log.replay(module), True
+            replayed = log.replay(module)
+            close_forwards(module)
+            return replayed, True
     elif not module.training or torch.is_inference_mode_enabled():
         return state, False  # evaluation: never recomputed
-    attr = _LOG_ATTR if torch.is_grad_enabled() else _NO_GRAD_LOG_ATTR  # a no-grad rollout never blurs a step's
+    grad = torch.is_grad_enabled()
+    attr = _LOG_ATTR if grad else _NO_GRAD_LOG_ATTR  # a no-grad rollout never blurs a step's
     log = module.__dict__.get(attr)
     if log is None:
         log = module.__dict__[attr] = ForwardLog()
-    elif state is log.state and not log.replayed:  # the hot path: the same fp8_autocast block, nothing new
+    elif state is log.state and not log.closed:  # the hot path: the same fp8_autocast block, nothing new
         return state, False
-    log.record(state, -1 if weight.is_inference() else weight._version)  # inference tensors have no version
+    version = -1 if weight.is_inference() else weight._version  # inference tensors have no version
+    if log.state is None or log.closed:  # a new step: the other kind's forwards are done with if a backward closed
+        done = module.__dict__.get(_NO_GRAD_LOG_ATTR if grad else _LOG_ATTR)  # them (no recompute may replay them)
+        if done is not None and done.closed:
+            done.state = None
+    log.record(state, version)
     return state, False
+
+
+def close_forwards(module: nn.Module) -> None:
+    """Mark ``module``'s logged forwards as done with: a backward reached the module (its own backward calls this).
+
+    The next forward then starts the logs afresh, so a later recompute never replays the setting of a forward whose
+    backward already ran (a step without checkpointing before a step with it); until then a recompute still replays
+    them (the module's forward used twice in one graph, or a second backward through a retained graph).
+    """
+    for attr in (_LOG_ATTR, _NO_GRAD_LOG_ATTR):
+        log = module.__dict__.get(attr)
+        if log is not None:
+            log.closed = True
 
 
 def forget_forwards(module: nn.Module) -> None:
@@ -153,4 +177,6 @@ def fp8_checkpoint_context():
     return contextlib.nullcontext(), _Replaying(dataclasses.replace(autocast_state(), recompute=True))
 
 
-__all__ = ["FP8RecomputeError", "ForwardLog", "forget_forwards", "forward_setting", "fp8_checkpoint_context"]
+__all__ = [
+    "FP8RecomputeError", "ForwardLog", "close_forwards", "forget_forwards", "forward_setting", "fp8_checkpoint_context",
+]
