@@ -149,6 +149,7 @@ def test_a_compiled_step_refuses_double_backward_too(recipe):
         torch.autograd.grad(gx.square().sum(), model[0].weight)
 
 
+@pytest.mark.gpu
 @requires_cuda_fp8
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
 def test_on_cuda_the_backward_thread_refuses_and_first_order_runs(recipe):

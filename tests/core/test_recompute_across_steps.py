@@ -85,6 +85,7 @@ def test_a_checkpointed_step_after_an_unchecked_one_replays_its_own_setting(froz
     assert not all(torch.equal(g, s) for g, s in zip(ref_grads, stale_grads))
 
 
+@pytest.mark.gpu
 @requires_cuda_fp8
 @pytest.mark.parametrize("mode", list(MODES))
 def test_on_cuda_a_frozen_layer_replays_its_own_step(mode):
