@@ -67,7 +67,7 @@ def padded_layout(offs: torch.Tensor, align: int, rows: int | None = None) -> Pa
     ends = offs.to(torch.int64)
     starts = F.pad(ends[:-1], (1, 0))
     counts = ends - starts
-    sizes = (counts.clamp(min=1) + align - 1) // align * align
+    sizes = (counts.clamp(min=1) + (align - 1)) // align * align
     out_ends = torch.cumsum(sizes, 0)
     if rows is None:
         return PaddedLayout(starts, counts, sizes, out_ends, None, None)
