@@ -34,23 +34,23 @@ def padded_group_sizes(bounds: list[tuple[int, int]], align: int) -> list[int]:
     return [-(-max(end - start, 1) // align) * align for start, end in bounds]
 
 
-class HostLayout(NamedTuple):
-    """The padded layout of :func:`host_layout`, host integers per group."""
+class HostTokenLayout(NamedTuple):
+    """The padded layout of :func:`host_token_layout`, host integers per group."""
 
     sizes: list[int]  # each group's rows
     padded: list[int]  # each group's length in the layout (:func:`padded_group_sizes`)
     starts: list[int]  # where each group begins in the layout
 
 
-def host_layout(bounds: list[tuple[int, int]], align: int) -> HostLayout:
+def host_token_layout(bounds: list[tuple[int, int]], align: int) -> HostTokenLayout:
     """Each group of ``bounds`` placed at a multiple of ``align``, padded to whole ``align`` positions (an empty group
-    taking one aligned slot): the host's view of :func:`padded_layout`, read from the bounds, not from ``offs``."""
+    taking one aligned slot): the host's view of :func:`token_layout`, read from the bounds, not from ``offs``."""
     padded = padded_group_sizes(bounds, align)
-    return HostLayout([end - start for start, end in bounds], padded, [0, *itertools.accumulate(padded)][:-1])
+    return HostTokenLayout([end - start for start, end in bounds], padded, [0, *itertools.accumulate(padded)][:-1])
 
 
-class PaddedLayout(NamedTuple):
-    """The padded layout of :func:`padded_layout`: int64 device tensors, per group (E,) and per row (M,)."""
+class TokenLayout(NamedTuple):
+    """The padded layout of :func:`token_layout`: int64 device tensors, per group (E,) and per row (M,)."""
 
     starts: torch.Tensor  # each group's first row of x
     counts: torch.Tensor  # each group's rows
@@ -60,20 +60,20 @@ class PaddedLayout(NamedTuple):
     dest: torch.Tensor | None  # each row's place in the layout (None without rows)
 
 
-def padded_layout(offs: torch.Tensor, align: int, rows: int | None = None) -> PaddedLayout:
+def token_layout(offs: torch.Tensor, align: int, rows: int | None = None) -> TokenLayout:
     """Each group of ``offs`` (cumulative ends, on any device) placed at a multiple of ``align``, padded with zeros to
     whole ``align`` positions (an empty group taking one aligned slot), and with ``rows`` where each row goes: device
-    operations only, no read of ``offs`` on the host. :func:`host_layout` gives the same layout from the bounds."""
+    operations only, no read of ``offs`` on the host. :func:`host_token_layout` gives the same layout from bounds."""
     ends = offs.to(torch.int64)
     starts = F.pad(ends[:-1], (1, 0))
     counts = ends - starts
     sizes = (counts.clamp(min=1) + (align - 1)) // align * align
     out_ends = torch.cumsum(sizes, 0)
     if rows is None:
-        return PaddedLayout(starts, counts, sizes, out_ends, None, None)
+        return TokenLayout(starts, counts, sizes, out_ends, None, None)
     row = torch.arange(rows, device=offs.device)
     group = torch.searchsorted(ends, row, right=True)
-    return PaddedLayout(starts, counts, sizes, out_ends, group, row + (out_ends - sizes - starts)[group])
+    return TokenLayout(starts, counts, sizes, out_ends, group, row + (out_ends - sizes - starts)[group])
 
 
 def group_ends(bounds: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
@@ -88,18 +88,18 @@ def group_ends(bounds: list[tuple[int, int]], device: torch.device) -> torch.Ten
 def device_layout(
     offs: torch.Tensor, align: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(starts, rows, out_starts, out_ends)`` of :func:`padded_layout` as the grouped cast kernel takes them: each
+    """``(starts, rows, out_starts, out_ends)`` of :func:`token_layout` as the grouped cast kernel takes them: each
     group's first row and row count (int32), and its first position (int64) and end (int32) in the layout."""
-    layout = padded_layout(offs, align)
+    layout = token_layout(offs, align)
     return (layout.starts.to(torch.int32), layout.counts.to(torch.int32), layout.ends - layout.sizes,
             layout.ends.to(torch.int32))  # fmt: skip
 
 
 def padded_rows(offs: torch.Tensor, rows: int, align: int) -> tuple[torch.Tensor, int]:
-    """(where each of ``rows`` rows goes in :func:`padded_layout`'s layout, that layout's length upper bound): device
+    """(where each of ``rows`` rows goes in :func:`token_layout`'s layout, that layout's length upper bound): device
     operations only, and a length that depends on ``rows`` and the number of groups alone, so a traced graph holds
     one shape whatever the group sizes (the rows past the last group are zeros)."""
-    return padded_layout(offs, align, rows).dest, -(-rows // align) * align + offs.numel() * align
+    return token_layout(offs, align, rows).dest, -(-rows // align) * align + offs.numel() * align
 
 
 def uniform_layout(
@@ -296,12 +296,12 @@ class ExpertBlockWeights(ExpertOperands):
 
 class PaddedGroupColumns(GroupOperands):
     """Every group's operand of ``x[start:end].T`` (a view; None for an empty group) from one cast of ``x``'s rows laid
-    out with each group padded with zeros to whole tiles of ``align`` tokens (:func:`padded_layout`): ``whole``, the
+    out with each group padded with zeros to whole tiles of ``align`` tokens (:func:`token_layout`): ``whole``, the
     operand of that layout's transpose (K, length); ``index`` (device) each token's position in the layout."""
 
     def __init__(self, whole: Quantized, index: torch.Tensor, bounds: list[tuple[int, int]], align: int):
         self.whole, self.index, self.align = whole, index, align
-        self.sizes, _, self.starts = host_layout(bounds, align)
+        self.sizes, _, self.starts = host_token_layout(bounds, align)
 
     @functools.cached_property
     def _views(self) -> list[Quantized | None]:

@@ -24,7 +24,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from fp8_lightning.groups import GroupBounds, GroupOperands, StackedWeights, group_ends, host_layout, padded_layout
+from fp8_lightning.groups import GroupBounds, GroupOperands, StackedWeights, group_ends, host_token_layout, token_layout
 from fp8_lightning.ops import dispatch
 from fp8_lightning.quantize import MX, Quantized
 
@@ -146,8 +146,8 @@ def grouped_mx_columns(
     into a layout where each group starts at a multiple of ``block_size`` (an empty group holding one block of zeros)
     and that layout cast along the tokens, so every block lies in one group: the bits of casting each group's
     ``x[start:end]`` on its own (zero-padded to whole blocks)."""
-    sizes, padded, starts = host_layout(bounds, block_size)
-    layout = padded_layout(group_ends(bounds, x.device), block_size, x.shape[0])
+    sizes, padded, starts = host_token_layout(bounds, block_size)
+    layout = token_layout(group_ends(bounds, x.device), block_size, x.shape[0])
     layout_rows = x.detach().new_zeros(sum(padded), x.shape[1]).index_copy_(0, layout.dest, x.detach())
     q = dispatch.fast_quantize_mx_columns(layout_rows, block_size, scale_rounding, dtype)  # (K, M_pad), along M
     return MXGroupedColumns(q.data.contiguous(), q.scale.contiguous(), layout.ends.to(torch.int32), starts, sizes,

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from fp8_lightning.groups import GroupBounds, GroupOperands, StackedWeights, group_ends, host_layout, padded_layout
+from fp8_lightning.groups import GroupBounds, GroupOperands, StackedWeights, group_ends, host_token_layout, token_layout
 from fp8_lightning.nvfp4 import (
     NVFP4_BLOCK,
     NVFP4Tensor,
@@ -127,9 +127,9 @@ def nvfp4_group_columns(x, bounds, signs, keys, operand: Operand, kind) -> NVFP4
     whole 16-blocks, transposed to (K, L), through the RHT (``signs``, or None) block by block, each group's global
     scale from its own amax, and (``keys``: each group's stochastic-rounding key (E,), or None) each group's noise
     numbered from its own first column as its own cast numbers it."""
-    sizes, padded, starts = host_layout(bounds, NVFP4_BLOCK)
+    sizes, padded, starts = host_token_layout(bounds, NVFP4_BLOCK)
     total, device, (rows, k) = sum(padded), x.device, x.shape
-    placed = padded_layout(group_ends(bounds, device), NVFP4_BLOCK, rows)
+    placed = token_layout(group_ends(bounds, device), NVFP4_BLOCK, rows)
     layout = x.detach().float().new_zeros(total, k).index_copy_(0, placed.dest, x.detach().float()).t()  # (K, L)
     if signs is not None:
         layout = rht_blocks(layout, signs)

@@ -30,8 +30,8 @@ from fp8_lightning.groups import (
     StackedWeights,
     device_layout,
     group_ends,
-    host_layout,
-    padded_layout,
+    host_token_layout,
+    token_layout,
     uniform_layout,
 )
 from fp8_lightning.quantize import ROW, OperandCache, Quantized, to_fp8_saturated, wide
@@ -60,7 +60,7 @@ class GroupedColumns(GroupOperands):
         source = self.source_offs
         if source is None:  # the group sizes from the host (a host-to-device copy, no wait)
             source = torch.tensor(self.sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(self.codes_t.device)
-        layout = padded_layout(source, GROUP_ALIGN, sum(self.sizes))
+        layout = token_layout(source, GROUP_ALIGN, sum(self.sizes))
         values = Quantized(self.codes_t.index_select(1, layout.dest), self.scale.float()[layout.group].t(), ROW)
         return ROW.dequantize(values, torch.float32)
 
@@ -83,7 +83,7 @@ def grouped_columnwise(
     :func:`~fp8_lightning.ops.triton_ops.triton_grouped_column_cast`'s signature (group bounds read on the device),
     or None for pure torch: the amax of each (group, column) by one scatter, one cast, one copy into the padded
     rows and one transpose."""
-    sizes, padded, starts = host_layout(bounds, GROUP_ALIGN)
+    sizes, padded, starts = host_token_layout(bounds, GROUP_ALIGN)
     k, total = x.shape[1], sum(padded)
     offs = getattr(bounds, "offs", None)
     if cast is not None and offs is not None:
@@ -100,7 +100,7 @@ def grouped_columnwise(
 def _columnwise_torch(x, bounds, total, dtype, eps, power_of_2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes_t (K, M_pad), scale (E, K), the padded ends (int32)) of :func:`grouped_columnwise` in pure torch."""
     experts, (rows, k), device = len(bounds), x.shape, x.device
-    layout = padded_layout(group_ends(bounds, device), GROUP_ALIGN, rows)
+    layout = token_layout(group_ends(bounds, device), GROUP_ALIGN, rows)
     group = layout.group
     magnitude = x.detach().abs().float()
     amax = magnitude.new_zeros(experts, k).scatter_reduce_(0, group.unsqueeze(1).expand(rows, k), magnitude, "amax")

@@ -1,8 +1,8 @@
 """The padded token layout of the grouped GEMMs and the protocol of the grouped operand containers.
 
 The layout (each group of tokens placed at a multiple of ``align``, zeros between, an empty group taking one aligned
-slot) is built once on the host (:func:`host_layout`, from the bounds) and once on the device
-(:func:`padded_layout`, from ``offs``, with no read of it on the host: it runs on meta tensors). Both are held against
+slot) is built once on the host (:func:`host_token_layout`, from the bounds) and once on the device
+(:func:`token_layout`, from ``offs``, with no read of it on the host: it runs on meta tensors). Both are held against
 a plain Python loop over the groups.
 
 The emulated grouped GEMMs ask the containers two things: the columns' values for the weight gradient with the ends
@@ -19,7 +19,7 @@ import torch
 
 from fp8_lightning import fp8_grouped_mm
 from fp8_lightning.grouped.gemm import GroupedScaling
-from fp8_lightning.groups import expert_gemm_values, group_bounds, host_layout, padded_layout, wgrad_values
+from fp8_lightning.groups import expert_gemm_values, group_bounds, host_token_layout, token_layout, wgrad_values
 from fp8_lightning.recipes import recipe_from
 from fp8_lightning.recipes.base import Recipe
 
@@ -47,18 +47,18 @@ def _loop(ends: list[int], align: int):
 @pytest.mark.parametrize("ends", ROUTES, ids=str)
 def test_device_and_host_layouts_match_a_loop_over_the_groups(ends, align):
     starts, counts, sizes, out_ends, group, dest = _loop(ends, align)
-    layout = padded_layout(torch.tensor(ends, dtype=torch.int32), align, ends[-1])
+    layout = token_layout(torch.tensor(ends, dtype=torch.int32), align, ends[-1])
     assert [t.tolist() for t in layout] == [starts, counts, sizes, out_ends, group, dest]
     assert all(t.dtype == torch.int64 for t in layout)
-    without_rows = padded_layout(torch.tensor(ends, dtype=torch.int32), align)
+    without_rows = token_layout(torch.tensor(ends, dtype=torch.int32), align)
     assert without_rows.group is None and without_rows.dest is None and without_rows.ends.tolist() == out_ends
-    host = host_layout(list(zip([0, *ends[:-1]], ends)), align)
+    host = host_token_layout(list(zip([0, *ends[:-1]], ends)), align)
     assert (host.sizes, host.padded, host.starts) == (counts, sizes, [e - s for e, s in zip(out_ends, sizes)])
 
 
 def test_the_device_layout_never_reads_offs_on_the_host():
     """On the meta device a read of the values (``.tolist()``, ``.item()``, a Python branch on a tensor) raises."""
-    layout = padded_layout(torch.empty(7, dtype=torch.int32, device="meta"), 32, 250)
+    layout = token_layout(torch.empty(7, dtype=torch.int32, device="meta"), 32, 250)
     assert [tuple(t.shape) for t in layout] == [(7,)] * 4 + [(250,)] * 2
     assert all(t.device.type == "meta" for t in layout)
 
