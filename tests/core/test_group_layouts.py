@@ -2,7 +2,8 @@
 
 The layout (each group of tokens placed at a multiple of ``align``, zeros between, an empty group taking one aligned
 slot) is built once on the host (:func:`host_token_layout`, from the bounds) and once on the device
-(:func:`token_layout`, from ``offs``, with no read of it on the host: it runs on meta tensors). Both are held against
+(:func:`token_layout`, from ``offs``, with no read of it on the host: it runs on meta tensors, and on CUDA under
+torch's sync debug mode). Both are held against
 a plain Python loop over the groups.
 
 The emulated grouped GEMMs ask the containers two things: the columns' values for the weight gradient with the ends
@@ -19,7 +20,15 @@ import torch
 
 from fp8_lightning import fp8_grouped_mm
 from fp8_lightning.grouped.gemm import GroupedScaling
-from fp8_lightning.groups import expert_gemm_values, group_bounds, host_token_layout, token_layout, wgrad_values
+from fp8_lightning.groups import (
+    device_layout,
+    expert_gemm_values,
+    group_bounds,
+    host_token_layout,
+    padded_rows,
+    token_layout,
+    wgrad_values,
+)
 from fp8_lightning.recipes import recipe_from
 from fp8_lightning.recipes.base import Recipe
 
@@ -61,6 +70,24 @@ def test_the_device_layout_never_reads_offs_on_the_host():
     layout = token_layout(torch.empty(7, dtype=torch.int32, device="meta"), 32, 250)
     assert [tuple(t.shape) for t in layout] == [(7,)] * 4 + [(250,)] * 2
     assert all(t.device.type == "meta" for t in layout)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the device-sync check of the layout")
+def test_on_a_gpu_the_layout_is_built_without_a_device_sync():
+    """torch's sync debug mode raises on a host-device sync (a ``.tolist()``, ``.item()`` or data-dependent shape)."""
+    ends = [0, 17, 17, 50]
+    offs = torch.tensor(ends, dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layout = token_layout(offs, 16, ends[-1])
+        starts, rows, out_starts, out_ends = device_layout(offs, 16)
+        dest, _ = padded_rows(offs, ends[-1], 16)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [t.tolist() for t in layout] == list(_loop(ends, 16))
+    assert dest.tolist() == layout.dest.tolist() and out_ends.tolist() == layout.ends.tolist()
 
 
 def _inputs(seed: int = 0):
