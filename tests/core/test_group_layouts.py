@@ -3,8 +3,7 @@
 The layout (each group of tokens placed at a multiple of ``align``, zeros between, an empty group taking one aligned
 slot) is built once on the host (:func:`host_token_layout`, from the bounds) and once on the device
 (:func:`token_layout`, from ``offs``, with no read of it on the host: it runs on meta tensors, and on CUDA under
-torch's sync debug mode). Both are held against
-a plain Python loop over the groups.
+torch's sync debug mode). Both are held against a plain Python loop over the groups.
 
 The emulated grouped GEMMs ask the containers two things: the columns' values for the weight gradient with the ends
 and bounds the product reduces over (:meth:`GroupOperands.wgrad_values`), and the experts' weight values as the
