@@ -117,7 +117,7 @@ case "$mode" in
     STEP_TIMEOUT=90 step pytest_grouped "$python" -m pytest -q -p no:cacheprovider -m gpu \
       tests/core/test_grouped_native.py tests/core/test_grouped_mm.py tests/kernels/test_grouped_cast.py tests/kernels/test_grouped_gemm.py \
       tests/core/test_grouped_batched_casts.py tests/core/test_nvfp4_grouped_batched.py \
-      tests/core/test_weight_cache.py tests/core/test_mx_grouped.py tests/core/test_nvfp4_fsdp_experts_batched.py
+      tests/core/test_weight_cache.py tests/core/test_mx_grouped.py tests/core/test_nvfp4_fsdp_experts_batched.py tests/core/test_group_layouts.py
     STEP_TIMEOUT=120 step grouped "$python" -m benchmarks grouped --suite gpu --recipes rowwise --baselines \
       --rounds 3 --profile --out "$work/perf-grouped-gpu"
     STEP_TIMEOUT=40 step host_time_accumulate "$python" -m benchmarks host-time --device cuda --modes eager \

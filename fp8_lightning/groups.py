@@ -1,5 +1,6 @@
-"""Rows sorted into groups (each expert's tokens): their bounds on the host, and the padded layout of the grouped
-GEMMs as device tensors derived from the same ``offs``, so that a kernel can read them without the host waiting.
+"""Rows sorted into groups (each expert's tokens): their bounds on the host, the padded token layout of the grouped
+GEMMs (on the host, and as device tensors derived from ``offs`` so that a kernel can read them without the host
+waiting), and the containers of the grouped operands with the small protocol the emulated GEMMs call.
 
 ``offs`` follows ``torch._grouped_mm``: int32, the cumulative end row of each group. A layout that pads each group to
 a multiple of ``align`` positions gives an empty group ``align`` positions (zeros), as the grouped kernel needs each
@@ -11,6 +12,7 @@ from __future__ import annotations
 import collections.abc
 import functools
 import itertools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,33 +34,72 @@ def padded_group_sizes(bounds: list[tuple[int, int]], align: int) -> list[int]:
     return [-(-max(end - start, 1) // align) * align for start, end in bounds]
 
 
-def padded_starts(padded_sizes: list[int]) -> list[int]:
-    """Where each group begins in the layout of :func:`padded_group_sizes` (host integers)."""
-    return [0, *itertools.accumulate(padded_sizes)][:-1] if padded_sizes else []
+class HostTokenLayout(NamedTuple):
+    """The padded layout of :func:`host_token_layout`, host integers per group."""
+
+    sizes: list[int]  # each group's rows
+    padded: list[int]  # each group's length in the layout (:func:`padded_group_sizes`)
+    starts: list[int]  # where each group begins in the layout
+
+
+def host_token_layout(bounds: list[tuple[int, int]], align: int) -> HostTokenLayout:
+    """Each group of ``bounds`` placed at a multiple of ``align``, padded to whole ``align`` positions (an empty group
+    taking one aligned slot): the host's view of :func:`token_layout`, read from the bounds, not from ``offs``."""
+    padded = padded_group_sizes(bounds, align)
+    return HostTokenLayout([end - start for start, end in bounds], padded, [0, *itertools.accumulate(padded)][:-1])
+
+
+class TokenLayout(NamedTuple):
+    """The padded layout of :func:`token_layout`: int64 device tensors, per group (E,) and per row (M,)."""
+
+    starts: torch.Tensor  # each group's first row of x
+    counts: torch.Tensor  # each group's rows
+    sizes: torch.Tensor  # each group's length in the layout: counts rounded up to align, an empty group align
+    ends: torch.Tensor  # each group's end in the layout (ends - sizes: where it begins)
+    group: torch.Tensor | None  # each row's group (None without rows)
+    dest: torch.Tensor | None  # each row's place in the layout (None without rows)
+
+
+def token_layout(offs: torch.Tensor, align: int, rows: int | None = None) -> TokenLayout:
+    """Each group of ``offs`` (cumulative ends, on any device) placed at a multiple of ``align``, padded with zeros to
+    whole ``align`` positions (an empty group taking one aligned slot), and with ``rows`` where each row goes: device
+    operations only, no read of ``offs`` on the host. :func:`host_token_layout` gives the same layout from bounds."""
+    ends = offs.to(torch.int64)
+    starts = F.pad(ends[:-1], (1, 0))
+    counts = ends - starts
+    sizes = (counts.clamp(min=1) + (align - 1)) // align * align
+    out_ends = torch.cumsum(sizes, 0)
+    if rows is None:
+        return TokenLayout(starts, counts, sizes, out_ends, None, None)
+    row = torch.arange(rows, device=offs.device)
+    group = torch.searchsorted(ends, row, right=True)
+    return TokenLayout(starts, counts, sizes, out_ends, group, row + (out_ends - sizes - starts)[group])
+
+
+def group_ends(bounds: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """The groups' cumulative ends on ``device``: the ``offs`` the bounds were read from, or (bounds without them) a
+    tensor of their ends (a copy from the host, which does not wait)."""
+    offs = getattr(bounds, "offs", None)
+    if offs is not None:
+        return offs.to(device)
+    return torch.tensor([end for _, end in bounds], dtype=torch.int32, device=device)
 
 
 def device_layout(
     offs: torch.Tensor, align: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(starts, rows, out_starts, out_ends)`` on ``offs``' device: each group's first row and row count (int32),
-    and its first position (int64) and end (int32) in the layout padded to ``align``, from ``offs`` by device
-    operations only."""
-    ends = offs.to(torch.int64)
-    starts = F.pad(ends[:-1], (1, 0))
-    rows = ends - starts
-    sizes = (rows.clamp(min=1) + align - 1) // align * align
-    out_ends = torch.cumsum(sizes, 0)
-    return starts.to(torch.int32), rows.to(torch.int32), out_ends - sizes, out_ends.to(torch.int32)
+    """``(starts, rows, out_starts, out_ends)`` of :func:`token_layout` as the grouped cast kernel takes them: each
+    group's first row and row count (int32), and its first position (int64) and end (int32) in the layout."""
+    layout = token_layout(offs, align)
+    return (layout.starts.to(torch.int32), layout.counts.to(torch.int32), layout.ends - layout.sizes,
+            layout.ends.to(torch.int32))  # fmt: skip
 
 
 def padded_rows(offs: torch.Tensor, rows: int, align: int) -> tuple[torch.Tensor, int]:
-    """(where each of ``rows`` rows goes in :func:`device_layout`'s layout padded to ``align``, that layout's length
-    upper bound): device operations only, and a length that depends on ``rows`` and the number of groups alone, so
-    a traced graph holds one shape whatever the group sizes (the rows past the last group are zeros)."""
-    starts, _, out_starts, _ = device_layout(offs, align)
-    row = torch.arange(rows, device=offs.device)
-    group = torch.searchsorted(offs.to(torch.int64), row, right=True)  # the group of each row
-    return out_starts[group] + (row - starts[group]), -(-rows // align) * align + offs.numel() * align
+    """(where each of ``rows`` rows goes in :func:`token_layout`'s layout, that layout's length upper bound): device
+    operations only, and a length that depends on ``rows`` and the number of groups alone, so a traced graph holds
+    one shape whatever the group sizes (the rows past the last group are zeros)."""
+    return token_layout(offs, align, rows).dest, -(-rows // align) * align + offs.numel() * align
 
 
 def uniform_layout(
@@ -68,41 +109,6 @@ def uniform_layout(
     weights), group ``g`` written from ``g * out_stride``."""
     index = torch.arange(groups, device=device)
     return (index * rows).to(torch.int32), torch.full_like(index, rows, dtype=torch.int32), index * out_stride
-
-
-class StackedWeights(collections.abc.Sequence):
-    """Each expert's (W_e, W_e.T) operands (views), as
-    :meth:`~fp8_lightning.recipes.base.Recipe.grouped_weight_operands` returns them, made on first use (a grouped
-    kernel reads only the stacked casts), and the two stacked casts they are views of: ``rows`` (E * N, K) and
-    ``columns`` (E * K, N), each with one scale row per row of codes (rowwise, MX)."""
-
-    def __init__(self, rows: Quantized, columns: Quantized, experts: int):
-        self.rows, self.columns, self.experts = rows, columns, experts
-
-    @functools.cached_property
-    def _pairs(self) -> list[tuple[Quantized, Quantized]]:
-        n, k = self.rows.data.shape[0] // self.experts, self.columns.data.shape[0] // self.experts
-        return [(_rows_of(self.rows, e * n, n), _rows_of(self.columns, e * k, k)) for e in range(self.experts)]
-
-    def __getitem__(self, index):
-        return self._pairs[index]
-
-    def __len__(self) -> int:
-        return self.experts
-
-    def values(self) -> torch.Tensor:
-        """Every W_e's float32 values (E, N, K) from one dequantization of the stacked rows."""
-        return self.rows.kind.dequantize(self.rows, torch.float32).reshape(self.experts, -1, self.rows.data.shape[1])
-
-    def transposed_values(self) -> torch.Tensor:
-        """The values of every W_e.T operand (its own scales), transposed back to (E, N, K)."""
-        values = self.columns.kind.dequantize(self.columns, torch.float32)
-        return values.reshape(self.experts, -1, values.shape[1]).transpose(1, 2)
-
-
-def _rows_of(q: Quantized, start: int, count: int) -> Quantized:
-    """Rows ``start`` to ``start + count`` of a stacked operand and of its scales (views): one expert's part."""
-    return Quantized(q.data[start : start + count], q.scale[start : start + count], q.kind)
 
 
 def group_bounds(offs: torch.Tensor, rows: int, experts: int) -> GroupBounds:
@@ -137,10 +143,101 @@ def group_bounds(offs: torch.Tensor, rows: int, experts: int) -> GroupBounds:
     return GroupBounds(zip(starts, ends), offs)
 
 
-class ExpertTensorWeights(collections.abc.Sequence):
-    """Each expert's (W_e, W_e.T) operands under one scale per expert, as
-    :meth:`~fp8_lightning.recipes.base.Recipe.grouped_weight_operands` returns them, made on first use (views), and
-    the one cast they come from: ``codes`` (E, N, K), ``scale`` and ``inverse`` (``1 / scale``), each (E,)."""
+# ------------------------------------------------------------------------------------------------------------
+# The operand containers and their protocol: what the emulated grouped GEMMs ask of them
+# ------------------------------------------------------------------------------------------------------------
+
+
+class GroupOperands(collections.abc.Sequence):
+    """Every group's wgrad operand of ``x[start:end].T`` (None for an empty group), as
+    :meth:`~fp8_lightning.recipes.base.Recipe.grouped_operands` returns them, made on first use (``_views``) from
+    casts of all the groups at once, which the weight-gradient GEMM reads whole (:meth:`wgrad_values`). A plain list
+    of per-group operands is the other form a recipe may return."""
+
+    def __getitem__(self, index):
+        return self._views[index]
+
+    def token_values(self) -> torch.Tensor:
+        """The float32 values (K, M) of every group's operand side by side in ``x``'s row order."""
+        raise NotImplementedError(f"{type(self).__name__} defines neither token_values() nor wgrad_values()")
+
+    def wgrad_values(self, offs: torch.Tensor, bounds: list[tuple[int, int]]):
+        """``(values, offs, bounds)`` of the weight-gradient product ``g.T @ x``: the float32 values (K, L) of every
+        group's operand side by side, and the groups' ends and bounds along L that the product reduces over. By
+        default the operands' values in ``x``'s row order (:meth:`token_values`) with the tokens' ``offs`` and
+        ``bounds``: padding that holds zeros adds nothing to a product."""
+        return self.token_values(), offs, bounds
+
+
+class ExpertOperands(collections.abc.Sequence):
+    """Each expert's (W_e, W_e.T) operands, as :meth:`~fp8_lightning.recipes.base.Recipe.grouped_weight_operands`
+    returns them, made on first use (``_pairs``) from casts of all the experts at once, which the emulated GEMMs read
+    whole (:meth:`gemm_values`). A plain list of per-expert pairs is the other form a recipe may return."""
+
+    def __getitem__(self, index):
+        return self._pairs[index]
+
+    def values(self) -> torch.Tensor:
+        """Every W_e's float32 values (E, N, K)."""
+        raise NotImplementedError(f"{type(self).__name__} does not define values()")
+
+    def transposed_values(self) -> torch.Tensor:
+        """The values of every W_e.T operand, transposed back to (E, N, K)."""
+        raise NotImplementedError(f"{type(self).__name__} does not define transposed_values()")
+
+    def gemm_values(self, transposed: bool) -> torch.Tensor:
+        """The experts' float32 values as the grouped GEMMs multiply them (contiguous): (E, K, N) from the W_e
+        operands (fprop), or with ``transposed`` (E, N, K) from the W_e.T operands (dgrad)."""
+        if transposed:
+            return self.transposed_values().contiguous()
+        return self.values().transpose(1, 2).contiguous()
+
+
+def wgrad_values(columns, offs: torch.Tensor, bounds: list[tuple[int, int]]):
+    """:meth:`GroupOperands.wgrad_values` of ``columns``; None for a plain list of per-group operands, which the
+    caller multiplies group by group."""
+    return columns.wgrad_values(offs, bounds) if isinstance(columns, GroupOperands) else None
+
+
+def expert_gemm_values(operands, transposed: bool) -> torch.Tensor | None:
+    """:meth:`ExpertOperands.gemm_values` of ``operands``; None for a plain list of per-expert pairs, which the caller
+    dequantizes expert by expert."""
+    return operands.gemm_values(transposed) if isinstance(operands, ExpertOperands) else None
+
+
+class StackedWeights(ExpertOperands):
+    """Each expert's (W_e, W_e.T) operands (views) from the two stacked casts: ``rows`` (E * N, K) and ``columns``
+    (E * K, N), each with one scale row per row of codes (rowwise, MX)."""
+
+    def __init__(self, rows: Quantized, columns: Quantized, experts: int):
+        self.rows, self.columns, self.experts = rows, columns, experts
+
+    @functools.cached_property
+    def _pairs(self) -> list[tuple[Quantized, Quantized]]:
+        n, k = self.rows.data.shape[0] // self.experts, self.columns.data.shape[0] // self.experts
+        return [(_rows_of(self.rows, e * n, n), _rows_of(self.columns, e * k, k)) for e in range(self.experts)]
+
+    def __len__(self) -> int:
+        return self.experts
+
+    def values(self) -> torch.Tensor:
+        """Every W_e's float32 values (E, N, K) from one dequantization of the stacked rows."""
+        return self.rows.kind.dequantize(self.rows, torch.float32).reshape(self.experts, -1, self.rows.data.shape[1])
+
+    def transposed_values(self) -> torch.Tensor:
+        """The values of every W_e.T operand (its own scales), transposed back to (E, N, K)."""
+        values = self.columns.kind.dequantize(self.columns, torch.float32)
+        return values.reshape(self.experts, -1, values.shape[1]).transpose(1, 2)
+
+
+def _rows_of(q: Quantized, start: int, count: int) -> Quantized:
+    """Rows ``start`` to ``start + count`` of a stacked operand and of its scales (views): one expert's part."""
+    return Quantized(q.data[start : start + count], q.scale[start : start + count], q.kind)
+
+
+class ExpertTensorWeights(ExpertOperands):
+    """Each expert's (W_e, W_e.T) operands under one scale per expert (views) from the one cast they come from:
+    ``codes`` (E, N, K), ``scale`` and ``inverse`` (``1 / scale``), each (E,)."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, inverse: torch.Tensor, kind):
         self.codes, self.scale, self.inverse, self.kind = codes, scale, inverse, kind
@@ -152,9 +249,6 @@ class ExpertTensorWeights(collections.abc.Sequence):
             q = Quantized(codes, scale, self.kind, OperandCache(inverse=inverse))
             pairs.append((q, q.t()))
         return pairs
-
-    def __getitem__(self, index):
-        return self._pairs[index]
 
     def __len__(self) -> int:
         return self.codes.shape[0]
@@ -168,7 +262,7 @@ class ExpertTensorWeights(collections.abc.Sequence):
     transposed_values = values  # W_e.T's operand holds the same codes and scale
 
 
-class ExpertBlockWeights(collections.abc.Sequence):
+class ExpertBlockWeights(ExpertOperands):
     """Each expert's (W_e, W_e.T) operands under 128x128 blocks (views), from one cast of the experts stacked with each
     expert's N rows padded to whole blocks: ``rows`` (E * N', K) and ``columns`` (K, E * N'), W.T's operand from the
     same blocks; ``n`` each expert's rows, ``block`` the block edge."""
@@ -186,9 +280,6 @@ class ExpertBlockWeights(collections.abc.Sequence):
                           Quantized(columns.data[:, first : first + self.n], columns.scale[:, scales], kind)))
         return pairs
 
-    def __getitem__(self, index):
-        return self._pairs[index]
-
     def __len__(self) -> int:
         return self.experts
 
@@ -203,15 +294,14 @@ class ExpertBlockWeights(collections.abc.Sequence):
         return values.reshape(values.shape[0], self.experts, -1)[:, :, : self.n].permute(1, 2, 0)
 
 
-class PaddedGroupColumns(collections.abc.Sequence):
+class PaddedGroupColumns(GroupOperands):
     """Every group's operand of ``x[start:end].T`` (a view; None for an empty group) from one cast of ``x``'s rows laid
-    out with each group padded with zeros to whole tiles of ``align`` tokens (:func:`device_layout`): ``whole``, the
+    out with each group padded with zeros to whole tiles of ``align`` tokens (:func:`token_layout`): ``whole``, the
     operand of that layout's transpose (K, length); ``index`` (device) each token's position in the layout."""
 
     def __init__(self, whole: Quantized, index: torch.Tensor, bounds: list[tuple[int, int]], align: int):
         self.whole, self.index, self.align = whole, index, align
-        self.sizes = [end - start for start, end in bounds]
-        self.starts = padded_starts(padded_group_sizes(bounds, align))
+        self.sizes, _, self.starts = host_token_layout(bounds, align)
 
     @functools.cached_property
     def _views(self) -> list[Quantized | None]:
@@ -219,19 +309,15 @@ class PaddedGroupColumns(collections.abc.Sequence):
         return [Quantized(whole.data[:, s : s + m], whole.scale[:, s // align : (s + m + align - 1) // align],
                           whole.kind) if m else None for s, m in zip(self.starts, self.sizes)]  # fmt: skip
 
-    def __getitem__(self, index):
-        return self._views[index]
-
     def __len__(self) -> int:
         return len(self.sizes)
 
     def token_values(self) -> torch.Tensor:
-        """The float32 values (K, M) of every group's operand side by side in ``x``'s row order: the groups' values
-        as the weight-gradient GEMM reduces them."""
+        """The float32 values (K, M) of every group's operand side by side in ``x``'s row order."""
         return self.whole.kind.dequantize(self.whole, torch.float32).index_select(1, self.index)
 
 
-class RowGroupColumns(collections.abc.Sequence):
+class RowGroupColumns(GroupOperands):
     """Every group's operand of ``x[start:end].T`` under one scale for the whole tensor: views of ``row``, the cast of
     ``x`` (M, K), made on first use (None for an empty group)."""
 
@@ -243,9 +329,6 @@ class RowGroupColumns(collections.abc.Sequence):
         row = self.row
         return [None if start == end else Quantized(row.data[start:end].t(), row.scale, row.kind)
                 for start, end in self.bounds]  # fmt: skip
-
-    def __getitem__(self, index):
-        return self._views[index]
 
     def __len__(self) -> int:
         return len(self.bounds)

@@ -19,13 +19,12 @@ The layouts are built by device operations from ``offs`` (no host loop over expe
 
 from __future__ import annotations
 
-import collections.abc
 import functools
 
 import torch
 import torch.nn.functional as F
 
-from fp8_lightning.groups import GroupBounds, StackedWeights, padded_group_sizes, padded_starts
+from fp8_lightning.groups import GroupBounds, GroupOperands, StackedWeights, group_ends, host_token_layout, token_layout
 from fp8_lightning.ops import dispatch
 from fp8_lightning.quantize import MX, Quantized
 
@@ -106,7 +105,7 @@ def grouped_column_scales(scale: torch.Tensor, padded_offs: torch.Tensor, chunk_
     return _scatter(scale, offsets, rows_padded * chunk_cols).view(rows_padded, chunk_cols)
 
 
-class MXGroupedColumns(collections.abc.Sequence):
+class MXGroupedColumns(GroupOperands):
     """Every group's MX copy of ``x[start:end].T`` (blocks along the group's tokens) from one cast: a sequence of
     per-group operands (None for an empty group), as :meth:`~fp8_lightning.recipes.base.Recipe.grouped_operands`
     returns them, made on first use, and the whole layout the 2-D x 2-D grouped GEMM reads: ``codes_t`` (K, M_pad)
@@ -124,9 +123,6 @@ class MXGroupedColumns(collections.abc.Sequence):
         return [Quantized(self.codes_t[:, s : s + p].contiguous(), self.scale[:, s // block : (s + p) // block]
                           .contiguous(), MX) if m else None
                 for s, m, p in zip(self.starts, self.sizes, self.padded)]  # fmt: skip
-
-    def __getitem__(self, index):
-        return self._views[index]
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -150,23 +146,12 @@ def grouped_mx_columns(
     into a layout where each group starts at a multiple of ``block_size`` (an empty group holding one block of zeros)
     and that layout cast along the tokens, so every block lies in one group: the bits of casting each group's
     ``x[start:end]`` on its own (zero-padded to whole blocks)."""
-    sizes = [end - start for start, end in bounds]
-    padded = padded_group_sizes(bounds, block_size)
-    starts = padded_starts(padded)
-    total, device = sum(padded), x.device
-    offs = getattr(bounds, "offs", None)
-    ends = (offs.to(device) if offs is not None else
-            torch.tensor([e for _, e in bounds], dtype=torch.int32, device=device)).to(torch.int64)  # fmt: skip
-    group_starts = F.pad(ends[:-1], (1, 0))
-    padded_sizes = _round_up((ends - group_starts).clamp(min=1), block_size)
-    padded_ends = torch.cumsum(padded_sizes, 0)
-    row = torch.arange(x.shape[0], device=device)
-    group = torch.searchsorted(ends, row, right=True)
-    dest = row + (padded_ends - padded_sizes - group_starts)[group]
-    layout = x.detach().new_zeros(total, x.shape[1]).index_copy_(0, dest, x.detach())
-    q = dispatch.fast_quantize_mx_columns(layout, block_size, scale_rounding, dtype)  # (K, M_pad), blocks along M
-    return MXGroupedColumns(q.data.contiguous(), q.scale.contiguous(), padded_ends.to(torch.int32), starts, sizes,
-                            padded, dest)  # fmt: skip
+    sizes, padded, starts = host_token_layout(bounds, block_size)
+    layout = token_layout(group_ends(bounds, x.device), block_size, x.shape[0])
+    layout_rows = x.detach().new_zeros(sum(padded), x.shape[1]).index_copy_(0, layout.dest, x.detach())
+    q = dispatch.fast_quantize_mx_columns(layout_rows, block_size, scale_rounding, dtype)  # (K, M_pad), along M
+    return MXGroupedColumns(q.data.contiguous(), q.scale.contiguous(), layout.ends.to(torch.int32), starts, sizes,
+                            padded, layout.dest)  # fmt: skip
 
 
 def mx_fprop_args(x: Quantized, weights: StackedWeights, offs: torch.Tensor):

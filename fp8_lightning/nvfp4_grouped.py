@@ -17,9 +17,8 @@ import functools
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
-from fp8_lightning.groups import GroupBounds, StackedWeights, padded_group_sizes, padded_starts
+from fp8_lightning.groups import GroupBounds, GroupOperands, StackedWeights, group_ends, host_token_layout, token_layout
 from fp8_lightning.nvfp4 import (
     NVFP4_BLOCK,
     NVFP4Tensor,
@@ -126,7 +125,7 @@ def nvfp4_gathered_weights(gathered: NVFP4ExpertRows, operand: Operand, kind) ->
     return NVFP4StackedWeights(rows, columns, global_scales, experts, operand, kind)
 
 
-class NVFP4GroupColumns(collections.abc.Sequence):
+class NVFP4GroupColumns(GroupOperands):
     """Every group's wgrad copy of ``x[start:end].T`` (None for an empty group), made on first use with its GEMM
     scales, from one cast ``whole`` of the (K, L) layout with each group padded to whole 16-blocks (an empty group
     one block of zeros); ``offs`` (device int32) and ``bounds`` (host) the padded groups' ends, ``global_scales`` each
@@ -146,9 +145,6 @@ class NVFP4GroupColumns(collections.abc.Sequence):
             views.append(self.operand(cast) if size else None)
         return views
 
-    def __getitem__(self, index):
-        return self._views[index]
-
     def __len__(self) -> int:
         return len(self.sizes)
 
@@ -157,41 +153,36 @@ class NVFP4GroupColumns(collections.abc.Sequence):
         included, where the transform spread its tokens) at its padded place, zeros for an empty group."""
         return self.kind.dequantize(_stacked(self.whole, self.kind), torch.float32)
 
+    def wgrad_values(self, offs, bounds):
+        """The whole layout's values (:meth:`padded_values`) with the padded groups' ends and bounds: the product sums
+        over each group's padding too, which holds values where the transform spread the group's tokens."""
+        return self.padded_values(), self.offs, self.bounds
+
 
 def nvfp4_group_columns(x, bounds, signs, keys, operand: Operand, kind) -> NVFP4GroupColumns:
     """Every group's wgrad copy of ``x`` (M, K) in one cast: the tokens laid out with each group padded with zeros to
     whole 16-blocks, transposed to (K, L), through the RHT (``signs``, or None) block by block, each group's global
     scale from its own amax, and (``keys``: each group's stochastic-rounding key (E,), or None) each group's noise
     numbered from its own first column as its own cast numbers it."""
-    sizes = [end - start for start, end in bounds]
-    padded = padded_group_sizes(bounds, NVFP4_BLOCK)
-    starts = padded_starts(padded)
+    sizes, padded, starts = host_token_layout(bounds, NVFP4_BLOCK)
     total, device, (rows, k) = sum(padded), x.device, x.shape
-    offs = getattr(bounds, "offs", None)
-    ends = (offs.to(device) if offs is not None else
-            torch.tensor([e for _, e in bounds], dtype=torch.int32, device=device)).to(torch.int64)  # fmt: skip
-    group_starts = F.pad(ends[:-1], (1, 0))
-    padded_sizes = (ends - group_starts).clamp(min=1).add(NVFP4_BLOCK - 1).div(NVFP4_BLOCK, rounding_mode="floor")
-    padded_sizes = padded_sizes * NVFP4_BLOCK
-    padded_ends = torch.cumsum(padded_sizes, 0)
-    token = torch.arange(rows, device=device)
-    dest = token + (padded_ends - padded_sizes - group_starts)[torch.searchsorted(ends, token, right=True)]
-    layout = x.detach().float().new_zeros(total, k).index_copy_(0, dest, x.detach().float()).t()  # (K, L)
+    placed = token_layout(group_ends(bounds, device), NVFP4_BLOCK, rows)
+    layout = x.detach().float().new_zeros(total, k).index_copy_(0, placed.dest, x.detach().float()).t()  # (K, L)
     if signs is not None:
         layout = rht_blocks(layout, signs)
     column = torch.arange(total, device=device)
-    group = torch.searchsorted(padded_ends, column, right=True)  # each column's group
+    group = torch.searchsorted(placed.ends, column, right=True)  # each column's group
     block_amax = layout.abs().amax(dim=0).reshape(-1, NVFP4_BLOCK).amax(dim=1)  # (L / 16,)
     amax = block_amax.new_zeros(len(sizes)).scatter_reduce_(0, group[::NVFP4_BLOCK], block_amax, "amax")
     global_scales = global_scale_from_amax(amax)
     uniform = None
     if keys is not None:  # position (r, c) of group g's own (K, p_g) cast: r * p_g + c
-        local = column - (padded_ends - padded_sizes)[group]
-        index = torch.arange(k, device=device).unsqueeze(1) * padded_sizes[group] + local
+        local = column - (placed.ends - placed.sizes)[group]
+        index = torch.arange(k, device=device).unsqueeze(1) * placed.sizes[group] + local
         uniform = uniform_at(index, keys.to(device)[group])
     whole = _cast_stacked(layout, global_scales[group[::NVFP4_BLOCK]].unsqueeze(0), 1, uniform)
-    padded_bounds = GroupBounds(zip(starts, [s + p for s, p in zip(starts, padded)]), padded_ends.to(torch.int32))
-    return NVFP4GroupColumns(whole, global_scales, padded_ends.to(torch.int32), padded_bounds, sizes, operand, kind)
+    padded_bounds = GroupBounds(zip(starts, [s + p for s, p in zip(starts, padded)]), placed.ends.to(torch.int32))
+    return NVFP4GroupColumns(whole, global_scales, placed.ends.to(torch.int32), padded_bounds, sizes, operand, kind)
 
 
 def group_keys(seed: "int | torch.Tensor", rank: int, counter, groups: int, copy: int, device) -> torch.Tensor:

@@ -20,18 +20,18 @@ asks for it, the same arguments go to the Triton grouped GEMM (:mod:`fp8_lightni
 
 from __future__ import annotations
 
-import collections.abc
 import functools
 
 import torch
 
 from fp8_lightning.groups import (
     GroupBounds,
+    GroupOperands,
     StackedWeights,
     device_layout,
-    padded_group_sizes,
-    padded_rows,
-    padded_starts,
+    group_ends,
+    host_token_layout,
+    token_layout,
     uniform_layout,
 )
 from fp8_lightning.quantize import ROW, OperandCache, Quantized, to_fp8_saturated, wide
@@ -41,7 +41,7 @@ GROUP_ALIGN = 16  # tokens: 16 one-byte codes, the TMA's 16-byte alignment of ea
 MAX_GROUPS = 1023  # "Can't process more than 1024 groups" (group_count < 1024)
 
 
-class GroupedColumns(collections.abc.Sequence):
+class GroupedColumns(GroupOperands):
     """The columnwise copies of a 2-D ``x`` whose rows are sorted into groups, each group's columns scaled along its
     own rows: a sequence of per-group operands (``x[start:end].T``, views; None for an empty group), as
     :meth:`~fp8_lightning.recipes.base.Recipe.grouped_operands` returns them, made on first use (the grouped kernel
@@ -60,10 +60,8 @@ class GroupedColumns(collections.abc.Sequence):
         source = self.source_offs
         if source is None:  # the group sizes from the host (a host-to-device copy, no wait)
             source = torch.tensor(self.sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(self.codes_t.device)
-        offs, rows = source.to(torch.int64), sum(self.sizes)
-        index = padded_rows(source, rows, GROUP_ALIGN)[0]
-        group = torch.searchsorted(offs, torch.arange(rows, device=offs.device), right=True)
-        values = Quantized(self.codes_t.index_select(1, index), self.scale.float()[group].t(), ROW)
+        layout = token_layout(source, GROUP_ALIGN, sum(self.sizes))
+        values = Quantized(self.codes_t.index_select(1, layout.dest), self.scale.float()[layout.group].t(), ROW)
         return ROW.dequantize(values, torch.float32)
 
     @functools.cached_property
@@ -71,9 +69,6 @@ class GroupedColumns(collections.abc.Sequence):
         k = self.codes_t.shape[0]
         return [Quantized(self.codes_t[:, s : s + m], self.scale[e].reshape(k, 1), ROW) if m else None
                 for e, (s, m) in enumerate(zip(self.starts, self.sizes))]  # fmt: skip
-
-    def __getitem__(self, index):
-        return self._views[index]
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -88,9 +83,7 @@ def grouped_columnwise(
     :func:`~fp8_lightning.ops.triton_ops.triton_grouped_column_cast`'s signature (group bounds read on the device),
     or None for pure torch: the amax of each (group, column) by one scatter, one cast, one copy into the padded
     rows and one transpose."""
-    sizes = [end - start for start, end in bounds]
-    padded = padded_group_sizes(bounds, GROUP_ALIGN)
-    starts = padded_starts(padded)
+    sizes, padded, starts = host_token_layout(bounds, GROUP_ALIGN)
     k, total = x.shape[1], sum(padded)
     offs = getattr(bounds, "offs", None)
     if cast is not None and offs is not None:
@@ -99,26 +92,23 @@ def grouped_columnwise(
                                GROUP_ALIGN)  # fmt: skip
         codes_t = codes.view(k, total)
     else:
-        codes_t, scale = _columnwise_torch(x, bounds, starts, total, dtype, eps, power_of_2)
-        ends = torch.tensor([s + p for s, p in zip(starts, padded)], dtype=torch.int32, device=x.device)
+        codes_t, scale, ends = _columnwise_torch(x, bounds, total, dtype, eps, power_of_2)
     source = offs.to(x.device, non_blocking=True) if offs is not None else None
     return GroupedColumns(codes_t, scale, ends, starts, sizes, source)
 
 
-def _columnwise_torch(x, bounds, starts, total, dtype, eps, power_of_2) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes_t (K, M_pad), scale (E, K)) of :func:`grouped_columnwise` in pure torch."""
-    sizes = [end - start for start, end in bounds]
+def _columnwise_torch(x, bounds, total, dtype, eps, power_of_2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes_t (K, M_pad), scale (E, K), the padded ends (int32)) of :func:`grouped_columnwise` in pure torch."""
     experts, (rows, k), device = len(bounds), x.shape, x.device
-    group = torch.repeat_interleave(torch.arange(experts, device=device), torch.tensor(sizes, device=device))
-    shift = torch.tensor([s - start for s, (start, _) in zip(starts, bounds)], device=device)
-    dest = torch.arange(rows, device=device) + shift[group]  # each row's place in the padded layout
+    layout = token_layout(group_ends(bounds, device), GROUP_ALIGN, rows)
+    group = layout.group
     magnitude = x.detach().abs().float()
     amax = magnitude.new_zeros(experts, k).scatter_reduce_(0, group.unsqueeze(1).expand(rows, k), magnitude, "amax")
     scale = rowwise_scale(amax, dtype, eps, power_of_2)  # (E, K)
     codes = to_fp8_saturated(wide(x.detach()) * scale[group], dtype)
     padded_codes = torch.zeros(total, k, dtype=dtype, device=device)
-    padded_codes.view(torch.uint8).index_copy_(0, dest, codes.view(torch.uint8))
-    return padded_codes.t().contiguous(), scale
+    padded_codes.view(torch.uint8).index_copy_(0, layout.dest, codes.view(torch.uint8))
+    return padded_codes.t().contiguous(), scale, layout.ends.to(torch.int32)
 
 
 def stacked_columns(weight: torch.Tensor, dtype: torch.dtype, eps: float, power_of_2: bool, cast) -> Quantized:

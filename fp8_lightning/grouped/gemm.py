@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from fp8_lightning.groups import GroupBounds, group_bounds
+from fp8_lightning.groups import GroupBounds, expert_gemm_values, group_bounds, wgrad_values
 from fp8_lightning.linear import LayerScaling
 from fp8_lightning.ops.dispatch import dequantize_operand
 from fp8_lightning.quantize import Quantized
@@ -134,15 +134,13 @@ def _values(q: Quantized, width: int | None = None) -> torch.Tensor:
 
 def _weight_values(w_operands, transposed: bool) -> torch.Tensor:
     """The experts' float32 weight values as the emulated GEMMs take them: (E, K, N) from each W_e operand for fprop,
-    (E, N, K) from each W_e.T operand for dgrad; in one pass where the operands come from one stacked cast (their
-    ``values`` / ``transposed_values``), else one dequantization per expert."""
-    stacked = getattr(w_operands, "transposed_values" if transposed else "values", None)
+    (E, N, K) from each W_e.T operand for dgrad; in one pass where the operands come from casts of all the experts
+    (:meth:`~fp8_lightning.groups.ExpertOperands.gemm_values`), else (a list of pairs) one dequantization per
+    expert."""
+    stacked = expert_gemm_values(w_operands, transposed)
     if stacked is not None:
-        values = stacked()  # (E, N, K)
-        return (values if transposed else values.transpose(1, 2)).contiguous()
-    if transposed:
-        return torch.stack([_values(w_t).t() for _, w_t in w_operands])
-    return torch.stack([_values(w).t() for w, _ in w_operands])
+        return stacked
+    return torch.stack([_values(pair[1 if transposed else 0]).t() for pair in w_operands])
 
 
 class GroupedStep:
@@ -288,16 +286,11 @@ class FP8GroupedMMFunction(torch.autograd.Function):
         # ------------------------------------------------ wgrad ------------------------------------------------
         if needs_w and native is not None:
             grad_w = native.wgrad(g_columns, x_columns, w_dtype)  # (E, N, K), zero for empty experts
-            scaling.gemms["wgrad"] += 1
-        elif needs_w and hasattr(g_columns, "padded_values"):  # every group padded alike in one layout: one pass
-            g_t, x_t = g_columns.padded_values(), x_columns.padded_values()  # (N, L), (K, L)
-            grad_w = grouped_product(g_t, x_t.t(), g_columns.offs, g_columns.bounds).to(w_dtype)
-            scaling.gemms["wgrad"] += 1
-        elif needs_w and hasattr(g_columns, "token_values") and not scaling.recipe.wgrad_sums_padding:
-            g_t, x_t = g_columns.token_values(), x_columns.token_values()  # (N, M), (K, M): every group, one pass
-            grad_w = grouped_product(g_t, x_t.t(), offs, bounds).to(w_dtype)
-            scaling.gemms["wgrad"] += 1
-        elif needs_w:
+        elif needs_w and (whole := wgrad_values(g_columns, offs, bounds)) is not None:  # every group in one pass
+            g_t, wgrad_offs, wgrad_bounds = whole  # (N, L) with the groups' ends along L
+            x_t = wgrad_values(x_columns, offs, bounds)[0]  # (K, L)
+            grad_w = grouped_product(g_t, x_t.t(), wgrad_offs, wgrad_bounds).to(w_dtype)
+        elif needs_w:  # lists of per-group operands: each group's values, cut to its rows unless padding counts
             g_values = [None if q is None else _values(q) for q in g_columns]
             x_values = [None if q is None else _values(q) for q in x_columns]
             padded = scaling.recipe.wgrad_sums_padding
@@ -309,6 +302,7 @@ class FP8GroupedMMFunction(torch.autograd.Function):
             wgrad_offs = torch.tensor(ends, dtype=torch.int32, device=g_t.device) if padded else offs
             wgrad_bounds = GroupBounds(zip([0, *ends], ends)) if padded else bounds
             grad_w = grouped_product(g_t, x_t.t(), wgrad_offs, wgrad_bounds).to(w_dtype)  # (E, N, K), 0 if empty
+        if needs_w:
             scaling.gemms["wgrad"] += 1
         return grad_a, grad_w, None
 

@@ -60,8 +60,9 @@ class Recipe:
     per_tensor: ClassVar[bool] = False  # one scale per tensor (the FP8 bytes transpose freely)
     operand_kind: ClassVar[OperandKind]  # the kind of the operands its casts make
     global_weight_amax: ClassVar[bool] = False  # FSDP2: the gathered weight's scale needs the whole weight's amax
-    # grouped wgrad: each group's columnwise copies carry values in their padding along the tokens (NVFP4's Hadamard
-    # transform spreads the group's values into it), so the product sums over the padded width, not the group's rows
+    # grouped wgrad from a list of per-group columnwise copies (grouped_operands' default): they carry values in their
+    # padding along the tokens, so the product sums over the padded width, not the group's rows (a container of all
+    # the groups, groups.GroupOperands, answers this itself through its wgrad_values)
     wgrad_sums_padding: ClassVar[bool] = False
 
     fp8_format: Format = Format.HYBRID
