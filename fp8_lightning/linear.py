@@ -35,7 +35,7 @@ from fp8_lightning.gemm import check_device, fp8_mm
 from fp8_lightning.layer_step import FP8LinearFunction
 from fp8_lightning.quantize import OperandCache, OperandKind, Quantized
 from fp8_lightning.recipes import Recipe, RecipeLike, recipe_from
-from fp8_lightning.recompute import close_forwards, forget_forwards, forward_setting
+from fp8_lightning.recompute import close_forwards, close_on_backward, forget_forwards, forward_setting
 from fp8_lightning.scaling import OperandScaling, advance_histories, bind_layer_name, records_amax
 from fp8_lightning.settings import settings
 from fp8_lightning.traced import make_plan, traced_linear
@@ -383,7 +383,7 @@ class FP8Linear(nn.Linear):
         plain layer, and the local step of a tensor-parallel one (``weight`` and ``bias`` are then its shards)."""
         recipe, replay = self.fp8_setting(x, weight)
         if recipe is None:
-            return F.linear(x, weight, bias)
+            return close_on_backward(self, F.linear(x, weight, bias))
         device_type = "cpu" if x.is_cpu else x.device.type  # is_cpu: a flag; .device builds an object
         autocasting = torch.is_autocast_enabled(device_type)
         out_dtype = torch.get_autocast_dtype(device_type) if autocasting else x.dtype

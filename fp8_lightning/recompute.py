@@ -15,8 +15,8 @@ and the gradients are those of the run without checkpointing.
 
 Forwards with grad (what non-reentrant checkpointing recomputes) and training forwards without it (reentrant
 checkpointing's, and no-grad rollouts) are logged apart; a recompute replays the first kind when there is one. A
-backward that reaches the module (a recompute, or the layer's own backward: :func:`close_forwards`) closes both
-logs: the first forward after it starts them afresh, so no forward of an earlier step is replayed, also where the
+backward that reaches the module (a recompute, the layer's own FP8 backward: :func:`close_forwards`, or the output
+of a high-precision forward: :func:`close_on_backward`) closes both logs: the first forward after it starts them afresh, so no forward of an earlier step is replayed, also where the
 weight never changes in place (a frozen module); a log also starts afresh when the weight changed in place (an
 optimizer step). A closed log still serves recomputes until then (a second backward through a retained graph).
 A module that ran under two settings of one kind cannot tell which one a recompute repeats: it raises
@@ -144,6 +144,14 @@ def close_forwards(module: nn.Module) -> None:
             log.closed = True
 
 
+def close_on_backward(module: nn.Module, out: torch.Tensor) -> torch.Tensor:
+    """``out`` of a high-precision forward of ``module``, which closes its logs when a backward reaches it (an FP8
+    backward calls :func:`close_forwards` itself): a later step's recompute then never replays this forward."""
+    if out.requires_grad and not torch.compiler.is_compiling() and _LOG_ATTR in module.__dict__:
+        out.register_hook(lambda grad: close_forwards(module))
+    return out
+
+
 def forget_forwards(module: nn.Module) -> None:
     """Drop the module's log (when its conversion is undone)."""
     module.__dict__.pop(_LOG_ATTR, None)
@@ -178,5 +186,5 @@ def fp8_checkpoint_context():
 
 
 __all__ = [
-    "FP8RecomputeError", "ForwardLog", "close_forwards", "forget_forwards", "forward_setting", "fp8_checkpoint_context",
+    "FP8RecomputeError", "ForwardLog", "close_forwards", "close_on_backward", "forget_forwards", "forward_setting", "fp8_checkpoint_context",
 ]

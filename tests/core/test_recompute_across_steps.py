@@ -85,6 +85,20 @@ def test_a_checkpointed_step_after_an_unchecked_one_replays_its_own_setting(froz
     assert not all(torch.equal(g, s) for g, s in zip(ref_grads, stale_grads))
 
 
+@pytest.mark.parametrize("first", ["high_precision", "rowwise"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("frozen", [True, False], ids=["frozen", "trainable"])
+def test_a_checkpointed_fp8_step_after_another_setting_replays_its_own(frozen, mode, first):
+    """The other order: an unchecked step in high precision (whose backward runs no FP8 GEMM, so only a hook on its
+    output can close the log) or under another recipe, then a checkpointed FP8 step."""
+    grads, state = _run(frozen, [(None, first), (MODES[mode], "fp8")])
+    ref_grads, ref_state = _run(frozen, [(None, first), (None, "fp8")])
+    _assert_same(grads, ref_grads)
+    _assert_same(state, ref_state)
+    stale_grads, _ = _run(frozen, [(None, first), (None, first)])  # what replaying step 1's setting computes
+    assert not all(torch.equal(g, s) for g, s in zip(ref_grads, stale_grads))
+
+
 @pytest.mark.gpu
 @requires_cuda_fp8
 @pytest.mark.parametrize("mode", list(MODES))
