@@ -237,7 +237,7 @@ class FP8GroupedMMFunction(torch.autograd.Function):
         else:
             w_kn = _weight_values(w_operands, transposed=False)  # (E, K, N)
             y = grouped_product(_values(x_row), w_kn, offs, bounds)
-        scaling.gemms["fprop"] += 1
+        scaling.gemms["fprop"] += not step.replay  # a checkpoint recompute counts nothing (its forward did)
         # the input's columnwise copies (activation memory) travel as saved tensors, which activation checkpointing
         # drops and recomputes and a backward frees; the weights' operands are the step's cached cast, except for a
         # weight FSDP2 gathered in FP8: it is saved itself (its buffer is freed on reshard and re-filled before
