@@ -40,28 +40,14 @@ _TRACE_REFUSED = (
 )
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """The identity, whose backward hands on a contiguous gradient: ``torch._grouped_mm``'s backward refuses the
-    expanded (stride-0) gradient of ``y.sum()`` (torch 2.11 and 2.13 on CPU)."""
-
-    @staticmethod
-    def forward(ctx, y: torch.Tensor) -> torch.Tensor:
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
-
-
-_GROUPED_MM_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # torch._grouped_mm's on CPU; CUDA: bf16
-
-
 def high_precision_grouped_mm(x: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``torch._grouped_mm(x, b, offs)`` where the device runs it for the dtype, else one GEMM per group (float64
-    on CPU, anything but bf16 on CUDA)."""
-    if x.dtype == torch.bfloat16 or (x.is_cpu and x.dtype in _GROUPED_MM_CPU_DTYPES):
+    """``torch._grouped_mm(x, b, offs)`` where the device runs it for the dtype (CPU: float32, bf16, fp16; CUDA:
+    bf16), else one GEMM per group (float64 on CPU)."""
+    if x.dtype == torch.bfloat16 or (x.is_cpu and x.dtype in (torch.float32, torch.float16)):
         y = torch._grouped_mm(x.contiguous(), b.to(x.dtype), offs)
-        return _ContiguousGrad.apply(y) if y.requires_grad else y
+        if y.requires_grad:  # its backward refuses the expanded (stride-0) gradient of y.sum() (torch 2.11, 2.13 CPU)
+            y.register_hook(torch.Tensor.contiguous)
+        return y
     out, start = x.new_zeros(x.shape[0], b.shape[2]), 0
     for e, end in enumerate(offs.tolist()):
         out[start:end] = x[start:end] @ b[e].to(x.dtype)
@@ -183,16 +169,15 @@ class ExpertsScaling:
                 "experts": {name: part.experts for name, part in self.parts.items()}}
 
     def check_experts(self, state: dict, layer: str) -> None:
-        """Refuse a saved state whose projections hold another number of experts than these (``ValueError`` naming
-        ``layer`` and both counts). The counts are saved with the state; an older state tells them by its per-expert
-        weight entries (``"<projection>/weight.<e>"``), where its recipe keeps any."""
+        """Refuse (``ValueError`` naming ``layer`` and both counts) a saved state whose projections hold another number
+        of experts; a state saved without the counts tells them by its ``"<projection>/weight.<e>"`` entries."""
         saved = dict(state.get("experts") or {})
-        for key in state.get("operands", {}):
+        for key in () if "experts" in state else state.get("operands", {}):
             name, _, role = key.partition("/")
-            if "experts" not in state and role.startswith("weight.") and role[7:].isdigit():
+            if role.startswith("weight.") and role[7:].isdigit():
                 saved[name] = max(saved.get(name, 0), int(role[7:]) + 1)
         for name, part in self.parts.items():
-            if name in saved and saved[name] != part.experts:
+            if saved.get(name, part.experts) != part.experts:
                 raise ValueError(
                     f"The FP8 scaling state of {layer} was saved for {saved[name]} experts ({name}) but this module "
                     f"holds {part.experts}: per-expert scales cannot be matched. Load it into a model with "
@@ -342,8 +327,7 @@ class FP8TransformersExperts(FP8ExpertsMixin):
             return super().forward(hidden_states, top_k_index, top_k_weights)
         num_tokens, top_k = hidden_states.shape[0], top_k_index.shape[-1]
         expert_ids, perm = torch.sort(top_k_index.reshape(-1).to(torch.int64))  # int32 ids too, as transformers
-        # ids >= num_experts are expert parallelism's sentinels (tokens another rank's experts take): sorted last, they
-        # join the last group as zero rows and add nothing to the output, as transformers masks them
+        # ids >= num_experts: expert parallelism's sentinels, sorted last: zero rows of the last group, adding nothing
         dropped = (expert_ids >= self.num_experts).unsqueeze(-1)
         expert_ids = expert_ids.clamp(max=self.num_experts - 1)
         x = hidden_states[perm // top_k].masked_fill(dropped, 0)
