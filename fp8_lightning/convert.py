@@ -17,7 +17,9 @@ once-per-step amax reduction and scale update for the whole model.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import hashlib
+import re
 import types
 from typing import Callable, Iterator
 
@@ -48,7 +50,8 @@ class ConversionReport:
     """What :func:`convert_to_fp8` did: converted layer names, skipped ones with the reason, each converted layer's
     and experts module's recipe with why it got it (``recipes``: name -> ``"<recipe name> (<why>)"``); the fused
     expert modules (``experts``, ``experts_skipped``, which also names any other module holding a 3-D weight), and
-    the routers of mixtures of experts, kept in high precision by design (``routers``)."""
+    the routers of mixtures of experts, kept in high precision by design (``routers``: transformers' ``*TopKRouter``
+    modules, and each linear layer that :func:`linear_routers` finds beside a fused experts module)."""
 
     converted: list[str] = dataclasses.field(default_factory=list)
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -79,7 +82,7 @@ def convert_to_fp8(
     layers: LayersLike = None,
 ) -> ConversionReport:
     """Swap eligible ``nn.Linear`` layers and fused expert modules of ``module`` (the module itself included) to
-    FP8, in place. Routers stay in high precision.
+    FP8, in place. Routers stay in high precision (:func:`linear_routers`), unless ``layers`` names one itself.
 
     Args:
         recipe: the scaling recipe (object, name or dict); ``DelayedScaling()`` by default.
@@ -110,7 +113,9 @@ def convert_to_fp8(
     report = ConversionReport()
     candidates = [name for name, child in module.named_modules()
                   if linear_features(child) is not None or expert_weights(child) is not None]
-    choices = RecipePolicy.from_arg(layers, recipe).resolve(module, candidates, recipe)
+    policy = RecipePolicy.from_arg(layers, recipe)
+    choices = policy.resolve(module, candidates, recipe)
+    routers = linear_routers(module)
     for name, child in module.named_modules():
         if _convert_experts(child, name or "<root>", choices.get(name), module_filter_fn, emulate, report, gate,
                             module):
@@ -126,6 +131,9 @@ def convert_to_fp8(
                 )
             continue
         choice = choices[name]
+        if name in routers and not isinstance(child, FP8Linear) and not _chosen_by_name(policy, name, choice):
+            report.routers.append(name)
+            continue
         layer_recipe = choice.recipe
         reason = _skip_reason(child, name, features, layer_recipe or recipe, module_filter_fn)
         if reason is None and layer_recipe is None:
@@ -206,6 +214,36 @@ def is_router(module: nn.Module) -> bool:
     """The router of a mixture of experts (transformers' ``*TopKRouter`` / ``*TopkRouter``): a 2-D weight whose
     scores pick the experts, kept in high precision."""
     return holds_linear_like_weight(module) and type(module).__name__.lower().endswith("topkrouter")
+
+
+def linear_routers(model: nn.Module) -> set[str]:
+    """The routers of hand-written mixtures of experts: each ``nn.Linear`` (or ``Conv1D``) that sits beside a fused
+    experts module (the same parent) and maps the experts' input width to one score per expert (``in_features`` =
+    the experts' model dimension, ``out_features`` = their number). Kept in high precision unless the layer policy
+    names them (:func:`_chosen_by_name`)."""
+    routers = set()
+    for parent_name, parent in model.named_modules():
+        shapes = set()  # (model dimension, experts) of the experts modules in this parent
+        for child in parent.children():
+            weights = expert_weights(child)
+            if weights is not None:
+                first, stored_kn = next(iter(weights.items()))
+                weight = getattr(child, first)
+                shapes.add((weight.shape[1] if stored_kn else weight.shape[2], weight.shape[0]))
+        for child_name, child in parent.named_children() if shapes else ():
+            if linear_features(child) in shapes:
+                routers.add(f"{parent_name}.{child_name}" if parent_name else child_name)
+    return routers
+
+
+def _chosen_by_name(policy: RecipePolicy, name: str, choice: Choice) -> bool:
+    """Whether the layer policy picked ``name``'s recipe for this layer itself: a callable's answer, or a pattern
+    matching the full name (not one of its parents': ``"blocks.0"`` leaves a router in the block as it is)."""
+    if choice.why == "chosen by the layers callable":
+        return True
+    return any(choice.why == f"matches {pattern!r}" and (
+        re.fullmatch(pattern[3:], name) if pattern.startswith("re:") else fnmatch.fnmatchcase(name, pattern)
+    ) for pattern in policy.patterns)
 
 
 def linear_features(module: nn.Module) -> tuple[int, int] | None:
@@ -310,7 +348,8 @@ def load_fp8_state_dict(module: nn.Module, state: dict, strict: bool = True, sou
     """Restore what :func:`fp8_state_dict` saved.
 
     The state is checked before anything is restored (:func:`check_fp8_state`): finite, positive scales, finite
-    non-negative amaxes, and tensors of the shapes this model's layers hold.
+    non-negative amaxes, tensors of the shapes this model's layers hold, and experts modules holding as many experts
+    as the saved ones.
 
     Args:
         module: the model holding converted layers.
@@ -343,6 +382,8 @@ def load_fp8_state_dict(module: nn.Module, state: dict, strict: bool = True, sou
             continue
         for entry in saved["scalings"]:
             scaling = layer.fp8_scaling(recipe_from(entry["recipe"]))
+            if isinstance(layer, FP8ExpertsMixin):
+                scaling.check_experts(entry, f"layer {name!r} in {where}")
             _check_shapes(entry, scaling.state_dict(), f"layer {name!r}", where)
             restores.append((scaling, entry))
     for name, saved in state.items():  # everything checked: restore

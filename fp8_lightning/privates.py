@@ -40,7 +40,7 @@ class Private:
 
 
 _SCALED_MM_USERS = (
-    "gemm.py", "rowwise.py", "blockwise.py", "ops/layer.py", "traced.py", "profitability.py", "quantize.py",
+    "gemm.py", "rowwise.py", "blockwise.py", "ops/layer.py", "traced.py", "roofline.py", "quantize.py",
     "kernels/fine_grained_cast.py", "kernels/fine_grained_layout.py",
 )
 

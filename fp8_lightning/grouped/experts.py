@@ -41,9 +41,13 @@ _TRACE_REFUSED = (
 
 
 def high_precision_grouped_mm(x: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``torch._grouped_mm(x, b, offs)`` where the device runs it for the dtype, else one GEMM per group."""
-    if x.is_cpu or x.dtype == torch.bfloat16:
-        return torch._grouped_mm(x.contiguous(), b.to(x.dtype), offs)
+    """``torch._grouped_mm(x, b, offs)`` where the device runs it for the dtype (CPU: float32, bf16, fp16; CUDA:
+    bf16), else one GEMM per group (float64 on CPU)."""
+    if x.dtype == torch.bfloat16 or (x.is_cpu and x.dtype in (torch.float32, torch.float16)):
+        y = torch._grouped_mm(x.contiguous(), b.to(x.dtype), offs)
+        if y.requires_grad:  # its backward refuses the expanded (stride-0) gradient of y.sum() (torch 2.11, 2.13 CPU)
+            y.register_hook(torch.Tensor.contiguous)
+        return y
     out, start = x.new_zeros(x.shape[0], b.shape[2]), 0
     for e, end in enumerate(offs.tolist()):
         out[start:end] = x[start:end] @ b[e].to(x.dtype)
@@ -161,9 +165,27 @@ class ExpertsScaling:
             part.update()
 
     def state_dict(self) -> dict:
-        return {"recipe": self.recipe.to_dict(), "operands": {k: s.state_dict() for k, s in self.operands.items()}}
+        return {"recipe": self.recipe.to_dict(), "operands": {k: s.state_dict() for k, s in self.operands.items()},
+                "experts": {name: part.experts for name, part in self.parts.items()}}
+
+    def check_experts(self, state: dict, layer: str) -> None:
+        """Refuse (``ValueError`` naming ``layer`` and both counts) a saved state whose projections hold another number
+        of experts; a state saved without the counts tells them by its ``"<projection>/weight.<e>"`` entries."""
+        saved = dict(state.get("experts") or {})
+        for key in () if "experts" in state else state.get("operands", {}):
+            name, _, role = key.partition("/")
+            if role.startswith("weight.") and role[7:].isdigit():
+                saved[name] = max(saved.get(name, 0), int(role[7:]) + 1)
+        for name, part in self.parts.items():
+            if saved.get(name, part.experts) != part.experts:
+                raise ValueError(
+                    f"The FP8 scaling state of {layer} was saved for {saved[name]} experts ({name}) but this module "
+                    f"holds {part.experts}: per-expert scales cannot be matched. Load it into a model with "
+                    f"{saved[name]} experts, or leave this layer's FP8 state out to restart its scaling."
+                )
 
     def load_state_dict(self, state: dict) -> None:
+        self.check_experts(state, "this experts module")
         for name, part in self.parts.items():
             prefix = f"{name}/"
             part.load_state_dict({"operands": {k[len(prefix):]: v for k, v in state["operands"].items()
@@ -304,8 +326,11 @@ class FP8TransformersExperts(FP8ExpertsMixin):
         if recipe is None:
             return super().forward(hidden_states, top_k_index, top_k_weights)
         num_tokens, top_k = hidden_states.shape[0], top_k_index.shape[-1]
-        expert_ids, perm = torch.sort(top_k_index.reshape(-1))
-        x = hidden_states[perm // top_k]
+        expert_ids, perm = torch.sort(top_k_index.reshape(-1).to(torch.int64))  # int32 ids too, as transformers
+        # ids >= num_experts: expert parallelism's sentinels, sorted last: zero rows of the last group, adding nothing
+        dropped = (expert_ids >= self.num_experts).unsqueeze(-1)
+        expert_ids = expert_ids.clamp(max=self.num_experts - 1)
+        x = hidden_states[perm // top_k].masked_fill(dropped, 0)
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=expert_ids.device)
         counts = counts.index_add(0, expert_ids, torch.ones_like(expert_ids))  # a static shape, unlike bincount
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
@@ -313,15 +338,15 @@ class FP8TransformersExperts(FP8ExpertsMixin):
         h = self.fp8_project(x, first, offs, recipe, replay)
         if self.has_bias:
             h = h + getattr(self, f"{first}_bias")[expert_ids]
-        h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+        h = (self._apply_gate(h) if self.has_gate else self.act_fn(h)).masked_fill(dropped, 0)
         out = self.fp8_project(h, down, offs, recipe, replay)
         if self.has_bias:
             out = out + self.down_proj_bias[expert_ids]
         if self.has_post_expert_norm:
             out = self.post_expert_norm(out)
-        out = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
+        out = out.masked_fill(dropped, 0) * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
         restored = torch.empty_like(out).index_copy_(0, perm, out)  # back to (token, k) order
-        return restored.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+        return restored.view(num_tokens, top_k, out.shape[-1]).sum(dim=1).to(hidden_states.dtype)
 
 
 _FP8_CLASSES: dict[type, type] = {}

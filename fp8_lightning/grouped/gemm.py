@@ -95,7 +95,7 @@ def check_grouped_shapes(a: torch.Tensor, b: torch.Tensor, recipe: Recipe) -> tu
             f"fp8_grouped_mm: a is {tuple(a.shape)} and b is {tuple(b.shape)}: a's K={a.shape[1]} must equal b's "
             f"K={k} (b is (E, K, N); transpose its last two dimensions if it is stored (E, N, K))."
         )
-    reason = recipe.shape_unsupported_reason(k, n)
+    reason = recipe.shape_unsupported_reason(k, n, names=("K", "N"))
     if reason is not None:
         raise ValueError(
             f"fp8_grouped_mm: experts of K={k}, N={n} cannot run under {type(recipe).__name__}: {reason}. Pad the "

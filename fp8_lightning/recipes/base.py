@@ -91,10 +91,13 @@ class Recipe:
 
     # -- the layer ------------------------------------------------------------------------------------------
 
-    def shape_unsupported_reason(self, in_features: int, out_features: int) -> str | None:
+    def shape_unsupported_reason(
+        self, in_features: int, out_features: int, names: tuple[str, str] = ("in_features", "out_features")
+    ) -> str | None:
         """Why an (out, in) weight cannot run its GEMMs in FP8 under this recipe, or None. By default K and N must
-        be multiples of 16, the FP8 GEMM layouts' rule."""
-        return multiple_reason(self, in_features, out_features, LAYOUT_MULTIPLE)
+        be multiples of 16, the FP8 GEMM layouts' rule. ``names``: what the reason calls K and N (a grouped GEMM's
+        caller says ``("K", "N")``)."""
+        return multiple_reason(self, in_features, out_features, LAYOUT_MULTIPLE, names)
 
     def operand_states(self, forward_dtype: torch.dtype, backward_dtype: torch.dtype) -> dict[str, Any]:
         """The mutable scaling state of one layer, per GEMM role (``"input"``, ``"weight"``, ``"grad_output"``):
@@ -345,10 +348,13 @@ class Recipe:
         return cls(**{k: v for k, v in values.items() if k in known})
 
 
-def multiple_reason(recipe: Recipe, in_features: int, out_features: int, multiple: int) -> str | None:
+def multiple_reason(
+    recipe: Recipe, in_features: int, out_features: int, multiple: int,
+    names: tuple[str, str] = ("in_features", "out_features"),
+) -> str | None:
     if not (in_features % multiple or out_features % multiple):
         return None  # the common case, asked at every forward
-    bad = [f"{name}={v}" for name, v in (("in_features", in_features), ("out_features", out_features)) if v % multiple]
+    bad = [f"{name}={v}" for name, v in zip(names, (in_features, out_features)) if v % multiple]
     if bad:
         return f"{', '.join(bad)} not divisible by {multiple} ({type(recipe).__name__})"
     return None

@@ -60,8 +60,8 @@ class MXFP8BlockScaling(Recipe):
         if self.scale_rounding not in SCALE_ROUNDINGS:
             raise invalid(cls, "scale_rounding", self.scale_rounding, " or ".join(SCALE_ROUNDINGS))
 
-    def shape_unsupported_reason(self, in_features: int, out_features: int) -> str | None:
-        return multiple_reason(self, in_features, out_features, self.block_size)
+    def shape_unsupported_reason(self, in_features, out_features, names=("in_features", "out_features")):
+        return multiple_reason(self, in_features, out_features, self.block_size, names)
 
     def cast(self, role, x, dtype, columnwise, columnwise_f32, state, record):
         return dispatch.fast_quantize_mx_operands(

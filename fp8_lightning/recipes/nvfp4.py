@@ -191,8 +191,8 @@ class NVFP4BlockScaling(Recipe):
 
     # -- the layer ------------------------------------------------------------------------------------------
 
-    def shape_unsupported_reason(self, in_features: int, out_features: int) -> str | None:
-        bad = [f"{n}={v}" for n, v in (("in_features", in_features), ("out_features", out_features)) if v % 16]
+    def shape_unsupported_reason(self, in_features, out_features, names=("in_features", "out_features")):
+        bad = [f"{n}={v}" for n, v in zip(names, (in_features, out_features)) if v % 16]
         if not bad:
             return None
         return (f"{', '.join(bad)} not divisible by 16: NVFP4 scales blocks of 16 elements along each GEMM's K "
