@@ -28,7 +28,7 @@ from fp8_lightning.autocast import autocast_state
 from fp8_lightning.grouped.gemm import GroupedScaling, check_grouped_shapes, fp8_grouped_mm
 from fp8_lightning.grouped.traced import recipe_key, traced_grouped_mm
 from fp8_lightning.recipes import Recipe
-from fp8_lightning.recompute import forward_setting
+from fp8_lightning.recompute import close_on_backward, forward_setting
 from fp8_lightning.scaling import bind_layer_name, records_amax
 
 # torch 2.11's compiler traces the experts' step into one graph but the compiled step drifts from the eager one from
@@ -297,15 +297,11 @@ class FP8ExpertsMixin:
             elif compiling:
                 check_grouped_shapes(x, b, recipe)
                 return traced_grouped_mm(x.to(weight.dtype), b, offs, scaling, out_dtype, record, experts_scaling.key)
-            fprops = scaling.gemms["fprop"]
-            y = run(
+            return run(
                 x.to(weight.dtype), b, offs, out_dtype=out_dtype, scaling=scaling, training=record,
                 regathered=self.__dict__.get("_is_fsdp_managed_module", False),  # FSDP2 refills gathered weights
                 observer=observe, replay=replay,
             )
-            if replay:  # the forward this recompute repeats counted its GEMM
-                scaling.gemms["fprop"] = fprops
-            return y
 
 
 class FP8GroupedExperts(FP8ExpertsMixin, GroupedExperts):
@@ -314,8 +310,8 @@ class FP8GroupedExperts(FP8ExpertsMixin, GroupedExperts):
     def project(self, x: torch.Tensor, name: str, offs: torch.Tensor) -> torch.Tensor:
         recipe, replay = self.fp8_setting()
         if recipe is None:
-            return super().project(x, name, offs)
-        return self.fp8_project(x, name, offs, recipe, replay)
+            return close_on_backward(self, super().project(x, name, offs))
+        return close_on_backward(self, self.fp8_project(x, name, offs, recipe, replay))
 
 
 class FP8TransformersExperts(FP8ExpertsMixin):
@@ -324,7 +320,7 @@ class FP8TransformersExperts(FP8ExpertsMixin):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         recipe, replay = self.fp8_setting()
         if recipe is None:
-            return super().forward(hidden_states, top_k_index, top_k_weights)
+            return close_on_backward(self, super().forward(hidden_states, top_k_index, top_k_weights))
         num_tokens, top_k = hidden_states.shape[0], top_k_index.shape[-1]
         expert_ids, perm = torch.sort(top_k_index.reshape(-1).to(torch.int64))  # int32 ids too, as transformers
         # ids >= num_experts: expert parallelism's sentinels, sorted last: zero rows of the last group, adding nothing
@@ -346,7 +342,8 @@ class FP8TransformersExperts(FP8ExpertsMixin):
             out = self.post_expert_norm(out)
         out = out.masked_fill(dropped, 0) * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
         restored = torch.empty_like(out).index_copy_(0, perm, out)  # back to (token, k) order
-        return restored.view(num_tokens, top_k, out.shape[-1]).sum(dim=1).to(hidden_states.dtype)
+        summed = restored.view(num_tokens, top_k, out.shape[-1]).sum(dim=1)
+        return close_on_backward(self, summed.to(hidden_states.dtype))
 
 
 _FP8_CLASSES: dict[type, type] = {}

@@ -165,11 +165,11 @@ def _experts_grads(steps):
     return x.grad
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the grouped experts' backward does not call fp8_lightning.recompute.close_forwards(module) yet: a frozen "
-    "experts module's unchecked step is still replayed by the next step's reentrant recompute",
-)
-def test_frozen_experts_after_an_unchecked_step():
-    grads = _experts_grads([(None, "fp8"), (True, "high_precision")])
-    assert torch.equal(grads, _experts_grads([(None, "fp8"), (None, "high_precision")]))
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("first, second", [("fp8", "high_precision"), ("high_precision", "fp8"), ("fp8", "rowwise")])
+def test_frozen_experts_replay_their_own_step(mode, first, second):
+    """The same for frozen FP8 experts: their outputs close the log when the backward reaches them (FP8 or not)."""
+    grads = _experts_grads([(None, first), (MODES[mode], second)])
+    reference = _experts_grads([(None, first), (None, second)])
+    assert torch.equal(grads, reference)
+    assert not torch.equal(reference, _experts_grads([(None, first), (None, first)]))  # a stale replay would fail
