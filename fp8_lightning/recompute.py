@@ -18,9 +18,8 @@ checkpointing's, and no-grad rollouts) are logged apart; a recompute replays the
 backward that reaches the module (a recompute, the layer's own FP8 backward: :func:`close_forwards`, or the output
 of a high-precision forward: :func:`close_on_backward`) closes both logs: the first forward after it starts them
 afresh, so no forward of an earlier step is replayed, also where the weight never changes in place (a frozen
-module); a log also starts afresh when the weight changed in place (an optimizer step). A closed log still serves
-recomputes until then (a second backward through a retained graph).
-A module that ran under two settings of one kind cannot tell which one a recompute repeats: it raises
+module), or when the weight changed in place (an optimizer step). A closed log still serves recomputes until then
+(a second backward through a retained graph). A module that ran under two settings of one kind raises
 :class:`FP8RecomputeError`. :func:`fp8_checkpoint_context`, passed as ``context_fn`` to non-reentrant
 checkpointing, carries the setting of each checkpointed call instead and always works.
 """
