@@ -16,10 +16,9 @@ from fp8_lightning.convert import (
     ConversionReport,
     convert_to_fp8,
     fp8_modules,
-    fp8_state_dict,
-    load_fp8_state_dict,
     sync_scales,
 )
+from fp8_lightning.saved_state import fp8_state_dict, load_fp8_state_dict
 from fp8_lightning.formats import Format, fp8_max
 from fp8_lightning.grouped import GroupedExperts, fp8_grouped_mm
 from fp8_lightning.gemm import fp8_gemm_support, fp8_mm

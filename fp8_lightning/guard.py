@@ -14,7 +14,7 @@ guard reads the step's :class:`~fp8_lightning.stats.OperandStats` of every conve
   weights by a few percent, a harmless and expected effect of delayed scaling.
 
 A disabled layer runs ``F.linear`` in high precision for the rest of the run (``layer.fp8_disabled_reason``
-holds the reason, which :func:`~fp8_lightning.convert.fp8_state_dict` saves in checkpoints). Each decision is a
+holds the reason, which :func:`~fp8_lightning.saved_state.fp8_state_dict` saves in checkpoints). Each decision is a
 :class:`GuardEvent`. The streak counters and events are part of :meth:`GuardState.state_dict`, so a resumed
 run keeps counting where it stopped.
 

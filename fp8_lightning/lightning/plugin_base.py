@@ -21,14 +21,16 @@ from fp8_lightning.convert import (
     fp8_expert_modules,
     fp8_modules,
     scaled_modules,
+    ModuleFilter,
+    operand_states,
+    sync_scales,
+)
+from fp8_lightning.saved_state import (
     check_fp8_state,
     fp8_state_checksum,
     fp8_state_dict,
     load_fp8_state_dict,
-    ModuleFilter,
-    operand_states,
     restart_gradient_scales,
-    sync_scales,
 )
 from fp8_lightning.guard import DivergenceGuard, GuardEvent, GuardState
 from fp8_lightning.lightning.strings import precision_for_recipe
@@ -36,7 +38,7 @@ from fp8_lightning.recipes import Recipe, RecipeLike, recipe_from
 from fp8_lightning.policy import POLICY_SKIP, LayersLike, RecipePolicy
 from fp8_lightning.stats import attach_collector
 
-# sha256 of the rest of the plugin's checkpoint entry (fp8_lightning.convert.fp8_state_checksum)
+# sha256 of the rest of the plugin's checkpoint entry (fp8_lightning.saved_state.fp8_state_checksum)
 CHECKSUM_KEY = "checksum"
 PLUGIN_CONVERTED = "fp8_converted_by_plugin"  # marks layers a plugin converted (the user's own keep their recipe)
 _DTYPES = {
@@ -281,7 +283,7 @@ class FP8PrecisionMixin:
 
     def check_state(self, state_dict: dict[str, Any]) -> None:
         """Refuse a corrupted FP8 entry before anything is restored: its checksum (when saved with one) must match,
-        and every scale must be finite and positive (:func:`~fp8_lightning.convert.check_fp8_state`)."""
+        and every scale must be finite and positive (:func:`~fp8_lightning.saved_state.check_fp8_state`)."""
         source = self.checkpoint_source()
         where = f"checkpoint {source}" if source else "the checkpoint being loaded"
         fix = (

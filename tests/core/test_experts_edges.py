@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fp8_lightning import GroupedExperts, convert_to_fp8, fp8_autocast, fp8_state_dict, load_fp8_state_dict
-from fp8_lightning.convert import fp8_state_checksum
+from fp8_lightning.saved_state import fp8_state_checksum
 from fp8_lightning.linear import FP8Linear
 from fp8_lightning.recipes import recipe_from
 from tests.helpers.moe import EXPERTS, FAMILIES, HIDDEN, tiny_moe

@@ -151,7 +151,7 @@ def nvfp4_resume_run(rank: int, world: int, tmpdir: str, steps: int = 4) -> dict
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    from fp8_lightning.convert import fp8_state_dict, load_fp8_state_dict
+    from fp8_lightning.saved_state import fp8_state_dict, load_fp8_state_dict
     from fp8_lightning.distributed import enable_fp8_all_gather, shard_model
 
     g = torch.Generator().manual_seed(3)

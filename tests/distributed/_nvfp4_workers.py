@@ -134,7 +134,7 @@ def tp_fsdp_worker(rank: int, world: int, port: int, out: dict) -> None:
                       WORLD_SIZE=str(world))  # fmt: skip
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    from fp8_lightning.convert import fp8_state_dict
+    from fp8_lightning.saved_state import fp8_state_dict
     from fp8_lightning.lightning.fsdp import FP8FSDPStrategy
 
     res = {}

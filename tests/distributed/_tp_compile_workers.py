@@ -15,7 +15,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from fp8_lightning import convert_to_fp8, fp8_autocast, recipe_from
-from fp8_lightning.convert import fp8_state_dict
+from fp8_lightning.saved_state import fp8_state_dict
 from fp8_lightning.distributed import FP8ColwiseParallel, FP8RowwiseParallel, PrepareFP8ModuleInput
 from fp8_lightning.testing import Mixer
 

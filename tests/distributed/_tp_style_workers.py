@@ -14,7 +14,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from fp8_lightning import NVFP4BlockScaling, convert_to_fp8, fp8_autocast
-from fp8_lightning.convert import fp8_state_dict
+from fp8_lightning.saved_state import fp8_state_dict
 from fp8_lightning.distributed import FP8ColwiseParallel, FP8RowwiseParallel, PrepareFP8ModuleInput
 from fp8_lightning.distributed import sequence
 from fp8_lightning.testing import Mixer

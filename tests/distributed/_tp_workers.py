@@ -197,7 +197,7 @@ def tp_worker(rank: int, world: int, port: int, tmpdir: str, out: dict) -> None:
     warnings.filterwarnings("ignore")
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    from fp8_lightning.convert import fp8_state_dict
+    from fp8_lightning.saved_state import fp8_state_dict
     from fp8_lightning.lightning.fsdp import FP8FSDPStrategy
     from fp8_lightning.testing import end_worker
 
@@ -253,7 +253,7 @@ class AtTrainStart:
     def __new__(cls):
         import lightning.pytorch as pl
 
-        from fp8_lightning.convert import fp8_state_dict
+        from fp8_lightning.saved_state import fp8_state_dict
 
         class _Start(pl.Callback):
             def on_train_start(self, trainer, module):
@@ -273,7 +273,7 @@ def _gradient_operands(state: dict):
 
 def gradient_restarts(start: dict, saved: dict) -> list[str]:
     """The layers whose saved output-gradient scale was set and is made afresh by the resumed run (see
-    :func:`~fp8_lightning.convert.restart_gradient_scales`)."""
+    :func:`~fp8_lightning.saved_state.restart_gradient_scales`)."""
     was = {layer for layer, op in _gradient_operands(saved) if op["initialized"]}
     return sorted({layer for layer, op in _gradient_operands(start) if not op["initialized"]} & was)
 
@@ -308,7 +308,7 @@ def resume_worker(rank: int, world: int, port: int, tmpdir: str, out: dict) -> N
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from fp8_lightning.convert import fp8_state_dict
+    from fp8_lightning.saved_state import fp8_state_dict
     from fp8_lightning.lightning.fsdp import FP8FSDPStrategy
     from fp8_lightning.testing import end_worker
 

@@ -97,7 +97,7 @@ def _plain_gpt_from(ckpt: dict, tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from fp8_lightning import convert_to_fp8, recipe_from
-    from fp8_lightning.convert import load_fp8_state_dict
+    from fp8_lightning.saved_state import load_fp8_state_dict
 
     target = tmp_path / "full.pt"
     dcp_to_torch_save(ckpt["path"], target)
@@ -112,7 +112,7 @@ def _plain_gpt_from(ckpt: dict, tmp_path):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_checkpoint_loads_into_plain_model(tp2, tp2_dp2, tmp_path, world):
-    from fp8_lightning.convert import fp8_state_dict
+    from fp8_lightning.saved_state import fp8_state_dict
     from tests.distributed._tp_workers import same_state
 
     ckpt = (tp2 if world == 2 else tp2_dp2)["ckpt"]

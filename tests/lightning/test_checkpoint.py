@@ -106,7 +106,7 @@ def test_another_data_parallel_size_restarts_only_the_delayed_gradient_scales(sa
     replicas sees output gradients of another size: their delayed scales are made afresh from the first backward
     (histories kept), while activation and weight scales continue. The same number restores everything as is."""
     from fp8_lightning import fp8_autocast
-    from fp8_lightning.convert import fp8_state_checksum
+    from fp8_lightning.saved_state import fp8_state_checksum
 
     torch.manual_seed(0)
     model, source = TinyTransformerLM(), FP8Precision(recipe="delayed")

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from fp8_lightning import FP8Precision, convert_to_fp8, fp8_state_dict, load_fp8_state_dict
-from fp8_lightning.convert import fp8_state_checksum
+from fp8_lightning.saved_state import fp8_state_checksum
 from fp8_lightning.lightning.checkpoint import CheckpointFileError, check_checkpoint_file
 
 from .user_model import TinyTransformerLM, markov_tokens, trainer_kwargs

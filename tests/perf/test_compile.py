@@ -27,7 +27,7 @@ from fp8_lightning import (
     fp8_autocast,
     sync_scales,
 )
-from fp8_lightning.convert import fp8_state_dict
+from fp8_lightning.saved_state import fp8_state_dict
 from fp8_lightning.models import GPT
 
 RECIPES = [
