@@ -34,6 +34,7 @@ from fp8_lightning.gemm_routes import NATIVE
 from fp8_lightning.grouped.experts import expert_weights
 from fp8_lightning.recipes import Recipe
 from fp8_lightning.roofline import DeviceRoofline, device_roofline, experts_cost, layer_cost
+from fp8_lightning.roofline import KNOWN_DEVICES  # noqa: F401  (importable from here, as before the split)
 
 # --------------------------------------------------------------------------------------------------------
 # The gate
