@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fp8_lightning import convert_to_fp8, fp8_autocast, recipe_from, sync_scales
+from fp8_lightning import FP8Linear, convert_to_fp8, fp8_autocast, recipe_from, sync_scales
 from fp8_lightning.testing import end_worker, init_gloo
 from tests.helpers.graph_memory import graph_held
 
@@ -94,7 +94,8 @@ def memory_run(recipe: str, rank: int, world: int, fp8_all_gather: bool, reshard
         value = loss.detach().clone()
         dist.all_reduce(value)
         losses.append(value.item() / world)
-    return {"held": held, "losses": losses, "grads": grads}
+    layers = sum(isinstance(m, FP8Linear) for m in model.modules())
+    return {"held": held, "losses": losses, "grads": grads, "layers": layers}
 
 
 def memory_worker(rank: int, world: int, port: int, out: dict, recipes=RECIPES) -> None:
