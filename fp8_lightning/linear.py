@@ -458,9 +458,9 @@ class FP8Linear(nn.Linear):
     def _eager_operands(
         self, x_in, x2d: torch.Tensor, weight: torch.Tensor, scaling: LayerScaling, record: bool, replay: bool = False
     ):
-        """(x, x.T, W, W.T, W's columnwise copy, the gathered weight to save) for the eager step: the input cast now (or as it arrived, cast
-        before an FP8 all-gather: ``x_in.fp8_operands``), the weight from the step's cache. A replay shows nothing
-        to the observer (the forward it repeats did)."""
+        """(x, x.T, W, W.T, W's columnwise copy, the FP8-gathered weight to save or None) for the eager step: the
+        input cast now (or as it arrived, cast before an FP8 all-gather: ``x_in.fp8_operands``), the weight from the
+        step's cache. A replay shows nothing to the observer (the forward it repeats did)."""
         recipe = scaling.recipe
         arrived = getattr(x_in, "fp8_operands", None)  # {recipe: (x, x.T)} of a sequence-parallel FP8 all-gather
         if arrived is not None and recipe in arrived:

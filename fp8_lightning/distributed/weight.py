@@ -8,8 +8,13 @@ what the first returns and hands the gathered buffers to the second::
     rank r:  FP8ShardedWeight (high-precision shard, N/world x K)
                fsdp_pre_all_gather  -> quantize the shard -> uint8 bytes (MX: + E8M0 block scales, same rows)
     FSDP2:   one all-gather of the bytes of every parameter of the group
-    all:       fsdp_post_all_gather -> FP8GatheredWeight (N x K, FP8 data + scale), the unsharded parameter
+    all:       fsdp_post_all_gather -> FP8GatheredWeight (N x K), the unsharded parameter: the gathered bytes
     FP8Linear: LayerScaling.weight_operands() sees ``fp8_weight_operands`` and uses the FP8 data as is
+
+The gathered weight holds the gathered buffer and the pack's metadata only; its operand is unpacked at each use. The
+layer saves the weight itself for backward (``fp8_regathered_for_backward``), not W.T's operand: FSDP2 frees the
+buffer on reshard after forward and re-fills it (same bytes) before backward, which makes W.T again from it
+(``fp8_dgrad_operand``), so between forward and backward a layer holds nothing of its gathered weight.
 
 The design in full: ``docs/design/notes.md``, section ``fp8_lightning.distributed.weight``.
 """
@@ -221,7 +226,8 @@ class FP8GatheredWeight(torch.Tensor):
 
     def _same(self) -> "FP8GatheredWeight":
         """Another wrapper of the same buffer and metadata (a view of the whole weight)."""
-        return FP8GatheredWeight(self._buffer, self._recipe, self._meta, self.dtype, tuple(self.shape), self._shard_rows)
+        shape = tuple(self.shape)
+        return FP8GatheredWeight(self._buffer, self._recipe, self._meta, self.dtype, shape, self._shard_rows)
 
     def __tensor_flatten__(self):
         return ["_buffer"], (self._recipe, self._meta, self.dtype, self._shard_rows)
