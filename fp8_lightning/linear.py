@@ -260,7 +260,8 @@ class EagerStep:
         self.layer, self.scaling, self.emulate, self.out_dtype = layer, scaling, emulate, out_dtype
         recipe = scaling.recipe
         self.fprop_fast_accum, self.grad_fast_accum = recipe.fprop_fast_accum, recipe.grad_fast_accum
-        self.operands = operands  # (x, x.T, W, W.T, the weight cast's columnwise copy or None)
+        # (x, x.T, W, W.T, the weight cast's columnwise copy or None, the FSDP2-gathered weight to save or None)
+        self.operands = operands
 
     def forward_operands(self, tensors: tuple):
         return (*self.operands[:4], ())
@@ -268,17 +269,21 @@ class EagerStep:
     def gemm(self, a: Quantized, b: Quantized, out_dtype: torch.dtype, bias, fast_accum: bool) -> torch.Tensor:
         return fp8_mm(a, b, out_dtype, self.emulate, bias, fast_accum)
 
-    def pack(self, x_t: Quantized, w_t: Quantized):
+    def pack(self, x_t: Quantized, w_t: Quantized | None):
         # The cached FP8 weight's columnwise object travels whole (see _SavedOperand); the rest is rebuilt.
-        w_cached = w_t if w_t is self.operands[4] else None
+        w_cached, regathered = self.operands[4:]
+        w_cached = w_cached if w_t is w_cached else None
         self.operands = None  # backward reads the saved tensors only (activation checkpointing can then drop them)
-        meta = (
-            _SavedOperand(x_t.kind, x_t.cache.for_backward(keep_f32=False)),
-            _SavedOperand(w_t.kind, w_t.cache.for_backward(keep_f32=True), w_cached),
-        )
+        x_saved = _SavedOperand(x_t.kind, x_t.cache.for_backward(keep_f32=False))
+        if regathered is not None:  # FSDP2 frees and re-fills the gathered weight: backward makes W.T from it again
+            return (x_t.data, x_t.scale, regathered), (x_saved, None)
+        meta = (x_saved, _SavedOperand(w_t.kind, w_t.cache.for_backward(keep_f32=True), w_cached))
         return (x_t.data, x_t.scale, w_t.data, w_t.scale), meta
 
     def unpack(self, meta, saved: tuple):
+        if meta[1] is None:  # the gathered weight itself was saved (see pack)
+            x_data, x_scale, weight, *grad_state = saved
+            return meta[0].rebuild(x_data, x_scale), weight.fp8_dgrad_operand(self.scaling), grad_state
         x_data, x_scale, w_data, w_scale, *grad_state = saved
         return meta[0].rebuild(x_data, x_scale), meta[1].rebuild(w_data, w_scale), grad_state
 
@@ -453,9 +458,9 @@ class FP8Linear(nn.Linear):
     def _eager_operands(
         self, x_in, x2d: torch.Tensor, weight: torch.Tensor, scaling: LayerScaling, record: bool, replay: bool = False
     ):
-        """(x, x.T, W, W.T, W's columnwise copy) for the eager step: the input cast now (or as it arrived, cast
-        before an FP8 all-gather: ``x_in.fp8_operands``), the weight from the step's cache. A replay shows nothing
-        to the observer (the forward it repeats did)."""
+        """(x, x.T, W, W.T, W's columnwise copy, the FP8-gathered weight to save or None) for the eager step: the
+        input cast now (or as it arrived, cast before an FP8 all-gather: ``x_in.fp8_operands``), the weight from the
+        step's cache. A replay shows nothing to the observer (the forward it repeats did)."""
         recipe = scaling.recipe
         arrived = getattr(x_in, "fp8_operands", None)  # {recipe: (x, x.T)} of a sequence-parallel FP8 all-gather
         if arrived is not None and recipe in arrived:
@@ -469,7 +474,12 @@ class FP8Linear(nn.Linear):
         if observer is not None and not replay:
             observer(self, "input", x2d, x)
             observer(self, "weight", weight, w)
-        return x, recipe.transposed(x, x_col), w, recipe.transposed(w, w_col), w_col
+        # a weight FSDP2 gathered in FP8 is saved itself, not W.T: its buffer is freed on reshard after forward and
+        # re-filled (same bytes) before backward, which makes W.T again from it (nothing gathered held in between)
+        regathered = getattr(weight, "fp8_regathered_for_backward", None)
+        if regathered is not None and regathered(scaling):
+            return x, recipe.transposed(x, x_col), w, None, None, weight
+        return x, recipe.transposed(x, x_col), w, recipe.transposed(w, w_col), w_col, None
 
     # Under torch.compile a layer the traced step cannot serve runs eagerly between graphs.
     _eager_island = torch.compiler.disable(_eager_forward)

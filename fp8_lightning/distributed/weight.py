@@ -8,8 +8,13 @@ what the first returns and hands the gathered buffers to the second::
     rank r:  FP8ShardedWeight (high-precision shard, N/world x K)
                fsdp_pre_all_gather  -> quantize the shard -> uint8 bytes (MX: + E8M0 block scales, same rows)
     FSDP2:   one all-gather of the bytes of every parameter of the group
-    all:       fsdp_post_all_gather -> FP8GatheredWeight (N x K, FP8 data + scale), the unsharded parameter
+    all:       fsdp_post_all_gather -> FP8GatheredWeight (N x K), the unsharded parameter: the gathered bytes
     FP8Linear: LayerScaling.weight_operands() sees ``fp8_weight_operands`` and uses the FP8 data as is
+
+The gathered weight holds the gathered buffer and the pack's metadata only; its operand is unpacked at each use. The
+layer saves the weight itself for backward (``fp8_regathered_for_backward``), not W.T's operand: FSDP2 frees the
+buffer on reshard after forward and re-fills it (same bytes) before backward, which makes W.T again from it
+(``fp8_dgrad_operand``), so between forward and backward a layer holds nothing of its gathered weight.
 
 The design in full: ``docs/design/notes.md``, section ``fp8_lightning.distributed.weight``.
 """
@@ -23,7 +28,7 @@ import torch.utils._pytree as pytree
 
 from fp8_lightning.ops.dispatch import dequantize_operand
 from fp8_lightning.privates import local_shard
-from fp8_lightning.quantize import OperandCache, Quantized
+from fp8_lightning.quantize import Quantized
 from fp8_lightning.recipes import Recipe
 
 aten = torch.ops.aten
@@ -159,19 +164,20 @@ class FP8ShardedWeight(torch.Tensor):
         """Wrap the gathered bytes (no copy) as the unsharded FP8 weight; refresh ``out`` on later gathers."""
         recipe, meta = metadata
         (gathered,) = outputs
-        q = recipe.fsdp_unpack(gathered, self._hp.shape[0], self.shape[-1], meta)
+        rows, k = self._hp.shape[0], self.shape[-1]
         if out is not None:
             out = local_shard(out)  # under tensor parallelism FSDP2 refills the local part of a DTensor
             if not isinstance(out, FP8GatheredWeight):
                 raise TypeError(
                     f"fsdp_post_all_gather(out=...) expects an FP8GatheredWeight; got {type(out).__name__}."
                 )
-            if out._q.data.untyped_storage().data_ptr() != q.data.untyped_storage().data_ptr():
+            if out._buffer.untyped_storage().data_ptr() != gathered.untyped_storage().data_ptr():
                 raise RuntimeError("FP8 all-gather: FSDP2 refilled a different buffer than the one the weight views.")
-            out._q, out._meta = q, meta
+            out._buffer, out._meta = gathered, meta
             return None
-        gathered = FP8GatheredWeight(q, recipe, meta, param_dtype, (q.data.shape[0], self.shape[-1]))
-        return gathered, tuple(outputs)
+        q = recipe.fsdp_unpack(gathered, rows, k, meta)
+        gathered_weight = FP8GatheredWeight(gathered, recipe, meta, param_dtype, (q.data.shape[0], k), rows)
+        return gathered_weight, tuple(outputs)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -180,30 +186,30 @@ class FP8ShardedWeight(torch.Tensor):
 
 
 class FP8GatheredWeight(torch.Tensor):
-    """The unsharded weight as FP8 data + scale(s), with the shape and (high-precision) dtype of the weight.
+    """The unsharded weight as gathered FP8 bytes, with the shape and (high-precision) dtype of the weight.
 
-    :class:`~fp8_lightning.linear.FP8Linear` consumes it through :meth:`fp8_weight_operands`; any other op
-    sees the dequantized weight.
+    It holds the gathered buffer and the pack's metadata only: the FP8 operand (``_q``) is unpacked from the buffer
+    at each use, so nothing derived from it (a float32 form, a dense copy of the scales) outlives that use. FSDP2
+    frees the buffer on reshard after forward and re-fills it (same bytes) before backward, where the layer makes
+    W.T's operand again (:meth:`fp8_dgrad_operand`). :class:`~fp8_lightning.linear.FP8Linear` consumes it through
+    :meth:`fp8_weight_operands`; any other op sees the dequantized weight.
     """
 
-    _q: Quantized
+    _buffer: torch.Tensor  # the all-gather output: every shard's packed bytes
     _recipe: Recipe
     _meta: Any  # what the recipe's fsdp_pack sent beside the bytes (per-tensor: the scale and the agreed amax)
 
     @staticmethod
-    def __new__(cls, q: Quantized, recipe: Recipe, meta: Any, dtype: torch.dtype, shape: tuple | None = None):
-        if shape is None or tuple(shape) == tuple(q.data.shape):
-            return torch.Tensor._make_wrapper_subclass(
-                cls, q.data.size(), strides=q.data.stride(), dtype=dtype, device=q.data.device, requires_grad=False
-            )
-        # codes narrower than the weight (NVFP4 packs two per byte): the weight's shape, contiguous strides
-        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=q.data.device, requires_grad=False)
+    def __new__(cls, buffer: torch.Tensor, recipe: Recipe, meta: Any, dtype: torch.dtype, shape: tuple,
+                shard_rows: int):  # fmt: skip
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=buffer.device, requires_grad=False)
 
-    def __init__(self, q: Quantized, recipe: Recipe, meta: Any, dtype: torch.dtype, shape: tuple | None = None):
-        self._q, self._recipe, self._meta = q, recipe, meta
+    def __init__(self, buffer: torch.Tensor, recipe: Recipe, meta: Any, dtype: torch.dtype, shape: tuple,
+                 shard_rows: int):  # fmt: skip
+        self._buffer, self._recipe, self._meta, self._shard_rows = buffer, recipe, meta, shard_rows
 
     def __repr__(self) -> str:
-        return f"FP8GatheredWeight(shape={tuple(self.shape)}, kind={self._q.kind}, dtype={self.dtype})"
+        return f"FP8GatheredWeight(shape={tuple(self.shape)}, recipe={type(self._recipe).__name__}, dtype={self.dtype})"
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -212,39 +218,35 @@ class FP8GatheredWeight(torch.Tensor):
         kwargs = kwargs or {}
         if func in _KEEP_GATHERED and isinstance(args[0], cls):
             w = args[0]
-            if func in (aten.as_strided.default, aten.view.default) and tuple(args[1]) == tuple(w.shape):
-                return cls(w._q, w._recipe, w._meta, w.dtype, w.shape)  # FSDP2 re-views the weight as itself
-            if func in (aten.detach.default, aten.alias.default):
-                return cls(w._q, w._recipe, w._meta, w.dtype, w.shape)
-            data = func(w._q.data, *args[1:], **kwargs)
-            if data.shape != w._q.data.shape:
-                raise NotImplementedError(f"{func} would reshape an FP8-gathered weight; dequantize it first.")
-            kept = OperandCache(native=w._q.cache.native)  # a view of the same codes: its GEMM scales still hold
-            return cls(Quantized(data, w._q.scale, w._q.kind, kept), w._recipe, w._meta, w.dtype)
+            if func in (aten.detach.default, aten.alias.default) or tuple(args[1]) == tuple(w.shape):
+                return w._same()  # FSDP2 re-views the weight as itself
+            raise NotImplementedError(f"{func} would reshape an FP8-gathered weight; dequantize it first.")
         plain_args, plain_kwargs = pytree.tree_map_only(cls, lambda t: t.dequantize(), (args, kwargs))
         return func(*plain_args, **plain_kwargs)
 
+    def _same(self) -> "FP8GatheredWeight":
+        """Another wrapper of the same buffer and metadata (a view of the whole weight)."""
+        shape = tuple(self.shape)
+        return FP8GatheredWeight(self._buffer, self._recipe, self._meta, self.dtype, shape, self._shard_rows)
+
     def __tensor_flatten__(self):
-        native = ["_native"] if self._q.cache.native is not None else []  # NVFP4's GEMM scales travel too
-        return ["_data", "_scale", *native], (self._q.kind, self._recipe, self._meta, self.dtype)
-
-    @property
-    def _data(self) -> torch.Tensor:
-        return self._q.data
-
-    @property
-    def _scale(self) -> torch.Tensor:
-        return self._q.scale
-
-    @property
-    def _native(self) -> torch.Tensor | None:
-        return self._q.cache.native
+        return ["_buffer"], (self._recipe, self._meta, self.dtype, self._shard_rows)
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        kind, recipe, recipe_meta, dtype = meta
-        q = Quantized(inner["_data"], inner["_scale"], kind, OperandCache(native=inner.get("_native")))
-        return FP8GatheredWeight(q, recipe, recipe_meta, dtype, tuple(outer_size))
+        recipe, recipe_meta, dtype, shard_rows = meta
+        return FP8GatheredWeight(inner["_buffer"], recipe, recipe_meta, dtype, tuple(outer_size), shard_rows)
+
+    @property
+    def _q(self) -> Quantized:
+        """The fprop operand, unpacked from the gathered buffer at each read (views of it where the recipe can)."""
+        if self._buffer.untyped_storage().nbytes() == 0:
+            raise RuntimeError(
+                f"FP8GatheredWeight of shape {tuple(self.shape)}: its gathered buffer was freed (FSDP2 resharded the "
+                "module) and not gathered again; use the weight inside the module's forward or backward, or call "
+                "module.unshard() first."
+            )
+        return self._recipe.fsdp_unpack(self._buffer, self._shard_rows, self.shape[-1], self._meta)
 
     def dequantize(self) -> torch.Tensor:
         """The weight's value as gathered (FP8-rounded), in the weight's dtype."""
@@ -260,3 +262,15 @@ class FP8GatheredWeight(torch.Tensor):
             w = dequantize_operand(self._q, torch.float32)
             return scaling.cast("weight", w, record, columnwise=True)
         return recipe.fsdp_operands(self._q, scaling, self._meta, record)
+
+    def fp8_regathered_for_backward(self, scaling) -> bool:
+        """Whether backward can make W.T's operand for ``scaling`` again, bit for bit, from the buffer FSDP2
+        re-gathers (:meth:`fp8_dgrad_operand`): under the gathered recipe; an override's casts are kept from the
+        forward."""
+        return scaling.recipe == self._recipe
+
+    def fp8_dgrad_operand(self, scaling) -> Quantized:
+        """W.T's operand (dgrad's) as the forward's :meth:`fp8_weight_operands` made it, from the gathered bytes as
+        they are now (re-gathered for backward), booking nothing."""
+        recipe = self._recipe
+        return recipe.transposed(*recipe.fsdp_operands(self._q, scaling, self._meta, False))
