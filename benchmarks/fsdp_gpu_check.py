@@ -105,10 +105,10 @@ def check(recipe: str, rank: int, world: int) -> list[str]:
     uses, dtypes = [], set()
     original = FP8GatheredWeight.fp8_weight_operands
 
-    def spy(self, scaling, record):
+    def spy(self, scaling, record, **kwargs):
         uses.append(1)
         dtypes.add((self._q.data.dtype, self._q.data.device.type))
-        return original(self, scaling, record)
+        return original(self, scaling, record, **kwargs)
 
     gathered = {"bytes": 0, "fp8_bytes": 0}
     all_gather = dist.all_gather_into_tensor

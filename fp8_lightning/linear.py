@@ -125,8 +125,9 @@ class LayerScaling:
         (:mod:`fp8_lightning.recompute`): the forward's cached cast while it is valid, else a cast that keeps nothing.
         """
         provided = getattr(weight, "fp8_weight_operands", None)  # already FP8 (e.g. gathered in FP8 by FSDP2)
-        if provided is not None:
-            return provided(self, record)
+        if provided is not None:  # W.T's copy only where backward cannot make it from the re-gathered weight
+            regathered = getattr(weight, "fp8_regathered_for_backward", None)
+            return provided(self, record, columnwise=regathered is None or not regathered(self))
         if regathered:
             self._weight_cache = None
         w_state = self.operands.get("weight")

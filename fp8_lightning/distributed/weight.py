@@ -252,8 +252,10 @@ class FP8GatheredWeight(torch.Tensor):
         """The weight's value as gathered (FP8-rounded), in the weight's dtype."""
         return dequantize_operand(self._q, self.dtype)
 
-    def fp8_weight_operands(self, scaling, record: bool) -> tuple[Quantized, Quantized | None]:
-        """(rowwise W, columnwise W for MX) for ``scaling`` (a LayerScaling) without quantizing W again.
+    def fp8_weight_operands(self, scaling, record: bool, columnwise: bool = True) -> tuple[Quantized, Quantized | None]:
+        """(rowwise W, columnwise W for MX) for ``scaling`` (a LayerScaling) without quantizing W again; without
+        ``columnwise`` the second is None under the gathered recipe (backward makes it again from the re-gathered
+        buffer: :meth:`fp8_dgrad_operand`).
 
         Under another recipe (an ``fp8_autocast(recipe=...)`` override) the gathered value is cast afresh.
         """
@@ -261,7 +263,7 @@ class FP8GatheredWeight(torch.Tensor):
         if recipe != self._recipe:
             w = dequantize_operand(self._q, torch.float32)
             return scaling.cast("weight", w, record, columnwise=True)
-        return recipe.fsdp_operands(self._q, scaling, self._meta, record)
+        return recipe.fsdp_operands(self._q, scaling, self._meta, record, columnwise)
 
     def fp8_regathered_for_backward(self, scaling) -> bool:
         """Whether backward can make W.T's operand for ``scaling`` again, bit for bit, from the buffer FSDP2

@@ -277,8 +277,9 @@ class Recipe:
         """The fprop operand of the whole weight from the gathered bytes of all shards (views, no copy)."""
         raise NotImplementedError(f"{type(self).__name__} does not define fsdp_unpack()")
 
-    def fsdp_operands(self, gathered: Quantized, scaling: Any, metadata: Any, record: bool):
-        """(fprop operand, columnwise operand or None) of a gathered weight, for the layer's ``scaling``."""
+    def fsdp_operands(self, gathered: Quantized, scaling: Any, metadata: Any, record: bool, columnwise: bool = True):
+        """(fprop operand, columnwise operand or None) of a gathered weight, for the layer's ``scaling``; without
+        ``columnwise`` (backward makes it again from the re-gathered weight) the second is None."""
         raise NotImplementedError(f"{type(self).__name__} does not define fsdp_operands()")
 
     # -- FSDP2 all-gather of fused expert weights (E, N, K), sharded by whole experts ----------------------

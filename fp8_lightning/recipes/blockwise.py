@@ -148,10 +148,10 @@ class BlockwiseScaling(FineGrainedRecipe):
         data = gathered[:, :k].view(fp8_dtype(self.fp8_format))
         return Quantized(data, unpack_block_scales(gathered, shard_rows, k), BLOCK)
 
-    def fsdp_operands(self, gathered, scaling, metadata, record):
+    def fsdp_operands(self, gathered, scaling, metadata, record, columnwise=True):
         """W.T's operand is the gathered blocks transposed (exact, as in one process)."""
         row = Quantized(gathered.data.contiguous(), gathered.scale.contiguous(), BLOCK)  # dense for the GEMM
-        return row, Quantized(row.data.t(), row.scale.t(), BLOCK)
+        return row, Quantized(row.data.t(), row.scale.t(), BLOCK) if columnwise else None
 
 
 BLOCK.implement(

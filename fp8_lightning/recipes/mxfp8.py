@@ -162,10 +162,12 @@ class MXFP8BlockScaling(Recipe):
     def fsdp_unpack(self, gathered, shard_rows, k, metadata):
         return Quantized(gathered[:, :k].view(fp8_dtype(self.fp8_format)), gathered[:, k:].view(E8M0_DTYPE), MX)
 
-    def fsdp_operands(self, gathered, scaling, metadata, record):
+    def fsdp_operands(self, gathered, scaling, metadata, record, columnwise=True):
         """dgrad's columnwise copy is quantized along N from the exactly dequantized gathered weight: no rank
         holds the high-precision weight in full (a second rounding of W in dgrad only)."""
         row = Quantized(gathered.data.contiguous(), gathered.scale.contiguous(), MX)  # dense for the GEMM
+        if not columnwise:
+            return row, None
         values = dispatch.operand_f32(row)
         return row, dispatch.fast_quantize_mx_columns(values, self.block_size, self.scale_rounding, row.data.dtype)
 

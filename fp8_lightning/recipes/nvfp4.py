@@ -338,11 +338,13 @@ class NVFP4BlockScaling(Recipe):
     def fsdp_unpack(self, gathered, shard_rows, k, metadata):
         return _operand(unpack_nvfp4_gathered(gathered, shard_rows, k, metadata, self._weight_tile()))
 
-    def fsdp_operands(self, gathered, scaling, metadata, record):
+    def fsdp_operands(self, gathered, scaling, metadata, record, columnwise=True):
         """dgrad's ``W.T``: the gathered 16x16 tiles transposed (the bits of casting ``W.T``), or with 1x16 blocks
         re-cast along N from the gathered values (one more rounding, in dgrad only)."""
         weight = nvfp4_tensor(gathered, self._weight_tile())
         row = _operand(weight._replace(codes=weight.codes.contiguous()))
+        if not columnwise:
+            return row, None
         if self.fp4_2d_weights:
             return row, _operand(nvfp4_transposed_tiles(weight))
         return row, _operand(nvfp4_recast_columns(dispatch.operand_f32(row), metadata))

@@ -199,7 +199,7 @@ class PerTensorRecipe(Recipe):
     def fsdp_unpack(self, gathered, shard_rows, k, metadata):
         return Quantized(gathered.view(fp8_dtype(self.fp8_format)), metadata[0], TENSOR)
 
-    def fsdp_operands(self, gathered, scaling, metadata, record):
+    def fsdp_operands(self, gathered, scaling, metadata, record, columnwise=True):
         scaling.operands["weight"].book(metadata[1], record)  # counted as a local cast counts itself
         return gathered, None
 

@@ -217,10 +217,12 @@ class RowwiseScaling(FineGrainedRecipe):
         data = gathered[:, :k].view(fp8_dtype(self.fp8_format))
         return Quantized(data, gathered[:, k : k + SCALE_BYTES].contiguous().view(torch.float32), ROW)
 
-    def fsdp_operands(self, gathered, scaling, metadata, record):
+    def fsdp_operands(self, gathered, scaling, metadata, record, columnwise=True):
         """dgrad needs W scaled down its columns, which no rank can compute from its rows: it is quantized from the
         gathered weight dequantized exactly (a second rounding in dgrad only, as MXFP8 does)."""
         row = Quantized(gathered.data.contiguous(), gathered.scale.contiguous(), ROW)  # dense for the GEMM
+        if not columnwise:
+            return row, None
         values = dequantize_rowwise(row.data, row.scale)
         return row, fine_operands(self, "weight", values, row.data.dtype, columnwise=True)[1]
 

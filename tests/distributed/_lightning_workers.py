@@ -125,9 +125,9 @@ def strategy_worker(rank: int, world: int, port: int, tmpdir: str, out: dict) ->
     seen = []
     original = FP8GatheredWeight.fp8_weight_operands
 
-    def spy(self, scaling, record):
+    def spy(self, scaling, record, **kwargs):
         seen.append(1)
-        return original(self, scaling, record)
+        return original(self, scaling, record, **kwargs)
 
     FP8GatheredWeight.fp8_weight_operands = spy
     module = make_module()

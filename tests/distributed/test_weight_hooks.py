@@ -214,3 +214,24 @@ def test_blockwise_shards_must_hold_whole_blocks():
     assert "64 rows per shard is not a multiple of the 128-row weight block" in reason
     assert fp8_all_gather_unsupported_reason((256, 64), 2, BlockwiseScaling()) is None
     assert fp8_all_gather_unsupported_reason((48, 64), 1, BlockwiseScaling()) is None  # one shard: the whole weight
+
+
+@pytest.mark.parametrize("recipe", [RowwiseScaling(), MXFP8BlockScaling(), BlockwiseScaling()], ids=lambda r: r.name)
+def test_the_forward_makes_no_dgrad_copy_of_a_gathered_weight(recipe):
+    """Backward makes W.T's operand from the re-gathered buffer, so the forward's weight operands leave it out; what
+    backward makes has the bits of the copy the forward used to make."""
+    out_features, in_features = (256, 256) if isinstance(recipe, BlockwiseScaling) else (64, 96)
+    _, layer = _layer(recipe, out_features, in_features)
+    weight, *_ = _gather(layer)
+    scaling = layer.fp8_scaling()
+    w, w_col = scaling.weight_operands(weight, record=True)
+    assert w_col is None and weight.fp8_regathered_for_backward(scaling)
+    row, col = weight.fp8_weight_operands(scaling, record=False)  # the copy, asked for
+    dgrad = weight.fp8_dgrad_operand(scaling)
+    expected = recipe.transposed(row, col)
+    for got, want in ((dgrad.data, expected.data), (dgrad.scale, expected.scale), (w.data, row.data)):
+        assert got.shape == want.shape and torch.equal(_bits(got), _bits(want))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.flatten().contiguous().view(torch.uint8)
