@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections.abc
 import functools
 import itertools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -207,10 +207,17 @@ def expert_gemm_values(operands, transposed: bool) -> torch.Tensor | None:
 
 class StackedWeights(ExpertOperands):
     """Each expert's (W_e, W_e.T) operands (views) from the two stacked casts: ``rows`` (E * N, K) and ``columns``
-    (E * K, N), each with one scale row per row of codes (rowwise, MX)."""
+    (E * K, N), each with one scale row per row of codes (rowwise, MX). ``columns`` may be a function that makes
+    them, called on first use (a forward that needs only ``rows`` then makes no W.T copy)."""
 
-    def __init__(self, rows: Quantized, columns: Quantized, experts: int):
-        self.rows, self.columns, self.experts = rows, columns, experts
+    def __init__(self, rows: Quantized, columns: Quantized | Callable[[], Quantized], experts: int):
+        self.rows, self._columns, self.experts = rows, columns, experts
+
+    @property
+    def columns(self) -> Quantized:
+        if callable(self._columns):
+            self._columns = self._columns()
+        return self._columns
 
     @functools.cached_property
     def _pairs(self) -> list[tuple[Quantized, Quantized]]:

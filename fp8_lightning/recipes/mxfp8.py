@@ -176,9 +176,11 @@ class MXFP8BlockScaling(Recipe):
         exactly dequantized gathered weights, as for a linear layer."""
         experts, (n, k) = len(gathered), gathered[0].data.shape
         rows = Quantized(_cat_bytes([q.data for q in gathered]), _cat_bytes([q.scale for q in gathered]), MX)
-        values = dispatch.operand_f32(rows).view(experts, n, k)
-        flipped = values.transpose(1, 2).reshape(experts * k, n)
-        columns = dispatch.fast_quantize_mx_operand(flipped, self.block_size, self.scale_rounding, rows.data.dtype)
+
+        def columns() -> Quantized:  # made where used: a forward needs rows only
+            flipped = dispatch.operand_f32(rows).view(experts, n, k).transpose(1, 2).reshape(experts * k, n)
+            return dispatch.fast_quantize_mx_operand(flipped, self.block_size, self.scale_rounding, rows.data.dtype)
+
         return StackedWeights(rows, columns, experts)
 
     def cast_bytes_per_element(self) -> float:

@@ -233,9 +233,12 @@ class RowwiseScaling(FineGrainedRecipe):
             return super().fsdp_experts_operands(gathered, scaling, metadata, record)
         experts, (n, k) = len(gathered), gathered[0].data.shape
         rows = Quantized(torch.cat([q.data for q in gathered]), torch.cat([q.scale for q in gathered]), ROW)
-        values = dequantize_rowwise(rows.data, rows.scale).view(experts, n, k)
-        flipped = values.transpose(1, 2).reshape(experts * k, n)
-        columns = self.cast("weight", flipped, rows.data.dtype, False, True, None, record)[0]
+
+        def columns() -> Quantized:  # made where used: a forward needs rows only
+            values = dequantize_rowwise(rows.data, rows.scale).view(experts, n, k)
+            flipped = values.transpose(1, 2).reshape(experts * k, n)
+            return self.cast("weight", flipped, rows.data.dtype, False, True, None, record)[0]
+
         return StackedWeights(rows, columns, experts)
 
     # -- cost model -----------------------------------------------------------------------------------------
