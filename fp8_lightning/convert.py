@@ -38,6 +38,14 @@ from fp8_lightning.capability_table import warn_if_not_native
 from fp8_lightning.policy import POLICY_SKIP, Choice, LayersLike, RecipePolicy
 from fp8_lightning.profitability import ProfitabilityLike, model_top_k, resolve_gate
 from fp8_lightning.recipes import RecipeLike, recipe_from
+from fp8_lightning.saved_state import (  # noqa: F401  (the saved-state functions, importable from here as before)
+    check_fp8_state,
+    fp8_state_checksum,
+    fp8_state_dict,
+    load_fp8_state_dict,
+    restart_gradient_scales,
+    scaled_modules,
+)
 from fp8_lightning.scaling import OperandScaling, bind_layer_name, update_scales
 
 ModuleFilter = Callable[[nn.Module, str], bool]
@@ -292,13 +300,6 @@ def fp8_expert_modules(module: nn.Module) -> Iterator[tuple[str, FP8ExpertsMixin
     """Converted fused experts modules with their names, in module order."""
     for name, child in module.named_modules():
         if isinstance(child, FP8ExpertsMixin):
-            yield name, child
-
-
-def scaled_modules(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """Every module with FP8 scaling state (converted layers and experts), in module order."""
-    for name, child in module.named_modules():
-        if isinstance(child, (FP8Linear, FP8ExpertsMixin)):
             yield name, child
 
 

@@ -10,13 +10,21 @@ holds), so a bad checkpoint fails with the layer and the value named instead of 
 from __future__ import annotations
 
 import hashlib
+from typing import Iterator
 
 import torch
 import torch.nn as nn
 
-from fp8_lightning.convert import scaled_modules
 from fp8_lightning.grouped.experts import FP8ExpertsMixin
+from fp8_lightning.linear import FP8Linear
 from fp8_lightning.recipes import recipe_from
+
+
+def scaled_modules(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """Every module with FP8 scaling state (converted layers and experts), in module order."""
+    for name, child in module.named_modules():
+        if isinstance(child, (FP8Linear, FP8ExpertsMixin)):
+            yield name, child
 
 
 def fp8_state_dict(module: nn.Module) -> dict:

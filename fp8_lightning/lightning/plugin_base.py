@@ -21,16 +21,14 @@ from fp8_lightning.convert import (
     fp8_expert_modules,
     fp8_modules,
     scaled_modules,
-    ModuleFilter,
-    operand_states,
-    sync_scales,
-)
-from fp8_lightning.saved_state import (
     check_fp8_state,
     fp8_state_checksum,
     fp8_state_dict,
     load_fp8_state_dict,
+    ModuleFilter,
+    operand_states,
     restart_gradient_scales,
+    sync_scales,
 )
 from fp8_lightning.guard import DivergenceGuard, GuardEvent, GuardState
 from fp8_lightning.lightning.strings import precision_for_recipe
