@@ -17,9 +17,8 @@ reduction and scale update for the whole model.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
-import re
 import types
+import warnings
 from typing import Callable, Iterator
 
 import torch.distributed as dist
@@ -38,6 +37,7 @@ from fp8_lightning.capability_table import warn_if_not_native
 from fp8_lightning.policy import POLICY_SKIP, Choice, LayersLike, RecipePolicy
 from fp8_lightning.profitability import ProfitabilityLike, model_top_k, resolve_gate
 from fp8_lightning.recipes import RecipeLike, recipe_from
+from fp8_lightning.saved_state import ROUTER_MARK
 from fp8_lightning.saved_state import (  # noqa: F401  (the saved-state functions, importable from here as before)
     check_fp8_state,
     fp8_state_checksum,
@@ -129,7 +129,7 @@ def convert_to_fp8(
         features = linear_features(child)
         if features is None:
             if is_router(child):
-                report.routers.append(name or "<root>")
+                _keep_router(child, name or "<root>", report)
             elif holds_linear_like_weight(child):
                 report.skipped[name or "<root>"] = (
                     f"{type(child).__name__} holds a 2-D weight but is not an nn.Linear (or transformers' Conv1D): "
@@ -137,8 +137,8 @@ def convert_to_fp8(
                 )
             continue
         choice = choices[name]
-        if name in routers and not isinstance(child, FP8Linear) and not _chosen_by_name(policy, name, choice):
-            report.routers.append(name)
+        if name in routers and not isinstance(child, FP8Linear) and not choice.explicit:
+            _keep_router(child, name, report)
             continue
         layer_recipe = choice.recipe
         reason = _skip_reason(child, name, features, layer_recipe or recipe, module_filter_fn)
@@ -216,6 +216,13 @@ def _convert_experts(
     return True
 
 
+def _keep_router(router: nn.Module, name: str, report: ConversionReport) -> None:
+    """Keep a router in high precision, marked so that a checkpoint holding its FP8 state from a run that converted
+    it still loads (:func:`~fp8_lightning.saved_state.load_fp8_state_dict` then sets that state aside)."""
+    setattr(router, ROUTER_MARK, True)
+    report.routers.append(name)
+
+
 def is_router(module: nn.Module) -> bool:
     """The router of a mixture of experts (transformers' ``*TopKRouter`` / ``*TopkRouter``): a 2-D weight whose
     scores pick the experts, kept in high precision."""
@@ -223,10 +230,11 @@ def is_router(module: nn.Module) -> bool:
 
 
 def linear_routers(model: nn.Module) -> set[str]:
-    """The routers of hand-written mixtures of experts: each ``nn.Linear`` (or ``Conv1D``) that sits beside a fused
+    """The routers of hand-written mixtures of experts: the one ``nn.Linear`` (or ``Conv1D``) that sits beside a fused
     experts module (the same parent) and maps the experts' input width to one score per expert (``in_features`` =
     the experts' model dimension, ``out_features`` = their number). Kept in high precision unless the layer policy
-    names them (:func:`_chosen_by_name`)."""
+    names them itself (:attr:`~fp8_lightning.policy.Choice.explicit`). Where several layers of a parent fit, which
+    one routes is unknown: none is taken for the router, with a warning that says how to keep it in high precision."""
     routers = set()
     for parent_name, parent in model.named_modules():
         shapes = set()  # (model dimension, experts) of the experts modules in this parent
@@ -236,20 +244,17 @@ def linear_routers(model: nn.Module) -> set[str]:
                 first, stored_kn = next(iter(weights.items()))
                 weight = getattr(child, first)
                 shapes.add((weight.shape[1] if stored_kn else weight.shape[2], weight.shape[0]))
-        for child_name, child in parent.named_children() if shapes else ():
-            if linear_features(child) in shapes:
-                routers.add(f"{parent_name}.{child_name}" if parent_name else child_name)
+        prefix = f"{parent_name}." if parent_name else ""
+        fits = [prefix + name for name, child in parent.named_children() if shapes and linear_features(child) in shapes]
+        if len(fits) == 1:
+            routers.update(fits)
+        elif fits:
+            warnings.warn(
+                f"{fits} all map the experts' input to one score per expert beside the experts of "
+                f"{parent_name or '<root>'!r}; which one is the router is unknown, so none is kept in high precision "
+                f"for being one. Keep the router in high precision with convert_to_fp8(layers={{'<its name>': None}})."
+            )
     return routers
-
-
-def _chosen_by_name(policy: RecipePolicy, name: str, choice: Choice) -> bool:
-    """Whether the layer policy picked ``name``'s recipe for this layer itself: a callable's answer, or a pattern
-    matching the full name (not one of its parents': ``"blocks.0"`` leaves a router in the block as it is)."""
-    if choice.why == "chosen by the layers callable":
-        return True
-    return any(choice.why == f"matches {pattern!r}" and (
-        re.fullmatch(pattern[3:], name) if pattern.startswith("re:") else fnmatch.fnmatchcase(name, pattern)
-    ) for pattern in policy.patterns)
 
 
 def linear_features(module: nn.Module) -> tuple[int, int] | None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from typing import Callable, NamedTuple
 
 import torch
@@ -255,10 +256,11 @@ class EagerStep:
     (with their caches: float32 forms, inverse scales, transposed copies), the library's GEMM, and the output
     gradient cast by the layer's scaling state (and shown to its observer)."""
 
-    __slots__ = ("layer", "scaling", "emulate", "out_dtype", "fprop_fast_accum", "grad_fast_accum", "operands")
+    __slots__ = ("layer_ref", "scaling", "emulate", "out_dtype", "fprop_fast_accum", "grad_fast_accum", "operands")
 
     def __init__(self, layer, scaling: LayerScaling, emulate: bool, out_dtype: torch.dtype, operands: tuple):
-        self.layer, self.scaling, self.emulate, self.out_dtype = layer, scaling, emulate, out_dtype
+        self.scaling, self.emulate, self.out_dtype = scaling, emulate, out_dtype
+        self.layer_ref = weakref.ref(layer)  # a graph kept alive keeps no layer alive
         recipe = scaling.recipe
         self.fprop_fast_accum, self.grad_fast_accum = recipe.fprop_fast_accum, recipe.grad_fast_accum
         # (x, x.T, W, W.T, the weight cast's columnwise copy or None, the FSDP2-gathered weight to save or None)
@@ -289,12 +291,14 @@ class EagerStep:
         return meta[0].rebuild(x_data, x_scale), meta[1].rebuild(w_data, w_scale), grad_state
 
     def grad_operands(self, g: torch.Tensor, grad_state, columnwise: bool):
-        close_forwards(self.layer)  # the backward reached the layer: its logged forwards are done with
+        layer = self.layer_ref()
+        if layer is not None:
+            close_forwards(layer)  # the backward reached the layer: its logged forwards are done with
         scaling = self.scaling
         g_row, g_col = scaling.cast("grad_output", g, record=True, columnwise=columnwise)
-        observer = self.layer.__dict__.get("fp8_observer")
+        observer = None if layer is None else layer.__dict__.get("fp8_observer")
         if observer is not None:
-            observer(self.layer, "grad_output", g, g_row)
+            observer(layer, "grad_output", g, g_row)
         return g_row, (scaling.recipe.transposed(g_row, g_col) if columnwise else None)
 
 

@@ -84,10 +84,12 @@ def repeated_blocks(model: nn.Module, stack: str | None = None) -> tuple[str, in
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """A layer's recipe (None: high precision) and why it got it."""
+    """A layer's recipe (None: high precision), why it got it, and whether the policy named this very layer (the
+    callable's answer, or a pattern matching its full name rather than a parent's)."""
 
     recipe: Recipe | None
     why: str
+    explicit: bool = False
 
 
 @dataclasses.dataclass
@@ -146,11 +148,11 @@ class RecipePolicy:
         if self.fn is not None:
             answer = self.fn(name, model.get_submodule(name) if name else model)
             if not (isinstance(answer, str) and answer == DEFAULT):
-                return Choice(_value(answer), "chosen by the layers callable")
+                return Choice(_value(answer), "chosen by the layers callable", explicit=True)
         for pattern, value in self.patterns.items():
             if _matches(pattern, name):
                 used.add(pattern)
-                return Choice(_value(value), f"matches {pattern!r}")
+                return Choice(_value(value), f"matches {pattern!r}", explicit=_matches_itself(pattern, name))
         index = _block_index(name, stack) if blocks else None
         if index is not None and index < first:
             return Choice(None, f"in the first {first} of {blocks} blocks of {stack!r}")
@@ -174,6 +176,11 @@ def _matches(pattern: str, name: str) -> bool:
         return re.fullmatch(pattern[3:], name) is not None
     parts = name.split(".")
     return any(fnmatch.fnmatchcase(".".join(parts[:i]), pattern) for i in range(1, len(parts) + 1))
+
+
+def _matches_itself(pattern: str, name: str) -> bool:
+    """``pattern`` names ``name`` itself, not only a module holding it."""
+    return pattern.startswith("re:") or fnmatch.fnmatchcase(name, pattern)
 
 
 def _block_index(name: str, stack: str) -> int | None:

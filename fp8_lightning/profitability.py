@@ -50,11 +50,11 @@ def _positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def _said_top_k(module: nn.Module, with_children: bool) -> int | None:
+def _said_top_k(module: nn.Module, with_children: bool, experts: int | None) -> int | None:
     holders = [(module, _MODULE_TOP_K), (getattr(module, "config", None), _CONFIG_TOP_K)]
     holders += [(child, _MODULE_TOP_K) for child in module.children()] if with_children else []
     values = (getattr(holder, name, None) for holder, names in holders if holder is not None for name in names)
-    return next((value for value in values if _positive_int(value)), None)
+    return next((value for value in values if _positive_int(value) and (experts is None or value <= experts)), None)
 
 
 def model_top_k(model: nn.Module, name: str) -> int | None:
@@ -63,10 +63,13 @@ def model_top_k(model: nn.Module, name: str) -> int | None:
     Asked nearest first: the module itself (its ``top_k``, or its config's ``num_experts_per_tok``, as transformers'
     Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3 and gpt-oss experts hold it), then each enclosing module: its own
     ``top_k``, its config's, and its children's ``top_k`` (the router beside the experts). None where none says.
+    A value above the module's number of experts belongs to something else (a sampling ``top_k``) and is passed by.
     """
     parts = [] if name in ("", "<root>") else name.split(".")
     chain = [model.get_submodule(".".join(parts[:depth])) for depth in range(len(parts) + 1)]
-    said = (_said_top_k(module, with_children=module is not chain[-1]) for module in reversed(chain))
+    weights = expert_weights(chain[-1])
+    experts = None if weights is None else getattr(chain[-1], next(iter(weights))).shape[0]
+    said = (_said_top_k(module, module is not chain[-1], experts) for module in reversed(chain))
     return next((value for value in said if value is not None), None)
 
 

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import weakref
 
 import torch
 import torch.nn as nn
@@ -148,8 +150,14 @@ def close_on_backward(module: nn.Module, out: torch.Tensor) -> torch.Tensor:
     """``out`` of a high-precision forward of ``module``, which closes its logs when a backward reaches it (an FP8
     backward calls :func:`close_forwards` itself): a later step's recompute then never replays this forward."""
     if out.requires_grad and not torch.compiler.is_compiling() and _LOG_ATTR in module.__dict__:
-        out.register_hook(lambda grad: close_forwards(module))
+        out.register_hook(functools.partial(_close_if_alive, weakref.ref(module)))  # the graph keeps no module alive
     return out
+
+
+def _close_if_alive(module_ref: weakref.ref, grad: torch.Tensor) -> None:
+    module = module_ref()
+    if module is not None:
+        close_forwards(module)
 
 
 def forget_forwards(module: nn.Module) -> None:

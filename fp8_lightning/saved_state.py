@@ -10,6 +10,7 @@ holds), so a bad checkpoint fails with the layer and the value named instead of 
 from __future__ import annotations
 
 import hashlib
+import warnings
 from typing import Iterator
 
 import torch
@@ -18,6 +19,9 @@ import torch.nn as nn
 from fp8_lightning.grouped.experts import FP8ExpertsMixin
 from fp8_lightning.linear import FP8Linear
 from fp8_lightning.recipes import recipe_from
+
+
+ROUTER_MARK = "fp8_router"  # set on a router conversion keeps in high precision
 
 
 def scaled_modules(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -67,6 +71,7 @@ def load_fp8_state_dict(module: nn.Module, state: dict, strict: bool = True, sou
     """
     where = _where(source)
     layers = dict(scaled_modules(module))
+    state = _without_router_state(module, state, layers, where)
     if strict and set(layers) != set(state):
         missing, unexpected = sorted(set(layers) - set(state)), sorted(set(state) - set(layers))
         raise KeyError(
@@ -92,6 +97,19 @@ def load_fp8_state_dict(module: nn.Module, state: dict, strict: bool = True, sou
             layers[name].fp8_disabled_reason = saved["disabled_reason"]
     for scaling, entry in restores:
         scaling.load_state_dict(entry)
+
+
+def _without_router_state(module: nn.Module, state, layers: dict, where: str):
+    """``state`` less what it holds for routers this model keeps in high precision (a run that converted them
+    saved it), with a warning naming them."""
+    if not isinstance(state, dict):
+        return state  # check_fp8_state names what is wrong
+    routers = sorted(name for name, child in module.named_modules()
+                     if child.__dict__.get(ROUTER_MARK) and name in state and name not in layers)
+    if routers:
+        warnings.warn(f"The FP8 scaling state in {where} holds state for the router(s) {routers}, which this model "
+                      "keeps in high precision (FP8 scores could change which experts run): that state is not used.")
+    return {name: saved for name, saved in state.items() if name not in routers}
 
 
 def restart_gradient_scales(module: nn.Module) -> list[str]:

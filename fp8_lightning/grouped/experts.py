@@ -326,7 +326,7 @@ class FP8TransformersExperts(FP8ExpertsMixin):
         # ids >= num_experts: expert parallelism's sentinels, sorted last: zero rows of the last group, adding nothing
         dropped = (expert_ids >= self.num_experts).unsqueeze(-1)
         expert_ids = expert_ids.clamp(max=self.num_experts - 1)
-        x = hidden_states[perm // top_k].masked_fill(dropped, 0)
+        x = hidden_states[perm // top_k].masked_fill_(dropped, 0)  # in place: the gather made a fresh tensor
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=expert_ids.device)
         counts = counts.index_add(0, expert_ids, torch.ones_like(expert_ids))  # a static shape, unlike bincount
         offs = torch.cumsum(counts, 0, dtype=torch.int32)

@@ -73,6 +73,41 @@ def test_the_layer_policy_converts_a_router_it_names_and_no_other():
     assert "moe.router" in report.converted
 
 
+def test_two_layers_that_could_route_leave_the_choice_to_the_user():
+    model = HandMoE(experts=16)
+    model.second = nn.Linear(64, 16)  # also maps the experts' input to one score per expert
+    with pytest.warns(UserWarning, match=r"\['router', 'second'\].*which one is the router is unknown.*layers="):
+        report = convert_to_fp8(model, "tensorwise")
+    assert report.routers == [] and {"router", "second"} <= set(report.converted)
+    model = HandMoE(experts=16)
+    model.second = nn.Linear(64, 16)
+    with pytest.warns(UserWarning, match="unknown"):
+        report = convert_to_fp8(model, "tensorwise", layers={"router": None})
+    assert type(model.router) is nn.Linear and "second" in report.converted
+
+
+def test_a_checkpoint_that_holds_a_converted_routers_state_still_loads():
+    torch.manual_seed(0)
+    saved = HandMoE(experts=16)  # a run whose policy converted the router (as versions before the router rule did)
+    convert_to_fp8(saved, "delayed", layers={"router": "delayed"})
+    offs = torch.arange(1, 17, dtype=torch.int32)
+    with fp8_autocast():
+        x = torch.randn(16, 64)
+        (saved.experts(x, offs).sum() + saved.router(x).sum() + saved.out(x).sum()).backward()
+    state = fp8_state_dict(saved)
+    assert "router" in state
+    model = HandMoE(experts=16)
+    assert convert_to_fp8(model, "delayed").routers == ["router"]
+    with pytest.warns(UserWarning, match=r"router\(s\) \['router'\].*high precision.*not used"):
+        load_fp8_state_dict(model, state)  # strict: the other layers must match
+    assert fp8_state_checksum(fp8_state_dict(model)) == fp8_state_checksum(
+        {name: value for name, value in state.items() if name != "router"})
+    unmarked = HandMoE(experts=16)
+    convert_to_fp8(unmarked, "delayed", layers={"router": None})  # kept out by the user, not by the router rule
+    with pytest.raises(KeyError, match=r"unexpected \['router'\]"):
+        load_fp8_state_dict(unmarked, state)
+
+
 # -- transformers' experts under fp8_autocast --------------------------------------------------------------------------
 
 

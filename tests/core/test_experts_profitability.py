@@ -200,3 +200,13 @@ def test_top_k_is_found_beside_hand_written_experts():
 def test_bad_experts_fields_are_refused_with_what_is_allowed(field, value):
     with pytest.raises(ValueError, match=rf"ProfitabilityGate.{field}=.* is invalid; allowed: "):
         ProfitabilityGate(**{field: value})
+
+
+def test_a_top_k_above_the_number_of_experts_belongs_to_something_else():
+    block = nn.Module()
+    block.router, block.experts = _Router(50), GroupedExperts(dim=16, hidden_dim=16, num_experts=4)  # 50 > 4
+    model = nn.Sequential(block)
+    model.top_k = 2  # an enclosing module's word, read after the one passed by
+    assert model_top_k(model, "0.experts") == 2
+    del model.top_k
+    assert model_top_k(model, "0.experts") is None

@@ -73,9 +73,12 @@ def test_tp2_dp2_matches_single_process(tp2_dp2, reference, kind, recipe):
         assert len(gathered) >= (1 if recipe == "blockwise" else 4)
 
 
-# How far the update of a Qwen3 head norm may be from one process's (relative, L2): measured at most 0.02% (rowwise,
-# MXFP8) and 0.16% (blockwise); per-tensor recipes' E5M2 gradients move these small, cancelling sums by 8-20%.
-HEAD_NORM_TOLERANCE = {"delayed": 0.35, "tensorwise": 0.35, "rowwise": 1e-2, "blockwise": 1e-2, "mxfp8": 1e-2}
+# How far the update of a Qwen3 head norm may be from one process's (relative, L2) after 3 steps: measured at most
+# 0.02% (rowwise, MXFP8); per-tensor recipes' E5M2 gradients move these small, cancelling sums by 8-20%. Blockwise:
+# the first step's update equals one process's bit for bit (measured with one step), but a rank adds its K blocks'
+# scaled partial products before the all-reduce adds the ranks', another float32 order than one process's; the last
+# bits that differ flip FP8 roundings of later steps: 0.16% on one CPU, 1.2% to 4.3% on an AMD EPYC (2026-11-27).
+HEAD_NORM_TOLERANCE = {"delayed": 0.35, "tensorwise": 0.35, "rowwise": 1e-2, "blockwise": 0.1, "mxfp8": 1e-2}
 
 
 @pytest.mark.parametrize("world", [2, 4])
