@@ -11,6 +11,7 @@ amax reduction and scale update run once after the step.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -22,7 +23,9 @@ from fp8_lightning.lightning.plugin_base import FP8PrecisionMixin, ModuleFilter
 from fp8_lightning.capability_table import warn_if_not_native
 from fp8_lightning.convert import scaled_modules
 from fp8_lightning.policy import LayersLike
-from fp8_lightning.profitability import ProfitabilityLike, profitability_setting, resolve_gate
+from fp8_lightning.profitability import (
+    ProfitabilityGate, ProfitabilityLike, profitability_setting, resolve_gate,
+)
 from fp8_lightning.recipes import RecipeLike
 
 
@@ -46,10 +49,9 @@ class FP8TrainerHooks(FP8PrecisionMixin):
 
     @override
     def convert_module(self, module: Any) -> Any:
-        # Lightning converts before moving the model: gate for the device the Trainer will train on.
-        strategy = getattr(getattr(module, "_trainer", None), "strategy", None)
-        device = getattr(strategy, "root_device", None)
-        with profitability_setting(resolve_gate(self.profitability, device) or False):
+        trainer = getattr(module, "_trainer", None)
+        device = getattr(getattr(trainer, "strategy", None), "root_device", None)
+        with profitability_setting(trainer_gate(self.profitability, trainer) or False):
             module = super().convert_module(module)
         if device is not None:  # each recipe the layer policy gave, also when the gate is off (profitability=False)
             for recipe in dict.fromkeys(layer.fp8_recipe for _, layer in scaled_modules(module)):
@@ -69,6 +71,18 @@ class FP8TrainerHooks(FP8PrecisionMixin):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(precision={self.precision!r}, recipe={self.recipe!r})"
+
+
+def trainer_gate(profitability: ProfitabilityLike, trainer: Any) -> ProfitabilityGate | None:
+    """The gate of a Trainer's conversion: for the device the Trainer will train on (Lightning converts before it
+    moves the model) and, unless ``profitability`` is a gate the user built, for its ``accumulate_grad_batches``
+    micro-batches per optimizer step, which share each weight's cast."""
+    device = getattr(getattr(trainer, "strategy", None), "root_device", None)
+    gate = resolve_gate(profitability, device)
+    accumulate = getattr(trainer, "accumulate_grad_batches", 1)
+    if gate is None or isinstance(profitability, ProfitabilityGate) or not isinstance(accumulate, int):
+        return gate
+    return dataclasses.replace(gate, microbatches=max(accumulate, 1))
 
 
 def log_guard_events(model: Any, events: list[GuardEvent]) -> None:

@@ -1,9 +1,13 @@
 """The per-layer profitability gate: the roofline model, the conversion report, the defaults and overrides."""
 
+import types
+
 import pytest
+import torch
 import torch.nn as nn
 
 from fp8_lightning import FP8Linear, FP8Precision, TensorwiseScaling, convert_to_fp8
+from fp8_lightning.lightning.precision import trainer_gate
 from fp8_lightning.profitability import ProfitabilityGate, profitability_setting, resolve_gate
 from fp8_lightning.roofline import KNOWN_DEVICES, DeviceRoofline, experts_cost, layer_cost
 from fp8_lightning.recipes import BlockwiseScaling, DelayedScaling, MXFP8BlockScaling, RowwiseScaling
@@ -138,3 +142,18 @@ def test_gate_fields_that_cannot_mean_anything_are_refused(field, value):
 
     with pytest.raises(ValueError, match=rf"ProfitabilityGate.{field}=.* is invalid; allowed:"):
         ProfitabilityGate(**{field: value})
+
+
+def test_a_trainers_gradient_accumulation_reaches_the_gate():
+    from lightning.pytorch import Trainer
+
+    trainer = Trainer(accumulate_grad_batches=8, accelerator="cpu", logger=False, enable_checkpointing=False)
+    on_cuda = types.SimpleNamespace(accumulate_grad_batches=trainer.accumulate_grad_batches,
+                                    strategy=types.SimpleNamespace(root_device=torch.device("cuda", 0)))
+    for value in ("auto", True):
+        gate = trainer_gate(value, on_cuda)
+        assert gate.microbatches == 8 and gate.device == torch.device("cuda", 0)
+    own = ProfitabilityGate(roofline=H100, microbatches=2)  # a gate the user built keeps its own number
+    assert trainer_gate(own, on_cuda).microbatches == 2
+    assert trainer_gate(False, on_cuda) is None
+    assert trainer_gate("auto", None).microbatches == 1  # no Trainer: one micro-batch
