@@ -122,7 +122,7 @@ PRIVATES: tuple[Private, ...] = (
         "GEMM. torch.nn.functional.scaled_grouped_mm is public in newer torch but absent from torch 2.11.",
     ),
     Private(
-        "torch:Tensor._version", ("linear.py", "distributed/amax.py"),
+        "torch:Tensor._version", ("layer_scaling.py", "distributed/amax.py", "recompute.py"),
         "The in-place version counter: a cached FP8 weight is reused until the weight changes; no public reader.",
     ),
     Private(

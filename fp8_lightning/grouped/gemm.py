@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8_lightning.groups import GroupBounds, expert_gemm_values, group_bounds, wgrad_values
-from fp8_lightning.linear import LayerScaling
+from fp8_lightning.layer_scaling import LayerScaling
 from fp8_lightning.ops.dispatch import dequantize_operand
 from fp8_lightning.quantize import Quantized
 from fp8_lightning.recipes import Recipe, RecipeLike, recipe_from
@@ -57,7 +57,7 @@ class GroupedScaling(LayerScaling):
     def weight_operands(self, weight: torch.Tensor, record: bool, regathered: bool = False, replay: bool = False):
         """Each expert's (W_e, W_e.T) operands: in training cast once per weight version and scale generation (and
         again after an edit through ``weight.data``), in evaluation cast afresh (see
-        :class:`~fp8_lightning.linear.LayerScaling`)."""
+        :class:`~fp8_lightning.layer_scaling.LayerScaling`)."""
         provided = getattr(weight, "fp8_expert_operands", None)  # already FP8 (gathered in FP8 by FSDP2)
         if provided is not None:
             return provided(self, record)

@@ -171,7 +171,7 @@ def test_expert_weights_are_cast_again_after_a_data_edit(recipe):
 def test_the_weight_checksum_sees_one_ulp_in_one_element_and_a_power_of_two_scaling(dtype):
     """Edits the integer sum of the bits alone would miss (every element doubled: 4096 times 2**23 wraps to 0 in
     32 bits) and edits the float sum alone would miss (one element moved by one ulp) both change the checksum."""
-    from fp8_lightning.linear import LayerScaling
+    from fp8_lightning.layer_scaling import LayerScaling
 
     torch.manual_seed(0)
     weight = torch.randn(64, 64).to(dtype)
