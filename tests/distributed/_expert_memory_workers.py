@@ -9,13 +9,13 @@ grouped by the graph node that reaches them. A storage FSDP2 freed on reshard (`
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from fp8_lightning import convert_to_fp8, fp8_autocast, recipe_from, sync_scales
+from fp8_lightning import convert_to_fp8, fp8_autocast, recipe_from
 from fp8_lightning.grouped.experts import GroupedExperts
 from fp8_lightning.testing import end_worker, init_gloo
 from tests.helpers.graph_memory import graph_held, storage_bytes, walk
+from tests.helpers.distributed_steps import finish_step
 
 DIM, HIDDEN, EXPERTS, TOKENS, BLOCKS, STEPS = 64, 128, 4, 32, 3, 3
 OFFS = (4, 4, 20, 32)  # an empty expert, uneven groups
@@ -63,8 +63,9 @@ def unsharded_held(recipe) -> dict[str, int]:
     return graph_held(loss, model)
 
 
-def memory_run(recipe, rank: int, world: int, fp8_all_gather: bool) -> dict:
-    """Train ``STEPS`` steps of :class:`MoENet` under FSDP2 (every block its own unit, resharded after forward); after
+def memory_run(recipe, rank: int, world: int, fp8_all_gather: bool, reshard: bool = True) -> dict:
+    """Train ``STEPS`` steps of :class:`MoENet` under FSDP2 (every block its own unit, resharded after forward unless
+    ``reshard`` is False); after
     each forward, count what the graph holds. Returns the counts of the last step, the losses, the last gradients and
     the bytes of the sharded expert weights (each rank's) and of their gathered buffers after the forward."""
     from fp8_lightning.distributed import enable_fp8_all_gather, shard_model
@@ -73,7 +74,7 @@ def memory_run(recipe, rank: int, world: int, fp8_all_gather: bool) -> dict:
     model = _model(recipe)
     if fp8_all_gather:
         enable_fp8_all_gather(model, world)
-    shard_model(model, reshard_after_forward=True)
+    shard_model(model, reshard_after_forward=reshard)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(1)
     losses, run = [], {}
@@ -86,12 +87,7 @@ def memory_run(recipe, rank: int, world: int, fp8_all_gather: bool) -> dict:
         run["shard_bytes"] = sum(storage_bytes(walk(local_shard(w))).get(_key(local_shard(w)), 0) for w in experts)
         loss.backward()
         run["grads"] = {name: p.grad.full_tensor().clone() for name, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-        sync_scales(model)
-        value = loss.detach().clone()
-        dist.all_reduce(value)
-        losses.append(value.item() / world)
+        losses.append(finish_step(model, opt, loss))
     return {**run, "losses": losses}
 
 
@@ -103,6 +99,7 @@ def _key(t: torch.Tensor) -> int:
 def memory_worker(rank: int, world: int, port: int, out: dict, recipes=RECIPES) -> None:
     init_gloo(rank, world, port)
     results = {r: {"fp8": memory_run(r, rank, world, True), "hp": memory_run(r, rank, world, False),
+                   "kept": memory_run(r, rank, world, True, reshard=False),
                    "unsharded": unsharded_held(r)} for r in recipes}  # fmt: skip
     if rank == 0:
         out.update(results)

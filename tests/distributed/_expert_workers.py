@@ -7,9 +7,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fp8_lightning import convert_to_fp8, fp8_autocast, recipe_from, sync_scales
+from fp8_lightning import convert_to_fp8, fp8_autocast, recipe_from
 from fp8_lightning.grouped.experts import GroupedExperts
 from fp8_lightning.testing import CollectiveCounter, end_worker, init_gloo
+from tests.helpers.distributed_steps import finish_step
 
 RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8", "nvfp4", "nvfp4_1x16")
 SPECS = {"nvfp4_1x16": {"name": "nvfp4", "fp4_2d_weights": False}}  # the others are recipe names
@@ -40,12 +41,7 @@ def _train(model: nn.Module, batches, rank: int, world: int, loss_fn) -> list[fl
         with fp8_autocast():
             loss = loss_fn(model, batch[rank])
         loss.backward()
-        opt.step()
-        opt.zero_grad()
-        sync_scales(model)
-        value = loss.detach().clone()
-        dist.all_reduce(value)
-        losses.append(value.item() / world)
+        losses.append(finish_step(model, opt, loss))
     return losses
 
 

@@ -9,12 +9,12 @@ and counts what one unsharded process holds after the same forward.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from fp8_lightning import FP8Linear, convert_to_fp8, fp8_autocast, recipe_from, sync_scales
+from fp8_lightning import FP8Linear, convert_to_fp8, fp8_autocast, recipe_from
 from fp8_lightning.testing import end_worker, init_gloo
 from tests.helpers.graph_memory import graph_held
+from tests.helpers.distributed_steps import finish_step
 
 TOKENS, BLOCKS, STEPS = 32, 3, 3
 RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8", "nvfp4", "nvfp4_1x16")
@@ -88,12 +88,7 @@ def memory_run(recipe: str, rank: int, world: int, fp8_all_gather: bool, reshard
         held = graph_held(loss, model)
         loss.backward()
         grads.append({name: p.grad.full_tensor().clone() for name, p in model.named_parameters()})
-        opt.step()
-        opt.zero_grad()
-        sync_scales(model)
-        value = loss.detach().clone()
-        dist.all_reduce(value)
-        losses.append(value.item() / world)
+        losses.append(finish_step(model, opt, loss))
     layers = sum(isinstance(m, FP8Linear) for m in model.modules())
     return {"held": held, "losses": losses, "grads": grads, "layers": layers}
 

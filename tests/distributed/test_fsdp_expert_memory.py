@@ -13,7 +13,8 @@ model does not hold anyway, :mod:`tests.distributed._expert_memory_workers`) and
 * the unsharded expert parameters (the graph's leaves) hold nothing: their buffers were freed;
 * each rank holds its shard of the experts, ``E / W * N * K * 4`` bytes per weight;
 * losses and gradients bit for bit those of the same model with its experts gathered in high precision (tensorwise,
-  NVFP4 16x16 tiles: the FP8 gather makes the same operands).
+  NVFP4 16x16 tiles: the FP8 gather makes the same operands), and, for every recipe, those of the same FP8 gather
+  kept between forward and backward (``reshard_after_forward=False``): rebuilding the operands changes no bit.
 """
 
 import math
@@ -59,3 +60,12 @@ def test_losses_and_gradients_are_those_of_the_high_precision_gather(results, re
     assert fp8["losses"] == hp["losses"] and len(set(fp8["losses"])) == STEPS and all(map(math.isfinite, fp8["losses"]))
     assert sorted(fp8["grads"]) == sorted(hp["grads"])
     assert all(torch.equal(fp8["grads"][n].view(torch.int32), hp["grads"][n].view(torch.int32)) for n in hp["grads"])
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_resharding_after_forward_changes_no_bit(results, recipe):
+    resharded, kept = results[recipe]["fp8"], results[recipe]["kept"]
+    assert resharded["losses"] == kept["losses"] and all(map(math.isfinite, kept["losses"]))
+    assert sorted(resharded["grads"]) == sorted(kept["grads"])
+    for name, grad in kept["grads"].items():
+        assert torch.equal(resharded["grads"][name].view(torch.int32), grad.view(torch.int32)), name
