@@ -41,6 +41,11 @@ from fp8_lightning.recompute import close_forwards, close_on_backward, forget_fo
 from fp8_lightning.scaling import bind_layer_name, records_amax
 from fp8_lightning.traced import make_plan, traced_linear
 
+# Set on a layer (or experts module) a weight of which FSDP2 gathers in FP8 (enable_fp8_all_gather): a plain
+# attribute, which torch.compile reads, unlike the methods of the gathered weight a parameter wraps in a graph; such a
+# module runs its eager step between graphs.
+GATHERED_IN_FP8 = "fp8_weight_gathered_in_fp8"
+
 Observer = Callable[[nn.Module, str, torch.Tensor, Quantized], None]
 
 
@@ -237,8 +242,8 @@ class FP8Linear(nn.Linear):
     def _traceable(self) -> bool:
         """Whether the traced step serves this call: not while an observer watches each cast (the stats monitor,
         the guard) nor for weights all-gathered in FP8 (they arrive cast): those run the eager path as an island."""
-        return (self.fp8_observer is None and not hasattr(self.weight, "fp8_weight_operands")
-                and "fp8_tensor_parallel" not in self.__dict__)
+        return (self.fp8_observer is None and GATHERED_IN_FP8 not in self.__dict__
+                and not hasattr(self.weight, "fp8_weight_operands") and "fp8_tensor_parallel" not in self.__dict__)
 
     def _traced_forward(
         self, x: torch.Tensor, recipe: Recipe, out_dtype: torch.dtype, autocasting: bool, weight=None, bias=None

@@ -28,6 +28,7 @@ from fp8_lightning.conv1d import FP8Conv1D
 from fp8_lightning.convert import fp8_expert_modules, fp8_modules
 from fp8_lightning.distributed.amax import WeightAmaxSync
 from fp8_lightning.distributed.expert_weight import FP8ShardedExperts, experts_gather_unsupported_reason
+from fp8_lightning.linear import GATHERED_IN_FP8
 from fp8_lightning.distributed.weight import FP8ShardedWeight, fp8_all_gather_unsupported_reason
 from fp8_lightning.privates import local_shard
 from fp8_lightning.recompute import fp8_checkpoint_context
@@ -93,6 +94,7 @@ def enable_fp8_all_gather(model: nn.Module, world_size: int) -> AllGatherReport:
             continue
         wrapped = FP8ShardedWeight(weight.detach(), sync)
         layer.weight = nn.Parameter(wrapped, requires_grad=weight.requires_grad)
+        setattr(layer, GATHERED_IN_FP8, True)
         report.fp8.append(name)
     for name, experts in fp8_expert_modules(model):
         for projection, stored_kn in experts.fp8_weights.items():
@@ -102,6 +104,7 @@ def enable_fp8_all_gather(model: nn.Module, world_size: int) -> AllGatherReport:
                 wrapped = FP8ShardedExperts(weight.detach(), sync, projection)
                 setattr(experts, projection, nn.Parameter(wrapped, requires_grad=weight.requires_grad))
             if reason is None:
+                setattr(experts, GATHERED_IN_FP8, True)
                 report.fp8.append(where)
             else:
                 report.high_precision[where] = f"{EXPERTS_GATHER_REASON}: {reason}"

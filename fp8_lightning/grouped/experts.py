@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from fp8_lightning.autocast import autocast_state
 from fp8_lightning.grouped.gemm import GroupedScaling, check_grouped_shapes, fp8_grouped_mm
 from fp8_lightning.grouped.traced import recipe_key, traced_grouped_mm
+from fp8_lightning.linear import GATHERED_IN_FP8
 from fp8_lightning.recipes import Recipe
 from fp8_lightning.recompute import close_on_backward, forward_setting
 from fp8_lightning.scaling import bind_layer_name, records_amax
@@ -73,7 +74,8 @@ def fp8_grouped_island(reason: str) -> Callable:
     return _ISLANDS[reason]
 
 
-_OBSERVED_ISLAND = fp8_grouped_island("an observer watches each cast, or the weights arrive gathered in FP8")
+_OBSERVED_ISLAND = fp8_grouped_island("an observer watches each cast")
+_GATHERED_REASON = "FP8 experts run between graphs: FSDP2 gathers their weights in FP8"
 if _TRACE_REFUSED is not None:
     fp8_grouped_island(_TRACE_REFUSED)  # made here, outside any trace
 
@@ -292,7 +294,7 @@ class FP8ExpertsMixin:
             run = fp8_grouped_mm
             if untraced is not None:
                 run = fp8_grouped_island(untraced)
-            elif compiling and (observer is not None or gathered):
+            elif compiling and observer is not None:
                 run = _OBSERVED_ISLAND
             elif compiling:
                 check_grouped_shapes(x, b, recipe)
@@ -303,9 +305,22 @@ class FP8ExpertsMixin:
                 observer=observe, replay=replay,
             )
 
+    def fp8_gathered_under_compile(self) -> bool:
+        """Whether this call is traced by torch.compile while FSDP2 gathers a weight of these experts in FP8: the
+        forward then runs eagerly between graphs (a trace would see, and guard on, the gathered weight as a plain
+        tensor: its dequantized copy)."""
+        return GATHERED_IN_FP8 in self.__dict__ and torch.compiler.is_compiling()
+
 
 class FP8GroupedExperts(FP8ExpertsMixin, GroupedExperts):
     """:class:`GroupedExperts` converted in place: its projections run in FP8 under ``fp8_autocast``."""
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        if self.fp8_gathered_under_compile():
+            return self._eager_forward_island(x, offs)
+        return super().forward(x, offs)
+
+    _eager_forward_island = torch.compiler.disable(GroupedExperts.forward, reason=_GATHERED_REASON)
 
     def project(self, x: torch.Tensor, name: str, offs: torch.Tensor) -> torch.Tensor:
         recipe, replay = self.fp8_setting()
@@ -318,6 +333,8 @@ class FP8TransformersExperts(FP8ExpertsMixin):
     """transformers experts converted in place: transformers' grouped-mm forward, its projections in FP8."""
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if self.fp8_gathered_under_compile():
+            return self._eager_forward_island(hidden_states, top_k_index, top_k_weights)
         recipe, replay = self.fp8_setting()
         if recipe is None:
             return close_on_backward(self, super().forward(hidden_states, top_k_index, top_k_weights))
@@ -344,6 +361,8 @@ class FP8TransformersExperts(FP8ExpertsMixin):
         restored = torch.empty_like(out).index_copy_(0, perm, out)  # back to (token, k) order
         summed = restored.view(num_tokens, top_k, out.shape[-1]).sum(dim=1)
         return close_on_backward(self, summed.to(hidden_states.dtype))
+
+    _eager_forward_island = torch.compiler.disable(forward, reason=_GATHERED_REASON)
 
 
 _FP8_CLASSES: dict[type, type] = {}
