@@ -122,6 +122,7 @@ def convert_to_fp8(
     policy = RecipePolicy.from_arg(layers, recipe)
     choices = policy.resolve(module, candidates, recipe)
     routers = linear_routers(module)
+    _warn_unsure_routers(routers, choices)
     for name, child in module.named_modules():
         if _convert_experts(child, name or "<root>", choices.get(name), module_filter_fn, emulate, report, gate,
                             module):
@@ -137,7 +138,7 @@ def convert_to_fp8(
                 )
             continue
         choice = choices[name]
-        if name in routers and not isinstance(child, FP8Linear) and not choice.explicit:
+        if name in routers and not isinstance(child, FP8Linear) and (not choice.explicit or choice.recipe is None):
             _keep_router(child, name, report)
             continue
         layer_recipe = choice.recipe
@@ -229,13 +230,13 @@ def is_router(module: nn.Module) -> bool:
     return holds_linear_like_weight(module) and type(module).__name__.lower().endswith("topkrouter")
 
 
-def linear_routers(model: nn.Module) -> set[str]:
-    """The routers of hand-written mixtures of experts: the one ``nn.Linear`` (or ``Conv1D``) that sits beside a fused
+def linear_routers(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """The routers of hand-written mixtures of experts: each ``nn.Linear`` (or ``Conv1D``) that sits beside a fused
     experts module (the same parent) and maps the experts' input width to one score per expert (``in_features`` =
-    the experts' model dimension, ``out_features`` = their number). Kept in high precision unless the layer policy
-    names them itself (:attr:`~fp8_lightning.policy.Choice.explicit`). Where several layers of a parent fit, which
-    one routes is unknown: none is taken for the router, with a warning that says how to keep it in high precision."""
-    routers = set()
+    the experts' model dimension, ``out_features`` = their number), with the layers of its parent that fit as well
+    (several: which one routes is unknown, and all stay in high precision). Kept in high precision unless the layer
+    policy names them itself (:attr:`~fp8_lightning.policy.Choice.explicit`)."""
+    routers = {}
     for parent_name, parent in model.named_modules():
         shapes = set()  # (model dimension, experts) of the experts modules in this parent
         for child in parent.children():
@@ -245,16 +246,21 @@ def linear_routers(model: nn.Module) -> set[str]:
                 weight = getattr(child, first)
                 shapes.add((weight.shape[1] if stored_kn else weight.shape[2], weight.shape[0]))
         prefix = f"{parent_name}." if parent_name else ""
-        fits = [prefix + name for name, child in parent.named_children() if shapes and linear_features(child) in shapes]
-        if len(fits) == 1:
-            routers.update(fits)
-        elif fits:
-            warnings.warn(
-                f"{fits} all map the experts' input to one score per expert beside the experts of "
-                f"{parent_name or '<root>'!r}; which one is the router is unknown, so none is kept in high precision "
-                f"for being one. Keep the router in high precision with convert_to_fp8(layers={{'<its name>': None}})."
-            )
+        fits = tuple(prefix + name for name, child in parent.named_children()
+                     if shapes and linear_features(child) in shapes)
+        routers.update((name, fits) for name in fits)
     return routers
+
+
+def _warn_unsure_routers(routers: dict[str, tuple[str, ...]], choices: dict[str, Choice]) -> None:
+    """Say where several layers fit one router and the layer policy named none of them."""
+    for fits in dict.fromkeys(routers.values()):
+        if len(fits) > 1 and not any(choices[name].explicit for name in fits):
+            warnings.warn(
+                f"{list(fits)} each map the experts' input to one score per expert: which one is the router is "
+                "unknown, so all stay in high precision. Convert those that are not routers by naming them in the "
+                "layer policy: layers={'<name>': '<recipe>'} (convert_to_fp8 or FP8Precision)."
+            )
 
 
 def linear_features(module: nn.Module) -> tuple[int, int] | None:

@@ -221,6 +221,11 @@ def profitability_setting(value: ProfitabilityLike) -> Iterator[None]:
         _setting.reset(token)
 
 
+def profitability_default() -> ProfitabilityLike:
+    """What ``profitability=None`` stands for here: the innermost :func:`profitability_setting`, else ``"auto"``."""
+    return _setting.get()
+
+
 def resolve_gate(value: ProfitabilityLike, device: torch.device | str | None = None) -> ProfitabilityGate | None:
     """The gate for a ``profitability=`` argument: ``"auto"`` (None: the current default), True, False or a gate.
 

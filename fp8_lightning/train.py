@@ -38,7 +38,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from fp8_lightning.train_config import (  # noqa: F401  (importable from here, as before the split)
-    GPU_ACCELERATORS, ConfigError, check_config, check_run_folder, configured_tp_size,
+    GPU_ACCELERATORS, ConfigError, check_config, check_data_root, check_parallelism, check_precision_choice,
+    check_recipe, check_run_folder, check_trainer_accelerator, configured_tp_size,
 )
 from hydra_plugins.fp8_lightning_searchpath.fp8_lightning_searchpath import register_resolvers
 

@@ -82,6 +82,7 @@ def enable_fp8_all_gather(model: nn.Module, world_size: int) -> AllGatherReport:
             continue
         local = local_shard(weight) if isinstance(weight, DTensor) else weight
         if isinstance(local, FP8ShardedWeight):
+            setattr(layer, GATHERED_IN_FP8, True)
             report.fp8.append(name)
             continue
         if isinstance(weight, DTensor):
@@ -132,6 +133,7 @@ def disable_fp8_all_gather(model: nn.Module, only_unsharded: bool = True) -> lis
         weight = layer.weight
         if isinstance(weight, FP8ShardedWeight):
             layer.weight = nn.Parameter(weight._hp.detach(), requires_grad=weight.requires_grad)
+            layer.__dict__.pop(GATHERED_IN_FP8, None)
             restored.append(name)
     for name, experts in fp8_expert_modules(model):
         for projection in experts.fp8_weights:
@@ -139,6 +141,8 @@ def disable_fp8_all_gather(model: nn.Module, only_unsharded: bool = True) -> lis
             if isinstance(weight, FP8ShardedWeight):
                 setattr(experts, projection, nn.Parameter(weight._hp.detach(), requires_grad=weight.requires_grad))
                 restored.append(f"{name}.{projection}")
+        if not any(isinstance(getattr(experts, p), FP8ShardedWeight) for p in experts.fp8_weights):
+            experts.__dict__.pop(GATHERED_IN_FP8, None)
     return restored
 
 

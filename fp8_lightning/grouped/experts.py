@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import math
 import sys
 import warnings
+import weakref
 from typing import Callable
 
 import torch
@@ -284,7 +286,7 @@ class FP8ExpertsMixin:
         scaling = experts_scaling.parts[name]
         record = records_amax(self.training) and not replay
         observer = None if replay else self.__dict__.get("fp8_observer")
-        observe = None if observer is None else lambda role, t, q: observer(self, f"{name}.{role}", t, q)
+        observe = None if observer is None else functools.partial(_observe, weakref.ref(self), observer, name)
         gathered = hasattr(weight, "fp8_expert_operands")
         compiling = torch.compiler.is_compiling()
         if record and not compiling and not gathered and scaling.step_boundary_passed(weight) and scaling.booked:
@@ -308,8 +310,18 @@ class FP8ExpertsMixin:
     def fp8_gathered_under_compile(self) -> bool:
         """Whether this call is traced by torch.compile while FSDP2 gathers a weight of these experts in FP8: the
         forward then runs eagerly between graphs (a trace would see, and guard on, the gathered weight as a plain
-        tensor: its dequantized copy)."""
-        return GATHERED_IN_FP8 in self.__dict__ and torch.compiler.is_compiling()
+        tensor: its dequantized copy). The mark, else the weights themselves, tell."""
+        if not torch.compiler.is_compiling():
+            return False
+        return GATHERED_IN_FP8 in self.__dict__ or any(
+            hasattr(getattr(self, name), "fp8_expert_operands") for name in self.fp8_weights)
+
+
+def _observe(experts_ref: weakref.ref, observer, name: str, role: str, t: torch.Tensor, q) -> None:
+    """Show a cast of projection ``name`` to the observer, while the experts module lives (the graph holds this)."""
+    experts = experts_ref()
+    if experts is not None:
+        observer(experts, f"{name}.{role}", t, q)
 
 
 class FP8GroupedExperts(FP8ExpertsMixin, GroupedExperts):

@@ -24,7 +24,7 @@ from fp8_lightning.capability_table import warn_if_not_native
 from fp8_lightning.convert import scaled_modules
 from fp8_lightning.policy import LayersLike
 from fp8_lightning.profitability import (
-    ProfitabilityGate, ProfitabilityLike, profitability_setting, resolve_gate,
+    ProfitabilityGate, ProfitabilityLike, profitability_default, profitability_setting, resolve_gate,
 )
 from fp8_lightning.recipes import RecipeLike
 
@@ -77,12 +77,13 @@ def trainer_gate(profitability: ProfitabilityLike, trainer: Any) -> Profitabilit
     """The gate of a Trainer's conversion: for the device the Trainer will train on (Lightning converts before it
     moves the model) and, unless ``profitability`` is a gate the user built, for its ``accumulate_grad_batches``
     micro-batches per optimizer step, which share each weight's cast."""
+    chosen = profitability_default() if profitability is None else profitability
     device = getattr(getattr(trainer, "strategy", None), "root_device", None)
-    gate = resolve_gate(profitability, device)
-    accumulate = getattr(trainer, "accumulate_grad_batches", 1)
-    if gate is None or isinstance(profitability, ProfitabilityGate) or not isinstance(accumulate, int):
+    gate = resolve_gate(chosen, device)
+    accumulate = getattr(trainer, "accumulate_grad_batches", 1)  # a GradientAccumulationScheduler's: 1 here
+    if gate is None or isinstance(chosen, ProfitabilityGate) or type(accumulate) is not int or accumulate < 2:
         return gate
-    return dataclasses.replace(gate, microbatches=max(accumulate, 1))
+    return dataclasses.replace(gate, microbatches=accumulate)
 
 
 def log_guard_events(model: Any, events: list[GuardEvent]) -> None:

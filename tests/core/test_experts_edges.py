@@ -5,6 +5,8 @@ by a module holding another number of experts. References: the plain modules and
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -73,17 +75,18 @@ def test_the_layer_policy_converts_a_router_it_names_and_no_other():
     assert "moe.router" in report.converted
 
 
-def test_two_layers_that_could_route_leave_the_choice_to_the_user():
+def test_two_layers_that_could_route_stay_in_high_precision_until_the_policy_names_one():
     model = HandMoE(experts=16)
     model.second = nn.Linear(64, 16)  # also maps the experts' input to one score per expert
-    with pytest.warns(UserWarning, match=r"\['router', 'second'\].*which one is the router is unknown.*layers="):
+    with pytest.warns(UserWarning, match=r"\['router', 'second'\].*router is unknown.*all stay in high precision"):
         report = convert_to_fp8(model, "tensorwise")
-    assert report.routers == [] and {"router", "second"} <= set(report.converted)
+    assert report.routers == ["router", "second"] and type(model.router) is type(model.second) is nn.Linear
     model = HandMoE(experts=16)
     model.second = nn.Linear(64, 16)
-    with pytest.warns(UserWarning, match="unknown"):
-        report = convert_to_fp8(model, "tensorwise", layers={"router": None})
-    assert type(model.router) is nn.Linear and "second" in report.converted
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the policy named one: nothing left to say
+        report = convert_to_fp8(model, "tensorwise", layers={"second": "tensorwise"})
+    assert report.routers == ["router"] and isinstance(model.second, FP8Linear)
 
 
 def test_a_checkpoint_that_holds_a_converted_routers_state_still_loads():
@@ -102,10 +105,14 @@ def test_a_checkpoint_that_holds_a_converted_routers_state_still_loads():
         load_fp8_state_dict(model, state)  # strict: the other layers must match
     assert fp8_state_checksum(fp8_state_dict(model)) == fp8_state_checksum(
         {name: value for name, value in state.items() if name != "router"})
-    unmarked = HandMoE(experts=16)
-    convert_to_fp8(unmarked, "delayed", layers={"router": None})  # kept out by the user, not by the router rule
-    with pytest.raises(KeyError, match=r"unexpected \['router'\]"):
-        load_fp8_state_dict(unmarked, state)
+    named = HandMoE(experts=16)
+    assert convert_to_fp8(named, "delayed", layers={"router": None}).routers == ["router"]  # the policy's word
+    with pytest.warns(UserWarning, match="router"):
+        load_fp8_state_dict(named, state)
+    other = HandMoE(experts=16)
+    convert_to_fp8(other, "delayed", layers={"router": "delayed", "out": None})  # not a router: still refused
+    with pytest.raises(KeyError, match=r"unexpected \['out'\]"):
+        load_fp8_state_dict(other, state)
 
 
 # -- transformers' experts under fp8_autocast --------------------------------------------------------------------------

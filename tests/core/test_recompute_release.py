@@ -33,7 +33,13 @@ def _experts() -> tuple[nn.Module, callable]:
     return model["moe"], lambda: model["moe"](torch.randn(16, 32, requires_grad=True), OFFS)
 
 
-BUILDERS = {"linear": _linear, "experts": _experts}
+def _observed_experts() -> tuple[nn.Module, callable]:
+    experts, run = _experts()
+    experts.fp8_observer = lambda module, role, t, q: None  # as the stats monitor sets one: each cast is shown
+    return experts, run
+
+
+BUILDERS = {"linear": _linear, "experts": _experts, "observed_experts": _observed_experts}
 
 
 def _logs(module: nn.Module) -> list[ForwardLog]:

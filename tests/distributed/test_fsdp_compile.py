@@ -54,3 +54,22 @@ def test_compiled_training_equals_eager_with_weights_gathered_in_fp8(results, ki
             assert error <= 1e-5, (name, error)  # measured at most 4.7e-7
         else:
             assert torch.equal(compiled["grads"][name].view(torch.int32), grad.view(torch.int32)), name
+
+
+def test_the_mark_comes_and_goes_with_the_fp8_gather():
+    import torch.nn as nn
+
+    from fp8_lightning import GroupedExperts, convert_to_fp8
+    from fp8_lightning.distributed import enable_fp8_all_gather
+    from fp8_lightning.distributed.sharding import disable_fp8_all_gather
+    from fp8_lightning.linear import GATHERED_IN_FP8
+
+    model = nn.ModuleDict({"linear": nn.Linear(64, 64), "experts": GroupedExperts(64, 64, 4)})
+    convert_to_fp8(model, "tensorwise")
+    assert model["linear"]._traceable()
+    enable_fp8_all_gather(model, 2)
+    assert all(GATHERED_IN_FP8 in module.__dict__ for module in model.values())
+    assert not model["linear"]._traceable()
+    assert sorted(disable_fp8_all_gather(model)) == ["experts.w1", "experts.w2", "experts.w3", "linear"]
+    assert not any(GATHERED_IN_FP8 in module.__dict__ for module in model.values())
+    assert model["linear"]._traceable()  # a plain weight again: the traced step serves it

@@ -144,16 +144,35 @@ def test_gate_fields_that_cannot_mean_anything_are_refused(field, value):
         ProfitabilityGate(**{field: value})
 
 
-def test_a_trainers_gradient_accumulation_reaches_the_gate():
-    from lightning.pytorch import Trainer
+def _gate_of_conversion(monkeypatch, accumulate, profitability, device="cpu"):
+    """The gate a Trainer's conversion (``FP8Precision.convert_module``) put in force."""
+    from lightning.pytorch import LightningModule, Trainer
 
-    trainer = Trainer(accumulate_grad_batches=8, accelerator="cpu", logger=False, enable_checkpointing=False)
-    on_cuda = types.SimpleNamespace(accumulate_grad_batches=trainer.accumulate_grad_batches,
+    import fp8_lightning.lightning.precision as precision
+
+    seen, real = [], precision.profitability_setting
+    monkeypatch.setattr(precision, "profitability_setting", lambda gate: (seen.append(gate), real(gate))[1])
+    module = LightningModule()
+    module.net = nn.Sequential(nn.Linear(64, 64))
+    module.trainer = Trainer(accumulate_grad_batches=accumulate, accelerator=device, logger=False,
+                             enable_checkpointing=False)
+    FP8Precision(recipe="tensorwise", profitability=profitability).convert_module(module)
+    return seen[-1]
+
+
+@pytest.mark.parametrize("value", ["auto", True])
+def test_a_trainers_gradient_accumulation_reaches_the_gate(monkeypatch, value):
+    assert _gate_of_conversion(monkeypatch, 8, value).microbatches == 8
+    assert _gate_of_conversion(monkeypatch, 1, value).microbatches == 1
+
+
+def test_a_gate_the_user_built_keeps_its_micro_batches(monkeypatch):
+    own = ProfitabilityGate(roofline=H100, microbatches=2)
+    assert _gate_of_conversion(monkeypatch, 8, own).microbatches == 2
+    with profitability_setting(own):  # None: the setting in force, the user's gate
+        assert _gate_of_conversion(monkeypatch, 8, None).microbatches == 2
+    assert _gate_of_conversion(monkeypatch, 8, False) is False  # no gate
+    on_cuda = types.SimpleNamespace(accumulate_grad_batches=True,  # a bool is no count
                                     strategy=types.SimpleNamespace(root_device=torch.device("cuda", 0)))
-    for value in ("auto", True):
-        gate = trainer_gate(value, on_cuda)
-        assert gate.microbatches == 8 and gate.device == torch.device("cuda", 0)
-    own = ProfitabilityGate(roofline=H100, microbatches=2)  # a gate the user built keeps its own number
-    assert trainer_gate(own, on_cuda).microbatches == 2
-    assert trainer_gate(False, on_cuda) is None
-    assert trainer_gate("auto", None).microbatches == 1  # no Trainer: one micro-batch
+    gate = trainer_gate("auto", on_cuda)
+    assert gate.microbatches == 1 and gate.device == torch.device("cuda", 0)
