@@ -49,15 +49,24 @@ def _cast_stacked(x: torch.Tensor, global_scales: torch.Tensor, tile_rows: int, 
 class NVFP4StackedWeights(StackedWeights):
     """Every expert's (W_e, W_e.T) NVFP4 operands, made on first use with their GEMM scales, from the two stacked
     casts (``rows`` (E * N, K), ``columns`` (E * K, N): 16x16 tiles or 1x16 blocks, each inside one expert) and each
-    expert's global scale ``global_scales`` (E,)."""
+    expert's global scale ``global_scales`` (E,). ``columns`` may be a function that makes the cast, called on first
+    use (the forward of FSDP2-gathered experts needs the rows only)."""
 
-    def __init__(self, rows: NVFP4Tensor, columns: NVFP4Tensor, global_scales, experts: int, operand: Operand, kind):
-        super().__init__(_stacked(rows, kind), _stacked(columns, kind), experts)
-        self.casts, self.global_scales, self.operand = (rows, columns), global_scales, operand
+    def __init__(self, rows: NVFP4Tensor, columns: NVFP4Tensor | Callable[[], NVFP4Tensor], global_scales,
+                 experts: int, operand: Operand, kind):  # fmt: skip
+        super().__init__(_stacked(rows, kind), lambda: _stacked(self.casts[1], kind), experts)
+        self._column_cast, self.row_cast, self.global_scales, self.operand = columns, rows, global_scales, operand
+
+    @property
+    def casts(self) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+        """The two stacked casts, W.T's made now if it was deferred."""
+        if callable(self._column_cast):
+            self._column_cast = self._column_cast()
+        return self.row_cast, self._column_cast
 
     def values(self) -> torch.Tensor:
         """Every W_e's float32 values (E, N, K) from one dequantization of the stacked rows."""
-        return self.rows.kind.dequantize(self.rows, torch.float32).reshape(self.experts, -1, self.casts[0].shape[1])
+        return self.rows.kind.dequantize(self.rows, torch.float32).reshape(self.experts, -1, self.row_cast.shape[1])
 
     def transposed_values(self) -> torch.Tensor:
         """The values of every W_e.T operand (its own blocks), transposed back to (E, N, K)."""
@@ -115,13 +124,15 @@ def nvfp4_gathered_weights(gathered: NVFP4ExpertRows, operand: Operand, kind) ->
     casting W_e.T), or with 1x16 blocks re-cast along N from the gathered values with each expert's global scale."""
     cast, experts, global_scales = gathered.cast, gathered.experts, gathered.global_scales
     rows = cast._replace(codes=cast.codes.contiguous())
-    if rows.tile_rows == NVFP4_BLOCK:
-        return NVFP4StackedWeights(rows, nvfp4_stacked_transposes(rows, experts, global_scales), global_scales,
-                                   experts, operand, kind)  # fmt: skip
-    k, n = rows.shape[1], rows.shape[0] // experts
-    values = kind.dequantize(_stacked(rows, kind), torch.float32).view(experts, n, k)
-    flipped = values.transpose(1, 2).reshape(experts * k, n)
-    columns = _cast_stacked(flipped, global_scales.float().repeat_interleave(k).unsqueeze(1), 1)
+
+    def columns() -> NVFP4Tensor:  # made where used: the forward needs the rows only
+        if rows.tile_rows == NVFP4_BLOCK:
+            return nvfp4_stacked_transposes(rows, experts, global_scales)
+        k, n = rows.shape[1], rows.shape[0] // experts
+        values = kind.dequantize(_stacked(rows, kind), torch.float32).view(experts, n, k)
+        flipped = values.transpose(1, 2).reshape(experts * k, n)
+        return _cast_stacked(flipped, global_scales.float().repeat_interleave(k).unsqueeze(1), 1)
+
     return NVFP4StackedWeights(rows, columns, global_scales, experts, operand, kind)
 
 

@@ -63,11 +63,28 @@ def unsharded_held(recipe) -> dict[str, int]:
     return graph_held(loss, model)
 
 
+MADE = {"columns": 0}  # deferred stacked W_e.T casts made (see count_deferred_columns)
+
+
+def count_deferred_columns() -> None:
+    """Count each deferred stacked W_e.T cast when it is made (rowwise and MXFP8 through ``StackedWeights.columns``,
+    NVFP4 through ``NVFP4StackedWeights.casts``)."""
+    from fp8_lightning.groups import StackedWeights
+    from fp8_lightning.nvfp4_grouped import NVFP4StackedWeights
+
+    for cls, prop, attr in ((StackedWeights, "columns", "_columns"), (NVFP4StackedWeights, "casts", "_column_cast")):
+        def counted(self, _get=getattr(cls, prop).fget, _attr=attr):
+            MADE["columns"] += callable(getattr(self, _attr))
+            return _get(self)
+
+        setattr(cls, prop, property(counted))
+
+
 def memory_run(recipe, rank: int, world: int, fp8_all_gather: bool, reshard: bool = True) -> dict:
     """Train ``STEPS`` steps of :class:`MoENet` under FSDP2 (every block its own unit, resharded after forward unless
-    ``reshard`` is False); after
-    each forward, count what the graph holds. Returns the counts of the last step, the losses, the last gradients and
-    the bytes of the sharded expert weights (each rank's) and of their gathered buffers after the forward."""
+    ``reshard`` is False); after each forward, count what the graph holds and the W_e.T casts made. Returns the counts
+    of the last step, the losses, the last gradients and the bytes of the sharded expert weights (each rank's) and of
+    their gathered buffers after the forward."""
     from fp8_lightning.distributed import enable_fp8_all_gather, shard_model
     from fp8_lightning.privates import local_shard
 
@@ -80,12 +97,14 @@ def memory_run(recipe, rank: int, world: int, fp8_all_gather: bool, reshard: boo
     losses, run = [], {}
     for _ in range(STEPS):
         x = torch.randn(world, TOKENS, DIM, generator=g)[rank]
+        MADE["columns"] = 0
         with fp8_autocast():
             loss = (model(x) ** 2).mean()
-        run["held"] = graph_held(loss, model)
+        run["held"], run["columns_in_forward"] = graph_held(loss, model), MADE["columns"]
         experts = [getattr(block.experts, w) for block in model.blocks for w in ("w1", "w2", "w3")]
         run["shard_bytes"] = sum(storage_bytes(walk(local_shard(w))).get(_key(local_shard(w)), 0) for w in experts)
         loss.backward()
+        run["columns_in_backward"] = MADE["columns"] - run["columns_in_forward"]
         run["grads"] = {name: p.grad.full_tensor().clone() for name, p in model.named_parameters()}
         losses.append(finish_step(model, opt, loss))
     return {**run, "losses": losses}
@@ -98,6 +117,7 @@ def _key(t: torch.Tensor) -> int:
 
 def memory_worker(rank: int, world: int, port: int, out: dict, recipes=RECIPES) -> None:
     init_gloo(rank, world, port)
+    count_deferred_columns()
     results = {r: {"fp8": memory_run(r, rank, world, True), "hp": memory_run(r, rank, world, False),
                    "kept": memory_run(r, rank, world, True, reshard=False),
                    "unsharded": unsharded_held(r)} for r in recipes}  # fmt: skip

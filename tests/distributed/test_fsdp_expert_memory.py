@@ -69,3 +69,10 @@ def test_resharding_after_forward_changes_no_bit(results, recipe):
     assert sorted(resharded["grads"]) == sorted(kept["grads"])
     for name, grad in kept["grads"].items():
         assert torch.equal(resharded["grads"][name].view(torch.int32), grad.view(torch.int32)), name
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8", "nvfp4", "nvfp4_1x16"])
+def test_the_forward_makes_no_stacked_transposed_weight(results, recipe):
+    """Backward makes W_e.T's operands from the re-gathered weight: a forward that made them would only drop them."""
+    assert results[recipe]["fp8"]["columns_in_forward"] == 0
+    assert results[recipe]["fp8"]["columns_in_backward"] > 0  # the counter counts: backward makes them
