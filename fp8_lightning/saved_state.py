@@ -21,7 +21,7 @@ from fp8_lightning.linear import FP8Linear
 from fp8_lightning.recipes import recipe_from
 
 
-ROUTER_MARK = "fp8_router"  # set on a router conversion keeps in high precision
+ROUTER_MARK = "fp8_router"  # set on each router that a conversion keeps in high precision
 
 
 def scaled_modules(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
