@@ -27,6 +27,7 @@ from fp8_lightning.profitability import (
     ProfitabilityGate, ProfitabilityLike, profitability_default, profitability_setting, resolve_gate,
 )
 from fp8_lightning.recipes import RecipeLike
+from fp8_lightning.settings import settings
 
 
 class FP8TrainerHooks(FP8PrecisionMixin):
@@ -76,14 +77,17 @@ class FP8TrainerHooks(FP8PrecisionMixin):
 def trainer_gate(profitability: ProfitabilityLike, trainer: Any) -> ProfitabilityGate | None:
     """The gate of a Trainer's conversion: for the device the Trainer will train on (Lightning converts before it
     moves the model) and, unless ``profitability`` is a gate the user built, for its ``accumulate_grad_batches``
-    micro-batches per optimizer step, which share each weight's cast."""
+    micro-batches per optimizer step where they share each weight's cast: on a CPU, or on a GPU with
+    ``FP8_LIGHTNING_WEIGHT_CHECKSUM=0`` (by default a GPU casts again at each micro-batch, see
+    :class:`~fp8_lightning.layer_scaling.LayerScaling`)."""
     chosen = profitability_default() if profitability is None else profitability
     device = getattr(getattr(trainer, "strategy", None), "root_device", None)
     gate = resolve_gate(chosen, device)
     accumulate = getattr(trainer, "accumulate_grad_batches", 1)  # a GradientAccumulationScheduler's: 1 here
-    if gate is None or isinstance(chosen, ProfitabilityGate) or type(accumulate) is not int or accumulate < 2:
+    shared = getattr(device, "type", None) == "cpu" or not settings().weight_checksum
+    if gate is None or isinstance(chosen, ProfitabilityGate) or type(accumulate) is not int or not shared:
         return gate
-    return dataclasses.replace(gate, microbatches=accumulate)
+    return dataclasses.replace(gate, microbatches=max(accumulate, 1))
 
 
 def log_guard_events(model: Any, events: list[GuardEvent]) -> None:

@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from fp8_lightning import FP8Linear, FP8Precision, TensorwiseScaling, convert_to_fp8
 from fp8_lightning.lightning.precision import trainer_gate
+from fp8_lightning.settings import reload_settings
 from fp8_lightning.profitability import ProfitabilityGate, profitability_setting, resolve_gate
 from fp8_lightning.roofline import KNOWN_DEVICES, DeviceRoofline, experts_cost, layer_cost
 from fp8_lightning.recipes import BlockwiseScaling, DelayedScaling, MXFP8BlockScaling, RowwiseScaling
@@ -176,3 +177,16 @@ def test_a_gate_the_user_built_keeps_its_micro_batches(monkeypatch):
                                     strategy=types.SimpleNamespace(root_device=torch.device("cuda", 0)))
     gate = trainer_gate("auto", on_cuda)
     assert gate.microbatches == 1 and gate.device == torch.device("cuda", 0)
+
+
+def test_on_a_gpu_micro_batches_share_the_cast_only_without_the_checksum(monkeypatch):
+    on_cuda = types.SimpleNamespace(accumulate_grad_batches=8,
+                                    strategy=types.SimpleNamespace(root_device=torch.device("cuda", 0)))
+    assert trainer_gate("auto", on_cuda).microbatches == 1  # by default each micro-batch casts the weight again
+    monkeypatch.setenv("FP8_LIGHTNING_WEIGHT_CHECKSUM", "0")
+    reload_settings()
+    try:
+        assert trainer_gate("auto", on_cuda).microbatches == 8
+    finally:
+        monkeypatch.delenv("FP8_LIGHTNING_WEIGHT_CHECKSUM")
+        reload_settings()
