@@ -13,7 +13,9 @@ For each recipe (tensorwise, delayed, MXFP8) it trains a few SGD steps of a stac
   collective for a group of one rank, so the hooks are where world size 1 is measured);
 * with world size 1, losses equal the unsharded FP8 run: the first step's exactly (per-tensor: the same FP8
   bytes and scales), later steps to rtol 1e-3 (the backward's GEMMs may sum in another order, and the float32
-  differences compound; MXFP8: dgrad's columnwise weight is re-quantized from the gathered FP8 weight).
+  differences compound; MXFP8: dgrad's columnwise weight is re-quantized from the gathered FP8 weight);
+* under ``torch.compile`` (inductor) every layer still takes the gathered FP8 weight, and the losses follow the
+  eager sharded run's to rtol 1e-3.
 
 Exits non-zero on a failure, and with a clear message where there is no CUDA device. Per-tensor recipes need
 FP8 tensor cores (sm89+); MXFP8 runs on any CUDA GPU (block-scaled GEMM kernel or float32 emulation).
@@ -175,11 +177,45 @@ def check(recipe: str, rank: int, world: int) -> list[str]:
         bad = [(a, b) for a, b in zip(losses[1:], ref[1:]) if abs(a - b) > 1e-3 * abs(b)]
         if bad or not first_equal:
             failures.append(f"{recipe}: losses differ from the unsharded FP8 run: {losses} vs {ref}")
+    failures += compiled_check(recipe, world, data, losses)
     if rank == 0:
         fp32_weights = 2 * STEPS * 4 * weight_elems / world
         print(f"{recipe:>10}: losses {['%.5f' % v for v in losses]}, FP8 weight gather inputs "
               f"{gathered['fp8_bytes']:,} B ({gathered['fp8_bytes'] / fp32_weights:.4f}x fp32), "
               f"all-gather wire {gathered['bytes']:,} B")
+    return failures
+
+
+def compiled_check(recipe: str, world: int, data, eager_losses: list[float]) -> list[str]:
+    """``torch.compile`` (inductor) over the same FP8-gathered model: every layer still takes the gathered FP8
+    operands (it runs its eager step between graphs), and the losses follow the eager run's (inductor fuses the
+    norms and activations in its own order: rtol 1e-3)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    model = Stack().cuda()
+    convert_to_fp8(model, recipe, profitability=False)
+    enable_fp8_all_gather(model, world)
+    shard_model(model, mesh=init_device_mesh("cuda", (world,)))
+    uses, original = [], FP8GatheredWeight.fp8_weight_operands
+
+    def spy(self, *args, **kwargs):
+        uses.append(1)
+        return original(self, *args, **kwargs)
+
+    FP8GatheredWeight.fp8_weight_operands = spy
+    try:
+        losses = train(torch.compile(model), data)
+    except Exception as error:  # noqa: BLE001 - reported as a failure of this check
+        return [f"{recipe}: torch.compile over the FP8-gathered model failed: {type(error).__name__}: {error}"]
+    finally:
+        FP8GatheredWeight.fp8_weight_operands = original
+    failures = []
+    if len(uses) != 2 * DEPTH * STEPS:
+        failures.append(f"{recipe}: compiled, the gathered FP8 weight was used {len(uses)} times, "
+                        f"expected {2 * DEPTH * STEPS}")
+    if any(abs(a - b) > 1e-3 * abs(b) for a, b in zip(losses, eager_losses)):
+        failures.append(f"{recipe}: compiled losses {losses} leave the eager ones {eager_losses}")
     return failures
 
 
