@@ -264,9 +264,10 @@ class FP8GroupedMMFunction(torch.autograd.Function):
             return grad_y.new_zeros(0, ctx.weight_shape[2], dtype=a_dtype), grad_w, None
         scaling, bounds, offs = step.scaling, step.bounds, step.offs
         hollow_columns, w_operands = ctx.saved
-        x_columns = _fill(hollow_columns, ctx.saved_tensors)  # torch refuses a second backward once they are freed
+        saved = ctx.saved_tensors  # read once: under activation checkpointing each read unpacks (a second one fails)
+        x_columns = _fill(hollow_columns, saved)  # torch refuses a second backward once they are freed
         if isinstance(w_operands, _Slot):  # the weight FSDP2 gathered again for backward
-            w_operands = ctx.saved_tensors[w_operands].fp8_expert_operands(scaling, False) if needs_a else None
+            w_operands = saved[w_operands].fp8_expert_operands(scaling, False) if needs_a else None
         native = step.native
         g_row, g_columns = scaling.recipe.grouped_operands(
             "grad_output", grad_y.contiguous(), bounds, scaling.backward_dtype, needs_w,

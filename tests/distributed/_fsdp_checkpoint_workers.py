@@ -1,0 +1,58 @@
+"""Process body of the 2-process test of activation checkpointing over FSDP2 with FP8 all-gather (importable by
+spawned children): blocks of a linear layer into ``GroupedExperts``, checkpointed or not, every recipe."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from fp8_lightning import GroupedExperts, convert_to_fp8, fp8_autocast
+from fp8_lightning.distributed import enable_fp8_all_gather, shard_model
+from fp8_lightning.testing import end_worker, init_gloo
+from tests.helpers.distributed_steps import finish_step
+
+RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8", "nvfp4")
+STEPS, TOKENS, DIM = 3, 32, 128
+OFFS = (8, 8, 20, 32)  # per-expert group ends; expert 1 gets no token
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)
+        self.experts = GroupedExperts(DIM, DIM, len(OFFS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.experts(self.inp(x), torch.tensor(OFFS, dtype=torch.int32))
+
+
+def train(recipe: str, world: int, rank: int, checkpointed: bool) -> dict:
+    """Losses and last gradients of ``STEPS`` steps; the weights gathered in FP8."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block())
+    convert_to_fp8(model, recipe)
+    report = enable_fp8_all_gather(model, world)
+    shard_model(model, block_classes=["Block"], activation_checkpointing=checkpointed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xs = torch.randn(STEPS, world, TOKENS, DIM, generator=torch.Generator().manual_seed(1))
+    losses, grads = [], {}
+    for step in range(STEPS):
+        with fp8_autocast():
+            loss = model(xs[step, rank]).square().mean()
+        loss.backward()
+        grads = {name: p.grad.full_tensor().clone() for name, p in model.named_parameters()}
+        losses.append(finish_step(model, opt, loss))
+    return {"losses": losses, "grads": grads, "gathered": list(report.fp8)}
+
+
+def checkpoint_worker(rank: int, world: int, port: int, out: dict) -> None:
+    init_gloo(rank, world, port)
+    results = {}
+    for recipe in RECIPES:
+        try:
+            results[recipe] = {"plain": train(recipe, world, rank, False), "checkpointed": train(recipe, world, rank, True)}
+        except Exception as error:  # reported to the test, which names it
+            results[recipe] = {"error": f"{type(error).__name__}: {str(error)[:2000]}"}
+    if rank == 0:
+        out.update(results)
+    end_worker()
