@@ -231,11 +231,12 @@ def is_router(module: nn.Module) -> bool:
 
 
 def linear_routers(model: nn.Module) -> dict[str, tuple[str, ...]]:
-    """The routers of hand-written mixtures of experts: each ``nn.Linear`` (or ``Conv1D``) that sits beside a fused
-    experts module (the same parent) and maps the experts' input width to one score per expert (``in_features`` =
-    the experts' model dimension, ``out_features`` = their number), with the layers of its parent that fit as well
-    (several: which one routes is unknown, and all stay in high precision). Kept in high precision unless the layer
-    policy names them itself (:attr:`~fp8_lightning.policy.Choice.explicit`)."""
+    """The routers of hand-written mixtures of experts: each ``nn.Linear`` (or ``Conv1D``) beside a fused experts
+    module (a child of the same parent, or a child of such a child: torchtitan's ``router.gate``) that maps the
+    experts' input width to one score per expert (``in_features`` = the experts' model dimension, ``out_features`` =
+    their number), with the other layers there that fit as well (several: which one routes is unknown, and all stay
+    in high precision). Kept in high precision unless the layer policy names them itself
+    (:attr:`~fp8_lightning.policy.Choice.explicit`)."""
     routers = {}
     for parent_name, parent in model.named_modules():
         shapes = set()  # (model dimension, experts) of the experts modules in this parent
@@ -245,9 +246,13 @@ def linear_routers(model: nn.Module) -> dict[str, tuple[str, ...]]:
                 first, stored_kn = next(iter(weights.items()))
                 weight = getattr(child, first)
                 shapes.add((weight.shape[1] if stored_kn else weight.shape[2], weight.shape[0]))
+        if not shapes:
+            continue
         prefix = f"{parent_name}." if parent_name else ""
-        fits = tuple(prefix + name for name, child in parent.named_children()
-                     if shapes and linear_features(child) in shapes)
+        nearby = [(name, child) for name, child in parent.named_children() if expert_weights(child) is None]
+        nearby += [(f"{name}.{inner}", grandchild) for name, child in nearby  # torchtitan: router.gate
+                   for inner, grandchild in child.named_children()]  # fmt: skip
+        fits = tuple(prefix + name for name, child in nearby if linear_features(child) in shapes)
         routers.update((name, fits) for name in fits)
     return routers
 

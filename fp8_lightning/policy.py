@@ -179,8 +179,13 @@ def _matches(pattern: str, name: str) -> bool:
 
 
 def _matches_itself(pattern: str, name: str) -> bool:
-    """``pattern`` names ``name`` itself, not only a module holding it."""
-    return pattern.startswith("re:") or fnmatch.fnmatchcase(name, pattern)
+    """``pattern`` (which matches ``name``) names the layer itself: it matches the full name, not only a module
+    holding it, and spells the layer's own name (``"*.router"``, not a catch-all such as ``"blocks.*"`` or
+    ``"re:blocks.*"``, whose wildcard also spans the layer's name)."""
+    leaf = name.rsplit(".", 1)[-1]
+    if pattern.startswith("re:"):
+        return leaf in pattern[3:]
+    return fnmatch.fnmatchcase(name, pattern) and pattern.rsplit(".", 1)[-1] == leaf
 
 
 def _block_index(name: str, stack: str) -> int | None:

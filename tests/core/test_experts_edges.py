@@ -75,6 +75,37 @@ def test_the_layer_policy_converts_a_router_it_names_and_no_other():
     assert "moe.router" in report.converted
 
 
+class TitanMoE(nn.Module):
+    """torchtitan's layout: the router's linear layer one module down (``router.gate``), beside the experts."""
+
+    def __init__(self, experts: int = 16, dim: int = 64):
+        super().__init__()
+        self.router = nn.Module()
+        self.router.gate = nn.Linear(dim, experts, bias=False)
+        self.experts = GroupedExperts(dim, 32, experts)
+
+
+def test_a_router_inside_a_router_module_stays_in_high_precision():
+    model = nn.ModuleDict({"moe": TitanMoE()})
+    report = convert_to_fp8(model, "tensorwise")
+    assert report.routers == ["moe.router.gate"] and type(model["moe"].router.gate) is nn.Linear
+
+
+@pytest.mark.parametrize("pattern", ["blocks.*", "*", "*.moe.*", "re:blocks\\..*", "blocks.0"])
+def test_catch_all_patterns_leave_the_router_in_high_precision(pattern):
+    model = nn.ModuleDict({"blocks": nn.ModuleList([Block()])})
+    report = convert_to_fp8(model, "tensorwise", layers={pattern: "tensorwise"})
+    assert "blocks.0.moe.router" in report.routers and type(model["blocks"][0].moe.router) is nn.Linear
+    assert "blocks.0.moe.out" in report.converted
+
+
+@pytest.mark.parametrize("pattern", ["*.router", "blocks.0.moe.router", "re:.*\\.router"])
+def test_a_pattern_that_spells_the_router_converts_it(pattern):
+    model = nn.ModuleDict({"blocks": nn.ModuleList([Block()])})
+    report = convert_to_fp8(model, "tensorwise", layers={pattern: "tensorwise"})
+    assert "blocks.0.moe.router" in report.converted and isinstance(model["blocks"][0].moe.router, FP8Linear)
+
+
 def test_two_layers_that_could_route_stay_in_high_precision_until_the_policy_names_one():
     model = HandMoE(experts=16)
     model.second = nn.Linear(64, 16)  # also maps the experts' input to one score per expert
