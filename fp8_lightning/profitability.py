@@ -117,6 +117,22 @@ class ProfitabilityGate:
                 f"ProfitabilityGate.microbatches={self.microbatches!r} is invalid; allowed: an integer >= 1, the "
                 "gradient-accumulation micro-batches per optimizer step (1 without accumulation)."
             )
+        known = dict(KNOWN_DEVICES)
+        if isinstance(self.roofline, str) and self.roofline in known:  # a device of the table, by name
+            object.__setattr__(self, "roofline", known[self.roofline])
+        if self.roofline is not None and not isinstance(self.roofline, DeviceRoofline):
+            raise ValueError(
+                f"ProfitabilityGate.roofline={self.roofline!r} is invalid; allowed: None (the device's own numbers), a "
+                f"fp8_lightning.roofline.DeviceRoofline, or the name of a known device: {', '.join(known)}."
+            )
+        if self.device is not None:
+            try:
+                object.__setattr__(self, "device", torch.device(self.device))
+            except (RuntimeError, TypeError, ValueError):
+                raise ValueError(
+                    f"ProfitabilityGate.device={self.device!r} is invalid; allowed: None (the layer's weight device), "
+                    "a torch.device or a device string such as 'cuda' or 'cuda:0'."
+                ) from None
 
     def applies_to(self, device: torch.device) -> bool:
         return self.roofline is not None or device.type == "cuda"

@@ -136,7 +136,9 @@ def test_cuda_auto_gate_uses_the_device_numbers():
 
 
 @pytest.mark.parametrize(("field", "value"), [("tokens", 0), ("tokens", -5), ("tokens", 8.5), ("min_speedup", 0),
-                                              ("min_speedup", float("nan")), ("min_speedup", float("inf"))])
+                                              ("min_speedup", float("nan")), ("min_speedup", float("inf")),
+                                              ("roofline", "X100"), ("roofline", 1e15), ("device", "cuda:x"),
+                                              ("device", [0])])
 def test_gate_fields_that_cannot_mean_anything_are_refused(field, value):
     """Guards against ProfitabilityGate(tokens=0) or min_speedup=nan being taken and modelling nonsense."""
     from fp8_lightning import ProfitabilityGate
@@ -190,3 +192,8 @@ def test_on_a_gpu_micro_batches_share_the_cast_only_without_the_checksum(monkeyp
     finally:
         monkeypatch.delenv("FP8_LIGHTNING_WEIGHT_CHECKSUM")
         reload_settings()
+
+
+def test_a_known_device_is_named_by_its_table_key():
+    gate = ProfitabilityGate(roofline="H100", device="cuda:0")
+    assert gate.roofline is H100 and gate.device == torch.device("cuda", 0)
