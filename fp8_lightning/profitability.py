@@ -40,10 +40,16 @@ from fp8_lightning.roofline import KNOWN_DEVICES  # noqa: F401  (importable from
 # The gate
 # --------------------------------------------------------------------------------------------------------
 
+GATE_FIX = "pass profitability=False to convert it anyway"  # ends every reason the gate gives
 DEFAULT_EXPERTS_TOP_K = 1  # experts per token where neither the model nor the gate says: the fewest routed rows
 _MODULE_TOP_K = ("top_k", "num_experts_per_tok")  # a router's or MoE block's own attribute
 _ASSUMED_TOP_K = "assumed: the model does not say; pass ProfitabilityGate(experts_top_k=...)"
 _CONFIG_TOP_K = ("num_experts_per_tok", "moe_top_k", "experts_per_token")  # transformers maps moe_k, moe_topk here
+
+
+def _emulated_reason(device: torch.device) -> str:
+    return (f"FP8 is emulated on {device.type} (never faster than float32 there); profitability gate forced on; "
+            f"{GATE_FIX}")
 
 
 def _positive_int(value) -> bool:
@@ -141,7 +147,7 @@ class ProfitabilityGate:
         """Why ``layer`` should stay in high precision, or None when FP8 pays off."""
         device = torch.device(self.device) if self.device is not None else layer.weight.device
         if not self.applies_to(device):
-            return f"FP8 is emulated on {device.type} (never faster than float32 there); profitability gate forced on"
+            return _emulated_reason(device)
         roofline = self.roofline or device_roofline(device)
         m, k, n = self.tokens, layer.in_features, layer.out_features
         route = recipe_route(recipe, device) if device.type == "cuda" else None
@@ -154,7 +160,7 @@ class ProfitabilityGate:
         return (
             f"{what} on {roofline.name}: GEMMs (M={m}, K={k}, N={n}) modelled at "
             f"{cost.fp8_s * 1e6:.1f} us in FP8 vs {cost.bf16_s * 1e6:.1f} us in bf16 ({self._per_step()}, roofline "
-            f"from {roofline.source}); pass profitability=False to convert it anyway"
+            f"from {roofline.source}); {GATE_FIX}"
         )
 
     def _per_step(self) -> str:
@@ -175,7 +181,7 @@ class ProfitabilityGate:
         Without ``experts`` only the route decides."""
         device = torch.device(self.device) if self.device is not None else device
         if not self.applies_to(device):
-            return f"FP8 is emulated on {device.type} (never faster than float32 there); profitability gate forced on"
+            return _emulated_reason(device)
         known = recipe is not None and device.type == "cuda" and torch.cuda.is_available()  # a device to ask
         route = recipe_grouped_route(recipe, device) if known else None
         if route is not None and route.verdict == NATIVE and route.rate_vs_bf16 > 1:
@@ -219,7 +225,7 @@ class ProfitabilityGate:
             f"too small to gain from FP8 on {roofline.name}: grouped GEMMs {', '.join(shapes)} at "
             f"{m / e:g} tokens per expert (tokens={self.tokens} x top_k={top_k} ({source}) / {e} experts) modelled "
             f"at {fp8_s * 1e6:.1f} us in FP8 vs {bf16_s * 1e6:.1f} us in bf16 ({self._per_step()}, roofline from "
-            f"{roofline.source}); pass profitability=False to convert it anyway"
+            f"{roofline.source}); {GATE_FIX}"
         )
 
 

@@ -34,6 +34,7 @@ from fp8_lightning.guard import DivergenceGuard, GuardEvent, GuardState
 from fp8_lightning.lightning.strings import precision_for_recipe
 from fp8_lightning.recipes import Recipe, RecipeLike, recipe_from
 from fp8_lightning.policy import POLICY_SKIP, LayersLike, RecipePolicy
+from fp8_lightning.profitability import GATE_FIX
 from fp8_lightning.stats import attach_collector
 
 # sha256 of the rest of the plugin's checkpoint entry (fp8_lightning.saved_state.fp8_state_checksum)
@@ -161,7 +162,8 @@ class FP8PrecisionMixin:
                 f"FP8 conversion converted no layer of {type(module).__name__}: it trains entirely in high precision "
                 f"under precision {self.precision!r}. FP8 applies to nn.Linear layers (and transformers' Conv1D) "
                 "with both dimensions divisible by 16 (32 for MXFP8) and to fused experts modules, unless the layer "
-                "policy (layers=) keeps them in high precision; the conversion report lists what it skipped and why."
+                "policy (layers=) or the profitability gate (profitability=False turns it off) keeps them in high "
+                "precision; the conversion report lists what it skipped and why."
             )
         self.conversion_report = report
         check_tensor_parallel_strategy(module)
@@ -189,11 +191,20 @@ class FP8PrecisionMixin:
             k: v for k, v in report.skipped.items()
             if v != "excluded by module_filter_fn" and not v.startswith(POLICY_SKIP)
         }
-        if unexpected:
-            listing = "; ".join(f"{name} ({reason})" for name, reason in unexpected.items())
+        gated = {k: v for k, v in unexpected.items() if v.endswith(GATE_FIX)}
+        shapes = {k: v for k, v in unexpected.items() if k not in gated}
+        if shapes:
+            listing = "; ".join(f"{name} ({reason})" for name, reason in shapes.items())
             rank_zero_warn(
-                f"FP8 conversion kept {len(unexpected)} linear layer(s) in high precision: {listing}. "
+                f"FP8 conversion kept {len(shapes)} linear layer(s) in high precision: {listing}. "
                 "Pad them to the required multiple or exclude them with module_filter_fn to silence this."
+            )
+        if gated:
+            listing = "; ".join(f"{name} ({reason.removesuffix(GATE_FIX).rstrip('; ')})"
+                                for name, reason in gated.items())
+            rank_zero_warn(
+                f"The profitability gate kept {len(gated)} linear layer(s) in high precision, FP8 being modelled no "
+                f"faster there: {listing}. Pass profitability=False to the FP8 plugin to convert them anyway."
             )
 
     def _track(self, module: nn.Module) -> None:

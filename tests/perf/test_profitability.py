@@ -197,3 +197,16 @@ def test_on_a_gpu_micro_batches_share_the_cast_only_without_the_checksum(monkeyp
 def test_a_known_device_is_named_by_its_table_key():
     gate = ProfitabilityGate(roofline="H100", device="cuda:0")
     assert gate.roofline is H100 and gate.device == torch.device("cuda", 0)
+
+
+def test_the_plugin_names_the_gate_where_the_gate_kept_layers():
+    import warnings
+
+    plugin = FP8Precision(recipe="tensorwise", profitability=ProfitabilityGate(roofline=H100, tokens=2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plugin.convert_module(_model())
+    said = [str(w.message) for w in caught]
+    assert any("profitability gate kept 3 linear layer(s)" in m and "profitability=False" in m for m in said), said
+    assert not any("Pad them" in m for m in said), said  # the gate's skips are not a shape problem
+    assert any("converted no layer" in m and "profitability gate" in m for m in said), said
