@@ -6,24 +6,20 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from fp8_lightning import GroupedExperts, convert_to_fp8, fp8_autocast
+from fp8_lightning import convert_to_fp8, fp8_autocast
 from fp8_lightning.distributed import enable_fp8_all_gather, shard_model
 from fp8_lightning.testing import end_worker, init_gloo
+from tests.distributed._fsdp_compile_workers import DIM, RECIPES, STEPS, TOKENS, HandMoE
 from tests.helpers.distributed_steps import finish_step
 
-RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8", "nvfp4")
-STEPS, TOKENS, DIM = 3, 32, 128
-OFFS = (8, 8, 20, 32)  # per-expert group ends; expert 1 gets no token
+__all__ = ["RECIPES", "checkpoint_worker"]
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(DIM, DIM)
-        self.experts = GroupedExperts(DIM, DIM, len(OFFS))
+class Block(HandMoE):
+    """The hand-written MoE of the compile test with a residual: a block to checkpoint."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.experts(self.inp(x), torch.tensor(OFFS, dtype=torch.int32))
+        return x + super().forward(x)
 
 
 def train(recipe: str, world: int, rank: int, checkpointed: bool) -> dict:
