@@ -85,7 +85,7 @@ def repeated_blocks(model: nn.Module, stack: str | None = None) -> tuple[str, in
 @dataclasses.dataclass(frozen=True)
 class Choice:
     """A layer's recipe (None: high precision), why it got it, and whether the policy named this very layer (the
-    callable's answer, or a pattern matching its full name rather than a parent's)."""
+    callable's answer, or a pattern that matches its full name and spells its own name: see ``_matches_itself``)."""
 
     recipe: Recipe | None
     why: str
